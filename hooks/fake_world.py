@@ -1,0 +1,106 @@
+"""A fake `torch.distributed` world in which megatron-core's own `parallel_state` forms every group.
+
+`fake_world(...)` initialises the default process group with torch's fake backend (collectives
+complete at once and move nothing) as one chosen global rank of a world of any size, then calls
+`parallel_state.initialize_model_parallel`, so that every group is built by megatron-core itself.
+On exit it destroys both, so the next rank can be simulated in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# Every device type needs a backend: plain "fake" breaks batch_isend_irecv on meta tensors.
+FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The parallel sizes megatron-core's initialize_model_parallel takes."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    order: str = "tp-cp-ep-dp-pp"
+
+
+def _group_getters():
+    """megatron-core's process groups by the name metatrace reports them under.
+
+    When two names return the same group object (e.g. dp and dp_cp with cp = 1), the first
+    name in this list is used.
+    """
+    from megatron.core import parallel_state as ps
+
+    return [
+        ("tp", ps.get_tensor_model_parallel_group),
+        ("pp", ps.get_pipeline_model_parallel_group),
+        ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
+        ("cp", ps.get_context_parallel_group),
+        ("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        ("tp_cp", ps.get_tensor_and_context_parallel_group),
+        ("mp", ps.get_model_parallel_group),
+        ("embedding", ps.get_embedding_group),
+        ("position_embedding", ps.get_position_embedding_group),
+        ("ep", ps.get_expert_model_parallel_group),
+        ("etp", ps.get_expert_tensor_parallel_group),
+        ("edp", ps.get_expert_data_parallel_group),
+        ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
+        ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=False)),
+        ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        ("world", lambda: dist.group.WORLD),
+    ]
+
+
+def named_groups() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{torch group_name: (megatron-core name, global ranks)} for the simulated rank."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, getter in _group_getters():
+        try:
+            group = getter()
+        except (AssertionError, RuntimeError, AttributeError):
+            continue  # not created for this layout (e.g. no position-embedding group)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        key = group.group_name
+        if key not in out:
+            out[key] = (name, tuple(dist.get_process_group_ranks(group)))
+    return out
+
+
+@contextlib.contextmanager
+def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
+    """Simulate global `rank` of `layout`; megatron-core's parallel_state is live inside."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed world is already initialised in this process")
+    dist.init_process_group(
+        backend=FAKE_BACKEND, rank=rank, world_size=layout.world_size, store=FakeStore()
+    )
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            order=layout.order,
+            create_gloo_process_groups=False,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,461 @@
+"""The recorder: runs around one micro-batch of one rank and returns a `Trace` of plain records.
+
+One context manager installs, and on exit (also on error) removes:
+- global module forward hooks, which keep the stack of active modules by FQN and, when a module
+  finishes, label the autograd nodes it created with its FQN (so that backward work, including
+  collectives issued inside custom autograd functions, is attributed to the module that ran the
+  forward);
+- saved-tensor hooks, which note every tensor autograd keeps for backward;
+- a private `TorchDispatchMode`, which counts every operator, follows every tensor to its
+  storage (allocations, and frees when the last tensor using a storage dies, rounded to the
+  CUDA caching allocator's 512-byte blocks), and records collectives from a declarative table;
+- a private `TorchFunctionMode` that sees `tensor.data = ...` (storage swaps that are not
+  dispatched operators, e.g. megatron-core's pipeline-output deallocation).
+
+Known limitations: a storage kept alive only by C++ tensors that never passed through the
+dispatcher (none are known in megatron-core's GPT path) is freed in the records when the last
+tensor the recorder saw dies. Kernel workspaces (cuBLAS, NCCL) are not allocations of the
+caching allocator's tracked tensors and are not modelled.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from metatrace.hooks.collectives import (
+    COLLECTIVE_NAMESPACES,
+    COLLECTIVES,
+    COMPUTE_NAMESPACES,
+    NOT_COLLECTIVES,
+    message_tensors,
+    op_key,
+    resolve_group,
+)
+from metatrace.hooks.fastmeta import MetaMemo
+from metatrace.hooks.records import (
+    STEP,
+    Collective,
+    MemEvent,
+    ModuleInfo,
+    ParamInfo,
+    Saved,
+    Trace,
+)
+
+BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512-byte blocks
+_NODE_KEY = "metatrace.module"
+_DATA_SET = torch.Tensor.data.__set__
+
+
+def round_block(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors(obj):
+    """Tensors in an operator's output or a module's output (tensors, lists, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class _Storages:
+    """Live storages on the traced device, found through the tensors that use them."""
+
+    def __init__(self, device_types: tuple[str, ...], on_change):
+        self.device_types = device_types
+        self.on_change = on_change  # on_change(delta_bytes)
+        self.by_tensor: dict[int, tuple[weakref.ref, int]] = {}
+        self.by_cdata: dict[int, int] = {}
+        self.live: dict[int, list] = {}  # sid -> [tensor refs, rounded bytes, cdata]
+        self.static: set[int] = set()
+        self.next_sid = 0
+
+    def see(self, t: torch.Tensor) -> int | None:
+        """Storage id of `t`, registering the tensor (and a new storage) on first sight."""
+        if t.device.type not in self.device_types:
+            return None
+        entry = self.by_tensor.get(id(t))
+        if entry is not None:
+            return entry[1]
+        return self._bind(t)
+
+    def _bind(self, t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        sid = self.by_cdata.get(cdata)
+        if sid is None:
+            sid = self.next_sid
+            self.next_sid += 1
+            nbytes = round_block(storage.nbytes())
+            self.by_cdata[cdata] = sid
+            self.live[sid] = [0, nbytes, cdata]
+            if nbytes:
+                self.on_change(nbytes)
+        self.live[sid][0] += 1
+        self.by_tensor[id(t)] = (weakref.ref(t, partial(self._dead, id(t))), sid)
+        return sid
+
+    def check(self, t: torch.Tensor) -> None:
+        """After an operator wrote to `t`: it may use another storage now (out= variants resize
+        their output, set_ swaps it) or its storage may have grown (resize_)."""
+        entry = self.by_tensor.get(id(t))
+        if entry is None:
+            self.see(t)
+            return
+        info = self.live[entry[1]]
+        storage = t.untyped_storage()
+        if storage._cdata != info[2]:
+            self.rebind(t)
+            return
+        nbytes = round_block(storage.nbytes())
+        if nbytes != info[1]:
+            delta, info[1] = nbytes - info[1], nbytes
+            self.on_change(delta)
+
+    def rebind(self, t: torch.Tensor) -> None:
+        """`t` now uses another storage (tensor.data = ..., set_, a resized out= tensor)."""
+        entry = self.by_tensor.pop(id(t), None)
+        if entry is not None:
+            self._release(entry[1])
+        if t.device.type in self.device_types:
+            self._bind(t)
+
+    def _dead(self, tid: int, _ref) -> None:
+        entry = self.by_tensor.pop(tid, None)
+        if entry is not None:
+            self._release(entry[1])
+
+    def _release(self, sid: int) -> None:
+        info = self.live[sid]
+        info[0] -= 1
+        if info[0] == 0 and sid not in self.static:
+            del self.live[sid]
+            del self.by_cdata[info[2]]
+            if info[1]:
+                self.on_change(-info[1])
+
+    def nbytes(self, sid: int) -> int:
+        return self.live[sid][1] if sid in self.live else 0
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, recorder: "Recorder"):
+        super().__init__()
+        self.rec = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self.rec._run(func, args, kwargs)
+        self.rec._on_op(func, args, kwargs, out)
+        return out
+
+
+class _DataSwaps(TorchFunctionMode):
+    def __init__(self, recorder: "Recorder"):
+        super().__init__()
+        self.rec = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func == _DATA_SET:  # a new method-wrapper object on every access: compare, not `is`
+            self.rec.storages.rebind(args[0])
+        return result
+
+
+def module_infos(chunks: dict[str, torch.nn.Module]) -> tuple[ModuleInfo, ...]:
+    """ModuleInfo for every module of every chunk, FQNs prefixed by the chunk's prefix."""
+    infos = []
+    for prefix, root in chunks.items():
+        layer_of: dict[int, int] = {}
+        for name, mod in root.named_modules():
+            number = getattr(mod, "layer_number", None)
+            if type(mod).__name__.endswith("TransformerLayer") and isinstance(number, int):
+                for sub in mod.modules():
+                    layer_of[id(sub)] = number
+            params = tuple(
+                ParamInfo(
+                    name=p_name,
+                    shape=tuple(p.shape),
+                    dtype=dtype_name(p.dtype),
+                    numel=p.numel(),
+                    bytes=p.numel() * p.element_size(),
+                    tp_sharded=bool(getattr(p, "tensor_model_parallel", False)),
+                    embedding_copy=bool(getattr(p, "shared", False))
+                    and bool(getattr(p, "shared_embedding", False)),
+                )
+                for p_name, p in mod.named_parameters(recurse=False)
+            )
+            fqn = _join(prefix, name)
+            infos.append(ModuleInfo(fqn, type(mod).__name__, params, layer_of.get(id(mod))))
+    return tuple(infos)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+class Recorder:
+    """Records one rank's micro-batch.
+
+    `chunks` maps an FQN prefix ("" for a single chunk, "chunk{v}" for virtual stages) to the
+    GPTModel of that chunk; `devices` are the device types whose tensors count (the traced
+    device first: meta, or cpu to check meta against real tensors); `groups` maps process-group
+    names (torch's `group_name`) to (megatron-core name, global ranks).
+    """
+
+    def __init__(
+        self,
+        *,
+        chunks: dict[str, torch.nn.Module],
+        devices: tuple[str, ...],
+        groups: dict[str, tuple[str, tuple[int, ...]]],
+        rank: int,
+    ):
+        self.chunks = chunks
+        self.device_types = tuple(torch.device(d).type for d in devices)
+        self.groups = groups
+        self.rank = rank
+        self.storages = _Storages(self.device_types, self._on_memory)
+        self._fqn = {}
+        for prefix, root in chunks.items():
+            for name, mod in root.named_modules():
+                self._fqn[id(mod)] = _join(prefix, name)
+        self._stack: list[str] = []
+        self.step_phase = "forward"
+        """Phase of work outside autograd and outside the model; the schedule driver sets it."""
+        self._seq = 0
+        self._live = 0
+        self._collectives: list[Collective] = []
+        self._saved: list[Saved] = []
+        self._memory: list[MemEvent] = []
+        self._ops: Counter = Counter()
+        self._unclassified: Counter = Counter()
+        self._keys: dict = {}
+        self._written: dict = {}
+        self._handles = []
+        self._modes = []
+        self._static_bytes = 0
+        self._run = _MEMO if self.device_types[0] == "meta" else _call
+
+    # ------------------------------------------------------------------ install / remove
+
+    def __enter__(self) -> "Recorder":
+        for root in self.chunks.values():
+            for t in [*root.parameters(), *root.buffers()]:
+                sid = self.storages.see(t)
+                if sid is not None and sid not in self.storages.static:
+                    self.storages.static.add(sid)
+        self._static_bytes = self._live
+        self._memory.clear()
+        try:
+            self._handles.append(
+                torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)
+            )
+            self._handles.append(
+                torch.nn.modules.module.register_module_forward_hook(
+                    self._post_forward, always_call=True
+                )
+            )
+            saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            saved.__enter__()
+            self._modes.append(saved)
+            for mode in (_DataSwaps(self), _Dispatch(self)):
+                mode.__enter__()
+                self._modes.append(mode)
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._remove()
+        return False
+
+    def _remove(self) -> None:
+        while self._modes:
+            self._modes.pop().__exit__(None, None, None)
+        while self._handles:
+            self._handles.pop().remove()
+
+    def trace(self) -> Trace:
+        return Trace(
+            rank=self.rank,
+            modules=module_infos(self.chunks),
+            collectives=tuple(self._collectives),
+            saved=tuple(self._saved),
+            memory=tuple(self._memory),
+            static_bytes=self._static_bytes,
+            op_counts=dict(self._ops),
+            unclassified=dict(self._unclassified),
+        )
+
+    # ------------------------------------------------------------------ where are we
+
+    def _where(self) -> tuple[str, str]:
+        if torch._C._current_graph_task_id() != -1:
+            if self._stack:
+                return self._stack[-1], "recompute"
+            node = torch._C._current_autograd_node()
+            return (node.metadata.get(_NODE_KEY, STEP) if node is not None else STEP), "backward"
+        if self._stack:
+            return self._stack[-1], "forward"
+        return STEP, self.step_phase
+
+    def set_step_phase(self, phase: str) -> None:
+        self.step_phase = phase
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ module hooks
+
+    def _pre_forward(self, module, args):
+        fqn = self._fqn.get(id(module))
+        if fqn is not None:
+            self._stack.append(fqn)
+
+    def _post_forward(self, module, args, output):
+        fqn = self._fqn.get(id(module))
+        if fqn is None:
+            return
+        if self._stack and self._stack[-1] == fqn:
+            self._stack.pop()
+        # Label the autograd nodes this module created (inner modules labelled theirs first).
+        pending = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        while pending:
+            node = pending.pop()
+            metadata = node.metadata
+            if _NODE_KEY in metadata:
+                continue
+            metadata[_NODE_KEY] = fqn
+            pending.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    # ------------------------------------------------------------------ saved tensors
+
+    def _pack(self, t: torch.Tensor):
+        sid = self.storages.see(t)
+        if sid is not None:
+            module, phase = self._where()
+            self._saved.append(
+                Saved(
+                    seq=self._next_seq(),
+                    storage=sid,
+                    bytes=self.storages.nbytes(sid),
+                    shape=tuple(t.shape),
+                    dtype=dtype_name(t.dtype),
+                    module=module,
+                    phase=phase,
+                    static=sid in self.storages.static,
+                )
+            )
+        return t
+
+    # ------------------------------------------------------------------ operators
+
+    def _on_memory(self, delta: int) -> None:
+        self._live += delta
+        module, phase = self._where()
+        self._memory.append(MemEvent(self._next_seq(), delta, self._live, module, phase))
+
+    def _on_op(self, func, args, kwargs, out) -> None:
+        self._ops[str(func)] += 1
+        written = self._written.get(func)
+        if written is None:
+            written = self._written[func] = _written_args(func)
+        if written:
+            positions, names = written
+            found = [args[i] for i in positions if i < len(args)]
+            found += [kwargs[n] for n in names if n in kwargs]
+            for t in _tensors(found):
+                if t.device.type in self.device_types:
+                    self.storages.check(t)
+        if isinstance(out, torch.Tensor):
+            self.storages.see(out)
+        elif isinstance(out, (list, tuple)):
+            for t in _tensors(out):
+                self.storages.see(t)
+        key = self._keys.get(func)
+        if key is None:
+            key = self._keys[func] = op_key(func)
+        namespace = func.namespace
+        if namespace in COMPUTE_NAMESPACES or key in NOT_COLLECTIVES:
+            return
+        spec = COLLECTIVES.get(key)
+        if spec is None or namespace not in COLLECTIVE_NAMESPACES:
+            self._unclassified[str(func)] += 1
+            return
+        self._record_collective(func, spec, args, out)
+
+    def _record_collective(self, func, spec, args, out) -> None:
+        tensors = message_tensors(spec, args, out)
+        pg = resolve_group(args[spec.group_arg])
+        name, ranks = "unnamed", ()
+        if pg is not None:
+            name, ranks = self.groups.get(pg.group_name, ("unnamed", ()))
+            if not ranks:
+                ranks = tuple(dist.get_process_group_ranks(pg))
+        peer = None
+        if spec.peer_arg is not None and pg is not None:
+            peer = dist.get_global_rank(pg, args[spec.peer_arg])
+        first = tensors[0] if tensors else None
+        module, phase = self._where()
+        self._collectives.append(
+            Collective(
+                seq=self._next_seq(),
+                op=spec.kind,
+                aten=str(func),
+                group=name,
+                ranks=tuple(ranks),
+                shape=tuple(first.shape) if first is not None else (),
+                dtype=dtype_name(first.dtype) if first is not None else "",
+                bytes=sum(t.numel() * t.element_size() for t in tensors),
+                count=len(tensors),
+                phase=phase,
+                module=module,
+                peer=peer,
+            )
+        )
+
+
+def _unpack(t):
+    return t
+
+
+def _call(func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+# Shared by all traces in the process: layers and roles repeat the same operators.
+_MEMO = MetaMemo()
+
+
+def _written_args(func) -> tuple[tuple[int, ...], tuple[str, ...]] | tuple:
+    """Positions and keyword names of the arguments an operator writes to (in-place ops, out=
+    variants, set_, resize_, in-place collectives); () when it writes to none."""
+    written = [
+        (i, arg)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
+    if not written:
+        return ()
+    positions = tuple(i for i, arg in written if not arg.kwarg_only)
+    names = tuple(arg.name for _, arg in written if arg.kwarg_only)
+    return positions, names

@@ -1,0 +1,111 @@
+"""Plain, frozen event records: what the instruments hand to the aggregator.
+
+Records hold no tensors and no modules: module references are fully qualified names (FQNs,
+relative to the GPTModel of a model chunk, prefixed with `chunk{v}.` when a rank holds several
+virtual-pipeline chunks; the GPTModel itself is "" or `chunk{v}`, and STEP is the training step
+around the model: batch loading, loss function, pipeline transfers), tensors are described by
+shape, dtype and bytes. `seq` orders all events of one trace.
+
+Phases: "forward", "backward", and "recompute" (a forward run again inside backward by
+activation checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STEP = "(step)"
+"""Module name of work done outside the model (batch, loss function, pipeline transfers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    name: str
+    """Parameter name within its module (e.g. "weight")."""
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    bytes: int
+    tp_sharded: bool = False
+    """megatron-core split it over the TP group (attribute `tensor_model_parallel`)."""
+    embedding_copy: bool = False
+    """The last pipeline stage's copy of the tied word embedding (megatron-core marks it
+    `shared`): the same model parameter as the first stage's, held twice."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    fqn: str
+    type: str
+    """Class name of the module (e.g. ColumnParallelLinear)."""
+    params: tuple[ParamInfo, ...]
+    """The module's own parameters (not its children's)."""
+    layer: int | None = None
+    """Global 1-based transformer layer number when the module is (inside) a decoder layer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    seq: int
+    op: str
+    """Normalised kind: all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, ..."""
+    aten: str
+    """The dispatched operator, e.g. c10d._allgather_base_.default."""
+    group: str
+    """megatron-core's name for the process group (tp, pp, dp, cp, dp_cp, ...), or "unnamed"."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group's members."""
+    shape: tuple[int, ...]
+    """Shape of the message tensor (the full tensor: gathered output, scattered input)."""
+    dtype: str
+    bytes: int
+    """Message size in bytes (sum over the tensors of a coalesced call)."""
+    count: int
+    """Tensors in the call (more than one for coalesced collectives)."""
+    phase: str
+    module: str
+    peer: int | None = None
+    """Global rank of the other side of a send or recv."""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    seq: int
+    storage: int
+    """Id of the storage (views share it); numbered in order of first sight within a trace."""
+    bytes: int
+    """Storage size rounded up as the CUDA caching allocator does (512 B blocks)."""
+    shape: tuple[int, ...]
+    dtype: str
+    module: str
+    phase: str
+    static: bool
+    """The storage existed before this micro-batch (parameters, buffers): not an activation."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemEvent:
+    seq: int
+    delta: int
+    """Bytes allocated (positive) or freed (negative), rounded to 512-byte blocks."""
+    live: int
+    """Bytes live on the device after the event (including static storages)."""
+    module: str
+    phase: str
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything recorded for one rank: its modules, and one micro-batch's events."""
+
+    rank: int
+    modules: tuple[ModuleInfo, ...]
+    collectives: tuple[Collective, ...]
+    saved: tuple[Saved, ...]
+    memory: tuple[MemEvent, ...]
+    static_bytes: int
+    """Bytes live before the micro-batch (parameters and buffers, 512-byte rounded)."""
+    op_counts: dict[str, int] = field(default_factory=dict)
+    """Every dispatched operator and how often it ran."""
+    unclassified: dict[str, int] = field(default_factory=dict)
+    """Operators that no table knows (neither aten compute nor a known collective)."""

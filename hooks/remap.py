@@ -1,0 +1,168 @@
+"""CUDA-to-meta remapping: run code written for CUDA on another device (meta, or the CPU).
+
+megatron-core allocates with `device=torch.cuda.current_device()`, hard-codes `device="cuda"`,
+calls `Tensor.cuda()`, pins memory, and uses CUDA streams and events in pipeline schedules.
+`remap_cuda(device)` is a context manager that, while active,
+
+- rewrites every CUDA device argument of a torch function (and `Tensor.cuda()` / `.to("cuda")`)
+  to `device`, drops `pin_memory=True`; `Tensor.cuda()` of a host tensor makes a device copy;
+- replaces the CUDA runtime entry points megatron-core calls (current_device, streams, events,
+  synchronize, record_stream, RNG state) with stand-ins that do nothing;
+- maps training-mode `F.dropout` with 0 < p < 1 to `torch.native_dropout`, the kernel CUDA runs
+  for it, which keeps a 1-byte mask (eager dropout on meta or CPU keeps a noise tensor of the
+  input's dtype instead).
+
+Pitfall handled here: a TorchFunctionMode is off while its own handler runs, and backward passes
+through the handler, so `Tensor.backward` / `torch.autograd.backward` are run from inside the
+re-entered mode by calling the autograd engine directly (recomputed forwards in backward then
+stay remapped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+from torch.autograd import graph as _graph
+from torch.overrides import TorchFunctionMode
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream and torch.cuda.Event: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def query(self):
+        return True
+
+
+def _null_stream_ctx(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+# torch.cuda attributes replaced while remapping, with their stand-ins.
+_CUDA_STANDINS = {
+    "current_device": lambda: 0,
+    "Stream": _NullStream,
+    "Event": _NullStream,
+    "current_stream": lambda *a, **k: _NullStream(),
+    "default_stream": lambda *a, **k: _NullStream(),
+    "stream": _null_stream_ctx,
+    "synchronize": lambda *a, **k: None,
+    "set_device": lambda *a, **k: None,
+    "empty_cache": lambda *a, **k: None,
+    "manual_seed": lambda *a, **k: None,
+    "manual_seed_all": lambda *a, **k: None,
+    "get_rng_state": lambda *a, **k: torch.zeros(16, dtype=torch.uint8),
+    "set_rng_state": lambda *a, **k: None,
+}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _run_backward(func, args, kwargs):
+    """`Tensor.backward` / `torch.autograd.backward` without passing through torch functions."""
+    if func is torch.Tensor.backward:
+        tensors = args[0]
+        grads = kwargs.get("gradient", args[1] if len(args) > 1 else None)
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+    else:
+        tensors = args[0] if args else kwargs["tensors"]
+        grads = kwargs.get("grad_tensors", args[1] if len(args) > 1 else None)
+        retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+        create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = _make_grads(
+        tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False
+    )
+    if retain is None:
+        retain = create
+    inputs = kwargs.get("inputs")
+    if inputs is None:
+        inputs = ()
+    elif isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    else:
+        inputs = tuple(inputs)
+    _graph._engine_run_backward(
+        tensors, grads, retain, create, inputs, allow_unreachable=True, accumulate_grad=True
+    )
+
+
+class _RemapMode(TorchFunctionMode):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": self.device}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.cuda:
+            return self._cuda(args[0], kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], self.device, *args[2:])
+        if func is torch.Tensor.record_stream or func is torch.Tensor.pin_memory:
+            return None if func is torch.Tensor.record_stream else args[0]
+        if func is F.dropout:
+            return self._dropout(args, kwargs)
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            with self:
+                return _run_backward(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _cuda(self, t: torch.Tensor, kwargs) -> torch.Tensor:
+        """`Tensor.cuda()`: a host tensor gets a device copy, a device tensor is returned as is.
+        When the stand-in device is the CPU, host and device tensors look alike; every call then
+        copies, as the host-to-device copies of the data loader do."""
+        if t.device == self.device and self.device.type != "cpu":
+            return t
+        return t.to(self.device, copy=True, non_blocking=kwargs.get("non_blocking", False))
+
+    def _dropout(self, args, kwargs):
+        x = args[0]
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+        if training and 0.0 < p < 1.0 and not inplace and x.device == self.device:
+            return torch.native_dropout(x, p, True)[0]
+        return F.dropout(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def remap_cuda(device: str | torch.device = "meta"):
+    """While active, code written for CUDA runs on `device`. Restores everything on exit."""
+    device = torch.device(device)
+    _orig_cuda = {name: getattr(torch.cuda, name) for name in _CUDA_STANDINS}
+    for name, standin in _CUDA_STANDINS.items():
+        setattr(torch.cuda, name, standin)
+    try:
+        with _RemapMode(device):
+            yield device
+    finally:
+        for name, orig in _orig_cuda.items():
+            setattr(torch.cuda, name, orig)

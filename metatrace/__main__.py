@@ -1,0 +1,5 @@
+import sys
+
+from metatrace.cli import main
+
+sys.exit(main())

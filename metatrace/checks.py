@@ -1,0 +1,331 @@
+"""Checks a resolved job against the rules Megatron-LM and megatron-core enforce, before any
+model is built. Every violated rule is reported (one line each) in a single `ConfigError`.
+
+megatron-core's own `TransformerConfig` checks run afterwards (`check_with_megatron`), still
+before any model is built, and are reported the same way.
+"""
+
+from __future__ import annotations
+
+from metatrace.errors import ConfigError
+
+RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+# Selective-recompute modules megatron-core 0.16.1 accepts for a dense GPT layer.
+DENSE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
+
+
+def layout_stages(layout: str, pp: int) -> list[list[str]]:
+    """Parse a pipeline layout string with megatron-core's own parser."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except (AssertionError, ValueError) as e:
+        raise ConfigError(f"parallel.layout {layout!r} is not a valid layout: {e}") from None
+    if len(stages) % pp:
+        raise ConfigError(
+            f"parallel.layout has {len(stages)} stages, not a multiple of parallel.pp = {pp}"
+        )
+    return [[t.name for t in stage] for stage in stages]
+
+
+def check_with_megatron(job) -> None:
+    """megatron-core's own checks: building its TransformerConfig raises what it refuses."""
+    from metatrace.models.build import transformer_config
+
+    transformer_config(job)
+
+
+def check_job(job) -> None:
+    problems = []
+    for check in (_check_model, _check_parallel, _check_impl):
+        problems.extend(check(job))
+    split = list(_check_pipeline(job))
+    problems += split
+    problems.extend(_check_training(job, split_ok=not split))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_model(job):
+    m = job.model
+    tp = job.parallel.tp
+    if m.num_attention_heads % tp:
+        yield f"model.num_attention_heads = {m.num_attention_heads} is not divisible by parallel.tp = {tp}"
+    if m.num_attention_heads % m.num_query_groups:
+        yield (
+            f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.num_query_groups % tp:
+        yield (
+            f"model.num_query_groups = {m.num_query_groups} is not divisible by parallel.tp = {tp} "
+            "(megatron-core splits key/value heads over the TP group)"
+        )
+    if m.ffn_hidden_size % tp:
+        yield f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {tp}"
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, name)
+        if not 0.0 <= p < 1.0:
+            yield f"model.{name} = {p} must be in [0, 1)"
+    seq = job.training.seq_length
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < seq:
+        yield (
+            f"model.max_position_embeddings = {m.max_position_embeddings} is smaller than "
+            f"training.seq_length = {seq}"
+        )
+    if m.make_vocab_size_divisible_by < 1:
+        yield "model.make_vocab_size_divisible_by must be at least 1"
+    if not 0.0 < m.rotary_percent <= 1.0:
+        yield f"model.rotary_percent = {m.rotary_percent} must be in (0, 1]"
+
+
+def _check_parallel(job):
+    par = job.parallel
+    world = job.cluster.num_gpus
+    tokens = par.rank_order.split("-")
+    if sorted(tokens) != sorted(RANK_ORDER_TOKENS):
+        yield (
+            f"parallel.rank_order {par.rank_order!r} must order each of "
+            f"{', '.join(RANK_ORDER_TOKENS)} exactly once, e.g. 'tp-cp-ep-dp-pp'"
+        )
+    if par.ep > 1:
+        yield (
+            f"parallel.ep = {par.ep} needs a mixture-of-experts model; mixture-of-experts layers "
+            "are not modelled yet"
+        )
+    if par.etp != par.tp:
+        yield (
+            f"parallel.etp = {par.etp} applies to expert layers only; mixture-of-experts layers "
+            "are not modelled yet (leave it out: it defaults to parallel.tp)"
+        )
+    expert_grid = par.etp * par.ep * par.pp
+    if world % expert_grid:
+        yield (
+            f"cluster.num_gpus = {world} is not divisible by etp x ep x pp = "
+            f"{par.etp} x {par.ep} x {par.pp} = {expert_grid}"
+        )
+    if par.cp > 1:
+        seq = job.training.seq_length
+        if seq % (2 * par.cp):
+            yield (
+                f"training.seq_length = {seq} is not divisible by 2 x parallel.cp = {2 * par.cp} "
+                "(Megatron splits the sequence into 2 x cp load-balanced chunks)"
+            )
+        if job.implementation.transformer_impl == "local":
+            yield (
+                "parallel.cp > 1 needs implementation.transformer_impl: transformer_engine "
+                "(megatron-core's local attention refuses context parallelism), which is not "
+                "modelled yet"
+            )
+    if par.sequence_parallel:
+        local_seq = job.training.seq_length // par.cp
+        if local_seq % par.tp:
+            yield (
+                f"sequence parallel splits training.seq_length / cp = {local_seq} over "
+                f"parallel.tp = {par.tp}, which does not divide it"
+            )
+
+
+def _check_pipeline(job):
+    par = job.parallel
+    layers = job.model.num_layers
+    pp, vpp = par.pp, par.vpp
+    uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
+    account = par.account_for_embedding or par.account_for_loss
+    if vpp is not None and pp == 1:
+        yield "parallel.vpp needs parallel.pp > 1"
+        return
+    if par.layout is not None:
+        if uneven or account:
+            yield (
+                "parallel.layout cannot be combined with first_stage_layers, last_stage_layers, "
+                "account_for_embedding or account_for_loss"
+            )
+            return
+        stages = layout_stages(par.layout, pp)
+        # Stages are listed in layer order (virtual-stage major), so the flat list is too.
+        flat = [t for stage in stages for t in stage]
+        count = flat.count("decoder")
+        if count != layers:
+            yield f"parallel.layout places {count} decoder layers, but model.num_layers = {layers}"
+        if flat.count("embedding") != 1 or flat[:1] != ["embedding"]:
+            yield "parallel.layout must start with the embedding (E), exactly once"
+        if flat.count("loss") != 1 or flat[-1:] != ["loss"]:
+            yield "parallel.layout must end with the loss (L), exactly once"
+        if flat.count("mtp"):
+            yield "parallel.layout has MTP layers (m); multi-token prediction is not modelled yet"
+        return
+    if uneven and account:
+        yield (
+            "parallel.first_stage_layers / last_stage_layers cannot be combined with "
+            "account_for_embedding / account_for_loss"
+        )
+        return
+    if uneven:
+        middle_layers, middle_stages = layers, pp
+        for name in ("first_stage_layers", "last_stage_layers"):
+            n = getattr(par, name)
+            if n is None:
+                continue
+            if n < 1:
+                yield f"parallel.{name} = {n} must be at least 1"
+                return
+            if vpp is not None and n % vpp:
+                yield f"parallel.{name} = {n} is not divisible by parallel.vpp = {vpp}"
+            middle_layers -= n
+            middle_stages -= 1
+        if middle_stages < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+            yield (
+                f"the uneven split leaves {middle_layers} layers for {max(middle_stages, 0)} "
+                f"middle stages (model.num_layers = {layers}, parallel.pp = {pp})"
+            )
+        elif middle_stages and middle_layers % middle_stages:
+            yield (
+                f"{middle_layers} middle layers do not split evenly over {middle_stages} middle "
+                f"pipeline stages"
+            )
+        elif middle_stages and vpp is not None and (middle_layers // middle_stages) % vpp:
+            yield (
+                f"{middle_layers // middle_stages} layers per middle stage are not divisible by "
+                f"parallel.vpp = {vpp}"
+            )
+        return
+    total = layers + int(par.account_for_embedding) + int(par.account_for_loss)
+    what = "model.num_layers" + (
+        " + embedding" * par.account_for_embedding + " + loss" * par.account_for_loss
+    )
+    if total % pp:
+        yield f"{what} = {total} is not divisible by parallel.pp = {pp}"
+    elif vpp is not None and (total // pp) % vpp:
+        yield (
+            f"{what} / parallel.pp = {total // pp} layers per pipeline rank are not divisible "
+            f"by parallel.vpp = {vpp}"
+        )
+
+
+def chunk_layer_counts(job) -> list[int]:
+    """Decoder layers of every model chunk, in layer order (virtual stage major: chunk v of
+    pipeline rank p is entry v * pp + p), as megatron-core's get_num_layers_to_build splits
+    them; call after the pipeline checks passed."""
+    par, layers = job.parallel, job.model.num_layers
+    pp, vpp = par.pp, par.vpp or 1
+    if par.layout is not None:
+        return [stage.count("decoder") for stage in layout_stages(par.layout, pp)]
+    if par.first_stage_layers is not None or par.last_stage_layers is not None:
+        first, last = par.first_stage_layers, par.last_stage_layers
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle = layers - (first or 0) - (last or 0)
+        per_stage = [middle // middle_stages if middle_stages else 0] * pp
+        if first is not None:
+            per_stage[0] = first
+        if last is not None:
+            per_stage[-1] = last
+        return [n // vpp for _ in range(vpp) for n in per_stage]
+    total = layers + int(par.account_for_embedding) + int(par.account_for_loss)
+    counts = [total // pp // vpp] * (pp * vpp)
+    if par.account_for_embedding:
+        counts[0] -= 1
+    if par.account_for_loss:
+        counts[-1] -= 1
+    return counts
+
+
+def _check_training(job, split_ok: bool):
+    tr = job.training
+    par = job.parallel
+    if tr.seq_length < 1:
+        yield f"training.seq_length = {tr.seq_length} must be at least 1"
+    if tr.micro_batch_size < 1:
+        yield f"training.micro_batch_size = {tr.micro_batch_size} must be at least 1"
+        return
+    per_step = tr.micro_batch_size * par.dp
+    if tr.global_batch_size < 1 or tr.global_batch_size % per_step:
+        yield (
+            f"training.global_batch_size = {tr.global_batch_size} is not a multiple of "
+            f"micro_batch_size x dp = {tr.micro_batch_size} x {par.dp} = {per_step}"
+        )
+    elif par.vpp is not None:
+        m = tr.global_batch_size // per_step
+        if m < par.pp or m % par.pp:
+            yield (
+                f"the interleaved schedule needs the number of micro-batches ({m} = "
+                f"global_batch_size / (micro_batch_size x dp)) to be a multiple of "
+                f"parallel.pp = {par.pp}"
+            )
+    if tr.precision == "fp8":
+        yield "training.precision fp8 needs Transformer Engine stand-ins, which are not modelled yet"
+    if tr.overlap_param_gather and not (tr.distributed_optimizer and tr.overlap_grad_reduce):
+        yield (
+            "training.overlap_param_gather needs training.distributed_optimizer and "
+            "training.overlap_grad_reduce"
+        )
+    yield from _check_recompute(job, split_ok)
+
+
+def _check_recompute(job, split_ok: bool):
+    rec = job.training.recompute
+    if rec.granularity is None:
+        if rec.method or rec.num_layers or rec.modules or rec.distribute_saved_activations:
+            yield "training.recompute keys are given but training.recompute.granularity is not"
+        return
+    if rec.granularity == "full":
+        if rec.method is None or rec.num_layers is None:
+            yield "full recompute needs training.recompute.method and training.recompute.num_layers"
+        elif rec.num_layers < 1:
+            yield f"training.recompute.num_layers = {rec.num_layers} must be at least 1"
+        if rec.modules:
+            yield "training.recompute.modules applies to selective recompute only"
+        if split_ok and rec.method == "uniform" and rec.num_layers and rec.num_layers >= 1:
+            counts = sorted({n for n in chunk_layer_counts(job) if n % rec.num_layers})
+            if counts:
+                yield (
+                    f"full uniform recompute checkpoints groups of training.recompute.num_layers "
+                    f"= {rec.num_layers} layers, which must divide the layers of every model "
+                    f"chunk ({', '.join(map(str, counts))} on some); megatron-core would index "
+                    "past the chunk's last layer"
+                )
+    else:
+        if rec.method is not None or rec.num_layers is not None:
+            yield "selective recompute takes no training.recompute.method or num_layers"
+        for name in rec.modules or ():
+            if name in MOE_RECOMPUTE_MODULES:
+                yield f"training.recompute.modules: {name!r} needs mixture-of-experts layers"
+            elif name not in DENSE_RECOMPUTE_MODULES:
+                yield (
+                    f"training.recompute.modules: unknown module {name!r} "
+                    f"(known: {', '.join(DENSE_RECOMPUTE_MODULES + MOE_RECOMPUTE_MODULES)})"
+                )
+        if "mlp" in (rec.modules or ()) and job.model.add_bias_linear:
+            # megatron-core 0.16.1 checkpoints the MLP, which returns its fc2 bias parameter
+            # alongside the output; autograd then makes the checkpoint's backward that
+            # parameter's grad_fn, and backward re-enters it without end (reproduced with real
+            # CPU tensors, tests/test_trace.py).
+            yield (
+                "selective recompute of 'mlp' with model.add_bias_linear: megatron-core 0.16.1's "
+                "backward recurses without end in this combination; drop 'mlp' from "
+                "training.recompute.modules or set model.add_bias_linear: false"
+            )
+    if rec.distribute_saved_activations:
+        if job.parallel.tp == 1 or rec.granularity != "full":
+            yield "distribute_saved_activations needs parallel.tp > 1 and full recompute"
+        if job.parallel.sequence_parallel:
+            yield "distribute_saved_activations cannot be combined with sequence parallel"
+
+
+def _check_impl(job):
+    impl = job.implementation
+    if impl.transformer_impl == "transformer_engine":
+        yield (
+            "implementation.transformer_impl: transformer_engine is not modelled yet (the "
+            "Transformer Engine stand-ins are planned); use local"
+        )
+    elif impl.attention_backend in ("flash", "fused"):
+        yield (
+            f"implementation.attention_backend: {impl.attention_backend} is not available with the "
+            "local implementation yet (flash-attn and fused attention stand-ins are planned); "
+            "use auto, local or unfused"
+        )

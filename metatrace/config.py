@@ -1,0 +1,497 @@
+"""Job configuration: nested keyword-only dataclasses, a YAML loader and the checks that run
+before any model is built.
+
+A job file has five sections (model, parallel, training, implementation, cluster). Keys are
+those of the dataclasses below; `model.preset` fills the model section and explicit keys
+override it. `load_job(path)` returns a `Job` whose every derived value (ffn size, kv channels,
+padded vocabulary, data-parallel size, number of micro-batches, ...) is resolved the way
+Megatron-LM derives it (../shared/notes/megatron-args.md, section 2).
+
+Bad input raises `ConfigError`; the command line prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from metatrace.errors import ConfigError
+
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu", "silu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    preset: str | None = None
+    """Name of a preset in `metatrace.models.presets` (e.g. llama2-7b); explicit keys override it."""
+    num_layers: int | None = None
+    """Transformer layers in the decoder."""
+    hidden_size: int | None = None
+    """Model width h."""
+    ffn_hidden_size: int | None = None
+    """MLP width; default 4h, or Megatron-LM's SwiGLU rounding floor(8h/3/64)*64 when gated."""
+    num_attention_heads: int | None = None
+    """Attention heads a."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; omitted means multi-head attention."""
+    kv_channels: int | None = None
+    """Head dimension; default h / a."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary before padding."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times tp, as Megatron-LM does."""
+    max_position_embeddings: int | None = None
+    """Position table size for learned absolute positions; default training.seq_length."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] | None = None
+    """learned_absolute (Megatron-LM's default), rope or none."""
+    rotary_base: int | None = None
+    """RoPE base (10000 unless a preset says otherwise)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that RoPE rotates."""
+    normalization: Literal["LayerNorm", "RMSNorm"] | None = None
+    """LayerNorm (default) or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: Activation | None = None
+    """MLP activation: gelu (default), swiglu, geglu, relu, squared_relu, silu."""
+    add_bias_linear: bool | None = None
+    """Biases in all linear layers (Megatron-LM default: true)."""
+    add_qkv_bias: bool | None = None
+    """Bias in the QKV projection only (implied by add_bias_linear)."""
+    qk_layernorm: bool | None = None
+    """Normalise queries and keys per head."""
+    untie_embeddings_and_output_weights: bool | None = None
+    """Separate output-layer weight instead of sharing the word embedding."""
+    hidden_dropout: float | None = None
+    """Dropout after attention and MLP (Megatron-LM default 0.1)."""
+    attention_dropout: float | None = None
+    """Dropout on attention probabilities (Megatron-LM default 0.1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages (model chunks) per pipeline rank; omitted means no interleaving."""
+    cp: int = 1
+    """Context-parallel size (splits the sequence)."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts only)."""
+    etp: int | None = None
+    """Expert tensor-parallel size; default tp."""
+    dp: int | None = None
+    """Data-parallel size; derived from cluster.num_gpus when omitted."""
+    sequence_parallel: bool = False
+    """Shard norm and dropout activations along the sequence over the TP group."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (uneven split)."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (uneven split)."""
+    account_for_embedding: bool = False
+    """Count the embedding as one layer in the pipeline split."""
+    account_for_loss: bool = False
+    """Count the loss/output layer as one layer in the pipeline split."""
+    layout: str | None = None
+    """Megatron pipeline layout string, e.g. "Et|(tt|)*3tL" (E embedding, t layer, L loss)."""
+    rank_order: str = "tp-cp-ep-dp-pp"
+    """Order in which ranks are laid out, fastest-varying first (Megatron's default)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recompute:
+    granularity: Literal["full", "selective"] | None = None
+    """Activation recompute: full layers or selective submodules; omitted means none."""
+    method: Literal["uniform", "block"] | None = None
+    """Full recompute only: uniform (every chunk of num_layers) or block (first num_layers)."""
+    num_layers: int | None = None
+    """Full recompute only: layers per checkpointed chunk (uniform) or per stage (block)."""
+    modules: list[str] | None = None
+    """Selective recompute only: submodules to recompute (default [core_attn])."""
+    distribute_saved_activations: bool = False
+    """Shard the checkpointed inputs over the TP group (full recompute, no sequence parallel)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    seq_length: int | None = None
+    """Tokens per sample."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch per model replica."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; default micro_batch_size x dp."""
+    precision: Precision = "bf16"
+    """Parameter and compute precision."""
+    recompute: Recompute = field(default_factory=Recompute)
+    """Activation recomputation."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel group (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients in buckets during backward."""
+    overlap_param_gather: bool = False
+    """Gather parameters during the next forward (needs the distributed optimizer)."""
+    create_attention_mask_in_dataloader: bool = True
+    """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
+    the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Implementation:
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer spec family: megatron-core's local modules, or Transformer Engine."""
+    attention_backend: Literal["auto", "local", "unfused", "flash", "fused"] = "auto"
+    """Attention kernel; auto picks what Megatron would on the configured GPU."""
+
+
+# Device memory as `torch.cuda.get_device_properties(0).total_memory` reports it, in GiB,
+# rounded to 0.1 GiB (the advertised "80 GB" of an H100 is 79.1 GiB usable by PyTorch).
+GPU_MEMORY_GIB = {
+    "a100-40gb": 39.4,
+    "a100": 79.3,
+    "h100": 79.1,
+    "h800": 79.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "gb200": 184.0,
+    "l40s": 44.4,
+    "mi300x": 191.5,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    num_gpus: int | None = None
+    """GPUs in the job; default tp x pp x cp x dp."""
+    gpus_per_node: int = 8
+    """GPUs per node; ranks are placed on nodes in order (GPU names n{node}_g{gpu})."""
+    gpu: str = "h100"
+    """GPU model: one of GPU_MEMORY_GIB's keys."""
+    gpu_memory_gib: float | None = None
+    """Memory per GPU; default from `gpu`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    model: Model = field(default_factory=Model)
+    parallel: Parallel = field(default_factory=Parallel)
+    training: Training = field(default_factory=Training)
+    implementation: Implementation = field(default_factory=Implementation)
+    cluster: Cluster = field(default_factory=Cluster)
+    source: str = "<config>"
+    """Where the job came from (a file name), for messages."""
+
+    # Derived values; `resolve()` fills them. Read them, do not set them in a file.
+    padded_vocab_size: int = 0
+    num_microbatches: int = 0
+    notes: tuple[str, ...] = ()
+    """What was adjusted the way Megatron-LM adjusts it (e.g. sequence parallel off at tp 1)."""
+
+
+SECTIONS = ("model", "parallel", "training", "implementation", "cluster")
+_DERIVED = ("source", "padded_vocab_size", "num_microbatches", "notes")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_job(path: str | Path) -> Job:
+    """Read a YAML job file, apply the preset, derive and check everything."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    return job_from_dict(data if data is not None else {}, source=str(path))
+
+
+def job_from_dict(data: Any, *, source: str = "<config>") -> Job:
+    """Build and resolve a Job from a plain mapping (the parsed YAML)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections {SECTIONS}")
+    job = _build(
+        Job, _apply_preset(data), "", exclude=_DERIVED
+    )
+    return resolve(dataclasses.replace(job, source=source))
+
+
+def _all_keys() -> dict[str, str]:
+    """Every valid key as {leaf: full path}, to point at the right section."""
+    out = {}
+    for sec in SECTIONS:
+        cls = typing.get_type_hints(Job)[sec]
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f"{sec}.{f.name}")
+            if dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name]):
+                for g in dataclasses.fields(typing.get_type_hints(cls)[f.name]):
+                    out.setdefault(g.name, f"{sec}.{f.name}.{g.name}")
+    return out
+
+
+def _unknown_key(cls, key: str, path: str, valid: list[str]) -> ConfigError:
+    full = f"{path}.{key}" if path else key
+    norm = str(key).replace("-", "_")
+    close = difflib.get_close_matches(norm, valid, n=1, cutoff=0.6)
+    if norm in valid:
+        hint = f"; did you mean '{_join(path, norm)}'?"
+    elif close:
+        hint = f"; did you mean '{_join(path, close[0])}'?"
+    else:
+        elsewhere = _all_keys().get(norm)
+        hint = f"; did you mean '{elsewhere}'?" if elsewhere else f" (valid keys: {', '.join(valid)})"
+    return ConfigError(f"unknown key '{full}'{hint}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _build(cls, data: Any, path: str, exclude: tuple[str, ...] = ()):
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{path}' must be a mapping, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in valid:
+            raise _unknown_key(cls, key, path, valid)
+        kwargs[key] = _coerce(hints[key], value, _join(path, key))
+    return cls(**kwargs)
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "nothing (null)"
+
+
+def _coerce(tp, value: Any, path: str):
+    """Check `value` against the annotation `tp`; return it (ints accepted for floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, path)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            choices = ", ".join(str(a) for a in args)
+            raise ConfigError(f"'{path}' must be one of {choices}; got {value!r}{hint}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"'{path}' must be a list, got {_describe(value)}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"'{path}' must be true or false, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"'{path}' must be a whole number, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{path}' must be a number, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"'{path}' must be a string, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in this file, not input
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def resolve(job: Job) -> Job:
+    """Apply the preset, derive every default the way Megatron-LM does, and check the result."""
+    model = _resolve_model(job.model)
+    training = job.training
+    if training.seq_length is None:
+        raise ConfigError("'training.seq_length' is required")
+    if model.max_position_embeddings is None:
+        model = dataclasses.replace(model, max_position_embeddings=training.seq_length)
+
+    par = job.parallel
+    cl = job.cluster
+    if par.etp is None:
+        par = dataclasses.replace(par, etp=par.tp)
+    if par.vpp == 1:
+        par = dataclasses.replace(par, vpp=None)
+    model_size = par.tp * par.pp * par.cp
+    for name in ("tp", "pp", "cp", "ep", "etp"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"'parallel.{name}' must be at least 1, got {getattr(par, name)}")
+    if par.vpp is not None and par.vpp < 1:
+        raise ConfigError(f"'parallel.vpp' must be at least 1, got {par.vpp}")
+    if par.dp is not None and par.dp < 1:
+        raise ConfigError(f"'parallel.dp' must be at least 1, got {par.dp}")
+    if cl.num_gpus is None:
+        cl = dataclasses.replace(cl, num_gpus=model_size * (par.dp or 1))
+    if cl.num_gpus < 1:
+        raise ConfigError(f"'cluster.num_gpus' must be at least 1, got {cl.num_gpus}")
+    if cl.gpus_per_node < 1:
+        raise ConfigError(f"'cluster.gpus_per_node' must be at least 1, got {cl.gpus_per_node}")
+    if par.dp is None:
+        if cl.num_gpus % model_size:
+            raise ConfigError(
+                f"cluster.num_gpus = {cl.num_gpus} is not divisible by "
+                f"tp x pp x cp = {par.tp} x {par.pp} x {par.cp} = {model_size}"
+            )
+        par = dataclasses.replace(par, dp=cl.num_gpus // model_size)
+    elif model_size * par.dp != cl.num_gpus:
+        raise ConfigError(
+            f"tp x pp x cp x dp = {par.tp} x {par.pp} x {par.cp} x {par.dp} = "
+            f"{model_size * par.dp}, but cluster.num_gpus = {cl.num_gpus}"
+        )
+    if cl.gpu_memory_gib is None:
+        if cl.gpu not in GPU_MEMORY_GIB:
+            close = difflib.get_close_matches(cl.gpu, list(GPU_MEMORY_GIB), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown 'cluster.gpu' {cl.gpu!r}{hint} (known: {', '.join(GPU_MEMORY_GIB)}); "
+                "or give cluster.gpu_memory_gib"
+            )
+        cl = dataclasses.replace(cl, gpu_memory_gib=GPU_MEMORY_GIB[cl.gpu])
+
+    if training.global_batch_size is None:
+        training = dataclasses.replace(
+            training, global_batch_size=training.micro_batch_size * par.dp
+        )
+    notes = []
+    if par.sequence_parallel and par.tp == 1:
+        par = dataclasses.replace(par, sequence_parallel=False)
+        notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
+    if par.layout is not None:
+        from metatrace.checks import layout_stages
+
+        stages = layout_stages(par.layout, par.pp)
+        vpp = len(stages) // par.pp
+        if par.vpp is not None and par.vpp != vpp:
+            raise ConfigError(
+                f"parallel.vpp = {par.vpp}, but parallel.layout has {len(stages)} stages = "
+                f"pp {par.pp} x {vpp} virtual stages"
+            )
+        par = dataclasses.replace(par, vpp=vpp if vpp > 1 else None)
+    rec = training.recompute
+    if rec.granularity == "selective" and rec.modules is None:
+        rec = dataclasses.replace(rec, modules=["core_attn"])
+        training = dataclasses.replace(training, recompute=rec)
+
+    multiple = model.make_vocab_size_divisible_by * par.tp
+    padded = math.ceil(model.vocab_size / multiple) * multiple
+    job = dataclasses.replace(
+        job,
+        model=model,
+        parallel=par,
+        training=training,
+        cluster=cl,
+        padded_vocab_size=padded,
+        notes=tuple(notes),
+    )
+    from metatrace.checks import check_job, check_with_megatron
+
+    check_job(job)
+    check_with_megatron(job)
+    micro = training.micro_batch_size * par.dp
+    return dataclasses.replace(job, num_microbatches=training.global_batch_size // micro)
+
+
+# Megatron-LM's command-line defaults for the model section when neither a preset nor the
+# file sets them (../shared/notes/megatron-args.md, sections 2 and 4).
+_MODEL_DEFAULTS = {
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "normalization": "LayerNorm",
+    "activation": "gelu",
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+}
+_REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def _apply_preset(data: dict) -> dict:
+    """Merge `model.preset`'s dimensions under the keys the file gives explicitly."""
+    from metatrace.models.presets import PRESETS
+
+    model = data.get("model")
+    if model is None:
+        return data
+    if not isinstance(model, dict):
+        raise ConfigError(f"'model' must be a mapping, got {_describe(model)}")
+    name = model.get("preset")
+    if name is None:
+        return data
+    if not isinstance(name, str) or name not in PRESETS:
+        close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown 'model.preset' {name!r}{hint} (known: {', '.join(PRESETS)})")
+    return {**data, "model": {**PRESETS[name].dims, **model}}
+
+
+def _resolve_model(model: Model) -> Model:
+    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    for name, value in _MODEL_DEFAULTS.items():
+        if values[name] is None:
+            values[name] = value
+    missing = [n for n in _REQUIRED_MODEL if values[n] is None]
+    if missing:
+        raise ConfigError(
+            "model needs " + ", ".join(f"'model.{n}'" for n in missing) + " (or a model.preset)"
+        )
+    for name in _REQUIRED_MODEL + ("ffn_hidden_size", "num_query_groups", "kv_channels"):
+        if values[name] is not None and values[name] < 1:
+            raise ConfigError(f"'model.{name}' must be at least 1, got {values[name]}")
+    h = values["hidden_size"]
+    if values["ffn_hidden_size"] is None:
+        # Megatron-LM: 4h, or for SwiGLU floor(8h/3 / 64) * 64 (arguments.py, validate_args).
+        gated = values["activation"] in GATED_ACTIVATIONS
+        values["ffn_hidden_size"] = (4 * h * 2 // 3 // 64) * 64 if gated else 4 * h
+    if values["kv_channels"] is None:
+        if h % values["num_attention_heads"]:
+            raise ConfigError(
+                f"model.hidden_size = {h} is not divisible by model.num_attention_heads = "
+                f"{values['num_attention_heads']}; give model.kv_channels"
+            )
+        values["kv_channels"] = h // values["num_attention_heads"]
+    if values["num_query_groups"] is None:
+        values["num_query_groups"] = values["num_attention_heads"]
+    return Model(**values)
+
+
+def job_to_dict(job: Job) -> dict:
+    """The resolved job as plain data (for JSON output and the config summary)."""
+    return dataclasses.asdict(job)

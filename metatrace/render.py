@@ -1,0 +1,335 @@
+"""Rendering: tables and trees built from aggregated rows; the caller prints them.
+
+`build_*()` functions return rich renderables; nothing here computes a figure that the
+aggregator did not (formatting only).
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from metatrace import aggregate as agg
+from metatrace.hooks.records import STEP
+
+MiB = 2**20
+GiB = 2**30
+TP_GROUPS = ("tp",)
+_SHORT = {"weight": "w", "bias": "b"}
+
+
+def mib(nbytes: int) -> str:
+    value = nbytes / MiB
+    if value >= 1 or value == 0:
+        return f"{value:,.1f}"
+    return f"{value:.3f}" if value >= 0.001 else "<0.001"
+
+
+def size(nbytes: int) -> str:
+    """A size for prose: MiB below 1 GiB, GiB above."""
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:,.2f} GiB"
+    return f"{mib(nbytes)} MiB"
+
+
+def shape(dims) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def compact(dims) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def param_shapes(row: agg.ModuleRow) -> str:
+    return "  ".join(f"{_SHORT.get(n, n)} {shape(s)}" for n, s in row.param_shapes)
+
+
+def rank_span(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) <= 6:
+        return ", ".join(str(r) for r in ranks)
+    return f"{', '.join(str(r) for r in ranks[:4])}, … {ranks[-1]} ({len(ranks)} ranks)"
+
+
+def layer_span(layers) -> str:
+    if not layers:
+        return "none"
+    layers = list(layers)
+    runs, start, prev = [], layers[0], layers[0]
+    for n in layers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(runs)
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def build_summary(job, world) -> Table:
+    m, par, tr, cl, impl = job.model, job.parallel, job.training, job.cluster, job.implementation
+    nodes = -(-cl.num_gpus // cl.gpus_per_node)
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    name = f"{m.preset}: " if m.preset else ""
+    gqa = (
+        f"{m.num_query_groups} query groups"
+        if m.num_query_groups != m.num_attention_heads
+        else "multi-head"
+    )
+    table.add_row(
+        "model",
+        f"{name}{m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
+        f"{m.num_attention_heads} heads ({gqa}, head dim {m.kv_channels}), vocab {m.vocab_size} "
+        f"(padded {job.padded_vocab_size}), {m.normalization}, {m.activation}, "
+        f"{m.position_embedding_type}, "
+        f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings, "
+        f"{'biases' if m.add_bias_linear else 'no biases'}, dropout "
+        f"{m.hidden_dropout:g}/{m.attention_dropout:g}",
+    )
+    vpp = f" (vpp {par.vpp})" if par.vpp else ""
+    table.add_row(
+        "parallel",
+        f"tp {par.tp} · pp {par.pp}{vpp} · cp {par.cp} · dp {par.dp} · ep {par.ep}"
+        f" · sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        f" · rank order {par.rank_order}",
+    )
+    rec = tr.recompute
+    if rec.granularity == "full":
+        recompute = f"full recompute ({rec.method}, {rec.num_layers} layers)"
+    elif rec.granularity == "selective":
+        recompute = f"selective recompute ({', '.join(rec.modules)})"
+    else:
+        recompute = "no recompute"
+    table.add_row(
+        "training",
+        f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
+        f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration) · "
+        f"{tr.precision} · {recompute}"
+        + (" · distributed optimizer" if tr.distributed_optimizer else ""),
+    )
+    table.add_row(
+        "cluster",
+        f"{cl.num_gpus} GPUs, {cl.gpus_per_node} per node ({nodes} node{'s' * (nodes > 1)}), "
+        f"{cl.gpu} {cl.gpu_memory_gib:g} GiB",
+    )
+    table.add_row("implementation", f"{impl.transformer_impl} · attention {impl.attention_backend}")
+    for note in job.notes:
+        table.add_row("note", note)
+    return table
+
+
+# ----------------------------------------------------------------------------- module trees
+
+
+def build_module_table(
+    roots: list[agg.ModuleRow],
+    *,
+    tp_columns: bool,
+    depth: int | None = None,
+    expand: bool = False,
+    step: tuple = (),
+) -> Table:
+    """Module tree as a table: parameters and activations of each subtree, and (per rank) the
+    TP collectives each module issues. `depth` counts the model itself as 0."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    table.add_column("Module", no_wrap=True)
+    table.add_column("Type", no_wrap=True)
+    table.add_column("Parameters")
+    table.add_column("Param MiB", justify="right", no_wrap=True)
+    table.add_column("Act MiB", justify="right", no_wrap=True)
+    if tp_columns:
+        table.add_column("TP communication (MiB)", no_wrap=True)
+    for root in roots:
+        label = root.fqn or "model"
+        _add_rows(table, agg.Fold(root, 1, root.name, root.name, None), "", "", 0, label,
+                  tp_columns, depth, expand)
+    if tp_columns and step:
+        cell = _tp_cell(step)
+        if cell:
+            table.add_row("(training step)", "", "", "", "", cell)
+    return table
+
+
+def _add_rows(table, fold, guide, child_guide, level, label, tp, depth, expand):
+    row = fold.row
+    cut = depth is not None and level >= depth and row.children
+    cells = [
+        f"{guide}{label}",
+        row.type,
+        param_shapes(row),
+        mib(row.param_bytes_total) if row.params_total else "",
+        mib(row.activation_bytes_total) if row.activation_bytes_total else "",
+    ]
+    if tp:
+        cells.append(_tp_cell(row.collectives))
+    table.add_row(*cells)
+    if cut:
+        return
+    if expand:
+        folds = [agg.Fold(c, 1, c.name, c.name, None) for c in row.children]
+    else:
+        folds = [f for f in agg.fold_children(row) if not _placeholder(f.row)]
+    for i, child in enumerate(folds):
+        last = i == len(folds) - 1
+        name = child.row.name
+        if child.count > 1:
+            name = f"{child.first}-{child.last} (× {child.count})"
+        _add_rows(
+            table,
+            child,
+            child_guide + ("└─ " if last else "├─ "),
+            child_guide + ("   " if last else "│  "),
+            level + 1,
+            name,
+            tp,
+            depth,
+            expand,
+        )
+
+
+def _placeholder(row: agg.ModuleRow) -> bool:
+    """megatron-core's IdentityOp / IdentityFuncOp slots that hold and do nothing: shown only
+    with --expand."""
+    return (
+        row.type.startswith("Identity")
+        and not row.params_total
+        and not row.activation_bytes_total
+        and not any(True for r in agg.walk([row]) if r.collectives)
+    )
+
+
+_PHASE_MARK = {"forward": "fwd", "backward": "bwd", "recompute": "rec"}
+
+
+def _tp_cell(collectives) -> str:
+    """The TP-group collectives of one module, one per line: phase, op, message shape, MiB."""
+    counts: dict[tuple, int] = {}
+    for c in collectives:
+        if c.group in TP_GROUPS:
+            key = (_PHASE_MARK[c.phase], c.op, compact(c.shape), mib(c.bytes))
+            counts[key] = counts.get(key, 0) + 1
+    return "\n".join(
+        f"{phase} {f'{n}× ' if n > 1 else ''}{op} {dims} {size_}"
+        for (phase, op, dims, size_), n in counts.items()
+    )
+
+
+# ----------------------------------------------------------------------------- roles
+
+
+def role_title(job_trace, group) -> str:
+    world = job_trace.world
+    first = group[0]
+    ranks = sorted(r for rt in group for r in rt.role.ranks)
+    stages = [rt.role.pp_stage for rt in group]
+    summary = agg.role_summary(first.trace)
+    which = (
+        f"Pipeline stage {stages[0]}"
+        if len(stages) == 1
+        else f"Pipeline stages {layer_span(stages)} (identical)"
+    )
+    gpus = f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}" if len(ranks) > 1 else world.gpu(ranks[0])
+    layers = "" if len(group) > 1 else f" · layers {layer_span(summary.layers)}"
+    return f"{which} · ranks {rank_span(ranks)} ({gpus}){layers} · traced rank {first.trace.rank}"
+
+
+def group_roles(job_trace, expand: bool = False):
+    """Consecutive roles with the same signature, grouped (each alone with `expand`)."""
+    groups = []
+    prev_sig = None
+    for rt in job_trace.roles:
+        sig = None if expand else agg.role_signature(rt.trace)
+        if groups and sig is not None and sig == prev_sig:
+            groups[-1].append(rt)
+        else:
+            groups.append([rt])
+        prev_sig = sig
+    return groups
+
+
+def build_role_tree(job_trace, group, *, depth=None, expand=False):
+    rt = group[0]
+    roots = agg.module_tree(rt.trace, rt.chunks)
+    step = [c for c in rt.trace.collectives if c.module == STEP]
+    return build_module_table(roots, tp_columns=True, depth=depth, expand=expand, step=step)
+
+
+def build_totals_line(trace) -> Text:
+    s = agg.role_summary(trace)
+    p = s.peak
+    return Text(
+        f"{s.params:,} parameters ({size(s.param_bytes)}) · activations "
+        f"{size(s.activation_bytes)} per micro-batch · live peak in one micro-batch "
+        f"{size(p.bytes)} ({p.phase}, {p.module or 'model'})",
+        style="dim",
+    )
+
+
+def build_roles_table(job_trace) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, just in (
+        ("Stage", "right"),
+        ("Ranks", "left"),
+        ("Layers", "left"),
+        ("Parameters", "right"),
+        ("Param MiB", "right"),
+        ("Act MiB/µb", "right"),
+        ("Peak MiB (1 µb)", "right"),
+        ("Collectives/µb", "right"),
+    ):
+        table.add_column(col, justify=just)
+    for rt in job_trace.roles:
+        s = agg.role_summary(rt.trace)
+        table.add_row(
+            str(rt.role.pp_stage),
+            rank_span(rt.role.ranks),
+            layer_span(s.layers),
+            f"{s.params:,}",
+            mib(s.param_bytes),
+            mib(s.activation_bytes),
+            mib(s.peak.bytes),
+            str(s.collectives),
+        )
+    return table
+
+
+def build_full_model(job_trace, *, depth=None, expand=False):
+    full = job_trace.full
+    roots = agg.module_tree(full.trace, full.chunks)
+    s = agg.role_summary(full.trace)
+    return Group(
+        build_module_table(roots, tp_columns=False, depth=depth, expand=expand),
+        Text(
+            f"{s.params:,} parameters ({size(s.param_bytes)}) · activations "
+            f"{size(s.activation_bytes)} per micro-batch on one GPU",
+            style="dim",
+        ),
+    )
+
+
+def section(title: str) -> Text:
+    return Text(f"\n{title}", style="bold")
+
+
+def render_run(job_trace, console, *, depth=None, expand=False) -> None:
+    job = job_trace.job
+    console.print(section("Configuration"))
+    console.print(build_summary(job, job_trace.world))
+    if job_trace.full is not None:
+        console.print(section("Full model without parallelism (one GPU, one micro-batch)"))
+        console.print(build_full_model(job_trace, depth=depth, expand=expand))
+    for group in group_roles(job_trace, expand):
+        console.print(section(role_title(job_trace, group)))
+        console.print(build_role_tree(job_trace, group, depth=depth, expand=expand))
+        console.print(build_totals_line(group[0].trace))
+    console.print(section("Per pipeline stage (one micro-batch)"))
+    console.print(build_roles_table(job_trace))

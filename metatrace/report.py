@@ -1,0 +1,135 @@
+"""The JSON report: a documented, versioned view of a traced job (schema in README.md).
+
+`job_report(job_trace)` returns plain data (dicts, lists, numbers, strings); `write_json` writes
+it. Every figure comes from the aggregator; this module only arranges it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from metatrace import __version__
+from metatrace import aggregate as agg
+
+SCHEMA_VERSION = 1
+
+
+def _collective(c) -> dict:
+    out = {
+        "op": c.op,
+        "group": c.group,
+        "ranks": list(c.ranks),
+        "shape": list(c.shape),
+        "dtype": c.dtype,
+        "bytes": c.bytes,
+        "count": c.count,
+        "phase": c.phase,
+        "module": c.module,
+        "aten": c.aten,
+    }
+    if c.peer is not None:
+        out["peer"] = c.peer
+    return out
+
+
+def _modules(trace, chunks) -> list[dict]:
+    out = []
+    for row in agg.walk(agg.module_tree(trace, chunks)):
+        out.append(
+            {
+                "fqn": row.fqn,
+                "type": row.type,
+                "layer": row.layer,
+                "params": row.params,
+                "param_bytes": row.param_bytes,
+                "param_shapes": {name: list(s) for name, s in row.param_shapes},
+                "params_total": row.params_total,
+                "activation_bytes": row.activation_bytes,
+                "activation_bytes_total": row.activation_bytes_total,
+                "peak_bytes": row.peaks,
+            }
+        )
+    return out
+
+
+def role_report(rt, world=None) -> dict:
+    trace = rt.trace
+    s = agg.role_summary(trace)
+    out = {
+        "index": rt.role.index,
+        "pp_stage": rt.role.pp_stage,
+        "ranks": list(rt.role.ranks),
+        "traced_rank": trace.rank,
+        "vpp_chunks": len(rt.chunks),
+        "layers": list(s.layers),
+        "params": {"count": s.params, "bytes": s.param_bytes},
+        "activations_per_microbatch_bytes": s.activation_bytes,
+        "microbatch_memory": {
+            "static_bytes": s.static_bytes,
+            "peak_bytes": s.peak.bytes,
+            "peak_at": {"phase": s.peak.phase, "module": s.peak.module},
+        },
+        "collectives_per_microbatch": [_collective(c) for c in trace.collectives],
+        "modules": _modules(trace, rt.chunks),
+        "op_counts": dict(sorted(trace.op_counts.items())),
+        "unclassified_ops": dict(sorted(trace.unclassified.items())),
+        "trace_seconds": round(rt.seconds, 3),
+    }
+    if world is not None:
+        out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
+    return out
+
+
+def job_report(job_trace) -> dict:
+    job = job_trace.job
+    world = job_trace.world
+    par = job.parallel
+    total = agg.model_params([rt.trace for rt in job_trace.roles], par.tp)
+    model = dataclasses.asdict(job.model)
+    model.update(
+        padded_vocab_size=job.padded_vocab_size, total_params=total, active_params=total
+    )
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "metatrace_version": __version__,
+        "source": job.source,
+        "model": model,
+        "parallel": dataclasses.asdict(par),
+        "training": dataclasses.asdict(job.training),
+        "implementation": dataclasses.asdict(job.implementation),
+        "cluster": dataclasses.asdict(job.cluster),
+        "world": {
+            "num_gpus": world.size,
+            "gpus_per_node": world.gpus_per_node,
+            "tp": par.tp,
+            "pp": par.pp,
+            "vpp": par.vpp,
+            "cp": par.cp,
+            "ep": par.ep,
+            "etp": par.etp,
+            "dp": par.dp,
+            "expert_dp": world.expert_dp,
+            "rank_order": par.rank_order,
+            "num_microbatches": job.num_microbatches,
+        },
+        "notes": list(job.notes),
+        "roles": [role_report(rt, world) for rt in job_trace.roles],
+    }
+    if job_trace.full is not None:
+        full = role_report(job_trace.full)
+        for key in ("ranks", "traced_rank", "index", "pp_stage"):
+            full.pop(key)
+        report["full_model"] = full
+    return report
+
+
+def write_json(report: dict, path: str) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    except OSError as e:
+        from metatrace.errors import ConfigError
+
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None

@@ -1,0 +1,170 @@
+"""Tracing orchestration: for every distinct role, build the rank's model chunks inside the fake
+world and run one micro-batch forward and backward under the recorder.
+
+One micro-batch per role, as megatron-core's schedules run it for that rank: for each model
+chunk in order, receive the input from the previous stage, megatron-core's `forward_step` (with
+Megatron-LM's batch and loss on the first and last stages), send the output on and free it
+(`deallocate_output_tensor`); then for each chunk in reverse, receive the output gradient,
+megatron-core's `backward_step`, send the input gradient back. Point-to-point transfers go through
+megatron-core's `P2PCommunicator`, so they are recorded as the pipeline issues them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from metatrace.hooks.records import Trace
+from metatrace.world import Role, World
+
+
+@dataclass(frozen=True)
+class RoleTrace:
+    role: Role
+    trace: Trace
+    chunks: tuple[str, ...]
+    """FQN prefix of each model chunk ("" for one chunk, "chunk{v}" with virtual stages)."""
+    seconds: float
+    """Wall time to build and trace the role."""
+
+
+@dataclass(frozen=True)
+class JobTrace:
+    job: object
+    world: World
+    roles: tuple[RoleTrace, ...]
+    full: RoleTrace | None
+    """The whole model on a single GPU (no parallelism), for the "full model" view."""
+    seconds: dict = field(default_factory=dict)
+
+
+def trace_job(job, *, device: str = "meta", full_model: bool = True, progress=None) -> JobTrace:
+    """Trace every role of `job` (and the unparallelised model when `full_model`)."""
+    from metatrace.models.build import single_gpu_job
+
+    progress = progress or (lambda message: None)
+    start = time.perf_counter()
+    world = World.from_job(job)
+    roles = []
+    for role in world.roles():
+        progress(f"tracing pipeline stage {role.pp_stage} (rank {role.rank})")
+        roles.append(trace_role(job, world, role, device=device))
+    full = None
+    if full_model:
+        progress("tracing the full model on one GPU")
+        single = single_gpu_job(job)
+        single_world = World.from_job(single)
+        full = trace_role(single, single_world, single_world.roles()[0], device=device)
+    return JobTrace(
+        job=job,
+        world=world,
+        roles=tuple(roles),
+        full=full,
+        seconds={"trace": time.perf_counter() - start},
+    )
+
+
+def trace_role(
+    job,
+    world: World,
+    role: Role,
+    *,
+    device: str = "meta",
+    rank: int | None = None,
+    also_track: tuple[str, ...] = (),
+):
+    """Build `role`'s chunks for global `rank` (default: the role's own) and trace a micro-batch.
+
+    `device` is where the model runs (meta, or cpu for real tensors); `also_track` names more
+    device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
+    with a CPU one that cannot tell host tensors from device tensors).
+    """
+    from metatrace.hooks.fake_world import fake_world, named_groups
+    from metatrace.hooks.patches import megatron_patches
+    from metatrace.hooks.recorder import Recorder
+    from metatrace.hooks.remap import remap_cuda
+    from metatrace.models.build import build_model_chunks, transformer_config, unwrap
+
+    rank = role.rank if rank is None else rank
+    start = time.perf_counter()
+    config = transformer_config(job)
+    with megatron_patches(), remap_cuda(device), fake_world(world.layout, rank):
+        chunks = build_model_chunks(job=job, config=config, device=device)
+        prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
+        models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
+        devices = (device, *also_track)
+        with Recorder(chunks=models, devices=devices, groups=named_groups(), rank=rank) as rec:
+            run_microbatch(job, config, chunks, on_phase=rec.set_step_phase)
+        trace = rec.trace()
+    return RoleTrace(
+        role=role, trace=trace, chunks=tuple(prefixes), seconds=time.perf_counter() - start
+    )
+
+
+def run_microbatch(
+    job, config, chunks, *, forward_step_func: Callable | None = None, on_phase=None
+) -> None:
+    """One micro-batch through this rank's chunks, forward then backward (see module docstring).
+
+    `on_phase("forward" | "backward")` is told which half of the step is running.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_type
+
+    from metatrace.steps import make_forward_step, synthetic_batches
+
+    tr = job.training
+    par = job.parallel
+    if forward_step_func is None:
+        forward_step_func = make_forward_step(
+            micro_batch_size=tr.micro_batch_size,
+            seq_length=tr.seq_length,
+            attention_mask=tr.create_attention_mask_in_dataloader,
+        )
+    data = synthetic_batches(
+        micro_batch_size=tr.micro_batch_size,
+        seq_length=tr.seq_length,
+        attention_mask=tr.create_attention_mask_in_dataloader,
+    )
+    comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
+    seq = tr.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
+    tensor_shape = (seq, tr.micro_batch_size, config.hidden_size)
+    model_type = get_model_type(chunks[0])
+
+    on_phase = on_phase or (lambda phase: None)
+    on_phase("forward")
+    stash = []
+    for v, chunk in enumerate(chunks):
+        vp_stage = v if par.vpp else None
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        input_tensor = comm.recv_forward(tensor_shape, is_first_stage=first)
+        output_tensor, _ = schedules.forward_step(
+            forward_step_func,
+            data,
+            chunk,
+            job.num_microbatches,
+            input_tensor,
+            [],
+            config,
+            par.cp,
+            is_first_microbatch=True,
+            current_microbatch=0,
+            vp_stage=vp_stage,
+            is_last_stage=last,
+        )
+        comm.send_forward(output_tensor, is_last_stage=last)
+        if not last:
+            schedules.deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+        stash.append((input_tensor, output_tensor, first, last))
+
+    on_phase("backward")
+    for input_tensor, output_tensor, first, last in reversed(stash):
+        output_grad = comm.recv_backward(tensor_shape, is_last_stage=last)
+        input_grad = schedules.backward_step(
+            input_tensor, output_tensor, output_grad, model_type, config
+        )
+        comm.send_backward(input_grad, is_first_stage=first)

@@ -1,0 +1,116 @@
+"""The simulated cluster: where every global rank sits, which groups it belongs to, and which
+ranks play the same role.
+
+Group membership comes from megatron-core's own `RankGenerator` (the code
+`initialize_model_parallel` uses), built the way `initialize_model_parallel` builds it: a dense
+grid (tp, cp, dp, pp) and an expert grid (etp, ep, expert dp, pp) with the same order string.
+GPUs are named `n{node}_g{gpu}`, ranks filling nodes in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from metatrace.hooks.fake_world import Layout
+
+# Group name -> (grid, token for RankGenerator.get_ranks).
+GROUP_TOKENS = {
+    "tp": ("dense", "tp"),
+    "cp": ("dense", "cp"),
+    "dp": ("dense", "dp"),
+    "pp": ("dense", "pp"),
+    "dp_cp": ("dense", "dp-cp"),
+    "tp_cp": ("dense", "tp-cp"),
+    "mp": ("dense", "tp-pp"),
+    "ep": ("expert", "ep"),
+    "etp": ("expert", "tp"),
+    "edp": ("expert", "dp"),
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """Ranks that hold the same model chunks and do the same work (one pipeline stage)."""
+
+    index: int
+    pp_stage: int
+    rank: int
+    """The global rank that is traced for the role."""
+    ranks: tuple[int, ...]
+    """Every global rank the role stands for."""
+
+
+class World:
+    """Ranks, groups and roles of a parallel layout (`World.from_job(job)` for a job)."""
+
+    def __init__(self, layout: Layout, gpus_per_node: int = 8):
+        self.layout = layout
+        self.size = layout.world_size
+        self.gpus_per_node = gpus_per_node
+        self.dp = self.size // (layout.tp * layout.pp * layout.cp)
+        self.expert_dp = self.size // ((layout.etp or layout.tp) * layout.ep * layout.pp)
+
+    @classmethod
+    def from_job(cls, job) -> "World":
+        par = job.parallel
+        layout = Layout(
+            world_size=job.cluster.num_gpus,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            cp=par.cp,
+            ep=par.ep,
+            etp=par.etp,
+            order=par.rank_order,
+        )
+        return cls(layout, job.cluster.gpus_per_node)
+
+    @cached_property
+    def _generators(self):
+        from megatron.core.parallel_state import RankGenerator
+
+        lay = self.layout
+        return {
+            "dense": RankGenerator(
+                tp=lay.tp, ep=1, dp=self.dp, pp=lay.pp, cp=lay.cp, order=lay.order
+            ),
+            "expert": RankGenerator(
+                tp=lay.etp or lay.tp, ep=lay.ep, dp=self.expert_dp, pp=lay.pp, cp=1, order=lay.order
+            ),
+        }
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of kind `name` (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, etp, edp,
+        embedding) as lists of global ranks, in megatron-core's order."""
+        if name == "embedding":
+            # megatron-core's default_embedding_ranks: first and last stage of each pp group.
+            return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+        grid, token = GROUP_TOKENS[name]
+        return self._generators[grid].get_ranks(token)
+
+    @cached_property
+    def pp_stage_of(self) -> dict[int, int]:
+        return {r: i for group in self.groups("pp") for i, r in enumerate(group)}
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        for group in self.groups(name):
+            if rank in group:
+                return group
+        raise KeyError(f"rank {rank} is in no {name} group")
+
+    def roles(self) -> list[Role]:
+        """One role per pipeline stage: TP, CP and DP peers hold the same chunks."""
+        by_stage: dict[int, list[int]] = {}
+        for rank, stage in self.pp_stage_of.items():
+            by_stage.setdefault(stage, []).append(rank)
+        return [
+            Role(index=s, pp_stage=s, rank=min(ranks), ranks=tuple(sorted(ranks)))
+            for s, ranks in sorted(by_stage.items())
+        ]
+
+    def gpu(self, rank: int) -> str:
+        return f"n{rank // self.gpus_per_node}_g{rank % self.gpus_per_node}"
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node

@@ -1,0 +1,195 @@
+"""Build the model chunks one rank holds, as Megatron-LM's pretrain_gpt.py would, on meta.
+
+`transformer_config(job)` maps a job to megatron-core's `TransformerConfig` the way Megatron-LM's
+`core_transformer_config_from_args` does with its command-line defaults
+(../shared/notes/megatron-args.md). `build_model_chunks(...)` must run inside a fake world
+(`metatrace.hooks.fake_world`) and the CUDA remap (`metatrace.hooks.remap`), for the rank whose
+chunks are wanted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from metatrace.errors import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _activations():
+    from megatron.core.activations import squared_relu
+
+    # name -> (activation_func, gated_linear_unit)
+    return {
+        "gelu": (F.gelu, False),
+        "swiglu": (F.silu, True),
+        "geglu": (F.gelu, True),
+        "relu": (F.relu, False),
+        "squared_relu": (squared_relu, False),
+        "silu": (F.silu, False),
+    }
+
+
+def transformer_config(job):
+    """megatron-core's TransformerConfig for `job`; megatron-core's own checks become ConfigError."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, par, tr = job.model, job.parallel, job.training
+    activation_func, gated = _activations()[m.activation]
+    dtype = DTYPES[tr.precision]
+    rec = tr.recompute
+    # Megatron-LM turns the fused bias-activation kernels on by default (bias_gelu_fusion,
+    # bias_swiglu_fusion), and off for GeLU without biases; other activations have no kernel.
+    bias_activation_fusion = m.activation == "swiglu" or (
+        m.activation == "gelu" and m.add_bias_linear
+    )
+    fields = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        activation_func=activation_func,
+        gated_linear_unit=gated,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
+        sequence_parallel=par.sequence_parallel,
+        num_layers_in_first_pipeline_stage=par.first_stage_layers,
+        num_layers_in_last_pipeline_stage=par.last_stage_layers,
+        account_for_embedding_in_pipeline_split=par.account_for_embedding,
+        account_for_loss_in_pipeline_split=par.account_for_loss,
+        pipeline_model_parallel_layout=par.layout,
+        bf16=tr.precision == "bf16",
+        fp16=tr.precision == "fp16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        recompute_granularity=rec.granularity,
+        recompute_method=rec.method,
+        recompute_num_layers=rec.num_layers,
+        recompute_modules=rec.modules,
+        distribute_saved_activations=rec.distribute_saved_activations,
+        transformer_impl=job.implementation.transformer_impl,
+        # Megatron-LM command-line defaults.
+        bias_activation_fusion=bias_activation_fusion,
+        masked_softmax_fusion=True,
+        bias_dropout_fusion=True,
+        attention_softmax_in_fp32=False,
+        deallocate_pipeline_outputs=True,
+        overlap_p2p_comm=par.vpp is not None,
+        batch_p2p_comm=par.vpp is None,
+        # Not modelled with the local spec yet: RoPE fusion needs Transformer Engine, and
+        # gradient-accumulation fusion Apex's fused_weight_gradient_mlp_cuda plus DDP main_grads.
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
+        # `tensor_model_parallel` when it initialises them.
+        perform_initialization=True,
+        use_cpu_initialization=False,
+    )
+    try:
+        return TransformerConfig(**fields)
+    except (ValueError, AssertionError, TypeError) as e:
+        raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
+
+
+def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
+    """The GPTModel chunks of the simulated rank, wrapped as Megatron-LM's get_model wraps them.
+
+    The steps, in this order (each needs the previous):
+    1. the backend spec provider for `implementation.transformer_impl`, and from it the layer
+       spec (megatron-core's structure, the provider's modules);
+    2. for every virtual stage v of this rank: its place in the pipeline (pre_process /
+       post_process from megatron-core's parallel_state) and the number of layers it builds
+       (megatron-core's get_num_layers_to_build, which applies uneven splits and layouts);
+    3. GPTModel(vp_stage=v) on `device` (meta; the CPU to check meta against real tensors);
+    4. the Float16Module wrapper for bf16/fp16, as Megatron-LM's get_model does.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from metatrace.models.specs import gpt_layer_spec, provider_for
+
+    m = job.model
+    provider = provider_for(job.implementation.transformer_impl)
+    layer_spec = gpt_layer_spec(provider, qk_layernorm=m.qk_layernorm)
+    chunks = []
+    for v in range(job.parallel.vpp or 1):
+        vp_stage = v if job.parallel.vpp else None
+        block = TransformerBlockSubmodules(
+            layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=provider.layer_norm(),
+        )
+        with torch.device(device):
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=block,
+                vocab_size=job.padded_vocab_size,
+                max_sequence_length=m.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_output=True,
+                share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                position_embedding_type=m.position_embedding_type,
+                rotary_percent=m.rotary_percent,
+                rotary_base=m.rotary_base,
+                vp_stage=vp_stage,
+            )
+        if config.fp16 or config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Megatron's wrappers (Float16Module, DDP)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def single_gpu_job(job):
+    """The same model and micro-batch on one GPU: no parallelism (the "full model" view)."""
+    par = dataclasses.replace(
+        job.parallel,
+        tp=1,
+        pp=1,
+        vpp=None,
+        cp=1,
+        ep=1,
+        etp=1,
+        dp=1,
+        sequence_parallel=False,
+        first_stage_layers=None,
+        last_stage_layers=None,
+        account_for_embedding=False,
+        account_for_loss=False,
+        layout=None,
+    )
+    tr = dataclasses.replace(job.training, global_batch_size=job.training.micro_batch_size)
+    cl = dataclasses.replace(job.cluster, num_gpus=1)
+    multiple = job.model.make_vocab_size_divisible_by
+    padded = -(-job.model.vocab_size // multiple) * multiple
+    return dataclasses.replace(
+        job, parallel=par, training=tr, cluster=cl, padded_vocab_size=padded, num_microbatches=1
+    )

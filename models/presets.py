@@ -1,0 +1,143 @@
+"""Model presets: name -> dimensions (keys of the `model` section), with their source.
+
+Dimensions are those of the published Hugging Face `config.json` of each model (or the paper
+for GPT-3), written as Megatron-LM arguments: Llama uses RMSNorm, SwiGLU, RoPE, no biases, no
+dropout and untied output weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    dims: dict
+    source: str
+
+
+_LLAMA = {
+    "normalization": "RMSNorm",
+    "activation": "swiglu",
+    "position_embedding_type": "rope",
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+
+PRESETS: dict[str, Preset] = {
+    "debug": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 2,
+            "hidden_size": 64,
+            "ffn_hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "vocab_size": 1000,
+            "make_vocab_size_divisible_by": 16,
+        },
+        "tiny Llama-shaped model for tests",
+    ),
+    "llama2-7b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 32,
+            "hidden_size": 4096,
+            "ffn_hidden_size": 11008,
+            "num_attention_heads": 32,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rotary_base": 10000,
+        },
+        "meta-llama/Llama-2-7b-hf config.json",
+    ),
+    "llama2-13b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 40,
+            "hidden_size": 5120,
+            "ffn_hidden_size": 13824,
+            "num_attention_heads": 40,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rotary_base": 10000,
+        },
+        "meta-llama/Llama-2-13b-hf config.json",
+    ),
+    "llama2-70b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 80,
+            "hidden_size": 8192,
+            "ffn_hidden_size": 28672,
+            "num_attention_heads": 64,
+            "num_query_groups": 8,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rotary_base": 10000,
+        },
+        "meta-llama/Llama-2-70b-hf config.json",
+    ),
+    "llama3-8b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 32,
+            "hidden_size": 4096,
+            "ffn_hidden_size": 14336,
+            "num_attention_heads": 32,
+            "num_query_groups": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rotary_base": 500000,
+        },
+        "meta-llama/Meta-Llama-3-8B config.json",
+    ),
+    "llama3-70b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 80,
+            "hidden_size": 8192,
+            "ffn_hidden_size": 28672,
+            "num_attention_heads": 64,
+            "num_query_groups": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rotary_base": 500000,
+        },
+        "meta-llama/Meta-Llama-3-70B config.json",
+    ),
+    "llama3.1-405b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 126,
+            "hidden_size": 16384,
+            "ffn_hidden_size": 53248,
+            "num_attention_heads": 128,
+            "num_query_groups": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rotary_base": 500000,
+        },
+        "meta-llama/Llama-3.1-405B config.json",
+    ),
+    "gpt3-175b": Preset(
+        {
+            "num_layers": 96,
+            "hidden_size": 12288,
+            "ffn_hidden_size": 49152,
+            "num_attention_heads": 96,
+            "vocab_size": 50257,
+            "max_position_embeddings": 2048,
+            "position_embedding_type": "learned_absolute",
+            "normalization": "LayerNorm",
+            "activation": "gelu",
+            "add_bias_linear": True,
+            "untie_embeddings_and_output_weights": False,
+            "hidden_dropout": 0.1,
+            "attention_dropout": 0.1,
+        },
+        "Brown et al. 2020 (GPT-3 175B), GPT-2 BPE vocabulary",
+    ),
+}

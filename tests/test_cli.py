@@ -1,0 +1,111 @@
+"""The command line as a user runs it: exit codes, one-line errors, JSON output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+
+DEBUG = os.path.join(EXAMPLES, "debug.yaml")
+
+
+def metatrace(*args, cwd=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "metatrace", *args],
+        capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=300,
+    )
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BAD = [
+    ("model: {preset: debug, hiden_size: 8}\ntraining: {seq_length: 64}",
+     "unknown key 'model.hiden_size'; did you mean 'model.hidden_size'?"),
+    ("model: {preset: debug}\nparallel: {tp: 2, pp: 2, dp: 3}\ntraining: {seq_length: 64}\ncluster: {num_gpus: 16}",
+     "tp x pp x cp x dp = 2 x 2 x 1 x 3 = 12, but cluster.num_gpus = 16"),
+    ("model: {preset: debug}\nparallel: {tp: 8}\ntraining: {seq_length: 64}",
+     "model.num_attention_heads = 4 is not divisible by parallel.tp = 8"),
+    ("model: {preset: debug}\nparallel: {tp: 4}\ntraining: {seq_length: 64}",
+     "model.num_query_groups = 2 is not divisible by parallel.tp = 4"),
+    ("model: {preset: debug, num_layers: 3}\nparallel: {pp: 2}\ntraining: {seq_length: 64}",
+     "model.num_layers = 3 is not divisible by parallel.pp = 2"),
+    ("model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, vpp: 4}\ntraining: {seq_length: 64, global_batch_size: 2}",
+     "layers per pipeline rank are not divisible by parallel.vpp = 4"),
+    ("model: {preset: debug}\nparallel: {cp: 2}\ntraining: {seq_length: 66}",
+     "training.seq_length = 66 is not divisible by 2 x parallel.cp = 4"),
+    ("model: {preset: debug}\nparallel: {dp: 4}\ntraining: {seq_length: 64, micro_batch_size: 2, global_batch_size: 12}",
+     "global_batch_size = 12 is not a multiple of micro_batch_size x dp = 2 x 4 = 8"),
+    ("model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}", "'training.precision' must be one of"),
+    ("model: [oops", "not valid YAML"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_config_is_one_message_and_exit_code_2(tmp_path, text, message):
+    result = metatrace("run", "--config", write(tmp_path, text))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_contradictory_pipeline_options_exit_2(tmp_path):
+    text = ("model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, account_for_embedding: true,"
+            " first_stage_layers: 1}\ntraining: {seq_length: 64}")
+    result = metatrace("run", "--config", write(tmp_path, text))
+    assert result.returncode == 2 and "cannot be combined" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run"], "the following arguments are required: --config"),
+        (["run", "--config", "does-not-exist.yaml"], "cannot read config file"),
+        (["tree", "--config", DEBUG, "--rank", "4"], "--rank 4 is not a rank of this job (0 to 3)"),
+        (["run", "--config", DEBUG, "--depth", "-1"], "--depth must be 0 or more"),
+        (["run", "--config", DEBUG, "--json", "/nonexistent/dir/out.json"], "does not exist"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2(args, message):
+    result = metatrace(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_and_module_entry_point():
+    result = metatrace("--version")
+    assert result.returncode == 0 and result.stdout.startswith("metatrace ")
+
+
+def test_run_writes_the_documented_json(tmp_path):
+    out = tmp_path / "out.json"
+    result = metatrace("run", "--config", DEBUG, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["schema_version"] == 1
+    # The one-GPU model pads the vocabulary to 1008 (a multiple of 16), the tp 2 job to 1024
+    # (of 32): embedding and output layer each hold 16 more rows of 64.
+    assert report["full_model"]["params"]["count"] == 203_072
+    assert report["model"]["total_params"] == report["model"]["active_params"] == 203_072 + 2 * 16 * 64
+    assert report["world"]["dp"] == 1 and report["world"]["num_microbatches"] == 4
+    roles = report["roles"]
+    assert [r["ranks"] for r in roles] == [[0, 1], [2, 3]]
+    for role in roles:
+        assert {"params", "activations_per_microbatch_bytes", "collectives_per_microbatch",
+                "modules", "pp_stage", "vpp_chunks"} <= role.keys()
+        ops = {c["op"] for c in role["collectives_per_microbatch"]}
+        assert ops <= {"all_reduce", "broadcast", "send", "recv"}
+        root = role["modules"][0]
+        assert root["fqn"] == "" and root["activation_bytes_total"] == sum(
+            m["activation_bytes"] for m in role["modules"])
+        assert root["activation_bytes_total"] <= role["activations_per_microbatch_bytes"]
+    assert "full_model" in report

@@ -1,0 +1,40 @@
+"""The built wheel installs everything under the metatrace name and runs from there."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+from conftest import ROOT
+
+
+def test_wheel_holds_only_the_metatrace_package(tmp_path):
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "dist"), ROOT],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("metatrace-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"metatrace", next(t for t in top if t.endswith(".dist-info"))}
+    for module in ("metatrace/cli.py", "metatrace/models/build.py", "metatrace/hooks/recorder.py",
+                   "metatrace/config.py"):
+        assert module in names
+
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = "import metatrace.cli, metatrace.models.presets, metatrace.hooks.records as r; print(r.__file__)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "records.py")
+    version = subprocess.run([sys.executable, "-m", "metatrace", "--version"], capture_output=True,
+                             text=True, cwd=tmp_path, env=env, timeout=300)
+    assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")

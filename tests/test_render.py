@@ -1,0 +1,34 @@
+"""Rendered output at a fixed width and no colour, against golden files."""
+
+import io
+import os
+
+from rich.console import Console
+
+from cli import main
+from conftest import EXAMPLES
+
+DEBUG = os.path.join(EXAMPLES, "debug.yaml")
+
+
+def render(argv, width=150) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False)
+    assert main(argv, console=console) == 0
+    return out.getvalue()
+
+
+def test_run_output(golden):
+    golden("run_debug.txt", render(["run", "--config", DEBUG]))
+
+
+def test_tree_of_one_rank_to_a_depth(golden):
+    text = render(["tree", "--config", DEBUG, "--rank", "3", "--depth", "3"])
+    golden("tree_debug_rank3_depth3.txt", text)
+    assert "traced rank 3" in text and "linear_qkv" not in text  # depth 3 stops at the layer
+
+
+def test_expand_shows_every_layer_and_placeholder():
+    folded = render(["tree", "--config", DEBUG, "--rank", "0"])
+    expanded = render(["tree", "--config", DEBUG, "--rank", "0", "--expand"])
+    assert "IdentityOp" not in folded and "IdentityOp" in expanded

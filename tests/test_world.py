@@ -1,0 +1,57 @@
+"""The simulated world: groups as megatron-core forms them, roles, GPU names."""
+
+import pytest
+
+from metatrace.hooks.fake_world import Layout, fake_world, named_groups
+from metatrace.hooks.patches import megatron_patches
+from metatrace.hooks.remap import remap_cuda
+from metatrace.world import World
+
+from conftest import small_job
+
+
+def test_groups_of_the_megatron_walkthrough():
+    # 16 GPUs, tp 2, pp 4 (../shared/notes/megatron-args.md section 3 and seeds/003).
+    world = World.from_job(small_job(parallel={"tp": 2, "pp": 4}, model={"num_layers": 4},
+                            cluster={"num_gpus": 16}))
+    assert world.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert world.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert world.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    other = World.from_job(small_job(parallel={"tp": 2, "pp": 4, "rank_order": "tp-cp-ep-pp-dp"},
+                            model={"num_layers": 4}, cluster={"num_gpus": 16}))
+    assert other.groups("pp")[0] == [0, 2, 4, 6]
+    assert other.groups("dp")[:2] == [[0, 8], [1, 9]]
+    # TP2 PP2 DP2 CP2 (groups need no model: the local spec's refusal of CP does not apply).
+    cp = World(Layout(world_size=16, tp=2, pp=2, cp=2))
+    assert cp.groups("cp")[0] == [0, 2]
+    assert cp.groups("dp")[0] == [0, 4]
+    assert cp.groups("dp_cp")[0] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    "parallel, num_gpus",
+    [({"tp": 2, "pp": 2}, 8), ({"tp": 2, "pp": 2, "rank_order": "tp-cp-ep-pp-dp"}, 8),
+     ({"tp": 1, "pp": 4}, 8)],
+)
+def test_groups_equal_megatron_process_groups(parallel, num_gpus):
+    world = World.from_job(small_job(parallel=parallel, model={"num_layers": 4},
+                            cluster={"num_gpus": num_gpus}))
+    with megatron_patches(), remap_cuda("meta"):
+        for rank in range(num_gpus):
+            with fake_world(world.layout, rank):
+                seen = {name: list(ranks) for name, ranks in named_groups().values()}
+            for name in ("tp", "pp", "dp", "mp"):
+                if name in seen:
+                    assert seen[name] == world.group_of(name, rank), (name, rank)
+            assert seen.get("tp", [rank]) == world.group_of("tp", rank)
+
+
+def test_roles_cover_every_rank_once_and_name_gpus():
+    world = World.from_job(small_job(parallel={"tp": 2, "pp": 2, "dp": 3}, model={"num_layers": 4},
+                            cluster={"gpus_per_node": 4}))
+    roles = world.roles()
+    assert [r.pp_stage for r in roles] == [0, 1]
+    ranks = sorted(r for role in roles for r in role.ranks)
+    assert ranks == list(range(12))
+    assert roles[1].rank == 6 and roles[1].ranks == (6, 7, 8, 9, 10, 11)
+    assert world.gpu(0) == "n0_g0" and world.gpu(5) == "n1_g1" and world.gpu(11) == "n2_g3"
