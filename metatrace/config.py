@@ -391,6 +391,12 @@ def resolve(job: Job) -> Job:
     if par.sequence_parallel and par.tp == 1:
         par = dataclasses.replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
+    for name in ("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(training, name):
+            notes.append(
+                f"training.{name} is accepted but changes nothing here yet: optimizer state, "
+                "gradient buffers and data-parallel traffic are not modelled yet"
+            )
     if par.layout is not None:
         from metatrace.checks import layout_stages
 
