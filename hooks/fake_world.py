@@ -29,6 +29,7 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     order: str = "tp-cp-ep-dp-pp"
+    hierarchical_cp_sizes: tuple[int, ...] | None = None
 
 
 def _group_getters():
@@ -55,8 +56,20 @@ def _group_getters():
         ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
         ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=False)),
         ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        ("cp_a2a", _hierarchical_cp(0)),  # cp_comm_type a2a+p2p: the all-to-all level
+        ("cp_p2p", _hierarchical_cp(1)),  # and the ring level
         ("world", lambda: dist.group.WORLD),
     ]
+
+
+def _hierarchical_cp(level: int):
+    from megatron.core import parallel_state as ps
+
+    def get():
+        groups = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+        return groups[level] if groups else None
+
+    return get
 
 
 def named_groups() -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -93,6 +106,9 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
+            hierarchical_context_parallel_sizes=(
+                list(layout.hierarchical_cp_sizes) if layout.hierarchical_cp_sizes else None
+            ),
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
             order=layout.order,

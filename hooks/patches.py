@@ -53,6 +53,15 @@ def _no_op(orig):
     return lambda *args, **kwargs: None
 
 
+def _standin(module: str, name: str):
+    """A replacement that is metatrace's stand-in `name` from `module`, whatever the original."""
+
+    def make(orig):
+        return getattr(importlib.import_module(module), name)
+
+    return make
+
+
 PATCHES = (
     Patch(
         "megatron.core.tensor_parallel.random",
@@ -84,7 +93,27 @@ PATCHES = (
         "bug: `self.fp8 = fp8 is not None` is True for fp8=False, which then reaches Transformer "
         "Engine's FP8GlobalStateManager (a NameError without TE); force bool(fp8).",
     ),
+    Patch(
+        "megatron.core.models.common.embeddings.rope_utils",
+        "fused_apply_rotary_pos_emb",
+        _standin("metatrace.models.fusions", "fused_apply_rotary_pos_emb"),
+        "0.12-0.16",
+        "bound from Transformer Engine at import (None without it); RoPE fusion, on by default "
+        "in Megatron-LM, calls it.",
+    ),
+    Patch(
+        "megatron.core.models.common.language_module.language_module",
+        "te_parallel_cross_entropy",
+        _standin("metatrace.models.fusions", "te_parallel_cross_entropy"),
+        "0.14-0.16",
+        "bound from Transformer Engine at import (None without it); used with "
+        "cross_entropy_fusion_impl='te'.",
+    ),
 )
+
+# megatron-core's LanguageModule writes these from config.attention_backend and asserts that
+# any value already set agrees; one trace must not leak them into the next.
+_NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def _resolve(patch: Patch):
@@ -105,7 +134,10 @@ def megatron_patches():
 
     from metatrace.models.standins import FusedSoftmaxKernels
 
+    import os
+
     applied = []
+    _orig_env = {name: os.environ.pop(name, None) for name in _NVTE_ENV}
     # megatron-core 0.12-0.16 import Apex's fused softmax extensions inside FusedScaleMaskSoftmax
     # (fusions/fused_softmax.py); without them the local spec's attention cannot run.
     _orig_modules = {}
@@ -133,3 +165,8 @@ def megatron_patches():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+        for name, value in _orig_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -118,15 +118,44 @@ def _check_parallel(job):
         if job.implementation.transformer_impl == "local":
             yield (
                 "parallel.cp > 1 needs implementation.transformer_impl: transformer_engine "
-                "(megatron-core's local attention refuses context parallelism), which is not "
-                "modelled yet"
+                "(megatron-core's local attention refuses context parallelism)"
             )
+        elif job.attention_kernel == "unfused":
+            yield (
+                "implementation.attention_backend: unfused has no context-parallel path in "
+                "Transformer Engine; use fused or flash with parallel.cp > 1"
+            )
+        yield from _check_cp_comm(job)
+    elif par.hierarchical_cp_sizes is not None:
+        yield "parallel.hierarchical_cp_sizes needs parallel.cp > 1"
     if par.sequence_parallel:
         local_seq = job.training.seq_length // par.cp
         if local_seq % par.tp:
             yield (
                 f"sequence parallel splits training.seq_length / cp = {local_seq} over "
                 f"parallel.tp = {par.tp}, which does not divide it"
+            )
+
+
+def _check_cp_comm(job):
+    par, m = job.parallel, job.model
+    sizes = par.hierarchical_cp_sizes
+    if par.cp_comm_type == "a2a+p2p":
+        if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != par.cp or min(sizes) < 1:
+            yield (
+                "parallel.cp_comm_type a2a+p2p needs parallel.hierarchical_cp_sizes: [a2a size, "
+                f"p2p size] whose product is parallel.cp = {par.cp}, got {sizes}"
+            )
+    elif sizes is not None:
+        yield "parallel.hierarchical_cp_sizes applies to parallel.cp_comm_type a2a+p2p only"
+    a2a = {"a2a": par.cp, "a2a+p2p": (sizes or [1])[0]}.get(par.cp_comm_type)
+    if a2a and a2a > 1:
+        heads, groups = m.num_attention_heads // par.tp, m.num_query_groups // par.tp
+        if heads % a2a or groups % a2a:
+            yield (
+                f"cp_comm_type {par.cp_comm_type} spreads attention heads over {a2a} ranks: "
+                f"query heads per TP rank ({heads}) and key/value heads per TP rank ({groups}) "
+                "must both be divisible by it"
             )
 
 
@@ -318,14 +347,16 @@ def _check_recompute(job, split_ok: bool):
 
 def _check_impl(job):
     impl = job.implementation
-    if impl.transformer_impl == "transformer_engine":
+    if impl.transformer_impl == "local":
+        if impl.attention_backend in ("flash", "fused"):
+            yield (
+                f"implementation.attention_backend: {impl.attention_backend} needs "
+                "transformer_impl: transformer_engine (megatron-core 0.16.1's local spec has only "
+                "its own unfused attention; it uses flash-attn for inference only)"
+            )
+    elif impl.attention_backend == "local":
         yield (
-            "implementation.transformer_impl: transformer_engine is not modelled yet (the "
-            "Transformer Engine stand-ins are planned); use local"
-        )
-    elif impl.attention_backend in ("flash", "fused"):
-        yield (
-            f"implementation.attention_backend: {impl.attention_backend} is not available with the "
-            "local implementation yet (flash-attn and fused attention stand-ins are planned); "
-            "use auto, local or unfused"
+            "implementation.attention_backend: local turns every Transformer Engine attention "
+            "backend off, and Transformer Engine then refuses to run; use auto, fused, flash or "
+            "unfused with transformer_impl: transformer_engine, or transformer_impl: local"
         )

@@ -106,6 +106,11 @@ class Parallel:
     """Megatron pipeline layout string, e.g. "Et|(tt|)*3tL" (E embedding, t layer, L loss)."""
     rank_order: str = "tp-cp-ep-dp-pp"
     """Order in which ranks are laid out, fastest-varying first (Megatron's default)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How Transformer Engine's attention communicates under context parallelism."""
+    hierarchical_cp_sizes: list[int] | None = None
+    """With cp_comm_type a2a+p2p: the sizes of the all-to-all (inner) and ring (outer) levels,
+    whose product is cp."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +136,15 @@ class Training:
     global_batch_size: int | None = None
     """Samples per optimizer step; default micro_batch_size x dp."""
     precision: Precision = "bf16"
-    """Parameter and compute precision."""
+    """Parameter and compute precision; fp8 is bf16 parameters with Transformer Engine's FP8
+    GEMMs (--fp8-format with --bf16)."""
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    """With precision fp8: e4m3 everywhere, or e4m3 forward and e5m2 gradients."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """With precision fp8: the scaling recipe (Megatron-LM's default is delayed)."""
+    fp8_param_gather: bool = False
+    """With precision fp8: keep parameters in FP8 and gather them in FP8 (needs the
+    distributed optimizer)."""
     recompute: Recompute = field(default_factory=Recompute)
     """Activation recomputation."""
     distributed_optimizer: bool = False
@@ -147,10 +160,21 @@ class Training:
 
 @dataclass(frozen=True, kw_only=True)
 class Implementation:
-    transformer_impl: Literal["local", "transformer_engine"] = "local"
-    """Layer spec family: megatron-core's local modules, or Transformer Engine."""
+    transformer_impl: Literal["local", "transformer_engine"] = "transformer_engine"
+    """Layer spec family: Transformer Engine (Megatron-LM's default) or megatron-core's local
+    modules."""
     attention_backend: Literal["auto", "local", "unfused", "flash", "fused"] = "auto"
-    """Attention kernel; auto picks what Megatron would on the configured GPU."""
+    """Attention kernel. auto: what Transformer Engine picks on cluster.gpu (fused cuDNN
+    attention on the GPUs metatrace knows); flash: TE's flash-attn path (needs flash-attn
+    2.1.1-2.8.1 next to TE 2.8); local: megatron-core's own attention (local spec only)."""
+    rope_fusion: bool | None = None
+    """Transformer Engine's fused RoPE kernel (Megatron-LM's default with TE; needs TE, so the
+    local spec defaults to megatron-core's unfused RoPE)."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion)."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """With cross_entropy_loss_fusion: megatron-core's fused kernel, or Transformer Engine's
+    (which overwrites the logits with their gradient)."""
 
 
 # Device memory as `torch.cuda.get_device_properties(0).total_memory` reports it, in GiB,
@@ -195,10 +219,12 @@ class Job:
     num_microbatches: int = 0
     notes: tuple[str, ...] = ()
     """What was adjusted the way Megatron-LM adjusts it (e.g. sequence parallel off at tp 1)."""
+    attention_kernel: str = ""
+    """The attention that runs: fused, flash or unfused (Transformer Engine), local."""
 
 
 SECTIONS = ("model", "parallel", "training", "implementation", "cluster")
-_DERIVED = ("source", "padded_vocab_size", "num_microbatches", "notes")
+_DERIVED = ("source", "padded_vocab_size", "num_microbatches", "notes", "attention_kernel")
 
 
 # --------------------------------------------------------------------------- loading
@@ -408,6 +434,17 @@ def resolve(job: Job) -> Job:
                 f"pp {par.pp} x {vpp} virtual stages"
             )
         par = dataclasses.replace(par, vpp=vpp if vpp > 1 else None)
+    impl = job.implementation
+    te = impl.transformer_impl == "transformer_engine"
+    if impl.rope_fusion is None:
+        impl = dataclasses.replace(impl, rope_fusion=te)
+    kernel = impl.attention_backend
+    if kernel == "auto":
+        # Transformer Engine 2.8 prefers cuDNN fused attention on sm90+ and, without a
+        # flash-attn it accepts (2.1.1-2.8.1), on sm80 too; the local spec has one attention.
+        kernel = "fused" if te else "local"
+    if not te and kernel == "unfused":
+        kernel = "local"  # megatron-core's own attention is the unfused one
     rec = training.recompute
     if rec.granularity == "selective" and rec.modules is None:
         rec = dataclasses.replace(rec, modules=["core_attn"])
@@ -421,8 +458,10 @@ def resolve(job: Job) -> Job:
         parallel=par,
         training=training,
         cluster=cl,
+        implementation=impl,
         padded_vocab_size=padded,
         notes=tuple(notes),
+        attention_kernel=kernel,
     )
     from metatrace.checks import check_job, check_with_megatron
 

@@ -17,7 +17,7 @@ from metatrace.hooks.records import STEP
 MiB = 2**20
 GiB = 2**30
 TP_GROUPS = ("tp",)
-_SHORT = {"weight": "w", "bias": "b"}
+_SHORT = {"weight": "w", "bias": "b", "layer_norm_weight": "ln.w", "layer_norm_bias": "ln.b"}
 
 
 def mib(nbytes: int) -> str:

@@ -63,6 +63,9 @@ class World:
             ep=par.ep,
             etp=par.etp,
             order=par.rank_order,
+            hierarchical_cp_sizes=(
+                tuple(par.hierarchical_cp_sizes) if par.hierarchical_cp_sizes else None
+            ),
         )
         return cls(layout, job.cluster.gpus_per_node)
 

@@ -36,8 +36,9 @@ def _activations():
 def transformer_config(job):
     """megatron-core's TransformerConfig for `job`; megatron-core's own checks become ConfigError."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
-    m, par, tr = job.model, job.parallel, job.training
+    m, par, tr, impl = job.model, job.parallel, job.training, job.implementation
     activation_func, gated = _activations()[m.activation]
     dtype = DTYPES[tr.precision]
     rec = tr.recompute
@@ -83,7 +84,13 @@ def transformer_config(job):
         recompute_num_layers=rec.num_layers,
         recompute_modules=rec.modules,
         distribute_saved_activations=rec.distribute_saved_activations,
-        transformer_impl=job.implementation.transformer_impl,
+        transformer_impl=impl.transformer_impl,
+        attention_backend=AttnBackend[job.attention_kernel],
+        apply_rope_fusion=impl.rope_fusion and m.position_embedding_type == "rope",
+        cross_entropy_loss_fusion=impl.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=impl.cross_entropy_fusion_impl,
+        cp_comm_type=par.cp_comm_type if par.cp > 1 else None,
+        hierarchical_context_parallel_sizes=par.hierarchical_cp_sizes,
         # Megatron-LM command-line defaults.
         bias_activation_fusion=bias_activation_fusion,
         masked_softmax_fusion=True,
@@ -92,9 +99,8 @@ def transformer_config(job):
         deallocate_pipeline_outputs=True,
         overlap_p2p_comm=par.vpp is not None,
         batch_p2p_comm=par.vpp is None,
-        # Not modelled with the local spec yet: RoPE fusion needs Transformer Engine, and
-        # gradient-accumulation fusion Apex's fused_weight_gradient_mlp_cuda plus DDP main_grads.
-        apply_rope_fusion=False,
+        # Gradient-accumulation fusion writes weight gradients into DDP's main_grad buffers,
+        # which are not modelled yet.
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
@@ -102,8 +108,11 @@ def transformer_config(job):
         perform_initialization=True,
         use_cpu_initialization=False,
     )
+    from metatrace.hooks.patches import megatron_patches
+
     try:
-        return TransformerConfig(**fields)
+        with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
+            return TransformerConfig(**fields)
     except (ValueError, AssertionError, TypeError) as e:
         raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
 

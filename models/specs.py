@@ -5,6 +5,9 @@ megatron-core builds a GPT layer from a `BackendSpecProvider` (megatron/core/mod
 with a norm that runs on meta (see `standins.LocalNorm`); a Transformer Engine stand-in provider
 plugs into `gpt_layer_spec` the same way.
 
+`MetaTESpecProvider` is megatron-core's `TESpecProvider` with the Transformer Engine stand-ins of
+`metatrace.models.te_linear` and `metatrace.models.te_attention`.
+
 `gpt_layer_spec` mirrors megatron-core 0.16.1's `get_gpt_layer_local_spec` and
 `get_gpt_layer_with_transformer_engine_spec` for dense layers: with a provider that fuses the
 norm into the following linear (`fuse_layernorm_and_linear()`), input_layernorm and
@@ -14,7 +17,7 @@ pre_mlp_layernorm become identities and linear_qkv / linear_fc1 take the norm, a
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -26,6 +29,14 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from metatrace.models.standins import LocalNorm
+from metatrace.models.te_attention import TEDotProductAttention
+from metatrace.models.te_linear import (
+    TEColumnParallelLinear,
+    TELayerNormColumnParallelLinear,
+    TELinear,
+    TENorm,
+    TERowParallelLinear,
+)
 
 
 class MetaLocalSpecProvider(LocalSpecProvider):
@@ -74,8 +85,41 @@ def gpt_layer_spec(provider, *, qk_layernorm: bool = False) -> ModuleSpec:
     )
 
 
+class MetaTESpecProvider(BackendSpecProvider):
+    """megatron-core's TESpecProvider with metatrace's Transformer Engine stand-ins."""
+
+    def linear(self) -> type:
+        return TELinear
+
+    def column_parallel_linear(self) -> type:
+        return TEColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return TERowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self) -> type:
+        return TELayerNormColumnParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TENorm
+
+    def core_attention(self) -> type:
+        return TEDotProductAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+        raise NotImplementedError("mixture-of-experts layers are not modelled yet")
+
+    def activation_func(self) -> type:
+        return None  # TEActivationOp is used only with use_te_activation_func
+
+
 def provider_for(transformer_impl: str):
     """The backend spec provider for `implementation.transformer_impl`."""
     if transformer_impl == "local":
         return MetaLocalSpecProvider()
-    raise NotImplementedError(f"transformer_impl {transformer_impl!r} has no stand-in provider")
+    if transformer_impl == "transformer_engine":
+        return MetaTESpecProvider()
+    raise ValueError(f"unknown transformer_impl {transformer_impl!r}")

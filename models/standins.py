@@ -2,114 +2,38 @@
 
 `LocalNorm` replaces the norm of the local spec. On a GPU that spec uses Apex's
 `FusedLayerNorm` for LayerNorm and torch's `RMSNorm` (the fused CUDA kernel `_fused_rms_norm`)
-for RMSNorm. Both keep, for backward, the input x (no copy), the weight (and bias) and fp32
-statistics per row (mean and 1/std for LayerNorm, 1/rms for RMSNorm), and allocate nothing but
-their outputs. Run eagerly on meta or the CPU, `torch.nn.RMSNorm` instead decomposes into an fp32
-copy of x and keeps several [tokens, hidden] intermediates, and megatron-core's
-`WrappedTorchNorm` refuses sequence parallelism without Apex. `LocalNorm` keeps what the CUDA
-kernels keep, computes in a way that allocates only its outputs and per-row statistics, and tags
-its weights `sequence_parallel` as Apex's `FusedLayerNorm` does.
+for RMSNorm, which keep and allocate what `metatrace.models.norm` describes. Run eagerly on meta
+or the CPU, `torch.nn.RMSNorm` instead decomposes into an fp32 copy of x and keeps several
+[tokens, hidden] intermediates, and megatron-core's `WrappedTorchNorm` refuses sequence
+parallelism without Apex. `LocalNorm` tags its weights `sequence_parallel` as Apex's
+`FusedLayerNorm` does.
 
-Known limitations: the statistics are computed as E[x^2] - E[x]^2 in fp32 (values are close to
-the kernels', not bit-identical). Where no fused RMSNorm backward kernel exists (the CPU), the
-backward uses a formula with [tokens, hidden] temporaries that the CUDA kernel does not have.
+`FusedSoftmaxKernels` stands in for Apex's fused softmax extensions.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def _row_stats(x2: torch.Tensor, eps: float, rms: bool):
-    """Per-row fp32 statistics of x2 [rows, h] without materialising an fp32 copy of it."""
-    h = x2.shape[-1]
-    sq = torch.linalg.vector_norm(x2, dim=-1, dtype=torch.float32).square_().div_(h)  # [rows]
-    if rms:
-        return None, sq.add_(eps).rsqrt_().unsqueeze_(-1)  # rstd [rows, 1]
-    mean = x2.mean(dim=-1, dtype=torch.float32)  # [rows]
-    var = sq.sub_(mean.square())
-    return mean.unsqueeze_(-1), var.clamp_(min=0.0).add_(eps).rsqrt_().unsqueeze_(-1)
+from metatrace.models.norm import NormBase
 
 
-class _NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms):
-        h = x.shape[-1]
-        x2 = x.reshape(-1, h)  # [rows, h], a view when x is contiguous
-        mean, rstd = _row_stats(x2, eps, rms)
-        dt = x.dtype
-        y = x2.sub(mean.to(dt)) if mean is not None else x2.mul(rstd.to(dt))
-        if mean is not None:
-            y.mul_(rstd.to(dt))
-        y.mul_(weight)
-        if bias is not None:
-            y.add_(bias)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.rms = rms
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        h = x.shape[-1]
-        x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
-        if ctx.rms:
-            dx, dw = _rms_backward(dy2, x2, rstd, weight)
-            db = None
-        else:
-            if x.device.type == "cpu":
-                # The CPU kernel wants statistics in the input dtype (CUDA and meta take fp32).
-                mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dy2, x2, [h], mean, rstd, weight, bias, [True, True, bias is not None]
-            )
-        return dx.view(x.shape), dw, db, None, None
-
-
-def _rms_backward(dy2, x2, rstd, weight):
-    h = x2.shape[-1]
-    try:
-        return torch.ops.aten._fused_rms_norm_backward(dy2, x2, [h], rstd, weight, [True, True])
-    except NotImplementedError:
-        pass
-    # No fused kernel on this device (the CPU): d/dx of x * rstd * w, written out.
-    dt = x2.dtype
-    xhat = x2.mul(rstd.to(dt))
-    dw = dy2.mul(xhat).sum(0)
-    g = dy2.mul(weight)
-    c = g.mul(xhat).sum(-1, keepdim=True, dtype=torch.float32).div_(h)
-    dx = g.sub_(xhat.mul_(c.to(dt))).mul_(rstd.to(dt))
-    return dx, dw
-
-
-class LocalNorm(torch.nn.Module):
+class LocalNorm(NormBase):
     """LayerNorm or RMSNorm (from config.normalization), as the local spec's CUDA kernels run it.
 
     Takes megatron-core's norm constructor arguments (config, hidden_size, eps, ...).
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unsupported normalization {config.normalization!r}")
-        self.rms = config.normalization == "RMSNorm"
-        self.eps = eps
-        device = torch.cuda.current_device()  # remapped to the traced device
-        self.weight = torch.nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype, device=device)
+        super().__init__(
+            config,
+            hidden_size,
+            eps,
+            rms=config.normalization == "RMSNorm",
+            sequence_parallel=config.sequence_parallel,
         )
-        self.bias = (
-            None
-            if self.rms
-            else torch.nn.Parameter(
-                torch.zeros(hidden_size, dtype=config.params_dtype, device=device)
-            )
-        )
-        for p in self.parameters():
-            setattr(p, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NormFunction.apply(x, self.weight, self.bias, self.eps, self.rms)
 
 
 class FusedSoftmaxKernels:

@@ -18,12 +18,14 @@ def collective_rows(trace):
     ]
 
 
-def test_golden_collective_sequence_tp2(golden):
-    # One stage, tp 2, two layers: the sequence megatron-core 0.16.1 issues for one micro-batch.
-    job = small_job(parallel={"tp": 2})
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_golden_collective_sequence_tp2(golden, impl):
+    # One stage, tp 2, two layers: the sequence megatron-core 0.16.1 issues for one micro-batch,
+    # with its local modules or Transformer Engine's (the same collectives without SP).
+    job = small_job(parallel={"tp": 2}, implementation={"transformer_impl": impl})
     jt = trace_job(job, full_model=False)
     rows = collective_rows(jt.roles[0].trace)
-    golden("collectives_tp2.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    golden(f"collectives_tp2_{impl}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     # The notes' observation (../shared/notes/megatron-on-meta.md): 13 all-reduces = 2 per
     # layer forward (linear_proj, linear_fc2) and 2 backward (linear_qkv, linear_fc1),
     # 1 embedding, 3 fp32 [s, b] in the vocab-parallel cross entropy, 1 output-layer input grad.
@@ -31,7 +33,8 @@ def test_golden_collective_sequence_tp2(golden):
     assert len(all_reduces) == 13
     s, b, h = 64, 2, 64
     per_layer = [r for r in all_reduces if ".layers." in r[6]]
-    assert len(per_layer) == 8 and all(r[2] == [s, b, h] and r[4] == s * b * h * 2 for r in per_layer)
+    # [s, b, h] bf16 (Transformer Engine reduces the flattened GEMM output [s b, h]).
+    assert len(per_layer) == 8 and all(r[4] == s * b * h * 2 for r in per_layer)
     assert sum(r[5] == "forward" for r in per_layer) == 4
     cross_entropy = [r for r in all_reduces if r[3] == "float32"]
     assert len(cross_entropy) == 3 and all(r[2] == [s, b] for r in cross_entropy)
@@ -39,12 +42,14 @@ def test_golden_collective_sequence_tp2(golden):
     assert [r[0] for r in rows].count("broadcast") == 5
 
 
-def test_sequence_parallel_collectives_match_the_notes():
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_sequence_parallel_collectives_match_the_notes(impl):
     # TP 4 with SP, one layer (notes: forward 3 reduce-scatters and 3 all-gathers; backward
     # 6 all-gathers, the re-gathers for weight gradients included, and 3 reduce-scatters).
     job = small_job(
         model={"num_layers": 1, "num_attention_heads": 4, "num_query_groups": 4},
         parallel={"tp": 4, "sequence_parallel": True},
+        implementation={"transformer_impl": impl},
     )
     trace = trace_job(job, full_model=False).roles[0].trace
     ops = [(c.op, c.phase) for c in trace.collectives if c.group == "tp"]
@@ -53,7 +58,7 @@ def test_sequence_parallel_collectives_match_the_notes():
     assert ops.count(("all_gather", "backward")) == 6
     assert ops.count(("reduce_scatter", "backward")) == 3
     gathered = [c for c in trace.collectives if c.op == "all_gather"]
-    assert all(c.shape[0] == 64 for c in gathered)  # the full sequence, gathered from 64 / 4
+    assert all(c.bytes == 64 * 2 * 64 * 2 for c in gathered)  # [s, b, h] bf16, from s / 4
 
 
 def test_pipeline_sends_and_receives():
@@ -100,8 +105,17 @@ def test_tp_peers_are_symmetric():
                    "untie_embeddings_and_output_weights": False},
          "parallel": {"tp": 2, "sequence_parallel": True}},
         {"parallel": {"tp": 2}, "training": {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}},
+        {"parallel": {"tp": 2, "pp": 2}, "implementation": {"transformer_impl": "local"}},
+        {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+         "parallel": {"tp": 2, "sequence_parallel": True},
+         "implementation": {"attention_backend": "unfused"}},
+        {"parallel": {"tp": 2}, "implementation": {"attention_backend": "flash"}},
+        {"model": {"num_attention_heads": 4, "num_query_groups": 4},
+         "parallel": {"cp": 2, "cp_comm_type": "a2a"}},
+        {"parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}},
     ],
-    ids=["llama-tp2-pp2", "gpt-sp-dropout", "full-recompute"],
+    ids=["te-tp2-pp2", "te-gpt-sp-dropout", "te-full-recompute", "local-tp2-pp2",
+         "te-unfused-dropout", "te-flash", "te-cp2-a2a", "te-cp2-p2p"],
 )
 def test_meta_tells_the_truth(sections):
     """The same tiny model on real CPU tensors and on meta keeps the same tensors for backward

@@ -1,0 +1,314 @@
+"""Stand-ins for megatron-core's Transformer Engine linear wrappers and TENorm.
+
+Class names, constructor signatures, parameter names, shapes and attributes are those of
+megatron-core 0.16.1's `TELinear`, `TEColumnParallelLinear`, `TERowParallelLinear`,
+`TELayerNormColumnParallelLinear` and `TENorm` (extensions/transformer_engine.py) over
+Transformer Engine 2.8 (`te.pytorch.Linear`, `LayerNormLinear`, `LayerNorm`, `RMSNorm`), with
+the parameter attributes TE sets on a real device (tensor_model_parallel, partition_dim,
+partition_stride, sequence_parallel) and the ones megatron-core sets (allreduce).
+
+`_LinearFunction` keeps and sends what TE 2.8's `_Linear` / `_LayerNormLinear` do in bf16
+(module/linear.py, module/layernorm_linear.py):
+- saved: the input as given (the same storage; the local shard under sequence parallelism),
+  and for LayerNormLinear also ln_out [Ns, in] (new) and fp32 mu (LayerNorm) and rsigma [Ns];
+- column parallel + SP: the input (or ln_out) is all-gathered for the GEMM and the gathered
+  buffer freed right after; in backward it is gathered again (before the dgrad GEMM) and dgrad
+  is reduce-scattered; without SP, dgrad is all-reduced (tp > 1);
+- row parallel: the output is reduce-scattered (SP) or all-reduced in place; with SP the output
+  gradient is all-gathered in backward; a row bias is added after the reduction (a new tensor),
+  or returned to the caller (megatron's skip_bias_add);
+- a column bias is fused into the GEMM; a weight gradient [out, in] is allocated per backward
+  (gradient-accumulation fusion into main_grad is not modelled yet).
+
+Known limitations: FP8 is not modelled yet; userbuffer (tp_comm_overlap) and symmetric
+all-reduce variants are not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from metatrace.models.norm import NormBase, norm_backward, norm_forward
+
+
+@dataclass(frozen=True)
+class _Mode:
+    parallel: str | None  # "column", "row" or None (duplicated)
+    sequence_parallel: bool  # effective: tp > 1 and config.sequence_parallel
+    group: object
+    tp: int
+    norm: str | None = None  # "LayerNorm" / "RMSNorm" for LayerNormLinear
+    eps: float = 1e-5
+
+
+def _gather(x2, mode):
+    out = torch.empty((x2.shape[0] * mode.tp, *x2.shape[1:]), dtype=x2.dtype, device=x2.device)
+    dist.all_gather_into_tensor(out, x2, group=mode.group)
+    return out
+
+
+def _reduce_scatter(x2, mode):
+    out = torch.empty((x2.shape[0] // mode.tp, *x2.shape[1:]), dtype=x2.dtype, device=x2.device)
+    dist.reduce_scatter_tensor(out, x2, group=mode.group)
+    return out
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, mode: _Mode):
+        in_features = x.shape[-1]
+        x2 = x.contiguous().view(-1, in_features)  # [Ns, in], TE's prepare_forward
+        mu = rsigma = ln_out = None
+        if mode.norm is not None:
+            ln_out, mu, rsigma = norm_forward(
+                x2, ln_weight, ln_bias, mode.eps, mode.norm == "RMSNorm"
+            )
+        inp = ln_out if ln_out is not None else x2
+        column_sp = mode.parallel == "column" and mode.sequence_parallel
+        total = _gather(inp, mode) if column_sp else inp  # [N, in]
+        if bias is not None:
+            out = torch.addmm(bias, total, weight.t())  # bias in the GEMM epilogue (column)
+        else:
+            out = torch.mm(total, weight.t())  # [N, out]
+        del total  # the gathered input is freed right after the GEMM
+        if mode.parallel == "row" and mode.tp > 1:
+            if mode.sequence_parallel:
+                out = _reduce_scatter(out, mode)
+            else:
+                dist.all_reduce(out, group=mode.group)
+        ctx.save_for_backward(x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma)
+        ctx.mode = mode
+        ctx.x_shape = x.shape
+        lead = x.shape[:-1]
+        return out.view(out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma = ctx.saved_tensors
+        mode = ctx.mode
+        dy = grad.contiguous().view(-1, grad.shape[-1])
+        if mode.parallel == "row" and mode.sequence_parallel:
+            dy = _gather(dy, mode)  # [N, out]
+        saved_input = ln_out if ln_out is not None else x2
+        column_sp = mode.parallel == "column" and mode.sequence_parallel
+        total = _gather(saved_input, mode) if column_sp else saved_input  # before the dgrad GEMM
+        dgrad = torch.mm(dy, weight)  # [N, in]
+        dinput = dgrad
+        if mode.parallel == "column" and mode.tp > 1:
+            if mode.sequence_parallel:
+                dinput = _reduce_scatter(dgrad, mode)
+            else:
+                dist.all_reduce(dgrad, group=mode.group)
+        wgrad = torch.mm(dy.t(), total)  # [out, in]
+        bgrad = dy.sum(0) if bias is not None else None
+        del total
+        dln_w = dln_b = None
+        if mode.norm is not None:
+            dinput, dln_w, dln_b = norm_backward(
+                dinput, x2, ln_weight, ln_bias, mu, rsigma, mode.norm == "RMSNorm"
+            )
+        return dinput.view(ctx.x_shape), wgrad, bgrad, dln_w, dln_b, None
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _tp_group(tp_group, is_expert=False):
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    return get_tensor_model_parallel_group_if_none(tp_group, is_expert)
+
+
+class _TELinearBase(torch.nn.Module):
+    """Parameters and forward shared by the linear stand-ins."""
+
+    def _setup(self, config, in_features, out_features, *, parallel_mode, tp_group, bias,
+               skip_bias_add, init_method, stride=1):
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        self.config = config
+        self._tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = self.tp_size > 1 and config.sequence_parallel
+        self.te_return_bias = skip_bias_add and bias
+        self.use_bias = bias
+        self.is_first_microbatch = True
+        self.fuse_wgrad_accumulation = config.gradient_accumulation_fusion
+        self.disable_parameter_transpose_cache = getattr(
+            config, "disable_parameter_transpose_cache", False
+        )
+        self.te_quant_params = None
+        if parallel_mode == "column":
+            out_features //= self.tp_size
+        elif parallel_mode == "row":
+            in_features //= self.tp_size
+        self.in_features, self.out_features = in_features, out_features
+        device = torch.cuda.current_device()  # remapped to the traced device
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = torch.empty(0, dtype=dtype, device=device)  # TE: a zero-length tensor
+        if config.perform_initialization:
+            with get_cuda_rng_tracker().fork():
+                init_method(self.weight)
+        # Attributes TE's reset_parameters sets on a real device, and megatron-core's.
+        w = self.weight
+        if parallel_mode in ("column", "row"):
+            w.tensor_model_parallel = True
+            w.partition_dim = 0 if parallel_mode == "column" else 1
+            w.partition_stride = stride
+        if bias:
+            if parallel_mode == "column":
+                self.bias.tensor_model_parallel = True
+                self.bias.partition_dim = 0
+                self.bias.partition_stride = stride
+            elif parallel_mode == "row":
+                self.bias.sequence_parallel = self.sequence_parallel
+        for p in self.parameters():
+            p.allreduce = True
+
+    def _mode(self, norm=None, eps=1e-5) -> _Mode:
+        return _Mode(
+            parallel=self.parallel_mode,
+            sequence_parallel=self.sequence_parallel,
+            group=self._tp_group,
+            tp=self.tp_size,
+            norm=norm,
+            eps=eps,
+        )
+
+    def _run(self, x, ln_weight=None, ln_bias=None, norm=None, eps=1e-5):
+        bias = self.bias if self.use_bias and not self.te_return_bias else None
+        row = self.parallel_mode == "row"
+        out = _LinearFunction.apply(
+            x, self.weight, None if row else bias, ln_weight, ln_bias, self._mode(norm, eps)
+        )
+        if row and bias is not None:
+            out = out + bias  # TE adds a row-parallel bias after the reduction, outside the GEMM
+        self.is_first_microbatch = False
+        return (out, self.bias) if self.te_return_bias else (out, None)
+
+    def finish_init(self, quant_config) -> None:
+        """megatron-core calls this on every module after building (quantisation recipes)."""
+
+    def backward_dw(self) -> None:
+        """Delayed weight-gradient computation (not modelled: weight gradients run in backward)."""
+
+    def forward(self, x):
+        return self._run(x)
+
+
+class TELinear(_TELinearBase):
+    def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias,
+                 skip_bias_add, skip_weight_param_allocation, tp_comm_buffer_name=None,
+                 is_expert=False, symmetric_ar_type=None, tp_group=None):
+        super().__init__()
+        if skip_weight_param_allocation:
+            raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation")
+        if parallel_mode == "duplicated":
+            group, te_mode = None, None
+        else:
+            group, te_mode = _tp_group(tp_group, is_expert), parallel_mode
+        self._setup(config, input_size, output_size, parallel_mode=te_mode, tp_group=group,
+                    bias=bias, skip_bias_add=skip_bias_add, init_method=init_method)
+        if parallel_mode == "duplicated":
+            for p in self.parameters():
+                p.sequence_parallel = config.sequence_parallel
+
+
+class TEColumnParallelLinear(_TELinearBase):
+    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias,
+                 skip_bias_add, is_expert, skip_weight_param_allocation=False,
+                 tp_comm_buffer_name=None, tp_group=None, stride=1):
+        super().__init__()
+        if gather_output:
+            raise ValueError("Transformer Engine linear layers do not support gather_output = True")
+        self._setup(config, input_size, output_size, parallel_mode="column",
+                    tp_group=_tp_group(tp_group, is_expert), bias=bias,
+                    skip_bias_add=skip_bias_add, init_method=init_method, stride=stride)
+
+
+class TERowParallelLinear(_TELinearBase):
+    def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel,
+                 skip_bias_add, is_expert, tp_comm_buffer_name=None, tp_group=None):
+        super().__init__()
+        if not input_is_parallel:
+            raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
+        self._setup(config, input_size, output_size, parallel_mode="row",
+                    tp_group=_tp_group(tp_group, is_expert), bias=bias,
+                    skip_bias_add=skip_bias_add, init_method=init_method)
+
+
+class TELayerNormColumnParallelLinear(_TELinearBase):
+    """LayerNorm (or RMSNorm) fused into a column-parallel linear: parameters layer_norm_weight,
+    layer_norm_bias (LayerNorm only), weight, bias."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias,
+                 skip_bias_add, is_expert, skip_weight_param_allocation=False,
+                 tp_comm_buffer_name=None, tp_group=None, stride=1):
+        super().__init__()
+        if gather_output or is_expert or skip_weight_param_allocation:
+            raise ValueError("TELayerNormColumnParallelLinear supports none of gather_output, "
+                             "is_expert, skip_weight_param_allocation")
+        self.normalization = config.normalization
+        self.eps = config.layernorm_epsilon
+        device = torch.cuda.current_device()
+        dtype = config.params_dtype
+        # Registered before weight and bias, as TE does.
+        self.layer_norm_weight = torch.nn.Parameter(
+            torch.ones(input_size, dtype=dtype, device=device)
+        )
+        if self.normalization == "RMSNorm":
+            self.layer_norm_bias = None
+        else:
+            self.layer_norm_bias = torch.nn.Parameter(
+                torch.zeros(input_size, dtype=dtype, device=device)
+            )
+        self._setup(config, input_size, output_size, parallel_mode="column",
+                    tp_group=_tp_group(tp_group), bias=bias, skip_bias_add=skip_bias_add,
+                    init_method=init_method, stride=stride)
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = self.sequence_parallel
+
+    def forward(self, x):
+        return self._run(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+
+
+class LayerNorm(NormBase):
+    """transformer_engine.pytorch.LayerNorm, as megatron-core's TENorm builds it."""
+
+    def __init__(self, config, hidden_size, eps):
+        super().__init__(config, hidden_size, eps, rms=False,
+                         sequence_parallel=config.sequence_parallel)
+
+
+class RMSNorm(NormBase):
+    """transformer_engine.pytorch.RMSNorm, as megatron-core's TENorm builds it."""
+
+    def __init__(self, config, hidden_size, eps):
+        super().__init__(config, hidden_size, eps, rms=True,
+                         sequence_parallel=config.sequence_parallel)
+
+
+class TENorm:
+    """megatron-core's TENorm: a factory returning TE's LayerNorm or RMSNorm module."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
+        if config.normalization == "LayerNorm":
+            return LayerNorm(config, hidden_size, eps)
+        if config.normalization == "RMSNorm":
+            return RMSNorm(config, hidden_size, eps)
+        raise ValueError("Only LayerNorm and RMSNorm are currently supported")
