@@ -117,6 +117,9 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         yield
     finally:
+        from metatrace.hooks.patches import clear_parallel_state_leftovers
+
         ps.destroy_model_parallel()
+        clear_parallel_state_leftovers()
         if dist.is_initialized():
             dist.destroy_process_group()

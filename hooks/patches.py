@@ -1,8 +1,11 @@
-"""Every patch of megatron-core (and the one torch setting) metatrace needs, in one place.
+"""Every patch of megatron-core (and of its surroundings) metatrace needs, in one place.
 
-Each patch says which versions need it and why. `megatron_patches()` applies them all and
-restores every original on exit, also on error. The originals are kept next to the patches
-(`_orig`), so nothing is lost by applying twice.
+- PATCHES: attributes of megatron-core replaced by stand-ins, each saying which versions need
+  it and why; the originals are kept (`_orig`) and put back;
+- the CUDA extensions megatron-core imports by name, torch.compile switched off, Meta kernels for
+  the coalesced c10d operators, and the NVTE_*_ATTN variables megatron-core writes.
+
+`megatron_patches()` applies them all and restores everything on exit, also on error.
 
 Measured with megatron-core 0.16.1 and torch 2.13.0 (../shared/notes/megatron-on-meta.md).
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -111,8 +116,29 @@ PATCHES = (
     ),
 )
 
-# megatron-core's LanguageModule writes these from config.attention_backend and asserts that
-# any value already set agrees; one trace must not leak them into the next.
+# FP8 (models/te_fp8.py): megatron-core's get_fp8_context returns a null context without TE and
+# te_checkpoint raises; these are their stand-ins, bound where megatron-core looks them up.
+for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transformer_block"):
+    PATCHES += (
+        Patch(
+            _module,
+            "get_fp8_context",
+            _standin("metatrace.models.te_fp8", "get_fp8_context"),
+            "0.13-0.16",
+            "without Transformer Engine it returns a null context, so FP8 would never start.",
+        ),
+    )
+for _module in ("megatron.core.transformer.transformer_block", "megatron.core.extensions.transformer_engine"):
+    PATCHES += (
+        Patch(
+            _module,
+            "te_checkpoint",
+            _standin("metatrace.models.te_fp8", "checkpoint"),
+            "0.13-0.16",
+            "recompute under FP8 goes through TE's checkpoint, None or raising without TE.",
+        ),
+    )
+
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
@@ -124,31 +150,37 @@ def _resolve(patch: Patch):
     return owner, attr
 
 
+_COALESCED = (
+    "allreduce_coalesced_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_",
+)
+
+
+# Globals megatron-core 0.16.1's destroy_model_parallel() leaves set, so that the next
+# initialize_model_parallel() in the same process would return the previous world's groups
+# (seen with hierarchical context parallelism: a stale group, KeyError in torch).
+_PARALLEL_STATE_LEFTOVERS = (
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_HYBRID_DP_CP_GROUPS",
+)
+
+
+def clear_parallel_state_leftovers() -> None:
+    """Finish megatron-core's destroy_model_parallel (0.16.1): reset what it forgets."""
+    from megatron.core import parallel_state as ps
+
+    for name in _PARALLEL_STATE_LEFTOVERS:
+        if hasattr(ps, name):
+            setattr(ps, name, None if name != "_HYBRID_DP_CP_GROUPS" else {})
+
+
 @contextlib.contextmanager
-def megatron_patches():
-    """Apply every patch in PATCHES, provide the CUDA extensions megatron-core imports by name
-    (stand-ins from metatrace.models.standins) and disable torch.compile; restore all on exit."""
-    import sys
-
-    import torch._dynamo
-
-    from metatrace.models.standins import FusedSoftmaxKernels
-
-    import os
-
+def _patched_attributes():
     applied = []
-    _orig_env = {name: os.environ.pop(name, None) for name in _NVTE_ENV}
-    # megatron-core 0.12-0.16 import Apex's fused softmax extensions inside FusedScaleMaskSoftmax
-    # (fusions/fused_softmax.py); without them the local spec's attention cannot run.
-    _orig_modules = {}
-    for name, module in FusedSoftmaxKernels.modules().items():
-        _orig_modules[name] = sys.modules.get(name)
-        sys.modules[name] = module
-    # megatron-core decorates its fused kernels with torch.compile (megatron.core.jit); compiling
-    # for meta tensors is slow and pointless, and the autograd functions around those kernels
-    # decide what is saved for backward, so eager execution keeps the same tensors.
-    _orig_dynamo_disable = torch._dynamo.config.disable
-    torch._dynamo.config.disable = True
     try:
         for patch in PATCHES:
             owner, attr = _resolve(patch)
@@ -159,14 +191,99 @@ def megatron_patches():
     finally:
         for owner, attr, _orig in reversed(applied):
             setattr(owner, attr, _orig)
-        torch._dynamo.config.disable = _orig_dynamo_disable
+
+
+@contextlib.contextmanager
+def _extension_modules():
+    """megatron-core 0.12-0.16 import Apex's fused softmax extensions by name inside
+    FusedScaleMaskSoftmax (fusions/fused_softmax.py); without them the local spec's attention
+    cannot run. The stand-ins come from metatrace.models.standins."""
+    from metatrace.models.standins import FusedSoftmaxKernels
+
+    _orig_modules = {}
+    try:
+        for name, module in FusedSoftmaxKernels.modules().items():
+            _orig_modules[name] = sys.modules.get(name)
+            sys.modules[name] = module
+        yield
+    finally:
         for name, module in _orig_modules.items():
             if module is None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@contextlib.contextmanager
+def _dynamo_disabled():
+    """megatron-core decorates its fused kernels with torch.compile (megatron.core.jit);
+    compiling for meta tensors is slow and pointless, and the autograd functions around those
+    kernels decide what is saved for backward, so eager execution keeps the same tensors."""
+    import torch._dynamo
+
+    _orig_disable = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = _orig_disable
+
+
+_COALESCED = (
+    "allreduce_coalesced_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_",
+)
+_META_DEPTH = [0]  # megatron_patches nests when a config is checked inside a trace
+
+
+@contextlib.contextmanager
+def _coalesced_meta_kernels():
+    """torch 2.13 registers Meta kernels for 16 c10d operators but not the coalesced ones (see
+    torch/distributed/_meta_registrations.py); Transformer Engine's FP8 all-gathers and
+    megatron-core's DDP issue them."""
+    from torch.distributed._meta_registrations import create_fakework
+
+    lib = None
+    if not _META_DEPTH[0]:
+        lib = torch.library.Library("c10d", "IMPL")
+        for op in _COALESCED:
+            lib.impl(op, lambda *args: create_fakework(args, return_first_arg=False), "Meta")
+    _META_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _META_DEPTH[0] -= 1
+        if lib is not None:
+            lib._destroy()
+
+
+@contextlib.contextmanager
+def _nvte_env_isolated():
+    """megatron-core's LanguageModule writes NVTE_*_ATTN from config.attention_backend and
+    asserts that values already set agree; one trace must not leak them into the next."""
+    _orig_env = {name: os.environ.pop(name, None) for name in _NVTE_ENV}
+    try:
+        yield
+    finally:
         for name, value in _orig_env.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def megatron_patches():
+    """Everything above, applied together and restored on exit (also on error)."""
+    with contextlib.ExitStack() as stack:
+        for instrument in (
+            _nvte_env_isolated,
+            _coalesced_meta_kernels,
+            _extension_modules,
+            _dynamo_disabled,
+            _patched_attributes,
+        ):
+            stack.enter_context(instrument())
+        yield

@@ -285,14 +285,37 @@ def _check_training(job, split_ok: bool):
                 f"global_batch_size / (micro_batch_size x dp)) to be a multiple of "
                 f"parallel.pp = {par.pp}"
             )
-    if tr.precision == "fp8":
-        yield "training.precision fp8 needs Transformer Engine stand-ins, which are not modelled yet"
+    yield from _check_fp8(job)
     if tr.overlap_param_gather and not (tr.distributed_optimizer and tr.overlap_grad_reduce):
         yield (
             "training.overlap_param_gather needs training.distributed_optimizer and "
             "training.overlap_grad_reduce"
         )
     yield from _check_recompute(job, split_ok)
+
+
+def _check_fp8(job):
+    from metatrace.config import GPU_ARCH
+
+    tr = job.training
+    if tr.precision != "fp8":
+        for name in ("fp8_format", "fp8_recipe"):
+            if getattr(tr, name) is not None:
+                yield f"training.{name} applies with training.precision: fp8 only"
+        if tr.fp8_param_gather:
+            yield "training.fp8_param_gather applies with training.precision: fp8 only"
+        return
+    if job.implementation.transformer_impl != "transformer_engine":
+        yield "training.precision fp8 needs implementation.transformer_impl: transformer_engine"
+    arch = GPU_ARCH.get(job.cluster.gpu)
+    if arch == "sm80":
+        yield f"training.precision fp8 needs an FP8 GPU (Ada, Hopper, Blackwell); {job.cluster.gpu} has none"
+    elif arch is None or not arch.startswith("sm"):
+        yield f"training.precision fp8 is not modelled on cluster.gpu {job.cluster.gpu!r}"
+    elif tr.fp8_recipe == "mxfp8" and arch != "sm100":
+        yield f"training.fp8_recipe mxfp8 needs a Blackwell GPU (b200, gb200), not {job.cluster.gpu}"
+    if tr.fp8_param_gather:
+        yield "training.fp8_param_gather (FP8 parameters) is not modelled yet"
 
 
 def _check_recompute(job, split_ok: bool):

@@ -138,10 +138,10 @@ class Training:
     precision: Precision = "bf16"
     """Parameter and compute precision; fp8 is bf16 parameters with Transformer Engine's FP8
     GEMMs (--fp8-format with --bf16)."""
-    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
-    """With precision fp8: e4m3 everywhere, or e4m3 forward and e5m2 gradients."""
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
-    """With precision fp8: the scaling recipe (Megatron-LM's default is delayed)."""
+    fp8_format: Literal["hybrid", "e4m3"] | None = None
+    """With precision fp8: e4m3 everywhere, or hybrid (default: e4m3 forward, e5m2 gradients)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = None
+    """With precision fp8: the scaling recipe (default delayed, as in Megatron-LM)."""
     fp8_param_gather: bool = False
     """With precision fp8: keep parameters in FP8 and gather them in FP8 (needs the
     distributed optimizer)."""
@@ -176,6 +176,19 @@ class Implementation:
     """With cross_entropy_loss_fusion: megatron-core's fused kernel, or Transformer Engine's
     (which overwrites the logits with their gradient)."""
 
+
+# Compute capability of each GPU model (what Transformer Engine's choices depend on).
+GPU_ARCH = {
+    "a100-40gb": "sm80",
+    "a100": "sm80",
+    "h100": "sm90",
+    "h800": "sm90",
+    "h200": "sm90",
+    "b200": "sm100",
+    "gb200": "sm100",
+    "l40s": "sm89",
+    "mi300x": "gfx942",
+}
 
 # Device memory as `torch.cuda.get_device_properties(0).total_memory` reports it, in GiB,
 # rounded to 0.1 GiB (the advertised "80 GB" of an H100 is 79.1 GiB usable by PyTorch).
@@ -445,6 +458,12 @@ def resolve(job: Job) -> Job:
         kernel = "fused" if te else "local"
     if not te and kernel == "unfused":
         kernel = "local"  # megatron-core's own attention is the unfused one
+    if training.precision == "fp8":
+        training = dataclasses.replace(
+            training,
+            fp8_format=training.fp8_format or "hybrid",
+            fp8_recipe=training.fp8_recipe or "delayed",
+        )
     rec = training.recompute
     if rec.granularity == "selective" and rec.modules is None:
         rec = dataclasses.replace(rec, modules=["core_attn"])

@@ -16,7 +16,12 @@ import torch.nn.functional as F
 
 from metatrace.errors import ConfigError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.bfloat16,  # FP8 GEMMs over bf16 parameters (--fp8-format with --bf16)
+}
 
 
 def _activations():
@@ -75,7 +80,9 @@ def transformer_config(job):
         account_for_embedding_in_pipeline_split=par.account_for_embedding,
         account_for_loss_in_pipeline_split=par.account_for_loss,
         pipeline_model_parallel_layout=par.layout,
-        bf16=tr.precision == "bf16",
+        bf16=tr.precision in ("bf16", "fp8"),
+        fp8=tr.fp8_format if tr.precision == "fp8" else None,
+        fp8_recipe=tr.fp8_recipe or "delayed",
         fp16=tr.precision == "fp16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -110,11 +117,17 @@ def transformer_config(job):
     )
     from metatrace.hooks.patches import megatron_patches
 
+    from metatrace.config import GPU_ARCH
+
     try:
         with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
-            return TransformerConfig(**fields)
+            config = TransformerConfig(**fields)
     except (ValueError, AssertionError, TypeError) as e:
         raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
+    # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
+    # Blackwell); not a megatron-core field.
+    config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+    return config
 
 
 def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:

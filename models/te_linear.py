@@ -20,8 +20,11 @@ partition_stride, sequence_parallel) and the ones megatron-core sets (allreduce)
 - a column bias is fused into the GEMM; a weight gradient [out, in] is allocated per backward
   (gradient-accumulation fusion into main_grad is not modelled yet).
 
-Known limitations: FP8 is not modelled yet; userbuffer (tp_comm_overlap) and symmetric
-all-reduce variants are not modelled.
+Under FP8 (an fp8_autocast region is active) the quantized path of
+`metatrace.models.te_fp8_linear` runs instead.
+
+Known limitations: userbuffer (tp_comm_overlap) and symmetric all-reduce variants are not
+modelled.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class _Mode:
     tp: int
     norm: str | None = None  # "LayerNorm" / "RMSNorm" for LayerNormLinear
     eps: float = 1e-5
+    fp8: str | None = None  # the FP8 recipe of the enclosing autocast region, if any
+    arch: str = "sm90"
 
 
 def _gather(x2, mode):
@@ -56,11 +61,21 @@ def _reduce_scatter(x2, mode):
     return out
 
 
+def _output_view(out, x):
+    lead = x.shape[:-1]
+    return out.view(out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ln_weight, ln_bias, mode: _Mode):
+    def forward(ctx, x, weight, bias, ln_weight, ln_bias, mode: _Mode, module=None):
         in_features = x.shape[-1]
         x2 = x.contiguous().view(-1, in_features)  # [Ns, in], TE's prepare_forward
+        ctx.mode, ctx.x_shape, ctx.module = mode, x.shape, module
+        if mode.fp8 is not None:
+            from metatrace.models.te_fp8_linear import fp8_forward
+
+            return _output_view(fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias), x)
         mu = rsigma = ln_out = None
         if mode.norm is not None:
             ln_out, mu, rsigma = norm_forward(
@@ -80,15 +95,16 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 dist.all_reduce(out, group=mode.group)
         ctx.save_for_backward(x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma)
-        ctx.mode = mode
-        ctx.x_shape = x.shape
-        lead = x.shape[:-1]
-        return out.view(out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
+        return _output_view(out, x)
 
     @staticmethod
     def backward(ctx, grad):
-        x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma = ctx.saved_tensors
         mode = ctx.mode
+        if mode.fp8 is not None:
+            from metatrace.models.te_fp8_linear import fp8_backward
+
+            return (*fp8_backward(ctx, grad), None, None)
+        x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma = ctx.saved_tensors
         dy = grad.contiguous().view(-1, grad.shape[-1])
         if mode.parallel == "row" and mode.sequence_parallel:
             dy = _gather(dy, mode)  # [N, out]
@@ -110,7 +126,7 @@ class _LinearFunction(torch.autograd.Function):
             dinput, dln_w, dln_b = norm_backward(
                 dinput, x2, ln_weight, ln_bias, mu, rsigma, mode.norm == "RMSNorm"
             )
-        return dinput.view(ctx.x_shape), wgrad, bgrad, dln_w, dln_b, None
+        return dinput.view(ctx.x_shape), wgrad, bgrad, dln_w, dln_b, None, None
 
 
 def _prod(dims) -> int:
@@ -180,6 +196,8 @@ class _TELinearBase(torch.nn.Module):
             p.allreduce = True
 
     def _mode(self, norm=None, eps=1e-5) -> _Mode:
+        from metatrace.models.te_fp8 import active_recipe
+
         return _Mode(
             parallel=self.parallel_mode,
             sequence_parallel=self.sequence_parallel,
@@ -187,13 +205,15 @@ class _TELinearBase(torch.nn.Module):
             tp=self.tp_size,
             norm=norm,
             eps=eps,
+            fp8=active_recipe(),
+            arch=getattr(self.config, "metatrace_gpu_arch", "sm90"),
         )
 
     def _run(self, x, ln_weight=None, ln_bias=None, norm=None, eps=1e-5):
         bias = self.bias if self.use_bias and not self.te_return_bias else None
         row = self.parallel_mode == "row"
         out = _LinearFunction.apply(
-            x, self.weight, None if row else bias, ln_weight, ln_bias, self._mode(norm, eps)
+            x, self.weight, None if row else bias, ln_weight, ln_bias, self._mode(norm, eps), self
         )
         if row and bias is not None:
             out = out + bias  # TE adds a row-parallel bias after the reduction, outside the GEMM

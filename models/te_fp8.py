@@ -1,0 +1,212 @@
+"""FP8 as Transformer Engine 2.8 runs it for its Linear / LayerNormLinear modules.
+
+What quantized copies exist, from TE's tensor/ and module/ sources (shapes for a tensor [M, K]):
+
+| recipe | row-wise usage | column-wise usage |
+|---|---|---|
+| delayed, tensorwise (Float8), sm89/sm90 | data u8 [M, K] | transpose u8 [K, M] |
+| delayed, tensorwise (Float8), sm100 | data u8 [M, K] serves both | |
+| mxfp8 (32-element blocks) | data u8 [M, K] + scales u8 [rnd(M,128), rnd(K/32,4)] | data u8 [M, K] + scales u8 [rnd(M/32,4), rnd(K,128)] |
+| blockwise, activations and gradients (1x128) | data u8 [M, K] + fp32 [K/128, rnd(M,4)] | data u8 [K, M] + fp32 [M/128, rnd(K,4)] |
+| blockwise, weights (128x128) | data u8 [M, K] + fp32 [M/128, rnd(K/128,4)] | data u8 [K, M] + fp32 [K/128, rnd(M/128,4)] |
+
+Every Float8 tensor also has a scale_inv fp32 [1]. Per module, delayed scaling keeps fp8_meta
+(scale [3], amax_history [1024, 3], scale [2], amax_history [1024, 2], fp32) and current
+scaling a scale and an amax [1] per quantizer (five); the weight is quantized once into a
+workspace the module keeps (megatron passes is_first_microbatch). Delayed scaling reduces the
+amaxes of all modules of an autocast region over the amax-reduction group (torch.cat, then a MAX
+all-reduce): once when the region exits and once at the end of the backward of the region's
+first module. Current scaling all-reduces a [1] amax over the TP group before each FP8
+all-gather of activations or gradients.
+
+`fp8_autocast` and `get_fp8_context` stand in for TE's fp8_autocast and megatron-core's
+get_fp8_context (which returns a null context without TE); `metatrace.hooks.patches` installs
+them.
+
+Known limitations: FP8 parameters (fp8_param_gather), FP8 attention (fp8_dot_product_attention),
+the amax-history clones kept for FP8 activation recompute, the bf16 fallback for MXFP8 /
+blockwise tensors whose dimensions are not multiples of 32 / 128, and GEMM workspaces are not
+modelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+U8 = torch.uint8
+F32 = torch.float32
+
+
+def _rnd(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Quantized:
+    """The buffers of one quantized tensor, by usage."""
+
+    rowwise: list = field(default_factory=list)
+    columnwise: list = field(default_factory=list)
+    shared: list = field(default_factory=list)
+
+    def row_data(self) -> torch.Tensor:
+        """The row-wise data buffer (on sm100 Float8 the one buffer both usages share)."""
+        return (self.rowwise or self.columnwise)[0]
+
+    def drop_rowwise(self) -> None:
+        self.rowwise = []
+
+    def drop_columnwise(self) -> None:
+        self.columnwise = []
+
+    def tensors(self) -> list:
+        return [*self.rowwise, *self.columnwise, *self.shared]
+
+
+def quantize(shape, recipe: str, arch: str, *, rowwise: bool, columnwise: bool, device,
+             weight: bool = False, compact: bool = False) -> Quantized:
+    """Allocate what TE's quantizer allocates for a [M, K] tensor."""
+    m, k = shape
+    empty = lambda *s, dtype=U8: torch.empty(s, dtype=dtype, device=device)  # noqa: E731
+    q = Quantized()
+    if recipe in ("delayed", "tensorwise"):
+        if arch == "sm100":  # one [M, K] buffer serves both usages
+            if rowwise or columnwise:
+                (q.columnwise if columnwise else q.rowwise).append(empty(m, k))
+        else:
+            if rowwise:
+                q.rowwise.append(empty(m, k))
+            if columnwise:
+                q.columnwise.append(empty(k, m))
+        q.shared.append(empty(1, dtype=F32))
+    elif recipe == "mxfp8":
+        if rowwise:
+            q.rowwise += [empty(m, k), empty(_rnd(m, 128), _rnd(_cdiv(k, 32), 4))]
+        if columnwise:
+            q.columnwise += [empty(m, k), empty(_rnd(_cdiv(m, 32), 4), _rnd(k, 128))]
+    elif recipe == "blockwise":
+        if weight:
+            row_scale = (_cdiv(m, 128), _rnd(_cdiv(k, 128), 4))
+            col_scale = (_cdiv(k, 128), _rnd(_cdiv(m, 128), 4))
+        else:
+            row_scale = (_cdiv(k, 128), _rnd(m, 4))
+            col_scale = (_cdiv(m, 128), _rnd(k, 4)) if not compact else (_cdiv(m, 128), k)
+        if rowwise:
+            q.rowwise += [empty(m, k), empty(*row_scale, dtype=F32)]
+        if columnwise:
+            col_data = (m, k) if compact else (k, m)
+            q.columnwise += [empty(*col_data), empty(*col_scale, dtype=F32)]
+    else:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}")
+    return q
+
+
+# ----------------------------------------------------------------------------- autocast state
+
+
+@dataclass
+class _Region:
+    recipe: str
+    group: object
+    modules: list = field(default_factory=list)
+
+
+class _State:
+    region: _Region | None = None
+
+
+STATE = _State()
+
+
+def active_recipe() -> str | None:
+    return STATE.region.recipe if STATE.region is not None else None
+
+
+def register(module) -> _Region | None:
+    """A TE module runs a forward in the current region; it is the region's first if so."""
+    region = STATE.region
+    if region is not None and module not in region.modules:
+        region.modules.append(module)
+    return region
+
+
+def reduce_amax(region: _Region, per_module: int, device) -> None:
+    """Delayed scaling: concatenate the amaxes of the region's modules, MAX-all-reduce them."""
+    if region is None or region.recipe != "delayed" or not region.modules:
+        return
+    amax = torch.empty(per_module * len(region.modules), dtype=F32, device=device)
+    if region.group is not None and dist.get_world_size(region.group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=region.group)
+
+
+@contextlib.contextmanager
+def fp8_autocast(recipe: str, group):
+    """TE's fp8_autocast: FP8 GEMMs inside; the delayed-scaling forward amax reduction on exit."""
+    outer = STATE.region
+    region = _Region(recipe, group)
+    STATE.region = region
+    try:
+        yield
+    finally:
+        STATE.region = outer
+        device = next((m.weight.device for m in region.modules), None)
+        if device is not None:
+            reduce_amax(region, 3, device)
+
+
+def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
+    """megatron-core's get_fp8_context with metatrace's fp8_autocast."""
+    from megatron.core import parallel_state as ps
+
+    if is_init or not config.fp8:
+        return contextlib.nullcontext()
+    group = None
+    if ps.model_parallel_is_initialized():
+        group = ps.get_amax_reduction_group(
+            with_context_parallel=True, tp_only_amax_red=config.tp_only_amax_red
+        )
+    return fp8_autocast(str(config.fp8_recipe.value if hasattr(config.fp8_recipe, "value")
+                            else config.fp8_recipe), group)
+
+
+def module_state(module, recipe: str, device) -> None:
+    """Per-module scaling state TE creates on the module's first FP8 forward (kept)."""
+    if getattr(module, "_fp8_meta_tensors", None) is not None:
+        return
+    if recipe == "delayed":
+        shapes = [(3,), (1024, 3), (2,), (1024, 2)]
+    elif recipe == "tensorwise":
+        shapes = [(1,)] * 10  # scale and amax for each of the five quantizers
+    else:
+        shapes = []
+    module._fp8_meta_tensors = [torch.zeros(s, dtype=F32, device=device) for s in shapes]
+
+
+def weight_workspace(module, weight, recipe: str, arch: str) -> Quantized:
+    """The FP8 weight the module keeps between micro-batches (TE's _fp8_workspaces["weight"])."""
+    cached = getattr(module, "_fp8_weight", None)
+    if cached is None or getattr(module, "_fp8_weight_recipe", None) != recipe:
+        cached = quantize(tuple(weight.shape), recipe, arch, rowwise=True, columnwise=True,
+                          device=weight.device, weight=True)
+        module._fp8_weight, module._fp8_weight_recipe = cached, recipe
+    return cached
+
+
+def checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group,
+               *args, **kwargs):
+    """megatron-core's te_checkpoint (used for recompute under FP8) with megatron-core's own
+    activation checkpointing, which saves the same inputs."""
+    from functools import partial
+
+    from megatron.core import tensor_parallel
+
+    fn = partial(function, **kwargs) if kwargs else function
+    return tensor_parallel.checkpoint(fn, distribute_saved_activations, *args)

@@ -1,0 +1,204 @@
+"""The FP8 path of the Transformer Engine linear stand-ins (TE 2.8 module/linear.py and
+module/layernorm_linear.py under fp8_autocast; quantized layouts in metatrace.models.te_fp8).
+
+Forward: the input (LayerNormLinear: the norm output, written in FP8 directly by delayed
+scaling, through a transient bf16 buffer otherwise) is quantized; under sequence parallelism a
+column-parallel layer all-gathers it in FP8 (current scaling first all-reduces the amax; MXFP8
+and blockwise gather data and scales in one coalesced call) and frees the gathered copy after
+the GEMM; the weight comes from the module's persistent FP8 workspace. What is kept: only the
+quantized input's column-wise usage (Float8 under SP: the local row-wise copy), not the bf16
+input; LayerNormLinear also keeps its bf16 input x (the norm needs it) and fp32 mu / rsigma.
+
+Backward: the output gradient is quantized (gathered in FP8 for row parallel + SP), the saved
+input is gathered again in FP8 for column parallel + SP (and transposed on Hopper), dgrad and
+wgrad come out in bf16, dgrad is reduce-scattered or all-reduced as in bf16. Delayed scaling
+reduces the amaxes when the backward of the region's first module ends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from metatrace.models.norm import norm_backward, norm_forward
+from metatrace.models.te_fp8 import F32, U8, module_state, quantize, reduce_amax, register, weight_workspace
+
+
+def _coalesced_gather(pairs, mode, device):
+    """all_gather_into_tensor of several (output, input) pairs in one coalesced call."""
+    with dist._coalescing_manager(group=mode.group, device=device):
+        for out, inp in pairs:
+            dist.all_gather_into_tensor(out, inp, group=mode.group)
+
+
+def _amax_all_reduce(mode, device):
+    """Current scaling: the amax of a tensor about to be all-gathered, MAX over TP."""
+    amax = torch.zeros(1, dtype=F32, device=device)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mode.group)
+
+
+def _gather_rowwise(q, local_shape, mode, recipe, arch, device):
+    """All-gather the row-wise usage of a quantized [M, K] tensor into a new quantized
+    [M x tp, K]; returns the gathered buffers."""
+    m, k = local_shape
+    full = (m * mode.tp, k)
+    if recipe in ("delayed", "tensorwise"):
+        data = torch.empty(full, dtype=U8, device=device)
+        dist.all_gather_into_tensor(data, q.row_data(), group=mode.group)
+        return [data]
+    gathered = quantize(full, recipe, arch, rowwise=True, columnwise=False, device=device,
+                        compact=recipe == "blockwise")
+    data, scale = gathered.rowwise
+    # TE strips the scale padding before gathering: the local scale's gathered copy.
+    local_scale = q.rowwise[1]
+    scale_out = torch.empty((local_scale.shape[0] * mode.tp, *local_scale.shape[1:]),
+                            dtype=local_scale.dtype, device=device)
+    _coalesced_gather([(scale_out, local_scale), (data, q.rowwise[0])], mode, device)
+    return [data, scale, scale_out]
+
+
+def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
+    mode, module = ctx.mode, ctx.module
+    recipe, arch, device = mode.fp8, mode.arch, x2.device
+    region = register(module)
+    module_state(module, recipe, device)
+    float8 = recipe in ("delayed", "tensorwise")
+    column_sp = mode.parallel == "column" and mode.sequence_parallel
+    needs_wgrad = weight.requires_grad
+    # Float8 cannot gather transposes: under SP only the row-wise copy is made and kept.
+    columnwise = needs_wgrad and not (float8 and column_sp)
+    shape = tuple(x2.shape)
+    usage = dict(rowwise=True, columnwise=columnwise, device=device,
+                 compact=column_sp and recipe == "blockwise")
+    mu = rsigma = None
+    if mode.norm is not None:
+        rms = mode.norm == "RMSNorm"
+        if recipe == "delayed":  # the fused norm kernel writes FP8 directly
+            q = quantize(shape, recipe, arch, **usage)
+            rsigma = torch.empty(shape[0], dtype=F32, device=device)
+            mu = None if rms else torch.empty(shape[0], dtype=F32, device=device)
+        else:  # norm in bf16, then quantize
+            ln_out, mu, rsigma = norm_forward(x2, ln_weight, ln_bias, mode.eps, rms)
+            q = quantize(shape, recipe, arch, **usage)
+            del ln_out
+    else:
+        q = quantize(shape, recipe, arch, **usage)
+    gathered = []
+    if column_sp:
+        if recipe == "tensorwise":
+            _amax_all_reduce(mode, device)
+        gathered = _gather_rowwise(q, shape, mode, recipe, arch, device)
+    weight_workspace(module, weight, recipe, arch)
+    rows = shape[0] * (mode.tp if column_sp else 1)
+    out = torch.zeros((rows, weight.shape[0]), dtype=weight.dtype, device=device)  # GEMM
+    del gathered
+    if not (float8 and column_sp):
+        q.drop_rowwise()
+    if mode.parallel == "row" and mode.tp > 1:
+        if mode.sequence_parallel:
+            local = torch.empty((rows // mode.tp, out.shape[1]), dtype=out.dtype, device=device)
+            dist.reduce_scatter_tensor(local, out, group=mode.group)
+            out = local
+        else:
+            dist.all_reduce(out, group=mode.group)
+    kept = q.tensors()
+    ctx.save_for_backward(
+        x2 if mode.norm is not None else None, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept
+    )
+    ctx.region = region
+    ctx.first_in_region = region is not None and region.modules[:1] == [module]
+    ctx.local_rows = shape[0]
+    return out
+
+
+def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
+    """The output gradient in FP8 (gathered for row parallel + SP); returns its buffers."""
+    device = dy.device
+    if not (mode.parallel == "row" and mode.sequence_parallel):
+        return quantize(tuple(dy.shape), recipe, arch, rowwise=True, columnwise=needs_wgrad,
+                        device=device).tensors()
+    local_shape = tuple(dy.shape)
+    full = (local_shape[0] * mode.tp, local_shape[1])
+    if recipe in ("delayed", "tensorwise"):
+        local = quantize(local_shape, recipe, arch, rowwise=True, columnwise=False, device=device)
+        if recipe == "tensorwise":
+            _amax_all_reduce(mode, device)
+        # make_empty allocates the data and, for column-wise use on Hopper, the transpose.
+        gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device)
+        dist.all_gather_into_tensor(gathered.row_data(), local.row_data(), group=mode.group)
+        return [*local.tensors(), *gathered.tensors()]
+    compact = recipe == "blockwise"
+    local = quantize(local_shape, recipe, arch, rowwise=True, columnwise=True, device=device,
+                     compact=compact)
+    gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device,
+                        compact=compact)
+    pairs = []
+    for usage in ("rowwise", "columnwise"):
+        for out, inp in zip(getattr(gathered, usage)[::-1], getattr(local, usage)[::-1]):
+            if out.shape[0] != inp.shape[0] * mode.tp:  # scales are gathered unpadded
+                out = torch.empty((inp.shape[0] * mode.tp, *inp.shape[1:]), dtype=inp.dtype,
+                                  device=device)
+            pairs.append((out, inp))
+    _coalesced_gather(pairs, mode, device)
+    extra = []
+    if compact and arch != "sm100":  # COMPACT column-wise data transposed for Hopper's GEMM
+        extra.append(torch.empty(full[::-1], dtype=U8, device=device))
+    return [*local.tensors(), *gathered.tensors(), *[o for o, _ in pairs], *extra]
+
+
+def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
+    """Column parallel + SP: the saved local input gathered again in FP8 for wgrad."""
+    full = (local_rows * mode.tp, in_features)
+    if recipe in ("delayed", "tensorwise"):
+        data = torch.empty(full, dtype=U8, device=device)
+        dist.all_gather_into_tensor(data, kept[0], group=mode.group)
+        return [data] + ([torch.empty(full[::-1], dtype=U8, device=device)] if arch != "sm100" else [])
+    if recipe == "mxfp8":  # make_empty allocates the row-wise buffers too
+        gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device)
+        col_data, col_scale = kept[0], kept[1]
+        scale_out = torch.empty((col_scale.shape[0] * mode.tp, *col_scale.shape[1:]),
+                                dtype=col_scale.dtype, device=device)
+        _coalesced_gather([(scale_out, col_scale), (gathered.columnwise[0], col_data)], mode, device)
+        return [*gathered.tensors(), scale_out]
+    gathered = quantize(full, recipe, arch, rowwise=False, columnwise=True, device=device,
+                        compact=True)
+    col_data, col_scale = kept[0], kept[1]
+    scale_out = torch.empty((col_scale.shape[0] * mode.tp, *col_scale.shape[1:]),
+                            dtype=col_scale.dtype, device=device)
+    _coalesced_gather([(scale_out, col_scale), (gathered.columnwise[0], col_data)], mode, device)
+    transposed = torch.empty(full[::-1], dtype=U8, device=device)  # the GEMM-ready layout
+    return [*gathered.tensors(), scale_out, transposed]
+
+
+def fp8_backward(ctx, grad):
+    mode = ctx.mode
+    x2, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept = ctx.saved_tensors
+    recipe, arch, device = mode.fp8, mode.arch, grad.device
+    dy = grad.contiguous().view(-1, grad.shape[-1])
+    needs_wgrad = weight.requires_grad
+    dy_buffers = _quantized_grad(dy, mode, recipe, arch, needs_wgrad)
+    bgrad = torch.zeros_like(bias) if bias is not None else None  # fused into bgrad_quantize
+    column_sp = mode.parallel == "column" and mode.sequence_parallel
+    in_features = weight.shape[1]
+    inputs = []
+    if column_sp and needs_wgrad:
+        inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
+    rows = ctx.local_rows * (mode.tp if column_sp else 1)
+    dgrad = torch.zeros((rows, in_features), dtype=weight.dtype, device=device)
+    dinput = dgrad
+    if mode.parallel == "column" and mode.tp > 1:
+        if mode.sequence_parallel:
+            dinput = torch.empty((ctx.local_rows, in_features), dtype=dgrad.dtype, device=device)
+            dist.reduce_scatter_tensor(dinput, dgrad, group=mode.group)
+        else:
+            dist.all_reduce(dgrad, group=mode.group)
+    wgrad = torch.zeros_like(weight) if needs_wgrad else None
+    del dy_buffers, inputs
+    dln_w = dln_b = None
+    if mode.norm is not None:
+        dinput, dln_w, dln_b = norm_backward(
+            dinput, x2, ln_weight, ln_bias, mu, rsigma, mode.norm == "RMSNorm"
+        )
+    if recipe == "delayed" and ctx.first_in_region:
+        reduce_amax(ctx.region, 2, device)
+    return dinput.view(ctx.x_shape), wgrad, bgrad, dln_w, dln_b
