@@ -314,8 +314,8 @@ def _check_fp8(job):
         yield f"training.precision fp8 is not modelled on cluster.gpu {job.cluster.gpu!r}"
     elif tr.fp8_recipe == "mxfp8" and arch != "sm100":
         yield f"training.fp8_recipe mxfp8 needs a Blackwell GPU (b200, gb200), not {job.cluster.gpu}"
-    if tr.fp8_param_gather:
-        yield "training.fp8_param_gather (FP8 parameters) is not modelled yet"
+    if tr.fp8_param_gather and not tr.distributed_optimizer:
+        yield "training.fp8_param_gather needs training.distributed_optimizer"
 
 
 def _check_recompute(job, split_ok: bool):

@@ -83,6 +83,7 @@ def transformer_config(job):
         bf16=tr.precision in ("bf16", "fp8"),
         fp8=tr.fp8_format if tr.precision == "fp8" else None,
         fp8_recipe=tr.fp8_recipe or "delayed",
+        fp8_param=tr.precision == "fp8" and tr.fp8_param_gather,
         fp16=tr.precision == "fp16",
         params_dtype=dtype,
         pipeline_dtype=dtype,

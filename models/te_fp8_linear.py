@@ -88,9 +88,10 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         if recipe == "tensorwise":
             _amax_all_reduce(mode, device)
         gathered = _gather_rowwise(q, shape, mode, recipe, arch, device)
-    weight_workspace(module, weight, recipe, arch)
+    if weight.element_size() > 1:
+        weight_workspace(module, weight, recipe, arch)  # FP8 parameters need none
     rows = shape[0] * (mode.tp if column_sp else 1)
-    out = torch.zeros((rows, weight.shape[0]), dtype=weight.dtype, device=device)  # GEMM
+    out = torch.zeros((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
@@ -184,7 +185,7 @@ def fp8_backward(ctx, grad):
     if column_sp and needs_wgrad:
         inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
     rows = ctx.local_rows * (mode.tp if column_sp else 1)
-    dgrad = torch.zeros((rows, in_features), dtype=weight.dtype, device=device)
+    dgrad = torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
     dinput = dgrad
     if mode.parallel == "column" and mode.tp > 1:
         if mode.sequence_parallel:
@@ -192,7 +193,9 @@ def fp8_backward(ctx, grad):
             dist.reduce_scatter_tensor(dinput, dgrad, group=mode.group)
         else:
             dist.all_reduce(dgrad, group=mode.group)
-    wgrad = torch.zeros_like(weight) if needs_wgrad else None
+    # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
+    # accumulates it into main_grad instead)
+    wgrad = torch.zeros(weight.shape, dtype=dgrad.dtype, device=device) if needs_wgrad else None
     del dy_buffers, inputs
     dln_w = dln_b = None
     if mode.norm is not None:

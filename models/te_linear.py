@@ -169,9 +169,17 @@ class _TELinearBase(torch.nn.Module):
         self.in_features, self.out_features = in_features, out_features
         device = torch.cuda.current_device()  # remapped to the traced device
         dtype = config.params_dtype
+        self.fp8_param = bool(config.fp8 and config.fp8_param)
         self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
+            torch.empty(
+                out_features,
+                in_features,
+                dtype=torch.float8_e4m3fn if self.fp8_param else dtype,
+                device=device,
+            )
         )
+        if self.fp8_param:
+            self._register_fp8_param_buffers(config, out_features, in_features, device)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -194,6 +202,31 @@ class _TELinearBase(torch.nn.Module):
                 self.bias.sequence_parallel = self.sequence_parallel
         for p in self.parameters():
             p.allreduce = True
+
+    def _register_fp8_param_buffers(self, config, out_features, in_features, device):
+        """FP8 primary weights (fp8_model_init): the parameter is the quantized row-wise data;
+        the other buffers of TE's quantized parameter (the column-wise copy, scales) live with
+        it for the whole run. Created with grad enabled, so both usages exist."""
+        from metatrace.models.te_fp8 import quantize
+
+        recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+        arch = getattr(config, "metatrace_gpu_arch", "sm90")
+        q = quantize((out_features, in_features), recipe, arch, rowwise=True, columnwise=True,
+                     device=device, weight=True)
+        # The row-wise data is the parameter itself (sm100 Float8: the one shared buffer).
+        rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0):]
+        for i, t in enumerate(rest + q.shared):
+            self.register_buffer(f"_fp8_param_buffer{i}", t, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """TE's quantized parameters stay FP8 under module.bfloat16() (Float16Module)."""
+        if not self.fp8_param:
+            return super()._apply(fn, recurse)
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
 
     def _mode(self, norm=None, eps=1e-5) -> _Mode:
         from metatrace.models.te_fp8 import active_recipe

@@ -129,7 +129,7 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
         ({"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 1]}}, "applies to parallel.cp_comm_type a2a+p2p only"),
         ({"training": {"precision": "fp8"}, "cluster": {"gpu": "a100"}}, "a100 has none"),
         ({"training": {"precision": "fp8", "fp8_recipe": "mxfp8"}}, "mxfp8 needs a Blackwell GPU"),
-        ({"training": {"precision": "fp8", "fp8_param_gather": True}}, "FP8 parameters) is not modelled yet"),
+        ({"training": {"precision": "fp8", "fp8_param_gather": True}}, "fp8_param_gather needs training.distributed_optimizer"),
         ({"training": {"fp8_recipe": "delayed"}}, "applies with training.precision: fp8 only"),
         ({"training": {"precision": "fp8"}, "implementation": {"transformer_impl": "local"}},
          "fp8 needs implementation.transformer_impl: transformer_engine"),

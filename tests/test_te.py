@@ -239,3 +239,66 @@ def test_hierarchical_a2a_p2p_uses_both_levels():
     got = cp_traffic("a2a+p2p", 4)
     ops = {(op, phase) for op, phase, _ in got}
     assert ("all_to_all", "forward") in ops and ("send", "forward") in ops and ("send", "backward") in ops
+
+
+# ---------------------------------------------------------------------------- fusions
+
+
+def _saved_by(trace, module):
+    return [(s.shape, s.dtype, s.bytes) for s in trace.saved
+            if s.phase == "forward" and not s.static and s.module == module]
+
+
+@pytest.mark.parametrize("fusion, impl", [(False, "native"), (True, "native"), (True, "te")])
+def test_cross_entropy_keeps_softmax_or_the_logits(fusion, impl):
+    job = small_job(parallel={"tp": 2}, implementation={
+        "cross_entropy_loss_fusion": fusion, "cross_entropy_fusion_impl": impl})
+    trace = trace_job(job, full_model=False).roles[0].trace
+    s, b, v = 64, 2, 1024 // 2  # the root module computes the loss: [s, b, V/t]
+    saved = _saved_by(trace, "")
+    if impl == "te":
+        assert saved == [((s, b, v), "bfloat16", s * b * v * 2)]  # the logits, now gradients
+        assert [c.op for c in trace.collectives if c.module == ""] == ["all_gather"]
+    else:
+        assert ((s, b, v), "float32", s * b * v * 4) in saved  # the fp32 softmax
+        reduces = [c for c in trace.collectives if c.module == "" and c.op == "all_reduce"]
+        assert len(reduces) == (2 if fusion else 3)  # the fused kernel batches two
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_rope_fusion_keeps_only_the_frequencies(fusion):
+    job = small_job(implementation={"rope_fusion": fusion})
+    trace = trace_job(job, full_model=False).roles[0].trace
+    rope = _saved_by(trace, "decoder.layers.1.self_attention")  # saved by SelfAttention itself
+    if fusion:  # the fp32 frequencies [s, 1, 1, d] for q and k: one storage shared by all layers
+        assert {x for x in rope} == {((64, 1, 1, 16), "float32", 4096)}
+        owners = agg.activation_owners(trace)
+        assert sum(b for m, b in owners.values() if m.endswith("self_attention")) == 4096
+    else:  # unfused: cos and sin [s, 1, 1, d] in bf16 for q and for k, in every layer
+        assert [x[1] for x in rope] == ["bfloat16"] * 4
+
+
+def test_fp8_parameters_are_the_quantized_weights():
+    """fp8_param_gather: TE's primary weights are FP8 (1 B, plus a transposed copy on Hopper),
+    kept whole through Float16Module, with no per-module FP8 weight workspace."""
+    def trace(param, gpu):
+        job = small_job(
+            model={"num_layers": 1, "hidden_size": 128, "ffn_hidden_size": 256},
+            training={"precision": "fp8", "fp8_param_gather": param, "distributed_optimizer": True},
+            cluster={"gpu": gpu},
+        )
+        return trace_job(job, full_model=False).roles[0].trace
+
+    linear = {"linear_qkv": (128 + 2 * 64) * 128, "linear_proj": 128 * 128,
+              "linear_fc1": 512 * 128, "linear_fc2": 128 * 256}
+    for gpu in ("h100", "b200"):
+        bf16, fp8 = trace(False, gpu), trace(True, gpu)
+        weights = {m.fqn.split(".")[-1]: p for m in fp8.modules for p in m.params
+                   if p.name == "weight" and m.fqn.split(".")[-1] in linear}
+        assert {k: (p.dtype, p.numel) for k, p in weights.items()} == {
+            k: ("float8_e4m3fn", n) for k, n in linear.items()}
+        saved_by_weights = sum(linear.values())  # bf16 2 B -> FP8 data 1 B
+        transposes = sum(rnd(n) for n in linear.values()) if gpu == "h100" else 0
+        assert bf16.static_bytes - fp8.static_bytes == saved_by_weights - transposes - 4 * 512
+        # no FP8 weight workspace is built in the forward pass
+        assert agg.peak(bf16).bytes - agg.peak(fp8).bytes >= saved_by_weights
