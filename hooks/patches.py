@@ -116,6 +116,99 @@ PATCHES = (
     ),
 )
 
+# Optimizers (models/te_optim.py): megatron-core takes FusedAdam/FusedSGD and the multi-tensor
+# kernels from Transformer Engine (else Apex) at import; without them it falls back to torch.optim
+# and to Python loops whose temporaries the CUDA kernels do not allocate.
+PATCHES += (
+    Patch(
+        "megatron.core.optimizer",
+        "Adam",
+        _standin("metatrace.models.te_optim", "FusedAdam"),
+        "0.12-0.16",
+        "bound at import to TE's FusedAdam on a GPU; torch's AdamW keeps the same states but its "
+        "step allocates temporaries the fused kernel does not.",
+    ),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer",
+        "Adam",
+        _standin("metatrace.models.te_optim", "FusedAdam"),
+        "0.12-0.16",
+        "bound at import like megatron.core.optimizer.Adam; the distributed optimizer asserts "
+        "that its optimizer is one.",
+    ),
+    Patch(
+        "megatron.core.optimizer",
+        "SGD",
+        _standin("metatrace.models.te_optim", "FusedSGD"),
+        "0.12-0.16",
+        "bound at import to TE's FusedSGD on a GPU.",
+    ),
+    Patch(
+        "megatron.core.optimizer",
+        "USING_PYTORCH_OPTIMIZER",
+        lambda orig: False,
+        "0.14-0.16",
+        "True after the torch.optim fallback; it switches the Adam class and its arguments.",
+    ),
+)
+for _module, _names in (
+    ("megatron.core.optimizer.clip_grads", ("multi_tensor_applier", "l2_norm_impl", "multi_tensor_scale_impl")),
+    ("megatron.core.optimizer.optimizer", ("multi_tensor_applier", "multi_tensor_scale_impl")),
+):
+    for _name in _names:
+        PATCHES += (
+            Patch(
+                _module,
+                _name,
+                _standin(
+                    "metatrace.models.te_optim",
+                    {"l2_norm_impl": "multi_tensor_l2norm", "multi_tensor_scale_impl": "multi_tensor_scale"}.get(_name, _name),
+                ),
+                "0.12-0.16",
+                "bound at import to TE's (or Apex's) multi-tensor kernels; the local fallback "
+                "copies every gradient (src * scale) and reads norms back to the host.",
+            ),
+        )
+
+def _wgrad_extension(orig):
+    from metatrace.models.standins import FusedWeightGradient
+
+    return FusedWeightGradient.module()
+
+
+PATCHES += (
+    Patch(
+        "megatron.core.tensor_parallel.layers",
+        "fused_weight_gradient_mlp_cuda",
+        _wgrad_extension,
+        "0.12-0.16",
+        "Apex's extension for gradient-accumulation fusion (Megatron-LM's default), imported at "
+        "module import; without it the linear layers refuse the fusion.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.layers",
+        "_grad_accum_fusion_available",
+        lambda orig: True,
+        "0.12-0.16",
+        "set at import from whether the extension above imported.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.layers",
+        "get_dummy_wgrad",
+        _standin("metatrace.models.te_linear", "get_dummy_wgrad"),
+        "0.15-0.16",
+        "imported from TE at import; with gradient-accumulation fusion the linear layers return "
+        "it as the weight gradient (the stand-in also covers runs without TE).",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.layers",
+        "HAVE_TE",
+        lambda orig: True,
+        "0.15-0.16",
+        "selects get_dummy_wgrad above; whether the run has TE is the stand-in's to say.",
+    ),
+)
+
 # FP8 (models/te_fp8.py): megatron-core's get_fp8_context returns a null context without TE and
 # te_checkpoint raises; these are their stand-ins, bound where megatron-core looks them up.
 for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transformer_block"):
@@ -139,6 +232,7 @@ for _module in ("megatron.core.transformer.transformer_block", "megatron.core.ex
         ),
     )
 
+_MISSING = object()
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
@@ -150,12 +244,6 @@ def _resolve(patch: Patch):
     return owner, attr
 
 
-_COALESCED = (
-    "allreduce_coalesced_",
-    "allgather_coalesced_",
-    "allgather_into_tensor_coalesced_",
-    "reduce_scatter_tensor_coalesced_",
-)
 
 
 # Globals megatron-core 0.16.1's destroy_model_parallel() leaves set, so that the next
@@ -184,13 +272,19 @@ def _patched_attributes():
     try:
         for patch in PATCHES:
             owner, attr = _resolve(patch)
-            _orig = owner.__dict__[attr] if attr in owner.__dict__ else getattr(owner, attr)
+            if attr in owner.__dict__:
+                _orig = owner.__dict__[attr]
+            else:
+                _orig = getattr(owner, attr, _MISSING)  # e.g. an extension that failed to import
             setattr(owner, attr, patch.make(_orig))
             applied.append((owner, attr, _orig))
         yield
     finally:
         for owner, attr, _orig in reversed(applied):
-            setattr(owner, attr, _orig)
+            if _orig is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, _orig)
 
 
 @contextlib.contextmanager

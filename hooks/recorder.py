@@ -21,6 +21,7 @@ caching allocator's tracked tensors and are not modelled.
 from __future__ import annotations
 
 import weakref
+import contextlib
 from collections import Counter
 from functools import partial
 
@@ -47,6 +48,7 @@ from metatrace.hooks.records import (
     ParamInfo,
     Saved,
     Trace,
+    Window,
 )
 
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512-byte blocks
@@ -79,7 +81,7 @@ class _Storages:
 
     def __init__(self, device_types: tuple[str, ...], on_change):
         self.device_types = device_types
-        self.on_change = on_change  # on_change(delta_bytes)
+        self.on_change = on_change  # on_change(delta_bytes, storage id)
         self.by_tensor: dict[int, tuple[weakref.ref, int]] = {}
         self.by_cdata: dict[int, int] = {}
         self.live: dict[int, list] = {}  # sid -> [tensor refs, rounded bytes, cdata]
@@ -106,7 +108,7 @@ class _Storages:
             self.by_cdata[cdata] = sid
             self.live[sid] = [0, nbytes, cdata]
             if nbytes:
-                self.on_change(nbytes)
+                self.on_change(nbytes, sid)
         self.live[sid][0] += 1
         self.by_tensor[id(t)] = (weakref.ref(t, partial(self._dead, id(t))), sid)
         return sid
@@ -126,7 +128,7 @@ class _Storages:
         nbytes = round_block(storage.nbytes())
         if nbytes != info[1]:
             delta, info[1] = nbytes - info[1], nbytes
-            self.on_change(delta)
+            self.on_change(delta, entry[1])
 
     def rebind(self, t: torch.Tensor) -> None:
         """`t` now uses another storage (tensor.data = ..., set_, a resized out= tensor)."""
@@ -148,7 +150,7 @@ class _Storages:
             del self.live[sid]
             del self.by_cdata[info[2]]
             if info[1]:
-                self.on_change(-info[1])
+                self.on_change(-info[1], sid)
 
     def nbytes(self, sid: int) -> int:
         return self.live[sid][1] if sid in self.live else 0
@@ -211,12 +213,15 @@ def _join(prefix: str, name: str) -> str:
 
 
 class Recorder:
-    """Records one rank's micro-batch.
+    """Records one rank's work: a micro-batch, or a whole iteration.
 
     `chunks` maps an FQN prefix ("" for a single chunk, "chunk{v}" for virtual stages) to the
     GPTModel of that chunk; `devices` are the device types whose tensors count (the traced
     device first: meta, or cpu to check meta against real tensors); `groups` maps process-group
-    names (torch's `group_name`) to (megatron-core name, global ranks).
+    names (torch's `group_name`) to (megatron-core name, global ranks). `static` maps a name
+    (e.g. "grads", "optimizer") to more tensors that exist before the recording starts: like the
+    chunks' parameters and buffers ("params"), they are memory already held, not allocations;
+    the trace reports the bytes of each part (a storage counts in the first part naming it).
     """
 
     def __init__(
@@ -226,8 +231,11 @@ class Recorder:
         devices: tuple[str, ...],
         groups: dict[str, tuple[str, tuple[int, ...]]],
         rank: int,
+        static: dict[str, list[torch.Tensor]] | None = None,
     ):
         self.chunks = chunks
+        self._static_tensors = dict(static or {})
+        self._static_parts: dict[str, int] = {}
         self.device_types = tuple(torch.device(d).type for d in devices)
         self.groups = groups
         self.rank = rank
@@ -237,6 +245,8 @@ class Recorder:
             for name, mod in root.named_modules():
                 self._fqn[id(mod)] = _join(prefix, name)
         self._stack: list[str] = []
+        self._label: tuple[str, str] | None = None
+        self._windows: list[Window] = []
         self.step_phase = "forward"
         """Phase of work outside autograd and outside the model; the schedule driver sets it."""
         self._seq = 0
@@ -256,11 +266,15 @@ class Recorder:
     # ------------------------------------------------------------------ install / remove
 
     def __enter__(self) -> "Recorder":
-        for root in self.chunks.values():
-            for t in [*root.parameters(), *root.buffers()]:
+        params = [t for root in self.chunks.values() for t in (*root.parameters(), *root.buffers())]
+        for part, tensors in {"params": params, **self._static_tensors}.items():
+            before = self._live
+            for t in tensors:
                 sid = self.storages.see(t)
                 if sid is not None and sid not in self.storages.static:
                     self.storages.static.add(sid)
+            self._static_parts[part] = self._live - before
+        self._static_tensors = {}  # the storages are known now; hold no tensors
         self._static_bytes = self._live
         self._memory.clear()
         try:
@@ -272,6 +286,9 @@ class Recorder:
                     self._post_forward, always_call=True
                 )
             )
+            self._identity = _SavedIdentity()
+            self._identity.__enter__()
+            self._modes.append(self._identity)
             saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             saved.__enter__()
             self._modes.append(saved)
@@ -303,11 +320,15 @@ class Recorder:
             static_bytes=self._static_bytes,
             op_counts=dict(self._ops),
             unclassified=dict(self._unclassified),
+            windows=tuple(self._windows),
+            static_parts=dict(self._static_parts),
         )
 
     # ------------------------------------------------------------------ where are we
 
     def _where(self) -> tuple[str, str]:
+        if self._label is not None:
+            return self._label
         if torch._C._current_graph_task_id() != -1:
             if self._stack:
                 return self._stack[-1], "recompute"
@@ -319,6 +340,36 @@ class Recorder:
 
     def set_step_phase(self, phase: str) -> None:
         self.step_phase = phase
+
+    @contextlib.contextmanager
+    def window(self, phase: str, chunk: int | None = None, microbatch: int | None = None):
+        """Mark what runs inside as one step of the schedule (a Window record). The yielded
+        dict takes "output", the tensor the step hands on, and "held", a tensor that stands for
+        the activations it keeps."""
+        first = self._seq + 1
+        info: dict = {}
+        try:
+            yield info
+        finally:
+            sids = {
+                key: self.storages.see(info[key]) if isinstance(info.get(key), torch.Tensor) else None
+                for key in ("output", "held")
+            }
+            self._windows.append(Window(phase, chunk, microbatch, first, self._seq, **sids))
+
+    @contextlib.contextmanager
+    def label(self, module: str, phase: str):
+        """Attribute what happens inside to `module` and `phase` (for work that stands in for a
+        module's, e.g. a replayed step)."""
+        saved, self._label = self._label, (module, phase)
+        try:
+            yield
+        finally:
+            self._label = saved
+
+    def storage_of(self, t: torch.Tensor) -> int | None:
+        """The storage id of `t` (None when it is not on a recorded device)."""
+        return self.storages.see(t)
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -350,6 +401,7 @@ class Recorder:
     # ------------------------------------------------------------------ saved tensors
 
     def _pack(self, t: torch.Tensor):
+        self._identity.note(t)
         sid = self.storages.see(t)
         if sid is not None:
             module, phase = self._where()
@@ -369,10 +421,10 @@ class Recorder:
 
     # ------------------------------------------------------------------ operators
 
-    def _on_memory(self, delta: int) -> None:
+    def _on_memory(self, delta: int, sid: int) -> None:
         self._live += delta
         module, phase = self._where()
-        self._memory.append(MemEvent(self._next_seq(), delta, self._live, module, phase))
+        self._memory.append(MemEvent(self._next_seq(), delta, self._live, module, phase, sid))
 
     def _on_op(self, func, args, kwargs, out) -> None:
         self._ops[str(func)] += 1
@@ -436,6 +488,49 @@ class Recorder:
 
 def _unpack(t):
     return t
+
+
+_BASE_SAVED_TENSORS = torch._C._FunctionBase.__dict__["saved_tensors"]
+
+
+def _saved_key(t: torch.Tensor):
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class _SavedIdentity:
+    """Saved-tensor hooks cost saved tensors their Python identity: autograd hands back a new
+    tensor object for every saved tensor once a hook is installed (SavedVariable::unpack), so
+    attributes set on the original (megatron-core's `weight.main_grad`,
+    `grad_added_to_main_grad`, which its linear layers read from `ctx.saved_tensors`) would be
+    missing in backward. While installed, custom autograd functions get the original objects back
+    from `ctx.saved_tensors` for every saved tensor that carries attributes."""
+
+    def __init__(self):
+        self.originals: dict = {}
+
+    def note(self, t: torch.Tensor) -> None:
+        if t.__dict__ or type(t) is not torch.Tensor:
+            self.originals[_saved_key(t)] = weakref.ref(t)
+
+    def restore(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        ref = self.originals.get(_saved_key(t))
+        original = ref() if ref is not None else None
+        return original if original is not None else t
+
+    def __enter__(self):
+        identity = self
+
+        def saved_tensors(ctx):
+            return tuple(identity.restore(t) for t in _BASE_SAVED_TENSORS.__get__(ctx))
+
+        torch.autograd.function.BackwardCFunction.saved_tensors = property(saved_tensors)
+        return self
+
+    def __exit__(self, *exc):
+        del torch.autograd.function.BackwardCFunction.saved_tensors
+        return False
 
 
 def _call(func, args, kwargs):

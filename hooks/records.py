@@ -92,6 +92,28 @@ class MemEvent:
     """Bytes live on the device after the event (including static storages)."""
     module: str
     phase: str
+    storage: int = -1
+    """Id of the storage allocated or freed (as in Saved.storage)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A stretch of one trace that the schedule driver marked: one model chunk's forward or
+    backward step for one micro-batch, or a step of the iteration (e.g. the optimizer)."""
+
+    phase: str
+    """forward, backward, or the iteration step ("optimizer")."""
+    chunk: int | None
+    """Model chunk (virtual stage) index on this rank; None outside the model."""
+    microbatch: int | None
+    first: int
+    """seq of the first event inside the window."""
+    last: int
+    """seq of the last event inside the window (first - 1 when nothing happened)."""
+    output: int | None = None
+    """Storage id of the tensor the step handed on (a forward step's output), if any."""
+    held: int | None = None
+    """Storage id of the tensor that stands for the activations a replayed forward step keeps."""
 
 
 @dataclass(frozen=True)
@@ -109,3 +131,8 @@ class Trace:
     """Every dispatched operator and how often it ran."""
     unclassified: dict[str, int] = field(default_factory=dict)
     """Operators that no table knows (neither aten compute nor a known collective)."""
+    windows: tuple[Window, ...] = ()
+    """The stretches the schedule driver marked, in order."""
+    static_parts: dict[str, int] = field(default_factory=dict)
+    """static_bytes by part: "params" (parameters and module buffers), and the parts the
+    tracer names (e.g. "grads", "optimizer")."""

@@ -6,6 +6,7 @@ calls `Tensor.cuda()`, pins memory, and uses CUDA streams and events in pipeline
 
 - rewrites every CUDA device argument of a torch function (and `Tensor.cuda()` / `.to("cuda")`)
   to `device`, drops `pin_memory=True`; `Tensor.cuda()` of a host tensor makes a device copy;
+  `Tensor.type()` of a device tensor answers with the CUDA type name;
 - replaces the CUDA runtime entry points megatron-core calls (current_device, streams, events,
   synchronize, record_stream, RNG state) with stand-ins that do nothing;
 - maps training-mode `F.dropout` with 0 < p < 1 to `torch.native_dropout`, the kernel CUDA runs
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
 from torch.autograd import graph as _graph
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _NullStream:
@@ -111,6 +113,9 @@ def _run_backward(func, args, kwargs):
     )
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class _RemapMode(TorchFunctionMode):
     def __init__(self, device: torch.device):
         super().__init__()
@@ -126,6 +131,8 @@ class _RemapMode(TorchFunctionMode):
             return self._cuda(args[0], kwargs)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], self.device, *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return self._type_name(args[0])
         if func is torch.Tensor.record_stream or func is torch.Tensor.pin_memory:
             return None if func is torch.Tensor.record_stream else args[0]
         if func is F.dropout:
@@ -142,6 +149,18 @@ class _RemapMode(TorchFunctionMode):
         if t.device == self.device and self.device.type != "cpu":
             return t
         return t.to(self.device, copy=True, non_blocking=kwargs.get("non_blocking", False))
+
+    def _type_name(self, t: torch.Tensor) -> str:
+        """`Tensor.type()`: a tensor on the stand-in device names itself a CUDA tensor
+        (megatron-core's optimizers accept only torch.cuda.{Half,BFloat16,Float}Tensor)."""
+        name = torch.Tensor.type(t)
+        if t.device != self.device:
+            return name
+        if t.dtype in _FP8_DTYPES:
+            # metatrace's FP8 parameters stand for Transformer Engine's Float8Tensor, which the
+            # optimizers put with the 16-bit parameters (an fp32 main copy per shard).
+            return "torch.cuda.BFloat16Tensor"
+        return "torch.cuda." + name.rsplit(".", 1)[-1]
 
     def _dropout(self, args, kwargs):
         x = args[0]
@@ -166,3 +185,78 @@ def remap_cuda(device: str | torch.device = "meta"):
     finally:
         for name, orig in _orig_cuda.items():
             setattr(torch.cuda, name, orig)
+
+
+class _UnknownValues(TorchFunctionMode):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item and args[0].device == self.device:
+            t = args[0]
+            return False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def unknown_values(device: str | torch.device = "meta"):
+    """While active, `Tensor.item()` of a tensor on `device` (which has no values) answers 0.
+
+    For code that reads a statistic back to the host and only branches on it (the optimizer
+    step's gradient norm, zero count and overflow flag): 0 means no overflow and no clipping,
+    whose work is in place and allocates nothing. Not for the model's own code, where a value
+    could decide a shape."""
+    with _UnknownValues(torch.device(device)):
+        yield
+
+
+# ATen operators that run on PyTorch's cuBLAS (or cuBLASLt) handle on a GPU.
+_CUBLAS_OPS = frozenset(
+    {
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+        "_addmm_activation", "_scaled_mm", "_int_mm",
+    }
+)
+
+
+_LIBRARY_KERNEL = [0]
+
+
+@contextlib.contextmanager
+def library_kernel():
+    """Operators run inside stand for another library's kernel (a Transformer Engine GEMM on
+    its own cuBLASLt handle and workspace, an Apex softmax), not for PyTorch's cuBLAS calls."""
+    _LIBRARY_KERNEL[0] += 1
+    try:
+        yield
+    finally:
+        _LIBRARY_KERNEL[0] -= 1
+
+
+class _CublasWorkspaces(TorchDispatchMode):
+    def __init__(self, device: torch.device, nbytes: int):
+        super().__init__()
+        self.device = device
+        self.nbytes = nbytes
+        self.held: dict[str, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in _CUBLAS_OPS and self.nbytes and not _LIBRARY_KERNEL[0]:
+            # Forward runs on the Python thread; backward (and recomputation inside it) on the
+            # autograd engine's device thread, which has a cuBLAS handle of its own.
+            thread = "autograd" if torch._C._current_graph_task_id() != -1 else "main"
+            if thread not in self.held:
+                self.held[thread] = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cublas_workspaces(device: str | torch.device, nbytes: int):
+    """PyTorch's cuBLAS workspaces: on a GPU, the first GEMM a thread runs on a stream takes a
+    workspace of `nbytes` (sized by CUBLAS_WORKSPACE_CONFIG) from the caching allocator and keeps
+    it for the life of the process (aten/src/ATen/cuda/CublasHandlePool.cpp: one per handle and
+    stream, handles are per thread). Enter it inside the recorder, which then sees them."""
+    mode = _CublasWorkspaces(torch.device(device), nbytes)
+    with mode:
+        yield mode

@@ -291,7 +291,49 @@ def _check_training(job, split_ok: bool):
             "training.overlap_param_gather needs training.distributed_optimizer and "
             "training.overlap_grad_reduce"
         )
+    yield from _check_optimizer(job)
     yield from _check_recompute(job, split_ok)
+
+
+def _check_optimizer(job):
+    """Megatron-LM's validate_args and megatron-core's optimizer/DDP assertions."""
+    tr = job.training
+    dp_cp = job.parallel.dp * job.parallel.cp
+    n = tr.num_distributed_optimizer_instances
+    if n < 1:
+        yield f"training.num_distributed_optimizer_instances = {n} must be at least 1"
+    elif n > 1:
+        if not tr.distributed_optimizer:
+            yield "training.num_distributed_optimizer_instances > 1 needs training.distributed_optimizer"
+        if dp_cp % n:
+            yield (
+                f"dp x cp = {job.parallel.dp} x {job.parallel.cp} = {dp_cp} is not divisible by "
+                f"training.num_distributed_optimizer_instances = {n}"
+            )
+    if tr.ddp_bucket_size is not None and tr.ddp_bucket_size < 1:
+        yield f"training.ddp_bucket_size = {tr.ddp_bucket_size} must be at least 1"
+    low = [
+        name
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        if getattr(tr, name) != "fp32"
+    ]
+    if low and not tr.use_precision_aware_optimizer:
+        yield (
+            f"training.{low[0]} = {getattr(tr, low[0])} needs "
+            "training.use_precision_aware_optimizer (Megatron-LM asserts it)"
+        )
+    if tr.use_precision_aware_optimizer:
+        if tr.optimizer != "adam":
+            yield "training.use_precision_aware_optimizer works with training.optimizer: adam only"
+        if job.implementation.transformer_impl != "transformer_engine":
+            yield (
+                "training.use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
+                "(implementation.transformer_impl: transformer_engine)"
+            )
+    if tr.grad_reduce_in_fp32 and tr.main_grads_dtype != "fp32":
+        yield "training.grad_reduce_in_fp32 contradicts training.main_grads_dtype = bf16"
+    if tr.clip_grad < 0:
+        yield f"training.clip_grad = {tr.clip_grad} must not be negative"
 
 
 def _check_fp8(job):

@@ -153,6 +153,38 @@ class Training:
     """Reduce gradients in buckets during backward."""
     overlap_param_gather: bool = False
     """Gather parameters during the next forward (needs the distributed optimizer)."""
+    num_distributed_optimizer_instances: int = 1
+    """Distributed-optimizer replicas: the state is sharded over dp / this many ranks."""
+    grad_reduce_in_fp32: bool | None = None
+    """fp32 main-grad buffers, reduced in fp32 (Megatron-LM's default with bf16 and fp8:
+    --accumulate-allreduce-grads-in-fp32; gradients stay in the parameter dtype otherwise)."""
+    ddp_bucket_size: int | None = None
+    """Gradient bucket size in elements with overlap_grad_reduce (default max(4e7, 1e6 x dp x cp))."""
+    ddp_average_in_collective: bool = False
+    """Average gradients inside the reduction collective instead of scaling beforehand."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (Megatron-LM's default) or SGD with momentum."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (0 keeps no momentum buffer)."""
+    use_precision_aware_optimizer: bool = False
+    """Transformer Engine's FusedAdam keeps main params / moments in the dtypes below."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Main-gradient dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """Master-parameter dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam first-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam second-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 turns it off)."""
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradients at every step (Megatron-LM's --log-num-zeros-in-grad)."""
+    gradient_accumulation_fusion: bool = True
+    """Weight-gradient GEMMs accumulate straight into DDP's main-grad buffers (Megatron-LM's
+    default; --no-gradient-accumulation-fusion turns it off)."""
+    calculate_per_token_loss: bool = False
+    """Normalise the loss by the tokens of the whole global batch (--calculate-per-token-loss)."""
     create_attention_mask_in_dataloader: bool = True
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
     the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""
@@ -175,6 +207,19 @@ class Implementation:
     cross_entropy_fusion_impl: Literal["native", "te"] = "native"
     """With cross_entropy_loss_fusion: megatron-core's fused kernel, or Transformer Engine's
     (which overwrites the logits with their gradient)."""
+    bias_activation_fusion: bool = True
+    """Fused bias-GeLU / bias-SwiGLU kernels (Megatron-LM's default; --no-bias-gelu-fusion,
+    --no-bias-swiglu-fusion turn them off). Only GeLU with biases and SwiGLU have one."""
+    bias_dropout_fusion: bool = True
+    """Fused bias-dropout-add (--no-bias-dropout-fusion turns it off)."""
+    masked_softmax_fusion: bool = True
+    """Apex's fused scaled masked softmax in megatron-core's own attention
+    (--no-masked-softmax-fusion turns it off)."""
+    attention_softmax_in_fp32: bool = False
+    """Attention softmax in fp32 in unfused attention (--attention-softmax-in-fp32)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale attention scores by the layer number (--apply-query-key-layer-scaling); forces
+    the softmax into fp32."""
 
 
 # Compute capability of each GPU model (what Transformer Engine's choices depend on).
@@ -215,6 +260,13 @@ class Cluster:
     """GPU model: one of GPU_MEMORY_GIB's keys."""
     gpu_memory_gib: float | None = None
     """Memory per GPU; default from `gpu`."""
+    reserved_overhead_gib: float = 4.0
+    """Memory a GPU needs beside what PyTorch's caching allocator hands out: the CUDA context,
+    NCCL's communicators and buffers, and allocator fragmentation. Added to the predicted peak
+    for the verdict, never to the peak itself."""
+    cublas_workspace_config: str | None = None
+    """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
+    workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,12 +482,14 @@ def resolve(job: Job) -> Job:
     if par.sequence_parallel and par.tp == 1:
         par = dataclasses.replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
-    for name in ("distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
-        if getattr(training, name):
-            notes.append(
-                f"training.{name} is accepted but changes nothing here yet: optimizer state, "
-                "gradient buffers and data-parallel traffic are not modelled yet"
-            )
+    if training.grad_reduce_in_fp32 is None:
+        # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
+        # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
+        training = dataclasses.replace(
+            training,
+            grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
+            and training.main_grads_dtype == "fp32",
+        )
     if par.layout is not None:
         from metatrace.checks import layout_stages
 

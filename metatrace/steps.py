@@ -129,7 +129,9 @@ def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask:
     """pretrain_gpt.forward_step, bound to the batch shape."""
 
     def forward_step(data_iterator, model):
-        vp_stage = getattr(model, "vp_stage", None)
+        from megatron.core.utils import get_attr_wrapped_model
+
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
         tokens, labels, loss_mask, mask, position_ids = get_batch(
             data_iterator,
             vp_stage,

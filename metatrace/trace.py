@@ -1,16 +1,22 @@
 """Tracing orchestration: for every distinct role, build the rank's model chunks inside the fake
-world and run one micro-batch forward and backward under the recorder.
+world, as Megatron-LM builds them for training (DDP around each chunk, megatron-core's
+optimizer), and record two things:
 
-One micro-batch per role, as megatron-core's schedules run it for that rank: for each model
-chunk in order, receive the input from the previous stage, megatron-core's `forward_step` (with
-Megatron-LM's batch and loss on the first and last stages), send the output on and free it
-(`deallocate_output_tensor`); then for each chunk in reverse, receive the output gradient,
-megatron-core's `backward_step`, send the input gradient back. Point-to-point transfers go through
-megatron-core's `P2PCommunicator`, so they are recorded as the pipeline issues them.
+1. one micro-batch, forward and backward, as megatron-core's schedules run it for that rank: for
+   each model chunk in order, receive the input from the previous stage, megatron-core's
+   `forward_step` (with Megatron-LM's batch and loss on the first and last stages), send the
+   output on and free it (`deallocate_output_tensor`); then for each chunk in reverse, receive
+   the output gradient, megatron-core's `backward_step`, send the input gradient back.
+   Point-to-point transfers go through megatron-core's `P2PCommunicator`, so they are recorded
+   as the pipeline issues them. It runs as a micro-batch that is not the last of its iteration
+   (under DDP's no_sync), so its records hold no gradient reduction;
+2. a whole training iteration under megatron-core's own schedule, with every forward and
+   backward step replayed from (1) (metatrace.iteration), then the optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,10 +29,13 @@ from metatrace.world import Role, World
 class RoleTrace:
     role: Role
     trace: Trace
+    """One micro-batch."""
     chunks: tuple[str, ...]
     """FQN prefix of each model chunk ("" for one chunk, "chunk{v}" with virtual stages)."""
     seconds: float
     """Wall time to build and trace the role."""
+    iteration: Trace | None = None
+    """A whole iteration, steps replayed from `trace`, optimizer step included."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,9 @@ def trace_job(job, *, device: str = "meta", full_model: bool = True, progress=No
         progress("tracing the full model on one GPU")
         single = single_gpu_job(job)
         single_world = World.from_job(single)
-        full = trace_role(single, single_world, single_world.roles()[0], device=device)
+        full = trace_role(
+            single, single_world, single_world.roles()[0], device=device, iteration=False
+        )
     return JobTrace(
         job=job,
         world=world,
@@ -73,8 +84,10 @@ def trace_role(
     device: str = "meta",
     rank: int | None = None,
     also_track: tuple[str, ...] = (),
+    iteration: bool = True,
 ):
-    """Build `role`'s chunks for global `rank` (default: the role's own) and trace a micro-batch.
+    """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
+    and, when `iteration`, a whole iteration.
 
     `device` is where the model runs (meta, or cpu for real tensors); `also_track` names more
     device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
@@ -83,37 +96,92 @@ def trace_role(
     from metatrace.hooks.fake_world import fake_world, named_groups
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.recorder import Recorder
-    from metatrace.hooks.remap import remap_cuda
-    from metatrace.models.build import build_model_chunks, transformer_config, unwrap
+    from metatrace.hooks.remap import cublas_workspaces, remap_cuda
+    from metatrace.iteration import run_iteration
+    from metatrace.memory import step_profiles
+    from metatrace.models.te_linear import te_process
+    from metatrace.models.build import (
+        build_model_chunks,
+        build_optimizer,
+        static_tensors,
+        transformer_config,
+        unwrap,
+        wrap_ddp,
+    )
+
+    import torch
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
     config = transformer_config(job)
-    with megatron_patches(), remap_cuda(device), fake_world(world.layout, rank):
+    workspace = cublas_workspace_bytes(job)
+    te = job.implementation.transformer_impl == "transformer_engine"
+    with megatron_patches(), remap_cuda(device), fake_world(world.layout, rank), te_process(te):
         chunks = build_model_chunks(job=job, config=config, device=device)
+        model = wrap_ddp(job, config, chunks)
+        optimizer = build_optimizer(job, model)
+        static = static_tensors(model, optimizer)
         prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
         models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
         devices = (device, *also_track)
-        with Recorder(chunks=models, devices=devices, groups=named_groups(), rank=rank) as rec:
-            run_microbatch(job, config, chunks, on_phase=rec.set_step_phase)
+        groups = named_groups()
+        with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+            with contextlib.ExitStack() as stack:
+                # The workspaces live on after the recorder stops, as they do on a GPU.
+                workspaces = stack.enter_context(cublas_workspaces(device, workspace))
+                for chunk in model:
+                    stack.enter_context(chunk.no_sync())
+                shapes = run_microbatch(job, config, model, rec=rec)
         trace = rec.trace()
+        del workspaces
+        steady = None
+        if iteration:
+            with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+                run_iteration(
+                    job,
+                    config,
+                    model,
+                    optimizer,
+                    rec=rec,
+                    profiles=step_profiles(trace),
+                    shapes=shapes,
+                    device=torch.device(device),
+                )
+            steady = rec.trace()
     return RoleTrace(
-        role=role, trace=trace, chunks=tuple(prefixes), seconds=time.perf_counter() - start
+        role=role,
+        trace=trace,
+        chunks=tuple(prefixes),
+        seconds=time.perf_counter() - start,
+        iteration=steady,
     )
 
 
-def run_microbatch(
-    job, config, chunks, *, forward_step_func: Callable | None = None, on_phase=None
-) -> None:
+def cublas_workspace_bytes(job) -> int:
+    """Bytes of one PyTorch cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT"
+    pairs), or PyTorch's default for the GPU (":4096:8" on sm90 and sm100, ":4096:2:16:8"
+    otherwise; aten/src/ATen/cuda/CublasHandlePool.cpp)."""
+    from metatrace.config import GPU_ARCH
+
+    spec = job.cluster.cublas_workspace_config
+    if spec is None:
+        spec = ":4096:8" if GPU_ARCH.get(job.cluster.gpu) in ("sm90", "sm100") else ":4096:2:16:8"
+    numbers = [int(n) for n in spec.split(":")[1:]]
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
+
+
+def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable | None = None):
     """One micro-batch through this rank's chunks, forward then backward (see module docstring).
 
-    `on_phase("forward" | "backward")` is told which half of the step is running.
+    With a recorder `rec`, each chunk's forward and backward step is marked as a Window and the
+    steps outside the model are told their phase. Returns each chunk's output shape.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_type
 
+    from metatrace.iteration import StepShape
     from metatrace.steps import make_forward_step, synthetic_batches
 
     tr = job.training
@@ -132,39 +200,50 @@ def run_microbatch(
     comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
     seq = tr.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
     tensor_shape = (seq, tr.micro_batch_size, config.hidden_size)
-    model_type = get_model_type(chunks[0])
+    model_type = get_model_type(model[0])
 
-    on_phase = on_phase or (lambda phase: None)
+    def window(phase, v):
+        return rec.window(phase, v, 0) if rec is not None else contextlib.nullcontext({})
+
+    def on_phase(phase):
+        if rec is not None:
+            rec.set_step_phase(phase)
+
     on_phase("forward")
-    stash = []
-    for v, chunk in enumerate(chunks):
+    stash, shapes = [], []
+    for v, chunk in enumerate(model):
         vp_stage = v if par.vpp else None
         first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         input_tensor = comm.recv_forward(tensor_shape, is_first_stage=first)
-        output_tensor, _ = schedules.forward_step(
-            forward_step_func,
-            data,
-            chunk,
-            job.num_microbatches,
-            input_tensor,
-            [],
-            config,
-            par.cp,
-            is_first_microbatch=True,
-            current_microbatch=0,
-            vp_stage=vp_stage,
-            is_last_stage=last,
-        )
+        with window("forward", v) as marks:
+            output_tensor, _ = schedules.forward_step(
+                forward_step_func,
+                data,
+                chunk,
+                job.num_microbatches,
+                input_tensor,
+                [],
+                config,
+                par.cp,
+                is_first_microbatch=True,
+                current_microbatch=0,
+                vp_stage=vp_stage,
+                is_last_stage=last,
+            )
+            marks["output"] = output_tensor
+        shapes.append(StepShape(tuple(output_tensor.shape), output_tensor.dtype))
         comm.send_forward(output_tensor, is_last_stage=last)
         if not last:
             schedules.deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
-        stash.append((input_tensor, output_tensor, first, last))
+        stash.append((v, input_tensor, output_tensor, first, last))
 
     on_phase("backward")
-    for input_tensor, output_tensor, first, last in reversed(stash):
+    for v, input_tensor, output_tensor, first, last in reversed(stash):
         output_grad = comm.recv_backward(tensor_shape, is_last_stage=last)
-        input_grad = schedules.backward_step(
-            input_tensor, output_tensor, output_grad, model_type, config
-        )
+        with window("backward", v):
+            input_grad = schedules.backward_step(
+                input_tensor, output_tensor, output_grad, model_type, config
+            )
         comm.send_backward(input_grad, is_first_stage=first)
+    return shapes

@@ -49,8 +49,8 @@ def transformer_config(job):
     rec = tr.recompute
     # Megatron-LM turns the fused bias-activation kernels on by default (bias_gelu_fusion,
     # bias_swiglu_fusion), and off for GeLU without biases; other activations have no kernel.
-    bias_activation_fusion = m.activation == "swiglu" or (
-        m.activation == "gelu" and m.add_bias_linear
+    bias_activation_fusion = impl.bias_activation_fusion and (
+        m.activation == "swiglu" or (m.activation == "gelu" and m.add_bias_linear)
     )
     fields = dict(
         num_layers=m.num_layers,
@@ -101,15 +101,16 @@ def transformer_config(job):
         hierarchical_context_parallel_sizes=par.hierarchical_cp_sizes,
         # Megatron-LM command-line defaults.
         bias_activation_fusion=bias_activation_fusion,
-        masked_softmax_fusion=True,
-        bias_dropout_fusion=True,
-        attention_softmax_in_fp32=False,
+        masked_softmax_fusion=impl.masked_softmax_fusion,
+        bias_dropout_fusion=impl.bias_dropout_fusion,
+        attention_softmax_in_fp32=impl.attention_softmax_in_fp32
+        or impl.apply_query_key_layer_scaling,
+        apply_query_key_layer_scaling=impl.apply_query_key_layer_scaling,
+        calculate_per_token_loss=tr.calculate_per_token_loss,
         deallocate_pipeline_outputs=True,
         overlap_p2p_comm=par.vpp is not None,
         batch_p2p_comm=par.vpp is None,
-        # Gradient-accumulation fusion writes weight gradients into DDP's main_grad buffers,
-        # which are not modelled yet.
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=tr.gradient_accumulation_fusion,
         persist_layer_norm=False,
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
         # `tensor_model_parallel` when it initialises them.
@@ -216,3 +217,110 @@ def single_gpu_job(job):
     return dataclasses.replace(
         job, parallel=par, training=tr, cluster=cl, padded_vocab_size=padded, num_microbatches=1
     )
+
+
+_OPT_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8": torch.uint8,  # Transformer Engine's FusedAdam keeps FP8 moments as uint8 data
+}
+
+
+def ddp_config(job):
+    """megatron-core's DistributedDataParallelConfig as Megatron-LM's get_model fills it."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    tr = job.training
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=tr.grad_reduce_in_fp32,
+        overlap_grad_reduce=tr.overlap_grad_reduce,
+        overlap_param_gather=tr.overlap_param_gather,
+        # Megatron-LM forces align_param_gather off without virtual pipeline stages.
+        align_param_gather=tr.overlap_param_gather and job.parallel.vpp is not None,
+        use_distributed_optimizer=tr.distributed_optimizer,
+        num_distributed_optimizer_instances=tr.num_distributed_optimizer_instances,
+        # Megatron-LM's --check-for-nan-in-loss-and-grad is on by default; the check reads
+        # values (a norm per bucket) and allocates nothing that matters.
+        check_for_nan_in_grad=False,
+        bucket_size=tr.ddp_bucket_size,
+        average_in_collective=tr.ddp_average_in_collective,
+        fp8_param_gather=tr.precision == "fp8" and tr.fp8_param_gather,
+    )
+
+
+def wrap_ddp(job, config, chunks):
+    """megatron-core's DistributedDataParallel around each chunk, as Megatron-LM's get_model
+    wraps them: its contiguous gradient buffers (and parameter buffers with the distributed
+    optimizer) are allocated here, and bucketing is off for every chunk after the first."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp = ddp_config(job)
+    return [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp, module=chunk, disable_bucketing=index > 0
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+
+
+def optimizer_config(job):
+    """megatron-core's OptimizerConfig as Megatron-LM's get_megatron_optimizer_config fills it."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    tr = job.training
+    return OptimizerConfig(
+        optimizer=tr.optimizer,
+        lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
+        bf16=tr.precision in ("bf16", "fp8"),
+        fp16=tr.precision == "fp16",
+        params_dtype=DTYPES[tr.precision],
+        use_distributed_optimizer=tr.distributed_optimizer,
+        overlap_param_gather=tr.overlap_param_gather,
+        use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
+        main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
+        main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
+        exp_avg_dtype=_OPT_DTYPES[tr.exp_avg_dtype],
+        exp_avg_sq_dtype=_OPT_DTYPES[tr.exp_avg_sq_dtype],
+        sgd_momentum=tr.sgd_momentum,
+        clip_grad=tr.clip_grad,
+        log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
+        fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
+    )
+
+
+def build_optimizer(job, model):
+    """megatron-core's optimizer over the DDP-wrapped chunks (its fp32 main parameters are
+    built here), with the optimizer state every step after the first holds: megatron-core's
+    own init_state_fn creates it, as for loading a checkpoint."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(job), model, use_gloo_process_groups=False)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if inner.optimizer is not None and inner.init_state_fn is not None:
+            inner.init_state_fn(inner.optimizer, inner.config)
+    return optimizer
+
+
+def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
+    """Device tensors that live for the whole run beside the modules' parameters and buffers,
+    by part: "grads" (DDP's gradient buffers; its parameter buffers hold the parameters
+    themselves), "optimizer" (main parameters, optimizer state, scaler and flag tensors)."""
+    grads, state = [], []
+    for chunk in model:
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            grads.append(buffer.grad_data)
+            if buffer.param_data is not None:
+                grads.append(buffer.param_data)  # counted with the parameters it holds
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        scaler = getattr(inner, "grad_scaler", None)
+        owners = [inner, scaler] if scaler is not None else [inner]
+        state.extend(t for owner in owners for t in vars(owner).values() if torch.is_tensor(t))
+        if inner.optimizer is None:
+            continue
+        state.extend(t for t in vars(inner.optimizer).values() if torch.is_tensor(t))
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                state.append(p)
+                state.extend(v for v in inner.optimizer.state[p].values() if torch.is_tensor(v))
+    return {"grads": grads, "optimizer": state}

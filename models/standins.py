@@ -8,7 +8,8 @@ or the CPU, `torch.nn.RMSNorm` instead decomposes into an fp32 copy of x and kee
 parallelism without Apex. `LocalNorm` tags its weights `sequence_parallel` as Apex's
 `FusedLayerNorm` does.
 
-`FusedSoftmaxKernels` stands in for Apex's fused softmax extensions.
+`FusedSoftmaxKernels` stands in for Apex's fused softmax extensions, `FusedWeightGradient` for
+its gradient-accumulation-fusion extension.
 """
 
 from __future__ import annotations
@@ -95,7 +96,32 @@ class FusedSoftmaxKernels:
     @staticmethod
     def backward(output_grads: torch.Tensor, softmax_results: torch.Tensor, scale):
         """dx = scale * y * (dy - sum(dy * y)), written into dy as the kernels do."""
+        from metatrace.hooks.remap import library_kernel
+
         sk = output_grads.shape[-1]
-        dot = torch.bmm(output_grads.reshape(-1, 1, sk), softmax_results.reshape(-1, sk, 1))
+        with library_kernel():  # the kernel's row sums, not a cuBLAS call
+            dot = torch.bmm(output_grads.reshape(-1, 1, sk), softmax_results.reshape(-1, sk, 1))
         dot = dot.view(*output_grads.shape[:-1], 1)
         return output_grads.sub_(dot).mul_(softmax_results).mul_(float(scale))
+
+
+class FusedWeightGradient:
+    """Stand-in for Apex's `fused_weight_gradient_mlp_cuda`, which megatron-core's own linear
+    layers call with gradient-accumulation fusion: `wgrad_gemm_accum_fp32(input, grad_output,
+    main_grad)` (and `_fp16`) accumulates the weight gradient into main_grad in place with a
+    cuBLAS GEMM on PyTorch's handle. Nothing is allocated; megatron-core then allocates an
+    empty [out, in] placeholder gradient itself (tensor_parallel/layers.py)."""
+
+    @classmethod
+    def module(cls):
+        import types
+
+        module = types.ModuleType("fused_weight_gradient_mlp_cuda")
+        module.wgrad_gemm_accum_fp32 = cls.accumulate
+        module.wgrad_gemm_accum_fp16 = cls.accumulate
+        return module
+
+    @staticmethod
+    def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
+        # The GEMM, on PyTorch's cuBLAS handle: its [1, 1] output stands for the call.
+        torch.mm(grad_output[:1].reshape(1, -1)[:, :1], total_input[:1].reshape(1, -1)[:, :1])

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from metatrace.models.norm import norm_backward, norm_forward
+from metatrace.models.te_linear import te_wgrad
 from metatrace.models.te_fp8 import F32, U8, module_state, quantize, reduce_amax, register, weight_workspace
 
 
@@ -195,7 +196,11 @@ def fp8_backward(ctx, grad):
             dist.all_reduce(dgrad, group=mode.group)
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
-    wgrad = torch.zeros(weight.shape, dtype=dgrad.dtype, device=device) if needs_wgrad else None
+    wgrad = (
+        te_wgrad(ctx.module, weight, lambda: torch.zeros(weight.shape, dtype=dgrad.dtype, device=device))
+        if needs_wgrad
+        else None
+    )
     del dy_buffers, inputs
     dln_w = dln_b = None
     if mode.norm is not None:
