@@ -113,7 +113,7 @@ def cmd_tree(args, console=None) -> int:
         raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")
     role = next(r for r in world.roles() if args.rank in r.ranks)
     console = _console(args, console)
-    rt = trace_role(job, world, role, rank=args.rank)
+    rt = trace_role(job, world, role, rank=args.rank, iteration=False)
     job_trace = JobTrace(job=job, world=world, roles=(rt,), full=None)
     console.print(section(role_title(job_trace, [rt])))
     console.print(build_role_tree(job_trace, [rt], depth=args.depth, expand=args.expand))

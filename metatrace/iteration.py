@@ -62,7 +62,9 @@ def wire_training_config(job, config, model, optimizer) -> None:
 
 
 class _Replay:
-    """The replacements for schedules.forward_step / backward_step, for one rank."""
+    """What runs the model in megatron-core's schedule, replayed for one rank: the
+    forward_step_func handed to the schedule (batch and model forward; megatron-core's own
+    forward_step around it does the rest), and a replacement for schedules.backward_step."""
 
     def __init__(self, *, rec, model, profiles, shapes, device):
         self.rec = rec
@@ -70,6 +72,7 @@ class _Replay:
         self.profiles = profiles
         self.shapes = shapes
         self.chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
+        self.calls = [0] * len(model)
         # DDP's gradient hooks per chunk, in backward order (last parameter first).
         self.hooks = [
             [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
@@ -79,49 +82,61 @@ class _Replay:
     def _empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def forward_step(
-        self,
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        input_tensor,
-        forward_data_store,
-        config,
-        cp_group_size,
-        collect_non_loss_data=False,
-        checkpoint_activations_microbatch=None,
-        is_first_microbatch=False,
-        current_microbatch=None,
-        vp_stage=None,
-        is_last_stage=True,
-    ):
+    def forward_step_func(self, data_iterator, model):
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_attr_wrapped_model
+
+        from metatrace.steps import loss_func
+
         v = self.chunk_of[id(model)]
+        microbatch = self.calls[v]
+        self.calls[v] += 1
         prof: StepProfile = self.profiles[("forward", v)]
         shape = self.shapes[v]
-        with self.rec.window("forward", v, current_microbatch) as window:
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        mask_shape = StepShape((shape.shape[0], shape.shape[-1]), torch.float32)
+        with self.rec.window("forward", v, microbatch) as window:
             with self.rec.label(prof.module, "forward"):
-                output = torch.empty(shape.shape, dtype=shape.dtype, device=self.device)
-                output.requires_grad_()
                 held = self._empty(prof.held) if prof.held else None
-                extra = prof.excess - prof.held - output.untyped_storage().nbytes()
+                # The loss mask Megatron-LM's loss function keeps for backward, and the output
+                # when it is kept too, are views into `held`; an output handed on (or dropped
+                # after the loss) is a tensor of its own.
+                kept = [mask_shape] if last else []
+                if prof.output:
+                    output = torch.empty(shape.shape, dtype=shape.dtype, device=self.device)
+                    extra = prof.excess - prof.held - _nbytes(shape)
+                else:
+                    kept.insert(0, shape)
+                    extra = prof.excess - prof.held
+                views = _carve(held, kept, self._empty)
+                if not prof.output:
+                    output = views.pop(0)
                 if extra > 0:
-                    del_me = self._empty(extra)
-                    del del_me
+                    temporaries = self._empty(extra)
+                    del temporaries
             window["output"] = output
             window["held"] = held
-        setattr(output, _HELD, (v, current_microbatch, held))
-        if is_last_stage:
-            num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
-        else:
-            num_tokens = torch.tensor(0, dtype=torch.int)
-        if isinstance(input_tensor, list):
-            return [output], num_tokens
-        return output, num_tokens
+        # The output's autograd graph ends in the input's AccumulateGrad node, which keeps the
+        # received input alive for as long as the schedule holds the output (or the loss).
+        received = get_attr_wrapped_model(model, "decoder").input_tensor
+        tag = (v, microbatch, held, received)
+        setattr(output, _HELD, tag)
+        if not last:
+            return output, None
+
+        def loss(output_tensor, mask=views[0], tag=tag):
+            # The schedule runs backward from the loss: it carries the step's tag.
+            result = loss_func(mask, output_tensor)
+            setattr(result[0], _HELD, tag)
+            return result
+
+        return output, loss
 
     def backward_step(self, input_tensor, output_tensor, output_tensor_grad, model_type, config):
         out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
-        v, microbatch, held = out.__dict__.pop(_HELD)
+        v, microbatch, held, _ = out.__dict__[_HELD]
+        out.__dict__[_HELD] = out.__dict__[_HELD][3:]  # the input stays referenced, as by the graph
         prof: StepProfile = self.profiles[("backward", v)]
         unwrap = not isinstance(input_tensor, list)
         inputs = [input_tensor] if unwrap else input_tensor
@@ -136,7 +151,9 @@ class _Replay:
                 if param.requires_grad:
                     zero = zeros.get(param.dtype)
                     if zero is None:
-                        zero = zeros[param.dtype] = torch.zeros((), dtype=param.dtype, device=self.device)
+                        zero = zeros[param.dtype] = torch.zeros(
+                            (), dtype=param.dtype, device=self.device
+                        )
                     param.grad = zero.expand(param.shape)
                     hook()
             del zeros
@@ -150,37 +167,110 @@ class _Replay:
         return grads[0] if unwrap else grads
 
 
+def _nbytes(shape: StepShape) -> int:
+    n = 1
+    for d in shape.shape:
+        n *= d
+    return n * torch.empty((), dtype=shape.dtype).element_size()
+
+
+def _carve(held, shapes, empty):
+    """Tensors of `shapes` laid one after another in `held`'s storage (views, nothing
+    allocated); a fresh tensor for any that does not fit."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = _nbytes(shape)
+        if held is not None and offset + n <= held.numel():
+            t = held[offset : offset + n]
+        else:
+            t = empty(n)
+        out.append(t.view(shape.dtype).view(shape.shape))
+        offset += n
+    return out
+
+
+def _marked(rec, model, forward_step_func):
+    """`forward_step_func` with each call marked as a forward Window (the real steps)."""
+    chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
+    calls = [0] * len(model)
+
+    def step(data_iterator, chunk):
+        v = chunk_of[id(chunk)]
+        calls[v] += 1
+        with rec.window("forward", v, calls[v] - 1) as window:
+            output, loss = forward_step_func(data_iterator, chunk)
+            window["output"] = output
+        return output, loss
+
+    return step
+
+
+@contextlib.contextmanager
+def _marked_backward(rec):
+    """schedules.backward_step with each call marked as a backward Window (the real steps)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = schedules.backward_step
+
+    def step(*args):
+        with rec.window("backward"):
+            return saved(*args)
+
+    schedules.backward_step = step
+    try:
+        yield
+    finally:
+        schedules.backward_step = saved
+
+
 @contextlib.contextmanager
 def _replaying(replay: _Replay):
     from megatron.core.pipeline_parallel import schedules
 
-    saved = schedules.forward_step, schedules.backward_step
-    schedules.forward_step, schedules.backward_step = replay.forward_step, replay.backward_step
+    saved = schedules.backward_step
+    schedules.backward_step = replay.backward_step
     try:
         yield
     finally:
-        schedules.forward_step, schedules.backward_step = saved
+        schedules.backward_step = saved
 
 
-def run_iteration(job, config, model, optimizer, *, rec, profiles, shapes, device) -> None:
-    """One iteration as Megatron-LM's train_step runs it, recorded by `rec`."""
+def run_iteration(
+    job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False
+) -> None:
+    """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
+
+    With `real_steps` the model itself runs every step (Megatron-LM's forward_step on synthetic
+    batches): slow, but the reference the replay is tested against."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
+    from metatrace.steps import make_forward_step, synthetic_batches
 
     tr = job.training
     wire_training_config(job, config, model, optimizer)
-    replay = _Replay(rec=rec, model=model, profiles=profiles, shapes=shapes, device=device)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     rec.set_step_phase("forward")
-    iterators = [None] * len(model)
-    with _replaying(replay):
+    if real_steps:
+        shape = dict(
+            micro_batch_size=tr.micro_batch_size,
+            seq_length=tr.seq_length,
+            attention_mask=tr.create_attention_mask_in_dataloader,
+        )
+        step_func = _marked(rec, model, make_forward_step(**shape))
+        iterators = [synthetic_batches(**shape) for _ in model]
+        context = _marked_backward(rec)
+    else:
+        replay = _Replay(rec=rec, model=model, profiles=profiles, shapes=shapes, device=device)
+        step_func, iterators = replay.forward_step_func, [None] * len(model)
+        context = _replaying(replay)
+    with context:
         get_forward_backward_func()(
-            forward_step_func=None,
-            data_iterator=iterators if len(model) > 1 else iterators[0],
-            model=model if len(model) > 1 else model[0],
+            forward_step_func=step_func,
+            data_iterator=iterators,
+            model=model,
             num_microbatches=job.num_microbatches,
             seq_length=tr.seq_length,
             micro_batch_size=tr.micro_batch_size,

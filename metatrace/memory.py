@@ -120,3 +120,186 @@ def step_profiles(trace: Trace) -> dict[tuple[str, int], StepProfile]:
             excess = max(excess, held + output)
         profiles[(phase, chunk)] = StepProfile(phase, chunk, held, output, excess, module)
     return profiles
+
+
+# ----------------------------------------------------------------------------- the iteration
+
+
+@dataclass(frozen=True)
+class PeakAt:
+    phase: str
+    """forward, backward (a chunk's step), optimizer, or the schedule's own work between steps."""
+    microbatch: int | None
+    chunk: int | None
+    module: str
+    """Module active at the peak (for a replayed step, where the traced micro-batch peaked)."""
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """A rank's memory over one training iteration, the optimizer step included (bytes)."""
+
+    params: int
+    """Parameters and module buffers (with the distributed optimizer: DDP's parameter buffer)."""
+    grads: int
+    """DDP's main-gradient buffers."""
+    optimizer: int
+    """Main parameters, optimizer state and the optimizer's small tensors."""
+    workspaces: int
+    """Allocated once and kept: kernel workspaces (cuBLAS, Transformer Engine), TE's dummy
+    weight gradients, FP8 weight caches, buffers megatron-core reuses."""
+    activations: int
+    """Held at the peak for the micro-batches in flight: what their forward steps keep for
+    backward, and the pipeline buffers that carry them (received inputs, input gradients)."""
+    temporary: int
+    """Everything else live at the peak: the running step's temporaries."""
+    peak: int
+    peak_at: PeakAt
+    inflight: int
+    """Micro-batches whose activations are held at the peak (the running one included)."""
+    most_steps_held: int
+    """The most forward steps (chunk x micro-batch) whose activations were held at once during
+    the iteration: the schedule's warm-up depth plus one."""
+    timeline: tuple[tuple[str, int], ...]
+    """(phase, highest live bytes) of every step of the iteration in order (each chunk's
+    forward and backward per micro-batch, then the optimizer), workspaces included: the picture
+    of memory over time."""
+
+    @property
+    def static(self) -> int:
+        return self.params + self.grads + self.optimizer + self.workspaces
+
+
+def role_memory(micro: Trace, iteration: Trace) -> RoleMemory:
+    """The iteration's peak and its parts, from the two traces of a role (see module doc)."""
+    workspaces = persistent_bytes(micro)
+    life = lifetimes(iteration.memory)
+    best = None
+    for e in iteration.memory:
+        if best is None or e.live > best.live:
+            best = e
+    peak = (best.live if best is not None else iteration.static_bytes) + workspaces
+    window = None
+    if best is not None:
+        for w in iteration.windows:
+            if w.first <= best.seq <= w.last:
+                window = w
+                break
+    held = {w.held: w for w in iteration.windows if w.held is not None}
+    activations = temporary = 0
+    inflight = set()
+    if best is not None:
+        # Storages alive right after the peak event, the static ones aside.
+        since = window.first if window is not None else _last_window_end(iteration, best.seq)
+        for sid, seq in life.allocated.items():
+            if seq > best.seq or life.freed.get(sid, best.seq + 1) <= best.seq:
+                continue
+            size = life.bytes[sid]
+            if sid in held:
+                activations += size
+                inflight.add(held[sid].microbatch)
+            elif seq >= since:
+                temporary += size
+            else:
+                activations += size
+    parts = iteration.static_parts
+    if window is not None and window.phase == "forward" and window.microbatch is not None:
+        inflight.add(window.microbatch)
+    at = PeakAt(
+        phase=window.phase if window is not None else (best.phase if best else "forward"),
+        microbatch=window.microbatch if window is not None else None,
+        chunk=window.chunk if window is not None else None,
+        module=best.module if best is not None else STEP,
+    )
+    return RoleMemory(
+        params=parts.get("params", 0),
+        grads=parts.get("grads", 0),
+        optimizer=parts.get("optimizer", 0),
+        workspaces=workspaces,
+        activations=activations,
+        temporary=temporary,
+        peak=peak,
+        peak_at=at,
+        inflight=len(inflight),
+        timeline=_timeline(iteration, workspaces),
+        most_steps_held=_most_held(iteration, life),
+    )
+
+
+def _most_held(trace: Trace, life: Lifetimes) -> int:
+    changes = []
+    for w in trace.windows:
+        if w.held is not None and w.held in life.allocated:
+            changes.append((life.allocated[w.held], 1))
+            changes.append((life.freed.get(w.held, 1 << 62), -1))
+    most = now = 0
+    for _, delta in sorted(changes):
+        now += delta
+        most = max(most, now)
+    return most
+
+
+def _timeline(trace: Trace, workspaces: int) -> tuple[tuple[str, int], ...]:
+    """Highest live bytes of each window, in order (a window without events keeps the level)."""
+    out = []
+    events = trace.memory
+    i, live = 0, trace.static_bytes
+    for w in trace.windows:
+        while i < len(events) and events[i].seq < w.first:
+            live = events[i].live
+            i += 1
+        top = live
+        while i < len(events) and events[i].seq <= w.last:
+            live = events[i].live
+            top = max(top, live)
+            i += 1
+        out.append((w.phase, top + workspaces))
+    return tuple(out)
+
+
+def _last_window_end(trace: Trace, seq: int) -> int:
+    end = 0
+    for w in trace.windows:
+        if w.last < seq:
+            end = max(end, w.last + 1)
+    return end
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether every GPU holds its peak plus the reserved overhead (bytes)."""
+
+    capacity: int
+    """Memory of one GPU (cluster.gpu_memory_gib)."""
+    overhead: int
+    """Reserved for what the caching allocator does not hand out (cluster.reserved_overhead_gib)."""
+    worst: int
+    """The highest predicted peak of any rank."""
+    worst_ranks: tuple[int, ...]
+    """Ranks with that peak."""
+    oom_ranks: tuple[int, ...]
+    """Ranks whose peak plus the overhead exceeds the capacity."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom_ranks
+
+    @property
+    def headroom(self) -> int:
+        """Capacity left on the tightest rank (negative: how much is missing)."""
+        return self.capacity - self.overhead - self.worst
+
+
+def verdict(job, roles) -> Verdict:
+    """`roles`: (ranks, RoleMemory) for every role."""
+    capacity = round(job.cluster.gpu_memory_gib * GiB)
+    overhead = round(job.cluster.reserved_overhead_gib * GiB)
+    worst = max(m.peak for _, m in roles)
+    worst_ranks = sorted(r for ranks, m in roles if m.peak == worst for r in ranks)
+    oom = sorted(r for ranks, m in roles if m.peak + overhead > capacity for r in ranks)
+    return Verdict(capacity, overhead, worst, tuple(worst_ranks), tuple(oom))

@@ -265,11 +265,9 @@ def build_role_tree(job_trace, group, *, depth=None, expand=False):
 
 def build_totals_line(trace) -> Text:
     s = agg.role_summary(trace)
-    p = s.peak
     return Text(
         f"{s.params:,} parameters ({size(s.param_bytes)}) · activations "
-        f"{size(s.activation_bytes)} per micro-batch · live peak in one micro-batch "
-        f"{size(p.bytes)} ({p.phase}, {p.module or 'model'})",
+        f"{size(s.activation_bytes)} saved per micro-batch",
         style="dim",
     )
 
@@ -283,7 +281,6 @@ def build_roles_table(job_trace) -> Table:
         ("Parameters", "right"),
         ("Param MiB", "right"),
         ("Act MiB/µb", "right"),
-        ("Peak MiB (1 µb)", "right"),
         ("Collectives/µb", "right"),
     ):
         table.add_column(col, justify=just)
@@ -296,9 +293,123 @@ def build_roles_table(job_trace) -> Table:
             f"{s.params:,}",
             mib(s.param_bytes),
             mib(s.activation_bytes),
-            mib(s.peak.bytes),
             str(s.collectives),
         )
+    return table
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _unit(nbytes: int) -> tuple[str, int]:
+    return ("GiB", GiB) if nbytes >= 10 * GiB else ("MiB", MiB)
+
+
+def _amount(nbytes: int, unit: int) -> str:
+    value = nbytes / unit
+    return f"{value:,.2f}" if unit == GiB else f"{value:,.1f}"
+
+
+def peak_at(at, chunks: int = 1) -> str:
+    if at.phase == "optimizer":
+        return "optimizer step"
+    where = at.phase
+    if at.microbatch is not None:
+        where += f" µb {at.microbatch}"
+    if at.chunk is not None and chunks > 1:
+        where += f" chunk {at.chunk}"
+    if at.module and at.module != STEP:
+        where += f", {at.module}"
+    return where
+
+
+def build_memory_table(job_trace) -> Table:
+    """Every role's memory over one iteration, in parts that add up to its peak."""
+    mems = [(rt, rt_memory(rt)) for rt in job_trace.roles]
+    name, unit = _unit(max(m.peak for _, m in mems))
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col, just in (
+        ("Stage", "right"),
+        ("Ranks", "left"),
+        ("Params", "right"),
+        ("Grads", "right"),
+        ("Optimizer", "right"),
+        ("Workspaces", "right"),
+        ("Activations", "right"),
+        ("µb held", "right"),
+        ("Temporary", "right"),
+        (f"Peak {name}", "right"),
+        ("Peak at", "left"),
+    ):
+        table.add_column(col, justify=just, no_wrap=col != "Peak at")
+    for rt, m in mems:
+        table.add_row(
+            str(rt.role.pp_stage),
+            rank_span(rt.role.ranks),
+            _amount(m.params, unit),
+            _amount(m.grads, unit),
+            _amount(m.optimizer, unit),
+            _amount(m.workspaces, unit),
+            _amount(m.activations, unit),
+            str(m.inflight),
+            _amount(m.temporary, unit),
+            Text(_amount(m.peak, unit), style="bold"),
+            peak_at(m.peak_at, len(rt.chunks)),
+        )
+    return table
+
+
+def rt_memory(rt):
+    from metatrace.memory import role_memory
+
+    return role_memory(rt.trace, rt.iteration)
+
+
+def build_verdict(job_trace) -> Text:
+    from metatrace.memory import verdict
+
+    job = job_trace.job
+    v = verdict(job, [(rt.role.ranks, rt_memory(rt)) for rt in job_trace.roles])
+    gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
+    overhead = f"{job.cluster.reserved_overhead_gib:g} GiB reserved overhead"
+    if v.fits:
+        return Text(
+            f"Fits on {gpu}: highest peak {size(v.worst)} on ranks {rank_span(v.worst_ranks)}, "
+            f"+ {overhead}; headroom {size(v.headroom)}.",
+            style="bold green",
+        )
+    return Text(
+        f"Out of memory on {gpu} by {size(-v.headroom)} on ranks {rank_span(v.oom_ranks)}: "
+        f"highest peak {size(v.worst)} (ranks {rank_span(v.worst_ranks)}) + {overhead}.",
+        style="bold red",
+    )
+
+
+_BARS = " ▁▂▃▄▅▆▇█"
+_MARK = {"forward": "F", "backward": "B", "optimizer": "O"}
+
+
+def build_timeline(job_trace, columns: int = 64) -> Table:
+    """Memory over the iteration per stage: one column per group of consecutive steps (its
+    highest level), on a common scale; F/B/O below say what the steps were."""
+    mems = [(rt, rt_memory(rt)) for rt in job_trace.roles]
+    top = max(m.peak for _, m in mems)
+    table = Table.grid(padding=(0, 1))
+    table.add_column(justify="right", style="bold")
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right")
+    for rt, m in mems:
+        steps = m.timeline
+        n = max(1, -(-len(steps) // columns))
+        bars, marks = [], []
+        for i in range(0, len(steps), n):
+            group = steps[i : i + n]
+            level = max(b for _, b in group)
+            bars.append(_BARS[min(8, max(1, round(8 * level / top)))] if top else " ")
+            kinds = {_MARK.get(p, "·") for p, _ in group}
+            marks.append(kinds.pop() if len(kinds) == 1 else "·")
+        table.add_row(f"stage {rt.role.pp_stage}", "".join(bars), size(m.peak))
+        table.add_row("", Text("".join(marks), style="dim"), "")
     return table
 
 
@@ -333,3 +444,23 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
         console.print(build_totals_line(group[0].trace))
     console.print(section("Per pipeline stage (one micro-batch)"))
     console.print(build_roles_table(job_trace))
+    if all(rt.iteration is not None for rt in job_trace.roles):
+        console.print(
+            section(
+                f"Memory per GPU over one training iteration ({job.num_microbatches} "
+                "micro-batches and the optimizer step)"
+            )
+        )
+        console.print(build_memory_table(job_trace))
+        console.print(
+            Text(
+                "Peak: the highest torch.cuda.max_memory_allocated() expected; workspaces: kept "
+                "kernel workspaces and buffers; activations: held for the micro-batches in flight "
+                "(µb held); temporary: the running step's own.",
+                style="dim",
+            )
+        )
+        console.print(section("Memory over the iteration (F forward, B backward, O optimizer)"))
+        console.print(build_timeline(job_trace))
+        console.print()
+        console.print(build_verdict(job_trace))

@@ -11,8 +11,9 @@ import json
 
 from metatrace import __version__
 from metatrace import aggregate as agg
+from metatrace.memory import role_memory, verdict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _collective(c) -> dict:
@@ -53,6 +54,37 @@ def _modules(trace, chunks) -> list[dict]:
     return out
 
 
+def _memory(m) -> dict:
+    return {
+        "params_bytes": m.params,
+        "grads_bytes": m.grads,
+        "optimizer_bytes": m.optimizer,
+        "workspace_bytes": m.workspaces,
+        "activations_bytes": m.activations,
+        "temporary_bytes": m.temporary,
+        "peak_bytes": m.peak,
+        "peak_at": {
+            "phase": m.peak_at.phase,
+            "microbatch": m.peak_at.microbatch,
+            "chunk": m.peak_at.chunk,
+            "module": m.peak_at.module,
+        },
+        "inflight_microbatches": m.inflight,
+    }
+
+
+def _verdict(job, v) -> dict:
+    return {
+        "fits": v.fits,
+        "gpu_memory_bytes": v.capacity,
+        "reserved_overhead_bytes": v.overhead,
+        "highest_peak_bytes": v.worst,
+        "highest_peak_ranks": list(v.worst_ranks),
+        "headroom_bytes": v.headroom,
+        "out_of_memory_ranks": list(v.oom_ranks),
+    }
+
+
 def role_report(rt, world=None) -> dict:
     trace = rt.trace
     s = agg.role_summary(trace)
@@ -65,11 +97,7 @@ def role_report(rt, world=None) -> dict:
         "layers": list(s.layers),
         "params": {"count": s.params, "bytes": s.param_bytes},
         "activations_per_microbatch_bytes": s.activation_bytes,
-        "microbatch_memory": {
-            "static_bytes": s.static_bytes,
-            "peak_bytes": s.peak.bytes,
-            "peak_at": {"phase": s.peak.phase, "module": s.peak.module},
-        },
+
         "collectives_per_microbatch": [_collective(c) for c in trace.collectives],
         "modules": _modules(trace, rt.chunks),
         "op_counts": dict(sorted(trace.op_counts.items())),
@@ -78,6 +106,8 @@ def role_report(rt, world=None) -> dict:
     }
     if world is not None:
         out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
+    if rt.iteration is not None:
+        out["memory"] = _memory(role_memory(rt.trace, rt.iteration))
     return out
 
 
@@ -116,6 +146,9 @@ def job_report(job_trace) -> dict:
         "notes": list(job.notes),
         "roles": [role_report(rt, world) for rt in job_trace.roles],
     }
+    if all(rt.iteration is not None for rt in job_trace.roles):
+        mems = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
+        report["memory_verdict"] = _verdict(job, verdict(job, mems))
     if job_trace.full is not None:
         full = role_report(job_trace.full)
         for key in ("ranks", "traced_rank", "index", "pp_stage"):

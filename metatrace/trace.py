@@ -85,13 +85,16 @@ def trace_role(
     rank: int | None = None,
     also_track: tuple[str, ...] = (),
     iteration: bool = True,
+    real_steps: bool = False,
 ):
     """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
     and, when `iteration`, a whole iteration.
 
     `device` is where the model runs (meta, or cpu for real tensors); `also_track` names more
     device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
-    with a CPU one that cannot tell host tensors from device tensors).
+    with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
+    model in every step of the iteration instead of replaying the traced micro-batch (the
+    reference for tests).
     """
     from metatrace.hooks.fake_world import fake_world, named_groups
     from metatrace.hooks.patches import megatron_patches
@@ -136,6 +139,10 @@ def trace_role(
         del workspaces
         steady = None
         if iteration:
+            if real_steps:
+                # The model's steps reach tensors the micro-batch left behind (caches,
+                # workspaces): already allocated, not allocations of this iteration.
+                static = {**static, "existing": _live_tensors(devices)}
             with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
                 run_iteration(
                     job,
@@ -146,6 +153,7 @@ def trace_role(
                     profiles=step_profiles(trace),
                     shapes=shapes,
                     device=torch.device(device),
+                    real_steps=real_steps,
                 )
             steady = rec.trace()
     return RoleTrace(
@@ -155,6 +163,18 @@ def trace_role(
         seconds=time.perf_counter() - start,
         iteration=steady,
     )
+
+
+def _live_tensors(devices) -> list:
+    import gc
+
+    import torch
+
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.device.type in devices
+    ]
 
 
 def cublas_workspace_bytes(job) -> int:
@@ -179,7 +199,7 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.utils import get_model_type
+    from megatron.core.utils import get_attr_wrapped_model, get_model_type
 
     from metatrace.iteration import StepShape
     from metatrace.steps import make_forward_step, synthetic_batches
@@ -216,23 +236,30 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
         first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         input_tensor = comm.recv_forward(tensor_shape, is_first_stage=first)
-        with window("forward", v) as marks:
-            output_tensor, _ = schedules.forward_step(
-                forward_step_func,
-                data,
-                chunk,
-                job.num_microbatches,
-                input_tensor,
-                [],
-                config,
-                par.cp,
-                is_first_microbatch=True,
-                current_microbatch=0,
-                vp_stage=vp_stage,
-                is_last_stage=last,
-            )
-            marks["output"] = output_tensor
-        shapes.append(StepShape(tuple(output_tensor.shape), output_tensor.dtype))
+
+        def model_step(data_iterator, model, v=v):
+            # The window holds the batch and the model's forward; the loss function and the
+            # schedule's own work around it run outside, as in the replay.
+            with window("forward", v) as marks:
+                output, loss_func = forward_step_func(data_iterator, model)
+                marks["output"] = output
+            shapes.append(StepShape(tuple(output.shape), output.dtype))
+            return output, loss_func
+
+        output_tensor, _ = schedules.forward_step(
+            model_step,
+            data,
+            chunk,
+            job.num_microbatches,
+            input_tensor,
+            [],
+            config,
+            par.cp,
+            is_first_microbatch=True,
+            current_microbatch=0,
+            vp_stage=vp_stage,
+            is_last_stage=last,
+        )
         comm.send_forward(output_tensor, is_last_stage=last)
         if not last:
             schedules.deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
@@ -246,4 +273,10 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
                 input_tensor, output_tensor, output_grad, model_type, config
             )
         comm.send_backward(input_grad, is_first_stage=first)
+    # megatron-core's forward_step hands each chunk its input with set_input_tensor, and the
+    # model keeps that reference until the next micro-batch replaces it. Drop it here, so that
+    # the last input (and its gradient) does not look like memory the rank keeps for good; the
+    # replayed iteration sets the inputs again.
+    for chunk in model:
+        get_attr_wrapped_model(chunk, "set_input_tensor")(None)
     return shapes

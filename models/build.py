@@ -297,8 +297,14 @@ def build_optimizer(job, model):
 
     optimizer = get_megatron_optimizer(optimizer_config(job), model, use_gloo_process_groups=False)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if inner.optimizer is not None and inner.init_state_fn is not None:
+        if inner.optimizer is None:
+            continue
+        if inner.init_state_fn is not None:
             inner.init_state_fn(inner.optimizer, inner.config)
+        elif hasattr(inner.optimizer, "initialize_state"):  # SGD: megatron-core has no init_state_fn
+            for group in inner.optimizer.param_groups:
+                for p in group["params"]:
+                    inner.optimizer.initialize_state(p)
     return optimizer
 
 

@@ -179,6 +179,12 @@ class FusedSGD(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
+    def initialize_state(self, param):
+        """The momentum buffer the first step creates (a clone of the gradient)."""
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        if group["momentum"] and "momentum_buffer" not in self.state[param]:
+            self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None

@@ -91,7 +91,7 @@ def test_run_writes_the_documented_json(tmp_path):
     result = metatrace("run", "--config", DEBUG, "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     # The one-GPU model pads the vocabulary to 1008 (a multiple of 16), the tp 2 job to 1024
     # (of 32): embedding and output layer each hold 16 more rows of 64.
     assert report["full_model"]["params"]["count"] == 203_072
@@ -108,4 +108,14 @@ def test_run_writes_the_documented_json(tmp_path):
         assert root["fqn"] == "" and root["activation_bytes_total"] == sum(
             m["activation_bytes"] for m in role["modules"])
         assert root["activation_bytes_total"] <= role["activations_per_microbatch_bytes"]
+        mem = role["memory"]
+        parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "workspace_bytes",
+                 "activations_bytes", "temporary_bytes")
+        assert sum(mem[k] for k in parts) == mem["peak_bytes"]
+        assert mem["peak_at"]["phase"] in ("forward", "backward", "optimizer")
+    # 1F1B on 2 stages: stage 0 holds its warm-up micro-batch and the one it runs.
+    assert [r["memory"]["inflight_microbatches"] for r in roles] == [2, 1]
+    verdict = report["memory_verdict"]
+    assert verdict["fits"] and verdict["highest_peak_bytes"] == max(
+        r["memory"]["peak_bytes"] for r in roles)
     assert "full_model" in report
