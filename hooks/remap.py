@@ -187,26 +187,37 @@ def remap_cuda(device: str | torch.device = "meta"):
             setattr(torch.cuda, name, orig)
 
 
+_READ_BACK = {
+    torch.Tensor.item: lambda zero: zero,
+    torch.Tensor.__bool__: bool,
+    torch.Tensor.__int__: int,
+    torch.Tensor.__float__: float,
+}
+
+
 class _UnknownValues(TorchFunctionMode):
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.item and args[0].device == self.device:
+        if func in _READ_BACK and args and isinstance(args[0], torch.Tensor):
             t = args[0]
-            return False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+            if t.device == self.device:
+                zero = False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+                return _READ_BACK[func](zero)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def unknown_values(device: str | torch.device = "meta"):
-    """While active, `Tensor.item()` of a tensor on `device` (which has no values) answers 0.
+    """While active, reading a value of a tensor on `device` (which has none) back to the host
+    (`item()`, `bool()`, `int()`, `float()`) answers 0.
 
-    For code that reads a statistic back to the host and only branches on it (the optimizer
-    step's gradient norm, zero count and overflow flag): 0 means no overflow and no clipping,
-    whose work is in place and allocates nothing. Not for the model's own code, where a value
-    could decide a shape."""
+    For code that reads a statistic back and only branches on it (the optimizer step's gradient
+    norm, zero count and overflow flag; the token count of per-token loss): 0 means no overflow,
+    no clipping, no rescaling, work that is in place and allocates nothing. Not for the model's
+    own code, where a value could decide a shape."""
     with _UnknownValues(torch.device(device)):
         yield
 

@@ -97,11 +97,6 @@ def _check_parallel(job):
             f"parallel.ep = {par.ep} needs a mixture-of-experts model; mixture-of-experts layers "
             "are not modelled yet"
         )
-    if par.etp != par.tp:
-        yield (
-            f"parallel.etp = {par.etp} applies to expert layers only; mixture-of-experts layers "
-            "are not modelled yet (leave it out: it defaults to parallel.tp)"
-        )
     expert_grid = par.etp * par.ep * par.pp
     if world % expert_grid:
         yield (

@@ -479,6 +479,11 @@ def resolve(job: Job) -> Job:
             training, global_batch_size=training.micro_batch_size * par.dp
         )
     notes = []
+    if par.etp != par.tp:
+        notes.append(
+            f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
+            "builds them for every model); this model has no experts"
+        )
     if par.sequence_parallel and par.tp == 1:
         par = dataclasses.replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")

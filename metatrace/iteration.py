@@ -58,7 +58,25 @@ def wire_training_config(job, config, model, optimizer) -> None:
     if tr.overlap_param_gather and job.parallel.vpp is not None:  # align_param_gather
         param_sync = [chunk.start_param_sync for chunk in model]
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _reading_unknown_values(finalize_model_grads)
+
+
+def _reading_unknown_values(func):
+    """`func` run where values read back to the host are 0 (per-token loss branches on the
+    token count)."""
+    from metatrace.hooks.remap import unknown_values
+
+    def run(*args, **kwargs):
+        with unknown_values(_device_of(args)):
+            return func(*args, **kwargs)
+
+    return run
+
+
+def _device_of(args):
+    model = args[0]
+    chunk = model[0] if isinstance(model, list) else model
+    return next(chunk.parameters()).device
 
 
 class _Replay:

@@ -126,7 +126,9 @@ _MODELLED: dict[str, Flag] = {
     "--sequence-parallel": _switch("parallel.sequence_parallel"),
     "--context-parallel-size": _value("parallel.cp", int),
     "--cp-comm-type": _value(None, choices=("p2p", "a2a", "allgather", "a2a+p2p"), nargs="+"),
-    "--hierarchical-context-parallel-sizes": _value("parallel.hierarchical_cp_sizes", int, nargs="+"),
+    "--hierarchical-context-parallel-sizes": _value(
+        "parallel.hierarchical_cp_sizes", int, nargs="+"
+    ),
     "--expert-model-parallel-size": _value(None, int),
     "--expert-tensor-parallel-size": _value(None, int),
     "--use-tp-pp-dp-mapping": _switch("parallel.rank_order", "tp-cp-ep-pp-dp"),
@@ -147,7 +149,9 @@ _MODELLED: dict[str, Flag] = {
     "--use-distributed-optimizer": _switch("training.distributed_optimizer"),
     "--overlap-grad-reduce": _switch("training.overlap_grad_reduce"),
     "--overlap-param-gather": _switch("training.overlap_param_gather"),
-    "--num-distributed-optimizer-instances": _value("training.num_distributed_optimizer_instances", int),
+    "--num-distributed-optimizer-instances": _value(
+        "training.num_distributed_optimizer_instances", int
+    ),
     "--accumulate-allreduce-grads-in-fp32": _switch(),
     "--grad-reduce-in-bf16": _switch(),
     "--ddp-bucket-size": _value("training.ddp_bucket_size", int),
@@ -387,29 +391,33 @@ def split_args(text: str) -> list[str]:
     first command holding a word that starts with `--`, past its launcher: if a word ending in
     `.py` (the training script) is there, everything up to it is dropped (`torchrun
     --nproc_per_node 8 pretrain_gpt.py ...`), otherwise everything before the first `--` word.
-    Commands before it (`cd`, `export FOO=1`, `FOO=bar`) and after it are ignored, except that
-    arguments using a shell variable (`$FOO`, `${FOO}`) are an error: metatrace does not expand
-    them.
+    The commands right after it that start with `--` continue the arguments (a file with a
+    flag per line, or comment lines amid continuations). Other commands before it (`cd`,
+    `export FOO=1`, `FOO=bar`) and after it are ignored, but arguments that use a shell
+    variable (`$FOO`, `${FOO}`) are an error: metatrace does not expand them.
     """
     assigned: dict[str, int] = {}
+    args: list[_Word] | None = None
     for words in _commands(text):
-        k = 1 if words and words[0].text in ("export", "declare") else 0
+        if args is not None:
+            if not words[0].text.startswith("--"):
+                break
+            args += words
+            continue
+        k = 1 if words[0].text in ("export", "declare") else 0
         while k < len(words) and _ASSIGNMENT.match(words[k].text):
             assigned.setdefault(words[k].text.split("=", 1)[0], words[k].line)
             k += 1
-        words = words[k:]
-        if not any(w.text.startswith("--") for w in words):
-            continue
-        args = _past_launcher(words)
-        used = sorted({name for w in args for name in w.variables})
-        if used:
-            where = [f"${n} (set on line {assigned[n]})" if n in assigned else f"${n}" for n in used]
-            raise ConfigError(
-                f"the arguments use shell variables {', '.join(where)}; metatrace does not "
-                "expand shell variables: write their values into the arguments"
-            )
-        return [w.text for w in args]
-    return []
+        if any(w.text.startswith("--") for w in words[k:]):
+            args = _past_launcher(words[k:])
+    used = sorted({name for w in args or () for name in w.variables})
+    if used:
+        where = [f"${n} (set on line {assigned[n]})" if n in assigned else f"${n}" for n in used]
+        raise ConfigError(
+            f"the arguments use shell variables {', '.join(where)}; metatrace does not "
+            "expand shell variables: write their values into the arguments"
+        )
+    return [w.text for w in args or ()]
 
 
 def read_args_file(path) -> list[str]:
@@ -419,8 +427,10 @@ def read_args_file(path) -> list[str]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read arguments file {path}: {getattr(e, 'strerror', None) or e}") from None
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+        why = getattr(e, "strerror", None) or e
+        raise ConfigError(f"cannot read arguments file {path}: {why}") from None
+    lines = [ln.strip() for ln in text.splitlines()]
+    first = next((ln for ln in lines if ln and not ln.startswith("#")), "")
     try:
         if first.startswith("{") or re.match(r"""^["']?--[\w.-]+["']?\s*:""", first):
             import yaml
@@ -440,7 +450,9 @@ def args_from_mapping(data: Any) -> list[str]:
     is a bare flag, false or null leaves it out, a list gives several values; a string given to
     a flag that takes several values is split at whitespace (brackets around it dropped)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"the arguments must be a mapping of flags to values, got {type(data).__name__}")
+        raise ConfigError(
+            f"the arguments must be a mapping of flags to values, got {type(data).__name__}"
+        )
     tokens = []
     for flag, value in data.items():
         if not isinstance(flag, str) or not flag.startswith("--"):
@@ -471,7 +483,7 @@ class _Word:
     variables: set
 
 
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _NAME = re.compile(r"\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*)|([0-9@*#?$!-])|(\()")
 
 
@@ -480,17 +492,18 @@ def _variable(text: str, i: int) -> str | None:
     m = _NAME.match(text, i + 1)
     if m is None:
         return None
-    return m.group(1) or m.group(2) or m.group(3) or "(...)"
+    name = m.group(1) or m.group(2) or m.group(3) or "(...)"
+    return name.split("[")[0]  # ${ARGS[@]} is ARGS
 
 
 def _commands(text: str) -> list[list[_Word]]:
     """The words of each command of a shell text (see `split_args` for what is understood)."""
     commands, words, buf = [], [], []
-    state = {"in_word": False, "vars": set(), "skip": False, "line": 1}
+    state = {"in_word": False, "vars": set(), "skip": False, "line": 1, "start": 1}
 
     def end_word():
         if state["in_word"] and not state["skip"]:
-            words.append(_Word("".join(buf), state["line"], state["vars"]))
+            words.append(_Word("".join(buf), state["start"], state["vars"]))
         buf.clear()
         state.update(in_word=False, vars=set())
 
@@ -508,19 +521,30 @@ def _commands(text: str) -> list[list[_Word]]:
             if text.startswith("\\\n", i):
                 state["line"] += 1
             else:
+                _begin(state)
                 buf.append(text[i + 1 : i + 2])
-                state["in_word"] = True
             i += 2
         elif c == "'":
             j = text.find("'", i + 1)
             if j < 0:
                 raise ConfigError(f"line {state['line']}: a single quote is not closed")
+            _begin(state)
             buf.append(text[i + 1 : j])
             state["line"] += text.count("\n", i, j)
-            state["in_word"] = True
             i = j + 1
         elif c == '"':
             i = _double_quoted(text, i + 1, buf, state)
+        elif c == "(" and _ASSIGNMENT.fullmatch("".join(buf)):
+            # a bash array, NAME=( ... ): one word, even over several lines
+            j = text.find(")", i)
+            if j < 0:
+                raise ConfigError(f"line {state['line']}: a parenthesis is not closed")
+            for k in range(i, j):
+                if text[k] == "$" and (name := _variable(text, k)):
+                    state["vars"].add(name)
+            buf.append(text[i : j + 1])
+            state["line"] += text.count("\n", i, j)
+            i = j + 1
         elif c == "#" and not state["in_word"]:
             j = text.find("\n", i)
             i = n if j < 0 else j
@@ -544,18 +568,24 @@ def _commands(text: str) -> list[list[_Word]]:
             while i < n and text[i] in "<>&":
                 i += 1
         else:
+            _begin(state)
             if c == "$" and (name := _variable(text, i)):
                 state["vars"].add(name)
             buf.append(c)
-            state["in_word"] = True
             i += 1
     end_command()
     return commands
 
 
+def _begin(state: dict) -> None:
+    """A word starts (or goes on) here; remember the line it started on."""
+    if not state["in_word"]:
+        state.update(in_word=True, start=state["line"])
+
+
 def _double_quoted(text: str, i: int, buf: list, state: dict) -> int:
     start = state["line"]
-    state["in_word"] = True
+    _begin(state)
     while i < len(text):
         c = text[i]
         if c == '"':
@@ -578,7 +608,8 @@ def _double_quoted(text: str, i: int, buf: list, state: dict) -> int:
 def _past_launcher(words: list[_Word]) -> list[_Word]:
     for j, w in enumerate(words):
         previous = FLAGS.get(words[j - 1].text) if j else None
-        if w.text.endswith(".py") and not w.text.startswith("-") and not (previous and previous.nargs):
+        value_of_flag = previous is not None and previous.nargs != 0
+        if w.text.endswith(".py") and not w.text.startswith("-") and not value_of_flag:
             return words[j + 1 :]
     first = next(j for j, w in enumerate(words) if w.text.startswith("--"))
     return words[first:]
@@ -653,7 +684,7 @@ def _convert(name: str, spec: Flag, text: str):
 
 
 def _suggest(flag: str) -> str:
-    close = difflib.get_close_matches(flag.replace("_", "-"), list(FLAGS), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(flag.replace("_", "-"), list(FLAGS), n=1, cutoff=0.75)
     return f"{flag} (did you mean {close[0]}?)" if close else flag
 
 
@@ -673,7 +704,7 @@ def job_dict_from_args(
     v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
     env = {k: str(val) for k, val in (env or {}).items()}
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"the world size must be a whole number of at least 1, got {world_size!r}")
+        raise ConfigError(f"the world size must be a whole number >= 1, got {world_size!r}")
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
@@ -689,7 +720,7 @@ def job_dict_from_args(
     _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
     if problems:
         raise ConfigError(problems)
-    missing = [n for n in _unmodelled(v, env)]
+    missing = _unmodelled(v)
     if missing:
         notes.insert(0, _warning(missing))
     return {k: s for k, s in job.items() if s}, notes
@@ -713,11 +744,11 @@ def job_from_args(
     return job_from_dict(data, source=source), notes
 
 
-def not_modelled(tokens: list[str] | dict, env: dict[str, str] | None = None) -> list[str]:
+def not_modelled(tokens: list[str] | dict) -> list[str]:
     """'flag: what is not modelled' for every given flag (or value) metatrace does not model
     yet; empty when the run is fully modelled."""
     v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
-    return [f"{flag}: {reason}" for flag, reason in _unmodelled(v, env or {})]
+    return [f"{flag}: {reason}" for flag, reason in _unmodelled(v)]
 
 
 def _put(job: dict, key: str, value) -> None:
@@ -732,7 +763,7 @@ def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
 
-def _unmodelled(v, env) -> list[tuple[str, str]]:
+def _unmodelled(v) -> list[tuple[str, str]]:
     out = []
     for flag, value in v.items():
         reason = FLAGS[flag].reason
@@ -814,7 +845,8 @@ def _model(v, job, notes, problems) -> None:
         problems.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless the "
                         "position embedding is rope); use --position-embedding-type none")
     if position is not None:
-        # yarn and mrope rotate like rope (no parameters); relative is T5's (listed as not modelled).
+        # yarn and mrope rotate like rope (no parameters); relative is T5's. All three are
+        # listed as not modelled.
         m["position_embedding_type"] = {"yarn": "rope", "mrope": "rope", "relative": "none"}.get(
             position, position
         )
@@ -847,7 +879,8 @@ def _vocabulary(v, job, notes, problems) -> None:
     if tokenizer is None:
         if size is not None and "--vocab-file" not in v:
             notes.append("no --tokenizer-type: pretrain_gpt.py defaults to GPT2BPETokenizer "
-                         "(which needs --vocab-file); metatrace takes the vocabulary from --vocab-size")
+                         "(which needs --vocab-file); metatrace takes the vocabulary from "
+                         "--vocab-size")
             m["vocab_size"] = size
             return
         if "--vocab-file" not in v:
@@ -908,9 +941,8 @@ def _parallel(v, job, notes, problems, world_size) -> None:
             f"= {world_size // (etp * ep * pp)}) must equal the data-parallel size (world / "
             f"(tp x pp x cp) = {world_size // (tp * pp * cp)}) (megatron-core asserts it)"
         )
-    if not _is_moe(v) and etp != tp:
-        notes.append(f"--expert-tensor-parallel-size {etp} only lays out expert process groups; "
-                     "the model has no experts")
+    if "--expert-tensor-parallel-size" in v:
+        p["etp"] = etp
 
 
 def _virtual_pipeline(v, p, problems, pp) -> None:
@@ -927,13 +959,16 @@ def _virtual_pipeline(v, p, problems, pp) -> None:
         return
     overlap = "--no-overlap-p2p-communication" not in v
     if pp <= (1 if overlap else 2):
-        problems.append(f"an interleaved pipeline needs --pipeline-model-parallel-size > "
-                        f"{1 if overlap else 2}{'' if overlap else ' with --no-overlap-p2p-communication'}")
+        problems.append(
+            "an interleaved pipeline needs --pipeline-model-parallel-size > "
+            + ("1" if overlap else "2 with --no-overlap-p2p-communication")
+        )
         return
     if stages is None:
         if "--decoder-first-pipeline-num-layers" in v or "--decoder-last-pipeline-num-layers" in v:
             problems.append("with --decoder-first/last-pipeline-num-layers give the virtual "
-                            "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM asserts it)")
+                            "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM "
+                            "asserts it)")
             return
         layers = v.get("--num-layers", v.get("--encoder-num-layers"))
         if layers is None or per_chunk < 1:
@@ -942,7 +977,8 @@ def _virtual_pipeline(v, p, problems, pp) -> None:
             "--account-for-loss-in-pipeline-split" in v)
         if layers % pp or (layers // pp) % per_chunk:
             problems.append(f"{layers} layers over --pipeline-model-parallel-size {pp} do not "
-                            f"split into chunks of --num-layers-per-virtual-pipeline-stage {per_chunk}")
+                            "split into chunks of --num-layers-per-virtual-pipeline-stage "
+                            f"{per_chunk}")
             return
         stages = layers // pp // per_chunk
     if stages != 1:
@@ -957,7 +993,7 @@ def _training(v, job, notes, problems) -> None:
     t["precision"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     if "--fp8-format" in v and bf16:
         t["precision"], t["fp8_format"] = "fp8", v["--fp8-format"]
-        if v.get("--fp8-recipe", "custom") != "custom":
+        if v.get("--fp8-recipe") not in (None, "custom"):  # custom is listed as not modelled
             t["fp8_recipe"] = v["--fp8-recipe"]
         if "--fp8-param-gather" in v:
             t["fp8_param_gather"] = True
@@ -976,7 +1012,9 @@ def _training(v, job, notes, problems) -> None:
 
 
 def _recompute(v, t, notes) -> None:
-    granularity = "selective" if "--recompute-activations" in v else v.get("--recompute-granularity")
+    granularity = v.get("--recompute-granularity")
+    if "--recompute-activations" in v:
+        granularity = "selective"  # validate_args, whatever --recompute-granularity says
     options = [f for f in ("--recompute-method", "--recompute-num-layers", "--recompute-modules")
                if f in v]
     if granularity is None:
@@ -1006,7 +1044,7 @@ def _implementation(v, job, notes, problems) -> None:
     elif "--transformer-impl" in v:
         impl["transformer_impl"] = kind
     backend = v.get("--attention-backend")
-    if backend == "local":
+    if backend == "local" and "--spec" not in v:
         problems.append("--attention-backend local needs --spec local in Megatron-LM (notes "
                         "6.9); for GPT use --transformer-impl local")
     elif backend is not None:
@@ -1026,7 +1064,9 @@ def _implementation(v, job, notes, problems) -> None:
     if "--deterministic-mode" in v:
         for flag in ("--cross-entropy-loss-fusion", "--use-flash-attn"):
             if flag in v:
-                problems.append(f"{flag} is refused with --deterministic-mode (Megatron-LM asserts it)")
+                problems.append(
+                    f"{flag} is refused with --deterministic-mode (Megatron-LM asserts it)"
+                )
 
 
 def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> None:
@@ -1064,8 +1104,8 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> No
     tp, cp = v.get("--tensor-model-parallel-size", 1), v.get("--context-parallel-size", 1)
     fsdp = "--use-megatron-fsdp" in v or "--use-torch-fsdp2" in v
     arch = GPU_ARCH.get(gpu or "h100", "")
+    before_blackwell = arch.startswith("sm") and int(arch[2:]) < 100
     connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if (connections not in (None, "1") and (tp > 1 or cp > 1) and not fsdp
-            and arch.startswith("sm") and arch < "sm100"):
+    if connections not in (None, "1") and (tp > 1 or cp > 1) and not fsdp and before_blackwell:
         problems.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: Megatron-LM asserts it is 1 "
                         "with tensor or context parallelism before Blackwell")

@@ -1,0 +1,355 @@
+"""Megatron-LM pretrain_gpt.py arguments -> jobs: derivations, classes of flags, errors, files."""
+
+import json
+import os
+
+import pytest
+
+from metatrace.errors import ConfigError
+from metatrace.megatron_args import (
+    FLAGS,
+    NOT_MODELLED_REASONS,
+    args_from_mapping,
+    job_dict_from_args,
+    job_from_args,
+    not_modelled,
+    read_args_file,
+    split_args,
+)
+
+# shared/ sits beside the repository (../shared), as in CI.
+CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "calibration")
+
+# A small dense GPT as Megatron-LM's CI runs it (without the flags that change nothing).
+BASE = (
+    "--num-layers 12 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+    "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16 "
+    "--vocab-file vocab.json --merge-file merges.txt"
+)
+
+
+def job(text, world_size=8, **kw):
+    return job_from_args(split_args(text), world_size=world_size, **kw)
+
+
+def error(text, world_size=8, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        job_dict_from_args(split_args(text), world_size=world_size, **kw)
+    return str(info.value)
+
+
+def calibration_cases():
+    cases = []
+    for name in ("megatron_ci_calibration.jsonl", "third_party.jsonl"):
+        with open(os.path.join(CALIBRATION, name)) as f:
+            cases += [json.loads(line) for line in f if line.strip()]
+    return cases
+
+
+def case(name):
+    return next(c for c in calibration_cases() if c.get("case") == name)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def test_every_calibration_flag_is_classified_and_every_case_builds_or_says_why():
+    checked = 0
+    for c in calibration_cases():
+        args = c.get("args")
+        if not isinstance(args, dict):
+            continue
+        checked += 1
+        kw = dict(world_size=c["world_size"], gpu=c["hardware"], env=c.get("env_vars"))
+        job_dict_from_args(args, **kw)  # no unknown flag, no bad value
+        try:
+            job_from_args(args, **kw)
+        except ConfigError as e:
+            assert not_modelled(args), f"{c['case']}: {e}"  # only unmodelled runs may fail
+    assert checked >= 43
+
+
+def test_interleaved_pipeline_case_derives_as_megatron_does():
+    c = case("gpt/gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce")
+    data, notes = job_dict_from_args(c["args"], world_size=8, gpu="a100", env=c["env_vars"])
+    assert data == {
+        "model": {"num_layers": 12, "hidden_size": 512, "num_attention_heads": 8,
+                  "max_position_embeddings": 1024, "add_qkv_bias": True, "vocab_size": 50257},
+        "parallel": {"tp": 1, "pp": 4, "vpp": 3},  # 12 layers / pp 4 / 1 layer per chunk
+        "training": {"micro_batch_size": 4, "global_batch_size": 32, "seq_length": 1024,
+                     "clip_grad": 1.0, "log_num_zeros_in_grad": True, "precision": "bf16",
+                     "distributed_optimizer": True, "overlap_grad_reduce": True,
+                     "gradient_accumulation_fusion": False},
+        "implementation": {"transformer_impl": "transformer_engine",
+                           "attention_backend": "unfused", "attention_softmax_in_fp32": True,
+                           "rope_fusion": False},
+        "cluster": {"num_gpus": 8, "gpu": "a100", "cublas_workspace_config": ":4096:8"},
+    }
+    assert notes == [] and not_modelled(c["args"]) == []
+    resolved, _ = job_from_args(c["args"], world_size=8, gpu="a100", env=c["env_vars"])
+    assert (resolved.parallel.pp, resolved.parallel.vpp, resolved.parallel.dp) == (4, 3, 2)
+    assert resolved.padded_vocab_size == 50304  # ceil(50257 / 128) * 128
+    assert resolved.num_microbatches == 4  # 32 / (4 x dp 2)
+    assert resolved.training.grad_reduce_in_fp32 is True  # bf16 default
+    assert resolved.attention_kernel == "unfused"
+
+
+def test_tp4_local_case_pads_the_vocabulary_over_tp():
+    c = case("gpt/gpt3_mcore_tp4_pp1")
+    resolved, _ = job_from_args(c["args"], world_size=8, gpu="a100", env=c["env_vars"])
+    assert resolved.padded_vocab_size == 50688  # ceil(50257 / 512) * 512
+    assert resolved.implementation.transformer_impl == "local"
+    assert resolved.implementation.apply_query_key_layer_scaling is True
+    assert resolved.parallel.dp == 2
+
+
+def test_cp_case_maps_hierarchical_sizes_and_comm_type():
+    c = case("gpt/gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic")
+    resolved, _ = job_from_args(c["args"], world_size=8, gpu="a100", env=c["env_vars"])
+    par = resolved.parallel
+    assert (par.cp, par.cp_comm_type, par.hierarchical_cp_sizes) == (4, "a2a+p2p", [2, 2])
+    assert par.dp == 1
+    assert resolved.model.hidden_dropout == 0.0
+    assert resolved.num_microbatches == 8  # cp does not change dp: 32 / (4 x 1)
+
+
+def test_moe_case_warns_once_and_builds_the_dense_model():
+    c = case("moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel")
+    resolved, notes = job_from_args(c["args"], world_size=8, gpu="h100", env=c["env_vars"])
+    warnings = [n for n in notes if n.startswith("warning")]
+    assert len(warnings) == 1 and notes[0] == warnings[0]
+    for flag in ("--num-experts 4", "--moe-router-topk 1", "--expert-model-parallel-size 2"):
+        assert flag in warnings[0]
+    assert "mixture of experts" in warnings[0]
+    assert (resolved.parallel.ep, resolved.parallel.etp) == (1, 2)  # dense: etp follows tp
+    assert "--num-experts 4: mixture of experts" in not_modelled(c["args"])
+
+
+# --------------------------------------------------------------------------- derivations
+
+
+def test_group_query_attention_gates_num_query_groups():
+    gqa, _ = job(BASE + " --group-query-attention --num-query-groups 2")
+    assert gqa.model.num_query_groups == 2
+    mha, notes = job(BASE + " --num-query-groups 2")
+    assert mha.model.num_query_groups == 8  # ignored: multi-head attention
+    assert any("--num-query-groups 2 is ignored" in n for n in notes)
+    mqa, _ = job(BASE + " --group-query-attention")
+    assert mqa.model.num_query_groups == 1  # Megatron-LM's default for --num-query-groups
+
+
+def test_null_tokenizer_adds_one_token_in_0_16_1():
+    resolved, _ = job(BASE + " --tokenizer-type NullTokenizer --vocab-size 32000")
+    assert resolved.model.vocab_size == 32001
+    assert resolved.padded_vocab_size == 32128  # ceil(32001 / 128) * 128, not 32000
+
+
+def test_tokenizers_of_unknown_size_need_vocab_size():
+    msg = error(BASE + " --tokenizer-type HuggingFaceTokenizer --tokenizer-model meta-llama/x")
+    assert "HuggingFaceTokenizer" in msg and "--vocab-size" in msg
+    assert "--vocab-size" in error(BASE + " --tokenizer-type TikTokenizer")
+    resolved, notes = job(BASE + " --tokenizer-type HuggingFaceTokenizer --vocab-size 128256")
+    assert resolved.model.vocab_size == 128256
+    assert any("stands for HuggingFaceTokenizer" in n for n in notes)
+    gpt2, notes = job(BASE + " --vocab-size 1000")  # GPT2BPETokenizer ignores --vocab-size
+    assert gpt2.model.vocab_size == 50257 and any("ignored by GPT2BPE" in n for n in notes)
+
+
+def test_padded_vocab_size_is_taken_as_is():
+    resolved, _ = job(BASE + " --tensor-model-parallel-size 2 --padded-vocab-size 50000")
+    assert resolved.padded_vocab_size == 50000
+
+
+def test_precision_from_bf16_fp16_fp8():
+    assert job(BASE.replace("--bf16", ""))[0].training.precision == "fp32"
+    assert job(BASE.replace("--bf16", "--fp16"))[0].training.grad_reduce_in_fp32 is False
+    fp8, _ = job(BASE + " --fp8-format e4m3 --fp8-recipe tensorwise", gpu="h100")
+    assert (fp8.training.precision, fp8.training.fp8_format, fp8.training.fp8_recipe) == (
+        "fp8", "e4m3", "tensorwise")
+    assert "exclude each other" in error(BASE + " --fp16")
+    assert not job(BASE + " --grad-reduce-in-bf16")[0].training.grad_reduce_in_fp32
+    fp16_fp8 = not_modelled(split_args(BASE.replace("--bf16", "--fp16") + " --fp8-format hybrid"))
+    assert fp16_fp8 == ["--fp8-format without --bf16: FP8 over fp16 or fp32 parameters"]
+
+
+def test_recompute_activations_means_selective():
+    rec = job(BASE + " --recompute-activations")[0].training.recompute
+    assert (rec.granularity, rec.modules) == ("selective", ["core_attn"])
+    full = job(BASE + " --recompute-granularity full --recompute-method block "
+               "--recompute-num-layers 2")[0].training.recompute
+    assert (full.granularity, full.method, full.num_layers) == ("full", "block", 2)
+
+
+def test_virtual_pipeline_from_either_flag_and_its_checks():
+    pp = " --pipeline-model-parallel-size 2"
+    assert job(BASE + pp + " --num-layers-per-virtual-pipeline-stage 2")[0].parallel.vpp == 3
+    assert job(BASE + pp + " --num-virtual-stages-per-pipeline-rank 2")[0].parallel.vpp == 2
+    # 12 + embedding + loss = 14 layers: 7 per stage, no chunks of 2
+    msg = error(BASE + pp + " --num-layers-per-virtual-pipeline-stage 2 "
+                "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split")
+    assert "14 layers" in msg
+    msg = error(BASE + " --num-layers-per-virtual-pipeline-stage 1")
+    assert "pipeline-model-parallel-size > 1" in msg
+    assert "at most one" in error(BASE + pp + " --num-virtual-stages-per-pipeline-rank 2 "
+                                  "--num-layers-per-virtual-pipeline-stage 1")
+
+
+def test_rank_order_cp_comm_type_and_expert_degrees():
+    resolved, _ = job(BASE + " --use-tp-pp-dp-mapping --context-parallel-size 2 "
+                      "--cp-comm-type allgather")
+    assert resolved.parallel.rank_order == "tp-cp-ep-pp-dp"
+    assert resolved.parallel.cp_comm_type == "all_gather"
+    assert "needs --num-experts" in error(BASE + " --expert-model-parallel-size 2")
+    assert "expert tp x ep x pp = 3 x 1 x 1" in error(BASE + " --expert-tensor-parallel-size 3")
+
+
+def test_rope_fusion_only_with_rope_and_bias_fusion_per_activation():
+    learned, _ = job(BASE)
+    assert learned.implementation.rope_fusion is False
+    rope, _ = job(BASE + " --position-embedding-type rope")
+    assert rope.implementation.rope_fusion is True  # TE spec default
+    deprecated, _ = job(BASE + " --use-rotary-position-embeddings")
+    assert deprecated.model.position_embedding_type == "rope"
+    # --no-bias-gelu-fusion does nothing to SwiGLU, whose kernel --no-bias-swiglu-fusion turns off
+    assert job(BASE + " --swiglu --no-bias-gelu-fusion")[0].implementation.bias_activation_fusion
+    swiglu_off, _ = job(BASE + " --swiglu --no-bias-swiglu-fusion")
+    assert not swiglu_off.implementation.bias_activation_fusion
+    assert "--no-bias-gelu-fusion" in error(BASE + " --squared-relu")
+    assert job(BASE + " --squared-relu --disable-bias-linear")[0].model.activation == "squared_relu"
+
+
+def test_last_of_a_repeated_flag_wins():
+    assert job(BASE + " --num-layers 4")[0].model.num_layers == 4
+    assert job(BASE + " --hidden-size=256")[0].model.hidden_size == 256
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_flags_are_one_error_with_suggestions():
+    msg = error(BASE + " --num-layer 2 --hiden-size 3 --tensor_model_parallel_size 2")
+    assert msg.count("\n") == 0  # one line naming them all
+    assert "--num-layer (did you mean --num-layers?)" in msg
+    assert "--hiden-size (did you mean --hidden-size?)" in msg
+    assert "--tensor_model_parallel_size (did you mean --tensor-model-parallel-size?)" in msg
+
+
+def test_bad_values_name_the_flag_and_value():
+    assert "--num-layers expects an integer, got 'twelve'" in error(BASE + " --num-layers twelve")
+    assert "--hidden-dropout expects a number, got 'x'" in error(BASE + " --hidden-dropout x")
+    msg = error(BASE + " --transformer-impl transformer-engine")
+    assert "--transformer-impl must be one of" in msg and "'transformer_engine'" in msg
+    assert "--bf16 takes no value" in error(BASE + " --bf16=yes")
+
+
+def test_missing_values_and_stray_words():
+    assert "--num-layers needs a value" in error("--num-layers --bf16 " + BASE)
+    assert "--seq-length needs a value" in error(BASE + " --seq-length")
+    assert "unexpected value 'yes' after --bf16" in error(BASE + " --bf16 yes")
+    assert "Megatron-LM needs --hidden-size" in error("--num-layers 2 --num-attention-heads 2 "
+                                                     "--seq-length 8 --micro-batch-size 1")
+    assert "use --micro-batch-size" in error(BASE + " --batch-size 4")
+
+
+def test_environment():
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8", "NCCL_ALGO": "Ring",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert job(BASE, env=env)[0].cluster.cublas_workspace_config == ":4096:2:16:8"
+    assert "unknown environment variables: FOO" in error(BASE, env={"FOO": "1"})
+    # megatron-core asserts NVTE_*_ATTN agree with --attention-backend: they cannot choose it
+    assert "NVTE_FUSED_ATTN=0 contradicts --attention-backend auto" in error(
+        BASE, env={"NVTE_FUSED_ATTN": "0"})
+    flash = {"NVTE_FLASH_ATTN": 1, "NVTE_FUSED_ATTN": 0, "NVTE_UNFUSED_ATTN": 0}
+    assert job(BASE + " --attention-backend flash", env=flash)[0].attention_kernel == "flash"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in error(
+        BASE + " --tensor-model-parallel-size 2", env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+
+
+# --------------------------------------------------------------------------- file forms
+
+SCRIPT = r"""#!/bin/bash
+# pretrain a small GPT
+set -e
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+CHECKPOINT_PATH=/ckpt   # assigned, but not used in the flags
+torchrun --nproc_per_node 8 --nnodes 1 pretrain_gpt.py \
+    --num-layers 12 --hidden-size 512 \
+    --num-attention-heads 8 \
+    --seq-length 1024 --max-position-embeddings 1024 \
+    --micro-batch-size 4 --global-batch-size 32 \
+    # precision and tokenizer (a comment amid the continuations)
+    --bf16 --vocab-file 'vocab.json' --merge-file "merges.txt" 2>&1 | tee train.log
+echo done
+"""
+
+
+def test_script_yaml_and_token_forms_give_the_same_job(tmp_path):
+    extra = " --pipeline-model-parallel-size 2 --context-parallel-size 2 " \
+            "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 1"
+    tokens = split_args(BASE + extra)
+    script = tmp_path / "train.sh"
+    script.write_text(SCRIPT.replace("--bf16", "--bf16" + extra + " \\\n   "))
+    mapping = tmp_path / "args.yaml"
+    mapping.write_text(
+        "--num-layers: 12\n--hidden-size: 512\n--num-attention-heads: 8\n--seq-length: 1024\n"
+        "--max-position-embeddings: 1024\n--micro-batch-size: 4\n--global-batch-size: 32\n"
+        "--bf16: true\n--fp16: false\n--vocab-file: vocab.json\n--merge-file: merges.txt\n"
+        "--pipeline-model-parallel-size: 2\n--context-parallel-size: 2\n"
+        "--cp-comm-type: a2a+p2p\n--hierarchical-context-parallel-sizes: \"2 1\"\n"
+    )
+    as_json = tmp_path / "args.json"
+    as_json.write_text(json.dumps({"--bf16": True, **dict(
+        zip(tokens[:14:2], map(int, tokens[1:14:2])))}))
+    expected = job_dict_from_args(tokens, world_size=8)[0]
+    for path in (script, mapping):
+        assert job_dict_from_args(read_args_file(path), world_size=8)[0] == expected, path
+    assert expected["parallel"]["hierarchical_cp_sizes"] == [2, 1]
+    assert read_args_file(as_json)[:3] == ["--bf16", "--num-layers", "12"]
+
+
+def test_script_forms():
+    per_line = "# one flag per line\n--num-layers 2\n\n# precision\n--bf16\necho done --fp16\n"
+    assert split_args(per_line) == ["--num-layers", "2", "--bf16"]
+    assert split_args("python pretrain_gpt.py --num-layers 2 --bf16") == [
+        "--num-layers", "2", "--bf16"]
+    assert split_args("--spec my_spec.py --bf16") == ["--spec", "my_spec.py", "--bf16"]
+    assert split_args("--num-layers 2 > log.txt --bf16") == ["--num-layers", "2"]
+    assert split_args("--pipeline-model-parallel-layout 'Et|tL' # layout") == [
+        "--pipeline-model-parallel-layout", "Et|tL"]
+    with pytest.raises(ConfigError, match=r"\$GPT_ARGS \(set on line 1\)"):
+        split_args('GPT_ARGS="--num-layers 2"\ntorchrun pretrain_gpt.py $GPT_ARGS --bf16')
+    arrays = "ARGS=(\n  --num-layers 2\n)\ntorchrun pretrain_gpt.py ${ARGS[@]} --bf16\n"
+    with pytest.raises(ConfigError, match=r"\$ARGS \(set on line 1\)"):  # a bash array
+        split_args(arrays)
+    with pytest.raises(ConfigError, match=r"\$TP;"):
+        split_args("--tensor-model-parallel-size ${TP}")
+    assert split_args("--save '$HOME'") == ["--save", "$HOME"]  # single quotes do not expand
+
+
+def test_mapping_values():
+    assert args_from_mapping({"--recompute-modules": "[core_attn mlp]", "--bf16": True,
+                              "--fp16": None, "--data-path": ["a", "b"]}) == [
+        "--recompute-modules", "core_attn", "mlp", "--bf16", "--data-path", "a", "b"]
+    with pytest.raises(ConfigError, match="not a flag"):
+        args_from_mapping({"num-layers": 2})
+    with pytest.raises(ConfigError, match="--num-layers needs a value"):
+        job_dict_from_args({"--num-layers": True}, world_size=1)
+
+
+def test_unreadable_file_names_it(tmp_path):
+    missing = tmp_path / "nope.sh"
+    with pytest.raises(ConfigError, match="cannot read arguments file .*nope.sh"):
+        read_args_file(missing)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("--num-layers: [1\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not a valid YAML mapping"):
+        read_args_file(bad)
+
+
+def test_table_invariants():
+    for flag, spec in FLAGS.items():
+        assert flag.startswith("--") and spec.nargs in (0, 1, "+", "*"), flag
+        kinds = [spec.key is not None, spec.ignored, spec.reason is not None, bool(spec.removed)]
+        assert sum(kinds) <= 1, flag  # one class each
+    assert NOT_MODELLED_REASONS["--tp-comm-overlap"].startswith("TP communication overlap")
+    assert "--use-flash-attn" not in NOT_MODELLED_REASONS  # a no-op in 0.16.1
