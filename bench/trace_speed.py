@@ -1,8 +1,11 @@
-"""Speed of a whole-cluster trace: Llama-2 70B, tp 8, pp 4 (32 GPUs), seq 4096, micro-batch 1.
+"""Speed of whole-cluster traces against `python -c "import megatron.core"` on the same machine.
 
-Prints the wall time of `metatrace run` (import, trace of every pipeline stage and of the full
-model, rendering, JSON) against `python -c "import megatron.core"` on the same machine, their
-ratio, the peak RSS of the run, and the trace counts per role. Target: ratio <= 3, RSS < 1.5 GB.
+Cases: Llama-2 70B, tp 8, pp 4 (32 GPUs), seq 4096, micro-batch 1 (every pipeline stage, the
+full model, one training iteration each); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8,
+cp 2 (examples/llama3.1-405b-16k.yaml, without the full model). Prints the wall time of
+`metatrace run` (import, traces, iteration replay, rendering, JSON), the ratio to the import,
+the peak RSS of any process of the run, and the trace counts per role of the first case.
+Targets: ratio <= 3, RSS < 1.5 GB.
 """
 
 import json
@@ -15,7 +18,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "examples", "llama2-70b-tp8-pp4.yaml")
+CASES = [
+    ("llama2-70b tp8 pp4, 32 GPUs", os.path.join(ROOT, "examples", "llama2-70b-tp8-pp4.yaml"), []),
+    (
+        "llama3.1-405b tp8 pp16 vpp8 cp2, 16,384 GPUs",
+        os.path.join(ROOT, "examples", "llama3.1-405b-16k.yaml"),
+        ["--no-full-model"],
+    ),
+]
 RUNS = 3
 
 
@@ -28,17 +38,19 @@ def timed(args):
 def main():
     env_python = sys.executable
     imports = [timed([env_python, "-W", "ignore", "-c", "import megatron.core"]) for _ in range(RUNS)]
-    out = os.path.join(tempfile.mkdtemp(), "report.json")
-    runs = [
-        timed([env_python, "-m", "metatrace", "run", "--config", CONFIG, "--json", out])
-        for _ in range(RUNS)
-    ]
-    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    base, run = statistics.median(imports), statistics.median(runs)
+    base = statistics.median(imports)
     print(f"python -c 'import megatron.core': {base:.2f} s (median of {RUNS})")
-    print(f"metatrace run (llama2-70b tp8 pp4, 32 GPUs): {run:.2f} s (median of {RUNS})")
-    print(f"ratio: {run / base:.2f} (target <= 3)")
-    print(f"peak RSS of any run: {rss_mib:.0f} MiB (target < 1536)")
+    for name, config, extra in CASES:
+        out = os.path.join(tempfile.mkdtemp(), "report.json")
+        cmd = [env_python, "-m", "metatrace", "run", "--config", config, "--json", out, *extra]
+        run = statistics.median(timed(cmd) for _ in range(RUNS))
+        print(f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f} "
+              "(target <= 3)")
+        if config == CASES[0][1]:
+            first = out
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(f"peak RSS of any process: {rss_mib:.0f} MiB (target < 1536)")
+    out = first
     report = json.load(open(out))
     for role in report["roles"] + [dict(report["full_model"], pp_stage="full")]:
         ops = sum(role["op_counts"].values())

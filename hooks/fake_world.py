@@ -89,6 +89,24 @@ def named_groups() -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 @contextlib.contextmanager
+def _symmetric_object_gathers():
+    """`all_gather_object` in the simulated world: every rank contributes what the simulated
+    one does (the world's ranks are symmetric), without serialising the object once per rank of
+    the world (megatron-core's optimizer gathers its parameter-group keys over the world)."""
+    orig = dist.all_gather_object
+
+    def all_gather_object(object_list, obj, group=None):
+        for i in range(len(object_list)):
+            object_list[i] = obj
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = orig
+
+
+@contextlib.contextmanager
 def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
     """Simulate global `rank` of `layout`; megatron-core's parallel_state is live inside."""
     from megatron.core import parallel_state as ps
@@ -115,7 +133,8 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
             create_gloo_process_groups=False,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        yield
+        with _symmetric_object_gathers():
+            yield
     finally:
         from metatrace.hooks.patches import clear_parallel_state_leftovers
 

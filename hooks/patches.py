@@ -209,6 +209,61 @@ PATCHES += (
     ),
 )
 
+def _member_groups_only(orig):
+    """megatron-core creates every group of every rank (each rank must call new_group for all
+    of them); in a simulated world only the simulated rank's groups matter, and creating the
+    others costs seconds at thousands of GPUs."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    known = {}  # default process group -> this process's rank in it
+
+    def create_group(ranks=None, *args, **kwargs):
+        if ranks is not None:
+            world = c10d._world.default_pg
+            rank = known.get(world)
+            if rank is None:
+                rank = known[world] = dist.get_rank()
+            if rank not in ranks:
+                return dist.GroupMember.NON_GROUP_MEMBER
+        return orig(ranks, *args, **kwargs)
+
+    return create_group
+
+
+_RANK_GROUPS: dict = {}
+
+
+def _cached_rank_groups(orig):
+    """The rank groups are a pure function of the world's sizes: computed once per process
+    (megatron-core enumerates every rank for every group kind, seconds at thousands of GPUs)."""
+
+    def generate(world_size, parallel_size, mask):
+        key = (orig, world_size, tuple(parallel_size), tuple(mask))
+        if key not in _RANK_GROUPS:
+            _RANK_GROUPS[key] = [tuple(g) for g in orig(world_size, parallel_size, mask)]
+        return [list(g) for g in _RANK_GROUPS[key]]
+
+    return generate
+
+
+PATCHES += (
+    Patch(
+        "megatron.core.parallel_state",
+        "create_group",
+        _member_groups_only,
+        "0.12-0.16",
+        "speed only: the simulated rank gets the same groups; the others are not created.",
+    ),
+    Patch(
+        "megatron.core.parallel_state",
+        "generate_masked_orthogonal_rank_groups",
+        _cached_rank_groups,
+        "0.12-0.16",
+        "speed only: the same groups, computed once per world shape instead of once per role.",
+    ),
+)
+
 # FP8 (models/te_fp8.py): megatron-core's get_fp8_context returns a null context without TE and
 # te_checkpoint raises; these are their stand-ins, bound where megatron-core looks them up.
 for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transformer_block"):

@@ -12,3 +12,6 @@ class ConfigError(ValueError):
         lines = [message] if isinstance(message, str) else list(message)
         super().__init__("\n".join(lines))
         self.problems = lines
+
+    def __reduce__(self):  # keep the list of problems across processes
+        return (ConfigError, (self.problems,))

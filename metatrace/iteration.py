@@ -96,6 +96,7 @@ class _Replay:
             [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
             for chunk in model
         ]
+        self.launches = [_launches_reductions(chunk) for chunk in model]
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -165,7 +166,10 @@ class _Replay:
                     del temporaries
                 del held
             zeros = {}
-            for param, hook in self.hooks[v]:
+            # The hooks accumulate into main_grad (in place, nothing allocated) and, with
+            # overlap_grad_reduce, launch a bucket's reduction once every parameter of the last
+            # micro-batch has its gradient: only that micro-batch needs them run.
+            for param, hook in self.hooks[v] if self.launches[v]() else ():
                 if param.requires_grad:
                     zero = zeros.get(param.dtype)
                     if zero is None:
@@ -183,6 +187,13 @@ class _Replay:
                 x.grad = torch.empty_like(x)
                 grads.append(x.grad)
         return grads[0] if unwrap else grads
+
+
+def _launches_reductions(chunk):
+    """Whether a backward step of `chunk` now would launch DDP's bucket reductions."""
+    groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
+    overlap = chunk.ddp_config.overlap_grad_reduce
+    return lambda: overlap and any(g.is_last_microbatch for g in groups)
 
 
 def _nbytes(shape: StepShape) -> int:

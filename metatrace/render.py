@@ -323,9 +323,15 @@ def peak_at(at, chunks: int = 1) -> str:
     return where
 
 
-def build_memory_table(job_trace) -> Table:
+def role_memories(job_trace) -> list:
+    """(RoleTrace, RoleMemory) of every role (computed once, rendered several times)."""
+    from metatrace.memory import role_memory
+
+    return [(rt, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
+
+
+def build_memory_table(mems) -> Table:
     """Every role's memory over one iteration, in parts that add up to its peak."""
-    mems = [(rt, rt_memory(rt)) for rt in job_trace.roles]
     name, unit = _unit(max(m.peak for _, m in mems))
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (
@@ -359,17 +365,10 @@ def build_memory_table(job_trace) -> Table:
     return table
 
 
-def rt_memory(rt):
-    from metatrace.memory import role_memory
-
-    return role_memory(rt.trace, rt.iteration)
-
-
-def build_verdict(job_trace) -> Text:
+def build_verdict(job, mems) -> Text:
     from metatrace.memory import verdict
 
-    job = job_trace.job
-    v = verdict(job, [(rt.role.ranks, rt_memory(rt)) for rt in job_trace.roles])
+    v = verdict(job, [(rt.role.ranks, m) for rt, m in mems])
     gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
     overhead = f"{job.cluster.reserved_overhead_gib:g} GiB reserved overhead"
     if v.fits:
@@ -389,10 +388,9 @@ _BARS = " ▁▂▃▄▅▆▇█"
 _MARK = {"forward": "F", "backward": "B", "optimizer": "O"}
 
 
-def build_timeline(job_trace, columns: int = 64) -> Table:
+def build_timeline(mems, columns: int = 64) -> Table:
     """Memory over the iteration per stage: one column per group of consecutive steps (its
     highest level), on a common scale; F/B/O below say what the steps were."""
-    mems = [(rt, rt_memory(rt)) for rt in job_trace.roles]
     top = max(m.peak for _, m in mems)
     table = Table.grid(padding=(0, 1))
     table.add_column(justify="right", style="bold")
@@ -451,7 +449,8 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
                 "micro-batches and the optimizer step)"
             )
         )
-        console.print(build_memory_table(job_trace))
+        mems = role_memories(job_trace)
+        console.print(build_memory_table(mems))
         console.print(
             Text(
                 "Peak: the highest torch.cuda.max_memory_allocated() expected; workspaces: kept "
@@ -461,6 +460,6 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
             )
         )
         console.print(section("Memory over the iteration (F forward, B backward, O optimizer)"))
-        console.print(build_timeline(job_trace))
+        console.print(build_timeline(mems))
         console.print()
-        console.print(build_verdict(job_trace))
+        console.print(build_verdict(job, mems))

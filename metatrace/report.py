@@ -85,7 +85,7 @@ def _verdict(job, v) -> dict:
     }
 
 
-def role_report(rt, world=None) -> dict:
+def role_report(rt, world=None, memory=None) -> dict:
     trace = rt.trace
     s = agg.role_summary(trace)
     out = {
@@ -107,7 +107,7 @@ def role_report(rt, world=None) -> dict:
     if world is not None:
         out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
     if rt.iteration is not None:
-        out["memory"] = _memory(role_memory(rt.trace, rt.iteration))
+        out["memory"] = _memory(memory or role_memory(rt.trace, rt.iteration))
     return out
 
 
@@ -144,11 +144,13 @@ def job_report(job_trace) -> dict:
             "num_microbatches": job.num_microbatches,
         },
         "notes": list(job.notes),
-        "roles": [role_report(rt, world) for rt in job_trace.roles],
     }
-    if all(rt.iteration is not None for rt in job_trace.roles):
-        mems = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
-        report["memory_verdict"] = _verdict(job, verdict(job, mems))
+    iterations = all(rt.iteration is not None for rt in job_trace.roles)
+    mems = [role_memory(rt.trace, rt.iteration) if iterations else None for rt in job_trace.roles]
+    report["roles"] = [role_report(rt, world, m) for rt, m in zip(job_trace.roles, mems)]
+    if iterations:
+        ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]
+        report["memory_verdict"] = _verdict(job, verdict(job, ranked))
     if job_trace.full is not None:
         full = role_report(job_trace.full)
         for key in ("ranks", "traced_rank", "index", "pp_stage"):

@@ -17,6 +17,7 @@ optimizer), and record two things:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,25 +49,34 @@ class JobTrace:
     seconds: dict = field(default_factory=dict)
 
 
-def trace_job(job, *, device: str = "meta", full_model: bool = True, progress=None) -> JobTrace:
-    """Trace every role of `job` (and the unparallelised model when `full_model`)."""
+def trace_job(
+    job, *, device: str = "meta", full_model: bool = True, progress=None, workers: int | None = None
+) -> JobTrace:
+    """Trace every role of `job` (and the unparallelised model when `full_model`).
+
+    Roles are independent: with `workers` > 1 they are traced in that many forked processes
+    (default: the CPUs available, at most 4)."""
     from metatrace.models.build import single_gpu_job
 
     progress = progress or (lambda message: None)
     start = time.perf_counter()
     world = World.from_job(job)
-    roles = []
-    for role in world.roles():
-        progress(f"tracing pipeline stage {role.pp_stage} (rank {role.rank})")
-        roles.append(trace_role(job, world, role, device=device))
-    full = None
+    tasks = [
+        (f"pipeline stage {role.pp_stage} (rank {role.rank})", (job, world, role, device, True))
+        for role in world.roles()
+    ]
     if full_model:
-        progress("tracing the full model on one GPU")
         single = single_gpu_job(job)
         single_world = World.from_job(single)
-        full = trace_role(
-            single, single_world, single_world.roles()[0], device=device, iteration=False
+        tasks.append(
+            ("the full model on one GPU", (single, single_world, single_world.roles()[0], device, False))
         )
+    if workers is None:
+        workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    workers = max(1, min(workers, len(tasks)))
+    results = _run_tasks(tasks, workers, progress)
+    roles = results[: len(world.roles())]
+    full = results[len(world.roles())] if full_model else None
     return JobTrace(
         job=job,
         world=world,
@@ -74,6 +84,36 @@ def trace_job(job, *, device: str = "meta", full_model: bool = True, progress=No
         full=full,
         seconds={"trace": time.perf_counter() - start},
     )
+
+
+def _trace_task(args):
+    job, world, role, device, iteration = args
+    import torch
+
+    torch.set_num_threads(1)
+    return trace_role(job, world, role, device=device, iteration=iteration)
+
+
+def _run_tasks(tasks, workers: int, progress) -> list:
+    """RoleTraces of `tasks` in order, in this process or in `workers` forked ones."""
+    if workers == 1:
+        out = []
+        for label, args in tasks:
+            progress(f"tracing {label}")
+            out.append(_trace_task(args))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    progress(f"tracing {len(tasks)} roles in {workers} processes")
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_trace_task, args) for _, args in tasks]
+        out = []
+        for (label, _), future in zip(tasks, futures):
+            out.append(future.result())
+            progress(f"traced {label}")
+        return out
 
 
 def trace_role(
