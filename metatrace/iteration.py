@@ -132,8 +132,7 @@ class _Replay:
                 if not prof.output:
                     output = views.pop(0)
                 if extra > 0:
-                    temporaries = self._empty(extra)
-                    del temporaries
+                    self._empty(extra)  # the step's temporaries at its highest point
             window["output"] = output
             window["held"] = held
         # The output's autograd graph ends in the input's AccumulateGrad node, which keeps the
@@ -162,8 +161,7 @@ class _Replay:
         with self.rec.window("backward", v, microbatch):
             with self.rec.label(prof.module, "backward"):
                 if prof.excess:
-                    temporaries = self._empty(prof.excess)
-                    del temporaries
+                    self._empty(prof.excess)  # the step's temporaries at its highest point
                 del held
             zeros = {}
             # The hooks accumulate into main_grad (in place, nothing allocated) and, with

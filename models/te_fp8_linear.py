@@ -197,7 +197,7 @@ def fp8_backward(ctx, grad):
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (
-        te_wgrad(ctx.module, weight, lambda: torch.zeros(weight.shape, dtype=dgrad.dtype, device=device))
+        te_wgrad(ctx.module, weight, torch.zeros, weight.shape, dtype=dgrad.dtype, device=device)
         if needs_wgrad
         else None
     )

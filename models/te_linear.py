@@ -120,12 +120,12 @@ def get_dummy_wgrad(shape: list, dtype: torch.dtype, zero: bool = False) -> torc
     return _PROCESS.dummy_wgrads[key].detach()
 
 
-def te_wgrad(module, weight, compute):
+def te_wgrad(module, weight, compute, *args, **kwargs):
     """The weight gradient TE's backward returns. With gradient-accumulation fusion
     (fuse_wgrad_accumulation, on when megatron-core's DDP gives the weight a main_grad) the
     wgrad GEMM accumulates into main_grad in place and TE returns get_dummy_wgrad's tensor;
     megatron-core's DDP hook then skips its own accumulation (grad_added_to_main_grad).
-    Otherwise `compute()` makes the gradient."""
+    Otherwise `compute(*args, **kwargs)` makes the gradient."""
     config = getattr(module, "config", None)
     fused = (
         config is not None
@@ -134,7 +134,7 @@ def te_wgrad(module, weight, compute):
         and hasattr(weight, "grad_added_to_main_grad")
     )
     if not fused:
-        return compute()
+        return compute(*args, **kwargs)
     weight.grad_added_to_main_grad = True
     return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype)
 
@@ -202,7 +202,7 @@ class _LinearFunction(torch.autograd.Function):
                 dinput = _reduce_scatter(dgrad, mode)
             else:
                 dist.all_reduce(dgrad, group=mode.group)
-        wgrad = te_wgrad(ctx.module, weight, lambda: torch.mm(dy.t(), total))  # [out, in]
+        wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
         bgrad = dy.sum(0) if bias is not None else None
         del total
         dln_w = dln_b = None

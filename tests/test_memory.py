@@ -128,7 +128,7 @@ def test_full_recompute_holds_one_input_per_layer():
         return step_profiles(rt.trace)[("forward", 0)].held, m, job
 
     full = dict(granularity="full", method="uniform", num_layers=1)
-    (h2, m2, job), (h4, m4, _) = held(2, **full), held(4, **full)
+    (h2, m2, job), (h4, _, _) = held(2, **full), held(4, **full)
     tr, h = job.training, job.model.hidden_size
     # Each extra checkpointed layer keeps only its input [s, b, h] in bf16 until backward.
     layer_input = rounded(tr.seq_length * tr.micro_batch_size * h * 2)
