@@ -24,7 +24,34 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def common(p):
-        p.add_argument("--config", required=True, metavar="FILE", help="job file (YAML)")
+        source = p.add_argument_group(
+            "the job (one of --config, --megatron-args, --megatron-args-file)"
+        )
+        source.add_argument("--config", metavar="FILE", help="job file (YAML)")
+        source.add_argument(
+            "--megatron-args",
+            metavar="ARGS",
+            help="Megatron-LM pretrain_gpt.py arguments, quoted as one string",
+        )
+        source.add_argument(
+            "--megatron-args-file",
+            metavar="FILE",
+            help="a file with them: one line, a training script, or a YAML {--flag: value} map",
+        )
+        source.add_argument(
+            "--world-size", type=int, metavar="N", help="GPUs of the run (with Megatron-LM arguments)"
+        )
+        source.add_argument(
+            "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
+        )
+        source.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
+        source.add_argument(
+            "--env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="an environment variable of the run (e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+        )
         p.add_argument("--depth", type=int, metavar="D", help="deepest module level shown")
         p.add_argument(
             "--expand", action="store_true", help="show identical layers and stages one by one"
@@ -38,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         "--no-full-model",
         action="store_true",
         help="skip tracing the unparallelised model (its tree is not shown)",
+    )
+    run.add_argument(
+        "--max-mbs",
+        action="store_true",
+        help="find the largest micro-batch size that fits (the global batch stays)",
+    )
+    run.add_argument(
+        "--jobs", type=int, metavar="N", help="processes tracing roles in parallel (default: CPUs, at most 4)"
     )
     run.set_defaults(func=cmd_run)
 
@@ -81,33 +116,97 @@ def _check_depth(args) -> None:
         raise ConfigError(f"--width must be at least 40 columns, got {args.width}")
 
 
+def _load_job(args):
+    """The job from --config or from Megatron-LM arguments; warnings go to stderr."""
+    import dataclasses
+
+    sources = [o for o in ("config", "megatron_args", "megatron_args_file") if getattr(args, o)]
+    if len(sources) != 1:
+        raise ConfigError(
+            "give the job as one of --config FILE, --megatron-args ARGS, --megatron-args-file FILE"
+        )
+    megatron = ("world_size", "gpu", "gpus_per_node", "env")
+    if args.config:
+        given = [o for o in megatron if getattr(args, o)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} applies to Megatron-LM arguments; set it in {args.config}")
+        from metatrace.config import load_job
+
+        return load_job(args.config)
+    from metatrace.megatron_args import job_from_args, read_args_file, split_args
+
+    if args.world_size is None:
+        raise ConfigError("Megatron-LM arguments need --world-size N (the GPUs of the run)")
+    env = {}
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise ConfigError(f"--env {item!r} must be NAME=VALUE")
+        env[name] = value
+    if args.megatron_args is not None:
+        tokens, source = split_args(args.megatron_args), "--megatron-args"
+    else:
+        tokens, source = read_args_file(args.megatron_args_file), args.megatron_args_file
+    job, notes = job_from_args(
+        tokens,
+        world_size=args.world_size,
+        gpu=args.gpu,
+        gpus_per_node=args.gpus_per_node,
+        env=env,
+        source=source,
+    )
+    for note in notes:
+        if note.startswith("warning"):
+            print(f"metatrace: {note}", file=sys.stderr)
+    return dataclasses.replace(job, notes=job.notes + tuple(notes))
+
+
 def cmd_run(args, console=None) -> int:
-    from metatrace.config import load_job
-    from metatrace.render import render_run
-    from metatrace.report import job_report, write_json
+    from metatrace.render import render_run, render_search
+    from metatrace.report import job_report, search_report, write_json
+    from metatrace.search import max_micro_batch
     from metatrace.trace import trace_job
 
     _check_depth(args)
     if args.json:
         _check_output_path(args.json)
-    job = load_job(args.config)
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+    job = _load_job(args)
     console = _console(args, console)
-    job_trace = trace_job(job, full_model=not args.no_full_model, progress=_progress(console))
+    progress = _progress(console)
+    search = None
+    if args.max_mbs:
+        search = max_micro_batch(
+            job,
+            lambda j: trace_job(j, full_model=False, progress=progress, workers=args.jobs),
+            progress,
+        )
+        job_trace = search.trace
+    else:
+        job_trace = trace_job(
+            job, full_model=not args.no_full_model, progress=progress, workers=args.jobs
+        )
     render_run(job_trace, console, depth=args.depth, expand=args.expand)
+    if search is not None:
+        render_search(job, search, console)
     if args.json:
-        write_json(job_report(job_trace), args.json)
+        report = job_report(job_trace)
+        if search is not None:
+            report["max_micro_batch"] = search_report(search)
+        write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}")
     return 0
 
 
 def cmd_tree(args, console=None) -> int:
-    from metatrace.config import load_job
     from metatrace.render import build_role_tree, build_totals_line, role_title, section
     from metatrace.trace import JobTrace, trace_role
     from metatrace.world import World
 
     _check_depth(args)
-    job = load_job(args.config)
+    job = _load_job(args)
     world = World.from_job(job)
     if not 0 <= args.rank < world.size:
         raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")

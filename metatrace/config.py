@@ -65,7 +65,8 @@ class Model:
     add_bias_linear: bool | None = None
     """Biases in all linear layers (Megatron-LM default: true)."""
     add_qkv_bias: bool | None = None
-    """Bias in the QKV projection only (implied by add_bias_linear)."""
+    """Bias in the QKV projection (always on with add_bias_linear, as in Megatron-LM; alone it
+    gives Qwen-style QKV-only biases)."""
     qk_layernorm: bool | None = None
     """Normalise queries and keys per head."""
     untie_embeddings_and_output_weights: bool | None = None
@@ -509,7 +510,8 @@ def resolve(job: Job) -> Job:
     impl = job.implementation
     te = impl.transformer_impl == "transformer_engine"
     if impl.rope_fusion is None:
-        impl = dataclasses.replace(impl, rope_fusion=te)
+        # Megatron-LM's default with Transformer Engine, turned off without RoPE.
+        impl = dataclasses.replace(impl, rope_fusion=te and model.position_embedding_type == "rope")
     kernel = impl.attention_backend
     if kernel == "auto":
         # Transformer Engine 2.8 prefers cuDNN fused attention on sm90+ and, without a
@@ -598,6 +600,8 @@ def _resolve_model(model: Model) -> Model:
     for name in _REQUIRED_MODEL + ("ffn_hidden_size", "num_query_groups", "kv_channels"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"'model.{name}' must be at least 1, got {values[name]}")
+    if values["add_bias_linear"]:
+        values["add_qkv_bias"] = True  # Megatron-LM: linear biases include the QKV bias
     h = values["hidden_size"]
     if values["ffn_hidden_size"] is None:
         # Megatron-LM: 4h, or for SwiGLU floor(8h/3 / 64) * 64 (arguments.py, validate_args).

@@ -318,8 +318,8 @@ def peak_at(at, chunks: int = 1) -> str:
         where += f" µb {at.microbatch}"
     if at.chunk is not None and chunks > 1:
         where += f" chunk {at.chunk}"
-    if at.module and at.module != STEP:
-        where += f", {at.module}"
+    if at.module != STEP:
+        where += f", {at.module or 'model'}"
     return where
 
 
@@ -330,8 +330,9 @@ def role_memories(job_trace) -> list:
     return [(rt, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
 
 
-def build_memory_table(mems) -> Table:
-    """Every role's memory over one iteration, in parts that add up to its peak."""
+def build_memory_table(mems) -> Group:
+    """Every role's memory over one iteration, in parts that add up to its peak, and where each
+    role peaks."""
     name, unit = _unit(max(m.peak for _, m in mems))
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (
@@ -339,15 +340,17 @@ def build_memory_table(mems) -> Table:
         ("Ranks", "left"),
         ("Params", "right"),
         ("Grads", "right"),
-        ("Optimizer", "right"),
-        ("Workspaces", "right"),
-        ("Activations", "right"),
-        ("µb held", "right"),
-        ("Temporary", "right"),
+        ("Optim", "right"),
+        ("Wkspc", "right"),
+        ("Activ", "right"),
+        ("µb", "right"),
+        ("Temp", "right"),
         (f"Peak {name}", "right"),
-        ("Peak at", "left"),
     ):
-        table.add_column(col, justify=just, no_wrap=col != "Peak at")
+        table.add_column(col, justify=just, no_wrap=True)
+    where = Table.grid(padding=(0, 1))
+    where.add_column(justify="right", style="dim", no_wrap=True)
+    where.add_column(style="dim")
     for rt, m in mems:
         table.add_row(
             str(rt.role.pp_stage),
@@ -360,9 +363,16 @@ def build_memory_table(mems) -> Table:
             str(m.inflight),
             _amount(m.temporary, unit),
             Text(_amount(m.peak, unit), style="bold"),
-            peak_at(m.peak_at, len(rt.chunks)),
         )
-    return table
+        where.add_row(f"stage {rt.role.pp_stage} peaks in", peak_at(m.peak_at, len(rt.chunks)))
+    legend = Text(
+        f"{name} per GPU. Params: parameters and module buffers; Grads: DDP's main-grad buffers; "
+        "Optim: main parameters and optimizer state; Wkspc: kernel workspaces and buffers kept "
+        "for good; Activ: held for the µb micro-batches in flight; Temp: the running step's own. "
+        "Peak: the highest torch.cuda.max_memory_allocated() expected.",
+        style="dim",
+    )
+    return Group(table, where, legend)
 
 
 def build_verdict(job, mems) -> Text:
@@ -388,10 +398,12 @@ _BARS = " ▁▂▃▄▅▆▇█"
 _MARK = {"forward": "F", "backward": "B", "optimizer": "O"}
 
 
-def build_timeline(mems, columns: int = 64) -> Table:
+def build_timeline(mems, columns: int = 64) -> Group:
     """Memory over the iteration per stage: one column per group of consecutive steps (its
     highest level), on a common scale; F/B/O below say what the steps were."""
     top = max(m.peak for _, m in mems)
+    floor = min(level for _, m in mems for _, level in m.timeline)
+    span = max(1, top - floor)
     table = Table.grid(padding=(0, 1))
     table.add_column(justify="right", style="bold")
     table.add_column(no_wrap=True)
@@ -403,12 +415,16 @@ def build_timeline(mems, columns: int = 64) -> Table:
         for i in range(0, len(steps), n):
             group = steps[i : i + n]
             level = max(b for _, b in group)
-            bars.append(_BARS[min(8, max(1, round(8 * level / top)))] if top else " ")
+            bars.append(_BARS[min(8, max(1, 1 + round(7 * (level - floor) / span)))])
             kinds = {_MARK.get(p, "·") for p, _ in group}
             marks.append(kinds.pop() if len(kinds) == 1 else "·")
         table.add_row(f"stage {rt.role.pp_stage}", "".join(bars), size(m.peak))
         table.add_row("", Text("".join(marks), style="dim"), "")
-    return table
+    return Group(
+        table,
+        Text(f"▁ {size(floor)} … █ {size(top)}; a column is the highest level of its steps.",
+             style="dim"),
+    )
 
 
 def build_full_model(job_trace, *, depth=None, expand=False):
@@ -451,15 +467,44 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
         )
         mems = role_memories(job_trace)
         console.print(build_memory_table(mems))
-        console.print(
-            Text(
-                "Peak: the highest torch.cuda.max_memory_allocated() expected; workspaces: kept "
-                "kernel workspaces and buffers; activations: held for the micro-batches in flight "
-                "(µb held); temporary: the running step's own.",
-                style="dim",
-            )
-        )
         console.print(section("Memory over the iteration (F forward, B backward, O optimizer)"))
         console.print(build_timeline(mems))
         console.print()
         console.print(build_verdict(job, mems))
+
+
+def render_search(job, search, console) -> None:
+    """The micro-batch sizes tried by --max-mbs and the answer."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("Micro-batch", "Micro-batches", "Highest peak", "Headroom", ""):
+        table.add_column(col, justify="right" if col else "left")
+    for p in sorted(search.probes, key=lambda p: p.micro_batch_size):
+        table.add_row(
+            str(p.micro_batch_size),
+            str(p.num_microbatches),
+            size(p.peak),
+            size(p.headroom) if p.fits else f"-{size(-p.headroom)}",
+            Text("fits", style="green") if p.fits else Text("out of memory", style="red"),
+        )
+    console.print(
+        section(
+            f"Largest micro-batch size that fits (global batch {job.training.global_batch_size}; "
+            f"valid sizes {', '.join(str(c) for c in search.candidates)})"
+        )
+    )
+    console.print(table)
+    if search.best is None:
+        console.print(
+            Text(
+                f"None fits: micro-batch size {search.candidates[0]} is already out of memory "
+                "(its report is shown above).",
+                style="bold red",
+            )
+        )
+    else:
+        console.print(
+            Text(
+                f"Micro-batch size {search.best} fits (its report is shown above).",
+                style="bold green",
+            )
+        )

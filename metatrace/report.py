@@ -159,6 +159,24 @@ def job_report(job_trace) -> dict:
     return report
 
 
+def search_report(search) -> dict:
+    return {
+        "best": search.best,
+        "candidates": list(search.candidates),
+        "probes": [
+            {
+                "micro_batch_size": p.micro_batch_size,
+                "num_microbatches": p.num_microbatches,
+                "highest_peak_bytes": p.peak,
+                "headroom_bytes": p.headroom,
+                "fits": p.fits,
+                "highest_peak_ranks": list(p.ranks),
+            }
+            for p in search.probes
+        ],
+    }
+
+
 def write_json(report: dict, path: str) -> None:
     try:
         with open(path, "w") as f:

@@ -67,7 +67,7 @@ def test_contradictory_pipeline_options_exit_2(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["run"], "the following arguments are required: --config"),
+        (["run"], "give the job as one of --config"),
         (["run", "--config", "does-not-exist.yaml"], "cannot read config file"),
         (["tree", "--config", DEBUG, "--rank", "4"], "--rank 4 is not a rank of this job (0 to 3)"),
         (["run", "--config", DEBUG, "--depth", "-1"], "--depth must be 0 or more"),
@@ -119,3 +119,71 @@ def test_run_writes_the_documented_json(tmp_path):
     assert verdict["fits"] and verdict["highest_peak_bytes"] == max(
         r["memory"]["peak_bytes"] for r in roles)
     assert "full_model" in report
+
+
+GPT_ARGS = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 "
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+    "--bf16 --use-distributed-optimizer --vocab-file vocab.json --merge-file merges.txt "
+    "--lr 1e-4 --train-iters 10 --no-gradient-accumulation-fusion"
+)
+GPT_YAML = """\
+model: {num_layers: 4, hidden_size: 128, num_attention_heads: 4, vocab_size: 50257,
+        max_position_embeddings: 256}
+parallel: {tp: 2, pp: 2, sequence_parallel: true}
+training: {seq_length: 256, micro_batch_size: 2, global_batch_size: 16, precision: bf16,
+           distributed_optimizer: true, gradient_accumulation_fusion: false}
+cluster: {num_gpus: 8, gpu: a100}
+"""
+
+
+def test_megatron_args_and_the_yaml_job_give_the_same_report(tmp_path):
+    a, b = tmp_path / "args.json", tmp_path / "yaml.json"
+    r = metatrace("run", "--megatron-args", GPT_ARGS, "--world-size", "8", "--gpu", "a100",
+                  "--no-full-model", "--json", str(a))
+    assert r.returncode == 0, r.stderr
+    r = metatrace("run", "--config", write(tmp_path, GPT_YAML), "--no-full-model", "--json", str(b))
+    assert r.returncode == 0, r.stderr
+    reports = [json.loads(p.read_text()) for p in (a, b)]
+    for report in reports:
+        report.pop("source")
+        for role in report["roles"]:
+            role.pop("trace_seconds")
+    assert reports[0] == reports[1]
+    assert reports[0]["world"]["dp"] == 2 and reports[0]["model"]["padded_vocab_size"] == 50432
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--megatron-args", "--num-layers 2"], "need --world-size"),
+        (["run", "--config", DEBUG, "--world-size", "8"], "--world-size applies to Megatron-LM"),
+        (["run", "--megatron-args", GPT_ARGS + " --num-layer 4", "--world-size", "8"],
+         "--num-layer (did you mean --num-layers?)"),
+        (["run", "--megatron-args", GPT_ARGS, "--world-size", "8", "--env", "FOO"],
+         "--env 'FOO' must be NAME=VALUE"),
+    ],
+)
+def test_megatron_args_errors(args, message):
+    result = metatrace(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_max_mbs_finds_the_largest_micro_batch_that_fits(tmp_path):
+    out = tmp_path / "search.json"
+    # 64 samples per replica; a 0.6 GiB GPU with no reserve.
+    config = write(tmp_path, GPT_YAML.replace("global_batch_size: 16", "global_batch_size: 128")
+                   .replace("gpu: a100", "gpu: a100, gpu_memory_gib: 0.6, reserved_overhead_gib: 0"))
+    result = metatrace("run", "--config", config, "--max-mbs", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    search = json.loads(out.read_text())["max_micro_batch"]
+    probes = {p["micro_batch_size"]: p for p in search["probes"]}
+    best = search["best"]
+    assert search["candidates"] == [1, 2, 4, 8, 16, 32, 64]
+    assert probes[best]["fits"]
+    # The next larger size was tried and does not fit (or best is the largest candidate).
+    larger = [c for c in search["candidates"] if c > best]
+    assert not larger or not probes[larger[0]]["fits"]
+    assert "Micro-batch size" in result.stdout
