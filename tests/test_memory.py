@@ -191,3 +191,48 @@ def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
     v = verdict(tight, mems)
     # Stage 1 (the output layer, 96 MiB of cuBLAS and TE workspaces) does not fit in 50 MiB.
     assert not v.fits and v.oom_ranks == tuple(jt.roles[1].role.ranks)
+
+
+def test_peak_of_one_micro_batch_without_pipeline_in_closed_form():
+    """tp 1, pp 1, one micro-batch, every layer recomputed: the peak is the cross entropy of
+    the only micro-batch, and everything live then is known tensor by tensor."""
+    job = small_job(
+        model={"num_layers": 2, "vocab_size": 4000, "hidden_dropout": 0.0,
+               "attention_dropout": 0.0, "position_embedding_type": "learned_absolute"},
+        training={"seq_length": 128, "micro_batch_size": 2, "global_batch_size": 2,
+                  "gradient_accumulation_fusion": False,
+                  "create_attention_mask_in_dataloader": False,
+                  "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+    )
+    (rt, m), = memories(job)
+    s, b, h, v = 128, 2, job.model.hidden_size, job.padded_vocab_size
+    numels = param_numels(rt.trace)
+    static = (
+        sum(rounded(2 * n) for n in numels)  # bf16 parameters
+        + rounded(4 * sum(numels))  # fp32 main-grad buffer
+        + sum(3 * rounded(4 * n) for n in numels)  # fp32 main params, exp_avg, exp_avg_sq
+        + 2 * BLOCK  # the optimizer's found_inf and overflow flag
+    )
+    mib = 2**20
+    workspaces = (
+        32 * mib + 1024  # Transformer Engine's cuBLAS workspace on Hopper
+        + 2 * 32 * mib  # PyTorch's cuBLAS workspaces, forward and autograd threads (:4096:8)
+        + BLOCK  # fused attention's cached cu_seqlens
+    )
+    tokens = rounded(8 * s * b)  # int64 [b, s]
+    hidden = rounded(2 * s * b * h)  # bf16 [s, b, h]
+    row = rounded(4 * s * b)  # fp32 [s, b]
+    live_at_loss = (
+        3 * tokens + row  # the batch: tokens, labels, position ids; loss mask
+        + BLOCK  # the schedule's total_num_tokens
+        + hidden  # embedding output, the first checkpointed input
+        + 2 * hidden  # layer outputs: the second checkpointed input, the final norm's input
+        + row + hidden  # final norm: rsigma and its output, the output layer's input
+        + rounded(2 * s * b * v)  # logits, bf16
+        + tokens  # labels transposed to [s, b]
+        + rounded(4 * s * b * v)  # logits in fp32, exp'ed in place
+        + row + BLOCK + tokens  # cross entropy: logits max, target mask, masked target
+        + tokens + row + row  # arange index, predicted logits, sum of exponentials
+    )
+    assert m.peak_at.phase == "forward" and m.peak_at.module == ""
+    assert m.peak == static + workspaces + live_at_loss
