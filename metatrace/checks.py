@@ -273,13 +273,37 @@ def _check_training(job, split_ok: bool):
             f"micro_batch_size x dp = {tr.micro_batch_size} x {par.dp} = {per_step}"
         )
     elif par.vpp is not None:
+        # megatron-core's interleaved schedule: pp <= group <= M, and the last group of
+        # micro-batches is whole or at least pp long.
         m = tr.global_batch_size // per_step
-        if m < par.pp or m % par.pp:
+        group = par.microbatch_group_size or par.pp
+        if not par.pp <= group <= m:
+            yield (
+                f"the interleaved schedule runs micro-batches in groups of "
+                f"parallel.microbatch_group_size = {group}, which must be at least parallel.pp "
+                f"= {par.pp} and at most the number of micro-batches, {m} = global_batch_size / "
+                "(micro_batch_size x dp)"
+            )
+        elif 0 < m % group < par.pp:
             yield (
                 f"the interleaved schedule needs the number of micro-batches ({m} = "
                 f"global_batch_size / (micro_batch_size x dp)) to be a multiple of "
-                f"parallel.pp = {par.pp}"
+                f"parallel.microbatch_group_size = {group}, or to leave at least parallel.pp = "
+                f"{par.pp} over"
             )
+    if par.vpp is None and (par.microbatch_group_size is not None or par.overlap_p2p_comm):
+        yield "parallel.microbatch_group_size and parallel.overlap_p2p_comm need parallel.vpp"
+    if par.overlap_p2p_comm_warmup_flush and not par.overlap_p2p_comm:
+        yield "parallel.overlap_p2p_comm_warmup_flush needs parallel.overlap_p2p_comm"
+    if par.vpp is not None and not par.overlap_p2p_comm and par.pp <= 2:
+        yield "an interleaved schedule without overlap_p2p_comm needs parallel.pp > 2"
+    if tr.overlap_param_gather_with_optimizer_step and not (
+        tr.overlap_param_gather and par.vpp is not None
+    ):
+        yield (
+            "training.overlap_param_gather_with_optimizer_step needs "
+            "training.overlap_param_gather and parallel.vpp"
+        )
     yield from _check_fp8(job)
     if tr.overlap_param_gather and not (tr.distributed_optimizer and tr.overlap_grad_reduce):
         yield (

@@ -112,6 +112,13 @@ class Parallel:
     hierarchical_cp_sizes: list[int] | None = None
     """With cp_comm_type a2a+p2p: the sizes of the all-to-all (inner) and ring (outer) levels,
     whose product is cp."""
+    microbatch_group_size: int | None = None
+    """Interleaved schedule: micro-batches run together per virtual stage (default pp)."""
+    overlap_p2p_comm: bool | None = None
+    """Interleaved schedule: overlap pipeline sends and receives with compute (Megatron-LM's
+    default; off without virtual stages)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """Interleaved schedule: overlap also in the warm-up and flush phases."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +161,9 @@ class Training:
     """Reduce gradients in buckets during backward."""
     overlap_param_gather: bool = False
     """Gather parameters during the next forward (needs the distributed optimizer)."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Start the first parameter all-gather inside the optimizer step (needs
+    overlap_param_gather and virtual pipeline stages); turns DDP's bucketing off."""
     num_distributed_optimizer_instances: int = 1
     """Distributed-optimizer replicas: the state is sharded over dp / this many ranks."""
     grad_reduce_in_fp32: bool | None = None
@@ -496,6 +506,10 @@ def resolve(job: Job) -> Job:
             grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
             and training.main_grads_dtype == "fp32",
         )
+    if par.overlap_p2p_comm is None:
+        par = dataclasses.replace(par, overlap_p2p_comm=par.vpp is not None)
+    if par.microbatch_group_size is None and par.vpp is not None:
+        par = dataclasses.replace(par, microbatch_group_size=par.pp)
     if par.layout is not None:
         from metatrace.checks import layout_stages
 
@@ -507,6 +521,12 @@ def resolve(job: Job) -> Job:
                 f"pp {par.pp} x {vpp} virtual stages"
             )
         par = dataclasses.replace(par, vpp=vpp if vpp > 1 else None)
+        if par.vpp is not None:
+            par = dataclasses.replace(
+                par,
+                overlap_p2p_comm=True if job.parallel.overlap_p2p_comm is None else par.overlap_p2p_comm,
+                microbatch_group_size=par.microbatch_group_size or par.pp,
+            )
     impl = job.implementation
     te = impl.transformer_impl == "transformer_engine"
     if impl.rope_fusion is None:

@@ -113,6 +113,9 @@ _MODELLED: dict[str, Flag] = {
     "--expert-model-parallel-size": _value(None, int),
     "--expert-tensor-parallel-size": _value(None, int),
     "--use-tp-pp-dp-mapping": _switch("parallel.rank_order", "tp-cp-ep-pp-dp"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": _value("parallel.microbatch_group_size", int),
+    "--no-overlap-p2p-communication": _switch("parallel.overlap_p2p_comm", False),
+    "--overlap-p2p-communication-warmup-flush": _switch("parallel.overlap_p2p_comm_warmup_flush"),
     # training (notes 4.5, 4.9, 4.10, 4.12)
     "--micro-batch-size": _value("training.micro_batch_size", int),
     "--global-batch-size": _value("training.global_batch_size", int),
@@ -130,6 +133,9 @@ _MODELLED: dict[str, Flag] = {
     "--use-distributed-optimizer": _switch("training.distributed_optimizer"),
     "--overlap-grad-reduce": _switch("training.overlap_grad_reduce"),
     "--overlap-param-gather": _switch("training.overlap_param_gather"),
+    "--overlap-param-gather-with-optimizer-step": _switch(
+        "training.overlap_param_gather_with_optimizer_step"
+    ),
     "--num-distributed-optimizer-instances": _value(
         "training.num_distributed_optimizer_instances", int
     ),
@@ -304,11 +310,8 @@ _NOT_MODELLED_GROUPS = {
     "the Muon optimizer": "--muon-momentum= --muon-split-qkv=* --muon-no-split-qkv=* "
     "--muon-use-nesterov --muon-scale-mode= --muon-fp32-matmul-prec= --muon-num-ns-steps= "
     "--muon-tp-mode= --muon-extra-scale-factor=",
-    "pipeline schedule options": "--overlap-p2p-communication-warmup-flush "
-    "--microbatch-group-size-per-virtual-pipeline-stage= --no-overlap-p2p-communication "
-    "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline",
-    "gradient and parameter communication options": "--overlap-param-gather-with-optimizer-step "
-    "--no-align-grad-reduce --no-align-param-gather --ddp-pad-buckets-for-high-nccl-busbw "
+    "pipeline schedule options": "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline",
+    "gradient and parameter communication options": "--no-align-grad-reduce --no-align-param-gather --ddp-pad-buckets-for-high-nccl-busbw "
     "--ddp-num-buckets= --ddp-reduce-scatter-with-fp32-accumulation=* "
     "--defer-embedding-wgrad-compute --wgrad-deferral-limit= --use-sharp --sharp-enabled-group=",
     "low-precision options": "--first-last-layers-bf16 --num-layers-at-start-in-bf16= "

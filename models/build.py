@@ -108,8 +108,10 @@ def transformer_config(job):
         apply_query_key_layer_scaling=impl.apply_query_key_layer_scaling,
         calculate_per_token_loss=tr.calculate_per_token_loss,
         deallocate_pipeline_outputs=True,
-        overlap_p2p_comm=par.vpp is not None,
-        batch_p2p_comm=par.vpp is None,
+        overlap_p2p_comm=bool(par.overlap_p2p_comm),
+        batch_p2p_comm=not par.overlap_p2p_comm,
+        overlap_p2p_comm_warmup_flush=par.overlap_p2p_comm_warmup_flush,
+        microbatch_group_size_per_vp_stage=par.microbatch_group_size,
         gradient_accumulation_fusion=tr.gradient_accumulation_fusion,
         persist_layer_norm=False,
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
@@ -258,7 +260,10 @@ def wrap_ddp(job, config, chunks):
     ddp = ddp_config(job)
     return [
         DistributedDataParallel(
-            config=config, ddp_config=ddp, module=chunk, disable_bucketing=index > 0
+            config=config,
+            ddp_config=ddp,
+            module=chunk,
+            disable_bucketing=index > 0 or job.training.overlap_param_gather_with_optimizer_step,
         )
         for index, chunk in enumerate(chunks)
     ]
@@ -277,6 +282,7 @@ def optimizer_config(job):
         params_dtype=DTYPES[tr.precision],
         use_distributed_optimizer=tr.distributed_optimizer,
         overlap_param_gather=tr.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=tr.overlap_param_gather_with_optimizer_step,
         use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
         main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
         main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
