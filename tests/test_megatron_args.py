@@ -17,8 +17,10 @@ from metatrace.megatron_args import (
     split_args,
 )
 
-# shared/ sits beside the repository (../shared), as in CI.
-CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "calibration")
+# The arguments, GPU and environment of every case of ../shared/calibration's
+# megatron_ci_calibration.jsonl (Megatron-LM's functional tests), copied so that the tests do
+# not need the shared folder.
+CASES = os.path.join(os.path.dirname(__file__), "data", "megatron_ci_args.jsonl")
 
 # A small dense GPT as Megatron-LM's CI runs it (without the flags that change nothing).
 BASE = (
@@ -39,11 +41,8 @@ def error(text, world_size=8, **kw) -> str:
 
 
 def calibration_cases():
-    cases = []
-    for name in ("megatron_ci_calibration.jsonl", "third_party.jsonl"):
-        with open(os.path.join(CALIBRATION, name)) as f:
-            cases += [json.loads(line) for line in f if line.strip()]
-    return cases
+    with open(CASES) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def case(name):
