@@ -11,7 +11,8 @@ What quantized copies exist, from TE's tensor/ and module/ sources (shapes for a
 | blockwise, weights (128x128) | data u8 [M, K] + fp32 [M/128, rnd(K/128,4)] | data u8 [K, M] + fp32 [K/128, rnd(M/128,4)] |
 
 Every Float8 tensor also has a scale_inv fp32 [1]. Per module, delayed scaling keeps fp8_meta
-(scale [3], amax_history [1024, 3], scale [2], amax_history [1024, 2], fp32) and current
+(scale [3], amax_history [H, 3], scale [2], amax_history [H, 2], fp32; H is megatron-core's
+fp8_amax_history_len, which it passes to TE's DelayedScaling: 1 by default) and current
 scaling a scale and an amax [1] per quantizer (five); the weight is quantized once into a
 workspace the module keeps (megatron passes is_first_microbatch). Delayed scaling reduces the
 amaxes of all modules of an autocast region over the amax-reduction group (torch.cat, then a MAX
@@ -23,7 +24,7 @@ all-gather of activations or gradients.
 get_fp8_context (which returns a null context without TE); `metatrace.hooks.patches` installs
 them.
 
-Known limitations: FP8 parameters (fp8_param_gather), FP8 attention (fp8_dot_product_attention),
+Known limitations: FP8 attention (fp8_dot_product_attention),
 the amax-history clones kept for FP8 activation recompute, the bf16 fallback for MXFP8 /
 blockwise tensors whose dimensions are not multiples of 32 / 128, and GEMM workspaces are not
 modelled.
@@ -182,7 +183,8 @@ def module_state(module, recipe: str, device) -> None:
     if getattr(module, "_fp8_meta_tensors", None) is not None:
         return
     if recipe == "delayed":
-        shapes = [(3,), (1024, 3), (2,), (1024, 2)]
+        history = getattr(getattr(module, "config", None), "fp8_amax_history_len", 1)
+        shapes = [(3,), (history, 3), (2,), (history, 2)]
     elif recipe == "tensorwise":
         shapes = [(1,)] * 10  # scale and amax for each of the five quantizers
     else:
