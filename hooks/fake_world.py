@@ -58,6 +58,7 @@ def _group_getters():
         ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
         ("cp_a2a", _hierarchical_cp(0)),  # cp_comm_type a2a+p2p: the all-to-all level
         ("cp_p2p", _hierarchical_cp(1)),  # and the ring level
+        ("dist_opt", lambda: ps.get_intra_distributed_optimizer_instance_group()),
         ("world", lambda: dist.group.WORLD),
     ]
 

@@ -261,6 +261,22 @@ GPU_MEMORY_GIB = {
 }
 
 
+# Link bandwidth per GPU and direction, in Gb/s: (inside a node: NVLink or PCIe, across nodes:
+# one NIC per GPU). Class defaults of common systems (e.g. DGX H100: NVLink 4 at 450 GB/s, one
+# 400 Gb/s NDR InfiniBand port per GPU); set cluster.intra_node_gbps / inter_node_gbps for yours.
+GPU_LINKS_GBPS = {
+    "a100-40gb": (2400, 200),  # NVLink 3, 300 GB/s; HDR InfiniBand
+    "a100": (2400, 200),
+    "h100": (3600, 400),  # NVLink 4, 450 GB/s; NDR InfiniBand
+    "h800": (1600, 400),  # NVLink 4 at 200 GB/s
+    "h200": (3600, 400),
+    "b200": (7200, 400),  # NVLink 5, 900 GB/s
+    "gb200": (7200, 400),
+    "l40s": (256, 200),  # PCIe 4.0 x16, 32 GB/s
+    "mi300x": (3584, 400),  # Infinity Fabric, 7 links of 64 GB/s
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     num_gpus: int | None = None
@@ -275,6 +291,10 @@ class Cluster:
     """Memory a GPU needs beside what PyTorch's caching allocator hands out: the CUDA context,
     NCCL's communicators and buffers, and allocator fragmentation. Added to the predicted peak
     for the verdict, never to the peak itself."""
+    intra_node_gbps: float | None = None
+    """Link bandwidth per GPU and direction inside a node, Gb/s (default for `gpu`)."""
+    inter_node_gbps: float | None = None
+    """Network bandwidth per GPU and direction across nodes, Gb/s (default for `gpu`)."""
     cublas_workspace_config: str | None = None
     """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
     workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""
@@ -484,6 +504,21 @@ def resolve(job: Job) -> Job:
                 "or give cluster.gpu_memory_gib"
             )
         cl = dataclasses.replace(cl, gpu_memory_gib=GPU_MEMORY_GIB[cl.gpu])
+    intra, inter = GPU_LINKS_GBPS.get(cl.gpu, (None, None))
+    if cl.intra_node_gbps is None or cl.inter_node_gbps is None:
+        if intra is None:
+            raise ConfigError(
+                f"no link bandwidths are known for cluster.gpu {cl.gpu!r}; give "
+                "cluster.intra_node_gbps and cluster.inter_node_gbps"
+            )
+        cl = dataclasses.replace(
+            cl,
+            intra_node_gbps=cl.intra_node_gbps if cl.intra_node_gbps is not None else intra,
+            inter_node_gbps=cl.inter_node_gbps if cl.inter_node_gbps is not None else inter,
+        )
+    for name in ("intra_node_gbps", "inter_node_gbps"):
+        if getattr(cl, name) <= 0:
+            raise ConfigError(f"'cluster.{name}' must be positive, got {getattr(cl, name)}")
 
     if training.global_batch_size is None:
         training = dataclasses.replace(

@@ -110,6 +110,9 @@ class _Replay:
         v = self.chunk_of[id(model)]
         microbatch = self.calls[v]
         self.calls[v] += 1
+        self.rec.set_step_phase("forward")
+        if microbatch == 0:
+            self._gather_params(model)
         prof: StepProfile = self.profiles[("forward", v)]
         shape = self.shapes[v]
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
@@ -151,7 +154,22 @@ class _Replay:
 
         return output, loss
 
+    def _gather_params(self, chunk) -> None:
+        """What DDP's forward pre-hooks do in the first forward of an iteration with
+        overlap_param_gather: finish (dispatching where not yet dispatched) the parameter
+        all-gather of every bucket, in the order the forward reaches them."""
+        if not chunk.use_forward_hook:
+            return
+        skip_next = chunk.ddp_config.align_param_gather or chunk.overlap_param_gather_with_optimizer_step
+        seen = set()
+        for param in chunk.module.parameters():
+            group = chunk.param_to_bucket_group.get(param)
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
     def backward_step(self, input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        self.rec.set_step_phase("backward")
         out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
         v, microbatch, held, _ = out.__dict__[_HELD]
         out.__dict__[_HELD] = out.__dict__[_HELD][3:]  # the input stays referenced, as by the graph
@@ -272,10 +290,18 @@ def run_iteration(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
-    from metatrace.steps import make_forward_step, synthetic_batches
+    from metatrace.steps import make_forward_step, reduce_losses, synthetic_batches
 
     tr = job.training
     wire_training_config(job, config, model, optimizer)
+    finalize = config.finalize_model_grads_func
+
+    def finalize_in_window(*args, **kwargs):
+        rec.set_step_phase("grad sync")
+        with rec.window("grad sync"):
+            return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_in_window
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -294,7 +320,7 @@ def run_iteration(
         step_func, iterators = replay.forward_step_func, [None] * len(model)
         context = _replaying(replay)
     with context:
-        get_forward_backward_func()(
+        losses = get_forward_backward_func()(
             forward_step_func=step_func,
             data_iterator=iterators,
             model=model,
@@ -306,3 +332,4 @@ def run_iteration(
     rec.set_step_phase("optimizer")
     with rec.window("optimizer"), unknown_values(device):
         optimizer.step()
+        reduce_losses(losses)

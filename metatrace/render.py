@@ -395,7 +395,7 @@ def build_verdict(job, mems) -> Text:
 
 
 _BARS = " ▁▂▃▄▅▆▇█"
-_MARK = {"forward": "F", "backward": "B", "optimizer": "O"}
+_MARK = {"forward": "F", "backward": "B", "grad sync": "G", "optimizer": "O"}
 
 
 def build_timeline(mems, columns: int = 64) -> Group:
@@ -467,7 +467,7 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
         )
         mems = role_memories(job_trace)
         console.print(build_memory_table(mems))
-        console.print(section("Memory over the iteration (F forward, B backward, O optimizer)"))
+        console.print(section("Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"))
         console.print(build_timeline(mems))
         console.print()
         console.print(build_verdict(job, mems))

@@ -125,6 +125,19 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": reporting_loss}
 
 
+def reduce_losses(losses_reduced) -> None:
+    """Megatron-LM's train_step after the optimizer step: on the last pipeline stage, the
+    micro-batches' (loss, tokens) pairs are summed and all-reduced over the data-parallel group
+    (with context parallelism) for reporting."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage(ignore_virtual=True) or not losses_reduced:
+        return
+    for key in losses_reduced[0]:
+        val = torch.vstack([x[key].view(-1) for x in losses_reduced]).sum(dim=0)
+        torch.distributed.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+
+
 def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask: bool):
     """pretrain_gpt.forward_step, bound to the batch shape."""
 

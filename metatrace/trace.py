@@ -168,6 +168,11 @@ def trace_role(
         models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
         devices = (device, *also_track)
         groups = named_groups()
+        # With overlap_param_gather, DDP's forward pre-hooks all-gather the parameters once per
+        # iteration: not part of a micro-batch (the iteration below issues them).
+        hooked = [chunk for chunk in model if chunk.use_forward_hook]
+        for chunk in hooked:
+            chunk.disable_forward_pre_hook(param_sync=False)
         with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
             with contextlib.ExitStack() as stack:
                 # The workspaces live on after the recorder stops, as they do on a GPU.
@@ -183,6 +188,8 @@ def trace_role(
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
+                for chunk in hooked:
+                    chunk.enable_forward_pre_hook()
             with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
                 run_iteration(
                     job,
