@@ -76,6 +76,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
+    comm = sub.add_parser("comm", help="print only the communication tables")
+    common(comm)
+    comm.add_argument(
+        "--dim", choices=("tp", "cp", "ep", "dp", "pp"), help="only this dimension's section"
+    )
+    comm.add_argument("--jobs", type=int, metavar="N", help="as for run")
+    comm.set_defaults(func=cmd_comm)
+
+    groups = sub.add_parser(
+        "groups", help="print the rank groups megatron-core forms (no tracing)"
+    )
+    common(groups)
+    which = groups.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, metavar="R", help="only the groups of global rank R")
+    which.add_argument("--all", action="store_true", help="list every group (default: 16 per kind)")
+    groups.set_defaults(func=cmd_groups)
+
     tree = sub.add_parser("tree", help="print the module tree of one rank")
     common(tree)
     tree.add_argument("--rank", type=int, required=True, metavar="R", help="global rank")
@@ -171,8 +188,7 @@ def cmd_run(args, console=None) -> int:
     _check_depth(args)
     if args.json:
         _check_output_path(args.json)
-    if args.jobs is not None and args.jobs < 1:
-        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+    _check_jobs(args)
     job = _load_job(args)
     console = _console(args, console)
     progress = _progress(console)
@@ -197,6 +213,48 @@ def cmd_run(args, console=None) -> int:
             report["max_micro_batch"] = search_report(search)
         write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}")
+    return 0
+
+
+def _check_jobs(args) -> None:
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+
+
+def cmd_comm(args, console=None) -> int:
+    from metatrace.render import build_summary, section
+    from metatrace.render_comm import render_comm
+    from metatrace.trace import trace_job
+
+    _check_depth(args)
+    _check_jobs(args)
+    job = _load_job(args)
+    console = _console(args, console)
+    job_trace = trace_job(job, full_model=False, progress=_progress(console), workers=args.jobs)
+    console.print(section("Configuration"))
+    console.print(build_summary(job, job_trace.world))
+    render_comm(job_trace, console, dim=args.dim)
+    return 0
+
+
+def cmd_groups(args, console=None) -> int:
+    from metatrace.render import build_summary, section
+    from metatrace.render_comm import build_groups
+    from metatrace.world import World
+
+    _check_depth(args)
+    job = _load_job(args)
+    world = World.from_job(job)
+    if args.rank is not None and not 0 <= args.rank < world.size:
+        raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")
+    console = _console(args, console)
+    console.print(section("Configuration"))
+    console.print(build_summary(job, world))
+    whose = f" of rank {args.rank} ({world.gpu(args.rank)})" if args.rank is not None else ""
+    console.print(section(
+        f"Rank groups{whose}, as megatron-core forms them (rank order {job.parallel.rank_order}; "
+        f"GPU n{{node}}_g{{gpu}}, {world.gpus_per_node} GPUs per node)"))
+    console.print(build_groups(world, rank=args.rank, limit=None if args.all else 16))
     return 0
 
 

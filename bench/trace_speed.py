@@ -1,9 +1,10 @@
 """Speed of whole-cluster traces against `python -c "import megatron.core"` on the same machine.
 
 Cases: Llama-2 70B, tp 8, pp 4 (32 GPUs), seq 4096, micro-batch 1 (every pipeline stage, the
-full model, one training iteration each); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8,
+full model, one training iteration each); Llama-2 70B on 64 GPUs, tp 8, pp 4, dp 2
+(examples/llama2-70b-64gpu.yaml); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8,
 cp 2 (examples/llama3.1-405b-16k.yaml, without the full model). Prints the wall time of
-`metatrace run` (import, traces, iteration replay, rendering, JSON), the ratio to the import,
+`metatrace run` (import, traces, iteration replay, memory and communication tables, JSON), the ratio to the import,
 the peak RSS of any process of the run, and the trace counts per role of the first case.
 Targets: ratio <= 3, RSS < 1.5 GB.
 """
@@ -20,6 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [
     ("llama2-70b tp8 pp4, 32 GPUs", os.path.join(ROOT, "examples", "llama2-70b-tp8-pp4.yaml"), []),
+    ("llama2-70b tp8 pp4 dp2, 64 GPUs", os.path.join(ROOT, "examples", "llama2-70b-64gpu.yaml"), []),
     (
         "llama3.1-405b tp8 pp16 vpp8 cp2, 16,384 GPUs",
         os.path.join(ROOT, "examples", "llama3.1-405b-16k.yaml"),

@@ -103,6 +103,15 @@ def _check_parallel(job):
             f"cluster.num_gpus = {world} is not divisible by etp x ep x pp = "
             f"{par.etp} x {par.ep} x {par.pp} = {expert_grid}"
         )
+    elif not par.rank_order.endswith("pp") and par.pp > 1:
+        expert_dp = world // expert_grid
+        if expert_dp != par.dp:
+            # megatron-core's initialize_model_parallel asserts this.
+            yield (
+                f"parallel.rank_order {par.rank_order!r} does not end in pp: megatron-core then "
+                f"needs the same data-parallel size for dense and expert layers, got dp {par.dp} "
+                f"and expert dp {expert_dp} = num_gpus / (etp x ep x pp)"
+            )
     if par.cp > 1:
         seq = job.training.seq_length
         if seq % (2 * par.cp):

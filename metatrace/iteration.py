@@ -205,6 +205,18 @@ class _Replay:
         return grads[0] if unwrap else grads
 
 
+def _steady_state(chunk) -> None:
+    """Make the iteration a steady-state one (the second or later). In its first iteration,
+    megatron-core's DDP (0.13 and later) counts which gradient hooks fire and launches every
+    bucket reduction only when the gradients are finalized; from the second on, a bucket's
+    reduction launches from the hooks in backward, as soon as its gradients are ready. Each hook
+    fires once per parameter in the last micro-batch (as the replay runs them)."""
+    for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+        if hasattr(group, "golden_per_param_grad_ready_counts") and group.is_first_batch:
+            group.golden_per_param_grad_ready_counts = {p: 1 for p in group.params}
+            group.is_first_batch = False
+
+
 def _launches_reductions(chunk):
     """Whether a backward step of `chunk` now would launch DDP's bucket reductions."""
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
@@ -303,6 +315,7 @@ def run_iteration(
 
     config.finalize_model_grads_func = finalize_in_window
     for chunk in model:
+        _steady_state(chunk)
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     rec.set_step_phase("forward")

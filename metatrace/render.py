@@ -459,6 +459,9 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
     console.print(section("Per pipeline stage (one micro-batch)"))
     console.print(build_roles_table(job_trace))
     if all(rt.iteration is not None for rt in job_trace.roles):
+        from metatrace.render_comm import render_comm
+
+        render_comm(job_trace, console)
         console.print(
             section(
                 f"Memory per GPU over one training iteration ({job.num_microbatches} "

@@ -11,9 +11,11 @@ import json
 
 from metatrace import __version__
 from metatrace import aggregate as agg
+from metatrace.comm import job_comm
 from metatrace.memory import role_memory, verdict
+from metatrace.world import GROUP_KINDS
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _collective(c) -> dict:
@@ -73,6 +75,40 @@ def _memory(m) -> dict:
     }
 
 
+def _totals(t) -> dict:
+    return {
+        "count": t.count,
+        "bytes_sent": t.bytes_sent,
+        "bytes_received": t.bytes_received,
+        "message_bytes": t.message_bytes,
+        "intra_node_bytes": t.intra,
+        "inter_node_bytes": t.inter,
+        "seconds": t.seconds,
+        "exposed_seconds": t.exposed_seconds,
+    }
+
+
+def _comm_item(it) -> dict:
+    return {
+        "dimension": it.dimension,
+        "op": it.op,
+        "group": it.group,
+        "ranks": list(it.ranks),
+        "shape": list(it.shape),
+        "dtype": it.dtype,
+        "message_bytes": it.message,
+        "bytes_sent": it.sent,
+        "bytes_received": it.received,
+        "count": it.count,
+        "per_microbatch": it.per_microbatch,
+        "phase": it.phase,
+        "module": it.module,
+        "layers": it.layers,
+        "crosses_nodes": it.crosses_nodes,
+        "overlapped_with": it.overlapped,
+    }
+
+
 def _verdict(job, v) -> dict:
     return {
         "fits": v.fits,
@@ -85,7 +121,7 @@ def _verdict(job, v) -> dict:
     }
 
 
-def role_report(rt, world=None, memory=None) -> dict:
+def role_report(rt, world=None, memory=None, comm=None) -> dict:
     trace = rt.trace
     s = agg.role_summary(trace)
     out = {
@@ -108,6 +144,9 @@ def role_report(rt, world=None, memory=None) -> dict:
         out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
     if rt.iteration is not None:
         out["memory"] = _memory(memory or role_memory(rt.trace, rt.iteration))
+    if comm is not None:
+        out["comm"] = {d: _totals(t) for d, t in comm.dims.items()}
+        out["comm_collectives"] = [_comm_item(it) for it in comm.items]
     return out
 
 
@@ -147,7 +186,16 @@ def job_report(job_trace) -> dict:
     }
     iterations = all(rt.iteration is not None for rt in job_trace.roles)
     mems = [role_memory(rt.trace, rt.iteration) if iterations else None for rt in job_trace.roles]
-    report["roles"] = [role_report(rt, world, m) for rt, m in zip(job_trace.roles, mems)]
+    comms = [None] * len(mems)
+    if iterations:
+        jc = job_comm(job_trace)
+        comms = [c for _, c in jc.roles]
+        report["cluster"]["comm"] = {d: _totals(t) for d, t in jc.cluster.items()}
+        report["cluster"]["comm"]["total"] = _totals(jc.total)
+    report["groups"] = {kind: world.groups(kind) for kind in GROUP_KINDS}
+    report["roles"] = [
+        role_report(rt, world, m, c) for rt, m, c in zip(job_trace.roles, mems, comms)
+    ]
     if iterations:
         ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]
         report["memory_verdict"] = _verdict(job, verdict(job, ranked))

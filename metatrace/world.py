@@ -10,6 +10,7 @@ GPUs are named `n{node}_g{gpu}`, ranks filling nodes in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 from functools import cached_property
 
 from metatrace.hooks.fake_world import Layout
@@ -23,10 +24,16 @@ GROUP_TOKENS = {
     "dp_cp": ("dense", "dp-cp"),
     "tp_cp": ("dense", "tp-cp"),
     "mp": ("dense", "tp-pp"),
+    "tp_dp": ("dense", "tp-dp"),
+    "tp_dp_cp": ("dense", "tp-dp-cp"),
     "ep": ("expert", "ep"),
     "etp": ("expert", "tp"),
     "edp": ("expert", "dp"),
+    "tp_ep": ("expert", "tp-ep"),
 }
+
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding")
+"""The group kinds `metatrace groups` and the JSON report list, in that order."""
 
 
 @dataclass(frozen=True)
@@ -84,23 +91,48 @@ class World:
         }
 
     def groups(self, name: str) -> list[list[int]]:
-        """Every group of kind `name` (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, etp, edp,
-        embedding) as lists of global ranks, in megatron-core's order."""
+        """Every group of kind `name` (a GROUP_TOKENS name, embedding or position_embedding)
+        as lists of global ranks, in megatron-core's order."""
+        return [list(g) for g in self._groups(name)]
+
+    def knows(self, name: str) -> bool:
+        return name in GROUP_TOKENS or name in ("embedding", "position_embedding")
+
+    @functools.lru_cache(maxsize=None)
+    def _groups(self, name: str) -> tuple[tuple[int, ...], ...]:
         if name == "embedding":
             # megatron-core's default_embedding_ranks: first and last stage of each pp group.
-            return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+            return tuple(tuple(sorted({g[0], g[-1]})) for g in self._groups("pp"))
+        if name == "position_embedding":
+            return tuple((g[0],) for g in self._groups("pp"))
         grid, token = GROUP_TOKENS[name]
-        return self._generators[grid].get_ranks(token)
+        return tuple(tuple(g) for g in self._generators[grid].get_ranks(token))
+
+    @functools.lru_cache(maxsize=None)
+    def _index(self, name: str) -> dict[int, tuple[int, ...]]:
+        return {r: g for g in self._groups(name) for r in g}
+
+    def crosses_nodes(self, ranks) -> bool:
+        first = ranks[0] // self.gpus_per_node
+        return any(r // self.gpus_per_node != first for r in ranks)
+
+    @functools.lru_cache(maxsize=None)
+    def _group_crosses(self, group: tuple[int, ...]) -> bool:
+        return self.crosses_nodes(group)
+
+    def group_crosses_nodes(self, name: str, rank: int) -> bool:
+        """Whether `rank`'s group of kind `name` spans more than one node."""
+        return self._group_crosses(self._index(name)[rank])
 
     @cached_property
     def pp_stage_of(self) -> dict[int, int]:
         return {r: i for group in self.groups("pp") for i, r in enumerate(group)}
 
     def group_of(self, name: str, rank: int) -> list[int]:
-        for group in self.groups(name):
-            if rank in group:
-                return group
-        raise KeyError(f"rank {rank} is in no {name} group")
+        try:
+            return list(self._index(name)[rank])
+        except KeyError:
+            raise KeyError(f"rank {rank} is in no {name} group") from None
 
     def roles(self) -> list[Role]:
         """One role per pipeline stage: TP, CP and DP peers hold the same chunks."""

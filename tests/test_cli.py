@@ -91,7 +91,7 @@ def test_run_writes_the_documented_json(tmp_path):
     result = metatrace("run", "--config", DEBUG, "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["schema_version"] == 2
+    assert report["schema_version"] == 3
     # The one-GPU model pads the vocabulary to 1008 (a multiple of 16), the tp 2 job to 1024
     # (of 32): embedding and output layer each hold 16 more rows of 64.
     assert report["full_model"]["params"]["count"] == 203_072
@@ -119,6 +119,16 @@ def test_run_writes_the_documented_json(tmp_path):
     assert verdict["fits"] and verdict["highest_peak_bytes"] == max(
         r["memory"]["peak_bytes"] for r in roles)
     assert "full_model" in report
+    # Communication: per role and dimension, the cluster's sums over every rank, the groups.
+    assert report["groups"]["tp"] == [[0, 1], [2, 3]] and report["groups"]["pp"] == [[0, 2], [1, 3]]
+    cluster = report["cluster"]["comm"]
+    for dim in ("tp", "cp", "ep", "dp", "pp"):
+        for key in ("count", "bytes_sent", "bytes_received", "message_bytes"):
+            assert cluster[dim][key] == sum(len(r["ranks"]) * r["comm"][dim][key] for r in roles)
+    assert cluster["tp"]["count"] > 0 and cluster["cp"]["count"] == 0
+    # 1F1B, 4 micro-batches, 2 stages: each stage sends 4 and receives 4.
+    assert [r["comm"]["pp"]["count"] for r in roles] == [8, 8]
+    assert cluster["total"]["bytes_sent"] == sum(cluster[d]["bytes_sent"] for d in cluster if d != "total")
 
 
 GPT_ARGS = (
@@ -152,6 +162,14 @@ def test_megatron_args_and_the_yaml_job_give_the_same_report(tmp_path):
             role.pop("trace_seconds")
     assert reports[0] == reports[1]
     assert reports[0]["world"]["dp"] == 2 and reports[0]["model"]["padded_vocab_size"] == 50432
+
+
+def test_comm_and_groups_flags():
+    result = metatrace("comm", "--config", DEBUG, "--dim", "xx")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+    result = metatrace("groups", "--config", DEBUG, "--rank", "4")
+    assert result.returncode == 2 and "--rank 4 is not a rank of this job" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

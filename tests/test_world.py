@@ -46,6 +46,42 @@ def test_groups_equal_megatron_process_groups(parallel, num_gpus):
             assert seen.get("tp", [rank]) == world.group_of("tp", rank)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(world_size=16, tp=2, pp=4),
+        Layout(world_size=16, tp=2, pp=4, order="tp-cp-ep-pp-dp"),
+        Layout(world_size=16, tp=2, pp=2, cp=2),
+        Layout(world_size=16, tp=2, pp=2, cp=2, etp=4, order="tp-cp-ep-pp-dp"),
+        Layout(world_size=16, tp=2, pp=2, ep=4, etp=1),
+        Layout(world_size=24, tp=2, pp=3, ep=2),
+    ],
+    ids=["tp2-pp4", "tp2-pp4-pp-dp", "tp2-pp2-cp2", "tp2-pp2-cp2-pp-dp", "ep4-etp1", "24-gpus-ep2"],
+)
+def test_every_group_kind_equals_megatron(layout):
+    # Every group kind metatrace lists, against megatron-core's getters on every rank.
+    from metatrace.hooks.fake_world import _group_getters
+
+    world = World(layout)
+    names = [name for name, _ in _group_getters() if world.knows(name)]
+    assert {"tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding"} <= set(names)
+    with megatron_patches(), remap_cuda("meta"):
+        for rank in range(layout.world_size):
+            with fake_world(layout, rank):
+                import torch.distributed as dist
+
+                for name, getter in _group_getters():
+                    if not world.knows(name):
+                        continue
+                    try:
+                        group = getter()
+                    except AssertionError:  # not a member (embedding, position embedding)
+                        assert not any(rank in g for g in world.groups(name)), (name, rank)
+                        continue
+                    ranks = dist.get_process_group_ranks(group)
+                    assert sorted(ranks) == sorted(world.group_of(name, rank)), (name, rank)
+
+
 def test_roles_cover_every_rank_once_and_name_gpus():
     world = World.from_job(small_job(parallel={"tp": 2, "pp": 2, "dp": 3}, model={"num_layers": 4},
                             cluster={"gpus_per_node": 4}))
