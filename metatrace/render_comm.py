@@ -357,7 +357,7 @@ def render_comm(job_trace, console, *, dim: str | None = None) -> None:
         if body is None:
             if dim:
                 console.print(section(dimension_title(job, name)))
-                console.print(Text(f"No {DIM_TITLES[name].lower()} communication in this layout.",
+                console.print(Text(f"No {_NAMES[name]} communication in this layout.",
                                    style="dim"))
             continue
         console.print(section(dimension_title(job, name)))
