@@ -228,7 +228,7 @@ def search_report(search) -> dict:
 def write_json(report: dict, path: str) -> None:
     try:
         with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(report, f)  # compact: megabytes on large clusters
             f.write("\n")
     except OSError as e:
         from metatrace.errors import ConfigError

@@ -82,6 +82,22 @@ def test_every_group_kind_equals_megatron(layout):
                     assert sorted(ranks) == sorted(world.group_of(name, rank)), (name, rank)
 
 
+@pytest.mark.parametrize("sizes", [(2, 1, 1, 4, 2), (8, 2, 1, 4, 16), (3, 2, 5, 1, 2)])
+def test_vectorised_groups_equal_megatron_generator(sizes):
+    import itertools
+
+    from megatron.core.parallel_state import generate_masked_orthogonal_rank_groups
+
+    from metatrace.world import orthogonal_groups
+
+    world = 1
+    for s in sizes:
+        world *= s
+    for mask in itertools.product([False, True], repeat=len(sizes)):
+        expected = generate_masked_orthogonal_rank_groups(world, list(sizes), list(mask))
+        assert [list(g) for g in orthogonal_groups(sizes, mask)] == expected, mask
+
+
 def test_roles_cover_every_rank_once_and_name_gpus():
     world = World.from_job(small_job(parallel={"tp": 2, "pp": 2, "dp": 3}, model={"num_layers": 4},
                             cluster={"gpus_per_node": 4}))
