@@ -228,8 +228,9 @@ def search_report(search) -> dict:
 def write_json(report: dict, path: str) -> None:
     try:
         with open(path, "w") as f:
-            json.dump(report, f)  # compact: megabytes on large clusters
-            f.write("\n")
+            # Compact and in one piece: json.dumps uses the C encoder (megabytes on large
+            # clusters), json.dump writing piecewise does not.
+            f.write(json.dumps(report) + "\n")
     except OSError as e:
         from metatrace.errors import ConfigError
 
