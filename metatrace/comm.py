@@ -242,8 +242,18 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
     return cache[key]
 
 
+_last: list = [None, None]  # (job trace, its JobComm): the report and the tables share one
+
+
 def job_comm(job_trace) -> JobComm:
     """Every role's communication per iteration and the cluster's (needs iteration traces)."""
+    if _last[0] is job_trace:
+        return _last[1]
+    _last[:] = [job_trace, _job_comm(job_trace)]
+    return _last[1]
+
+
+def _job_comm(job_trace) -> JobComm:
     job, world = job_trace.job, job_trace.world
     roles, cluster = [], {d: Totals() for d in DIMENSIONS}
     for rt in job_trace.roles:
