@@ -226,6 +226,11 @@ def _tp_cell(collectives) -> str:
 # ----------------------------------------------------------------------------- roles
 
 
+def gpu_span(world, ranks) -> str:
+    """The first and last GPU of sorted `ranks`."""
+    return f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}" if len(ranks) > 1 else world.gpu(ranks[0])
+
+
 def role_title(job_trace, group) -> str:
     world = job_trace.world
     first = group[0]
@@ -237,7 +242,7 @@ def role_title(job_trace, group) -> str:
         if len(stages) == 1
         else f"Pipeline stages {layer_span(stages)} (identical)"
     )
-    gpus = f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}" if len(ranks) > 1 else world.gpu(ranks[0])
+    gpus = gpu_span(world, ranks)
     layers = "" if len(group) > 1 else f" · layers {layer_span(summary.layers)}"
     return f"{which} · ranks {rank_span(ranks)} ({gpus}){layers} · traced rank {first.trace.rank}"
 

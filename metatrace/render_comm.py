@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from metatrace.render import compact, layer_span, rank_span, section
+from metatrace.render import compact, gpu_span, layer_span, rank_span, section
 
 DIM_TITLES = {
     "tp": "TP (+SP)",
@@ -121,11 +121,6 @@ def build_comm_summary(job, jc) -> Group:
 # ----------------------------------------------------------------------------- pipeline
 
 
-def _role_gpus(world, rt) -> str:
-    ranks = rt.role.ranks
-    return world.gpu(ranks[0]) if len(ranks) == 1 else f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}"
-
-
 def build_pp_section(job_trace, jc) -> Group | None:
     world = job_trace.world
     if world.layout.pp == 1:
@@ -143,7 +138,7 @@ def build_pp_section(job_trace, jc) -> Group | None:
         total = sum(it.count for it in p2p)
         table.add_row(
             str(rt.role.pp_stage),
-            _role_gpus(world, rt),
+            gpu_span(world, rt.role.ranks),
             layer_span(agg.role_summary(rt.trace).layers),
             Text("\n".join(shapes)),
             f"{sum(it.count for it in p2p if it.op == 'send'):,}",
