@@ -222,17 +222,20 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
     """How many of the role's ranks send this item's traffic across nodes: each rank's own
     group (or pipeline peer) of the kind the traced rank used."""
     if item.peer is not None:
-        # The peer at the same place in each rank's group (pipeline, or context-parallel ring).
+        # The peer as far along each rank's own group (pipeline, or context-parallel ring).
         kind = item.group if world.knows(item.group) else "pp"
         traced_group = world.group_of(kind, traced)
         if item.peer not in traced_group:
             return len(role.ranks) if item.crosses_nodes else 0
-        key = ("peer", kind, traced_group.index(item.peer))
+        step = traced_group.index(item.peer) - traced_group.index(traced)
+        key = ("peer", kind, step)
         if key not in cache:
-            index = key[2]
-            cache[key] = sum(
-                world.node(r) != world.node(world.group_of(kind, r)[index]) for r in role.ranks
-            )
+            crossing = 0
+            for r in role.ranks:
+                group = world.group_of(kind, r)
+                peer = group[(group.index(r) + step) % len(group)]
+                crossing += world.node(r) != world.node(peer)
+            cache[key] = crossing
         return cache[key]
     if not world.knows(item.group):
         return len(role.ranks) if item.crosses_nodes else 0

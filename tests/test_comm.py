@@ -165,3 +165,13 @@ def test_cluster_totals_are_the_sum_over_ranks_and_nodes_follow_gpus_per_node():
         assert t.intra + t.inter == t.bytes_sent
     # Crossing nodes is slower: the same traffic takes longer with two GPUs per node.
     assert two.total.seconds > eight.total.seconds
+
+
+def test_context_parallel_ring_crosses_nodes_for_every_rank():
+    # cp 2 over two 2-GPU nodes: cp groups (0, 2), (1, 3); every rank's ring peer is on the
+    # other node, whichever end of its group the rank is (the traced rank 0 stands for all four).
+    _, jc = comm_of(parallel={"tp": 2, "cp": 2}, training={"global_batch_size": 2},
+                    cluster={"num_gpus": 4, "gpus_per_node": 2})
+    cp = jc.cluster["cp"]
+    assert cp.count > 0 and cp.intra == 0 and cp.inter == cp.bytes_sent
+    assert jc.cluster["tp"].inter == 0
