@@ -6,7 +6,7 @@ full model, one training iteration each); Llama-2 70B on 64 GPUs, tp 8, pp 4, dp
 cp 2 (examples/llama3.1-405b-16k.yaml, without the full model). Prints the wall time of
 `metatrace run` (import, traces, iteration replay, memory and communication tables, JSON), the ratio to the import,
 the peak RSS of any process of the run, and the trace counts per role of the first case.
-Targets: ratio <= 3, RSS < 1.5 GB.
+Targets (the 70B case on 32 GPUs): ratio <= 3, RSS < 1.5 GB.
 """
 
 import json
@@ -46,8 +46,9 @@ def main():
         out = os.path.join(tempfile.mkdtemp(), "report.json")
         cmd = [env_python, "-m", "metatrace", "run", "--config", config, "--json", out, *extra]
         run = statistics.median(timed(cmd) for _ in range(RUNS))
-        print(f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f} "
-              "(target <= 3)")
+        target = " (target <= 3)" if config == CASES[0][1] else ""
+        print(f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f}"
+              + target)
         if config == CASES[0][1]:
             first = out
     rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
