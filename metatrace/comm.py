@@ -165,6 +165,14 @@ def _overlap(job, c: Collective, dimension: str) -> str | None:
     return None
 
 
+def _add_calls(t: Totals, it: Item, ranks: int) -> None:
+    """Add an item's calls per iteration on `ranks` ranks to `t`."""
+    t.count += ranks * it.count
+    t.bytes_sent += ranks * it.count * it.sent
+    t.bytes_received += ranks * it.count * it.received
+    t.message_bytes += ranks * it.count * it.message
+
+
 def _seconds(job, item: Item) -> float:
     gbps = job.cluster.inter_node_gbps if item.crosses_nodes else job.cluster.intra_node_gbps
     return item.count * max(item.sent, item.received) * 8 / (gbps * 1e9)
@@ -205,10 +213,7 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
     for it in items:
         t = out.dims[it.dimension]
         seconds = _seconds(job, it)
-        t.count += it.count
-        t.bytes_sent += it.count * it.sent
-        t.bytes_received += it.count * it.received
-        t.message_bytes += it.count * it.message
+        _add_calls(t, it, 1)
         t.seconds += seconds
         t.exposed_seconds += 0.0 if it.overlapped else seconds
         if it.crosses_nodes:
@@ -265,10 +270,7 @@ def _job_comm(job_trace) -> JobComm:
         n, cache = len(rt.role.ranks), {}
         for it in comm.items:
             t = cluster[it.dimension]
-            t.count += n * it.count
-            t.bytes_sent += n * it.count * it.sent
-            t.bytes_received += n * it.count * it.received
-            t.message_bytes += n * it.count * it.message
+            _add_calls(t, it, n)
             crossing = _crossing(world, rt.role, it, rt.trace.rank, cache)
             t.inter += crossing * it.count * it.sent
             t.intra += (n - crossing) * it.count * it.sent
