@@ -54,6 +54,7 @@ def _group_getters():
         ("etp", ps.get_expert_tensor_parallel_group),
         ("edp", ps.get_expert_data_parallel_group),
         ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
+        ("tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group),
         ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=False)),
         ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
         ("cp_a2a", _hierarchical_cp(0)),  # cp_comm_type a2a+p2p: the all-to-all level

@@ -21,9 +21,14 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 _MISS = object()
 
 
+# Operators whose output shapes depend on values, which on meta come from elsewhere (the MoE
+# routing assumption sizes masked_select): never memoised.
+_DATA_DEPENDENT = {"masked_select", "nonzero", "unique", "_unique2", "repeat_interleave"}
+
+
 def _functional(func) -> bool:
     schema = func._schema
-    if func.namespace != "aten" or schema.is_mutable:
+    if func.namespace != "aten" or schema.is_mutable or func._opname in _DATA_DEPENDENT:
         return False
     for ret in schema.returns:
         if ret.alias_info is not None or str(ret.type) not in ("Tensor", "Tensor?"):

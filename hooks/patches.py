@@ -287,6 +287,119 @@ for _module in ("megatron.core.transformer.transformer_block", "megatron.core.ex
         ),
     )
 
+
+
+# Mixture of experts (metatrace.models.moe): token counts per expert come from the routing
+# assumption where megatron-core reads them from the device.
+def _counted_permute(orig):
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
+                drop_and_pad=False):
+        count = int(num_out_tokens) if num_out_tokens is not None else routing_map.size(0)
+        with _moe().selecting(count):
+            return orig(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                        fused=fused, drop_and_pad=drop_and_pad)
+
+    return permute
+
+
+def _counted_unpermute(orig):
+    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
+                  fused=False, drop_and_pad=False):
+        with _moe().selecting(sorted_indices.size(0)):
+            return orig(permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                        routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+
+    return unpermute
+
+
+def _alltoall_preprocess(orig):
+    def preprocess(self, routing_map):
+        if self.drop_and_pad or self.config.moe_router_padding_for_quantization:
+            return orig(self, routing_map)
+        return _moe().alltoall_preprocess(self, routing_map)
+
+    return preprocess
+
+
+def _allgather_dispatch_postprocess(orig):
+    def dispatch_postprocess(self, hidden_states, probs):
+        # megatron-core 0.16.1's body, with the host copy of the local map's column sums
+        # replaced by the routing assumption's counts.
+        from megatron.core.transformer.moe import token_dispatcher as td
+
+        self.hidden_shape_before_permute = hidden_states.shape
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.local_map = self.routing_map[:, first:last].contiguous()
+        self.local_probs = probs[:, first:last].contiguous()
+        tokens_per_expert = _moe().allgather_local_counts(self, hidden_states.shape[0])
+        total = int(tokens_per_expert.sum())
+        permuted, _, self.reversed_local_input_permutation_mapping = td.permute(
+            hidden_states, self.local_map, num_out_tokens=total,
+            fused=self.config.moe_permute_fusion,
+        )
+        with _moe().selecting(total):
+            self.local_probs = self.local_probs.T.contiguous().masked_select(
+                self.local_map.T.contiguous()
+            )
+        self.routing_map = None
+        return permuted, tokens_per_expert, self.local_probs
+
+    return dispatch_postprocess
+
+
+def _moe():
+    return importlib.import_module("metatrace.models.moe")
+
+
+PATCHES += (
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "permute",
+        _counted_permute,
+        "0.14-0.16",
+        "masked_select by the routing map selects as many tokens as the map has True entries, "
+        "which meta tensors do not hold: the dispatcher's num_out_tokens says how many.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "unpermute",
+        _counted_unpermute,
+        "0.14-0.16",
+        "as permute: the probabilities selected by the routing map number the permuted tokens.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher.preprocess",
+        _alltoall_preprocess,
+        "0.16.1",
+        "dropless routing reads the tokens per expert and the all-to-all splits on the host "
+        "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py).",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAllGatherTokenDispatcher.dispatch_postprocess",
+        _allgather_dispatch_postprocess,
+        "0.16.1",
+        "reads the tokens per local expert on the host (.cpu()); they come from the routing "
+        "assumption.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.router",
+        "sinkhorn",
+        _standin("metatrace.models.moe", "sinkhorn"),
+        "0.12-0.16",
+        "iterates until the values converge, which meta tensors cannot tell.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.moe_utils",
+        "te_general_gemm",
+        _standin("metatrace.models.moe", "te_general_gemm"),
+        "0.16.1",
+        "bound from Transformer Engine at import, and referenced without it (a NameError); the "
+        "router's gating GEMM calls it.",
+    ),
+)
+
 _MISSING = object()
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
@@ -409,6 +522,17 @@ def _coalesced_meta_kernels():
 
 
 @contextlib.contextmanager
+def _masked_select_meta_kernel():
+    """aten::masked_select has no Meta kernel in torch 2.13 (its output size depends on the
+    mask's values); metatrace.models.moe gives it one for MoE routing maps."""
+    if _META_DEPTH[0] > 1:  # nested inside an active megatron_patches()
+        yield
+        return
+    with _moe().masked_select_meta_kernel():
+        yield
+
+
+@contextlib.contextmanager
 def _nvte_env_isolated():
     """megatron-core's LanguageModule writes NVTE_*_ATTN from config.attention_backend and
     asserts that values already set agree; one trace must not leak them into the next."""
@@ -430,6 +554,7 @@ def megatron_patches():
         for instrument in (
             _nvte_env_isolated,
             _coalesced_meta_kernels,
+            _masked_select_meta_kernel,
             _extension_modules,
             _dynamo_disabled,
             _patched_attributes,

@@ -198,6 +198,7 @@ def module_infos(chunks: dict[str, torch.nn.Module]) -> tuple[ModuleInfo, ...]:
                     numel=p.numel(),
                     bytes=p.numel() * p.element_size(),
                     tp_sharded=bool(getattr(p, "tensor_model_parallel", False)),
+                    expert=".experts." in f".{_join(prefix, name)}.",
                     embedding_copy=bool(getattr(p, "shared", False))
                     and bool(getattr(p, "shared_embedding", False)),
                 )
@@ -245,6 +246,7 @@ class Recorder:
             for name, mod in root.named_modules():
                 self._fqn[id(mod)] = _join(prefix, name)
         self._stack: list[str] = []
+        self._inputs: list[set] = []  # grad_fn nodes of the inputs of each module on _stack
         self._label: tuple[str, str] | None = None
         self._windows: list[Window] = []
         self.step_phase = "forward"
@@ -292,7 +294,7 @@ class Recorder:
             saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             saved.__enter__()
             self._modes.append(saved)
-            for mode in (_DataSwaps(self), _Dispatch(self)):
+            for mode in (_DataSwaps(self), _Dispatch(self), _StorageResizes(self)):
                 mode.__enter__()
                 self._modes.append(mode)
         except BaseException:
@@ -381,21 +383,35 @@ class Recorder:
         fqn = self._fqn.get(id(module))
         if fqn is not None:
             self._stack.append(fqn)
+            # Nodes behind the module's inputs were made before it ran (by its parent, e.g. a
+            # MoE layer's dispatcher before its experts): not the module's to label.
+            self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module, args, output):
         fqn = self._fqn.get(id(module))
         if fqn is None:
             return
+        inputs = set()
         if self._stack and self._stack[-1] == fqn:
             self._stack.pop()
-        # Label the autograd nodes this module created (inner modules labelled theirs first).
+            inputs = self._inputs.pop()
+        # Label the autograd nodes this module created: inner modules labelled theirs first,
+        # and the walk goes on behind them (to what this module made before calling them), but
+        # not behind the module's inputs or into nodes of modules that ran before it.
+        inner = fqn + "." if fqn else ""
         pending = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen = set()
         while pending:
             node = pending.pop()
-            metadata = node.metadata
-            if _NODE_KEY in metadata:
+            if node in seen or node in inputs:
                 continue
-            metadata[_NODE_KEY] = fqn
+            seen.add(node)
+            metadata = node.metadata
+            owner = metadata.get(_NODE_KEY)
+            if owner is None:
+                metadata[_NODE_KEY] = fqn
+            elif owner != fqn and not owner.startswith(inner):
+                continue
             pending.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     # ------------------------------------------------------------------ saved tensors
@@ -467,6 +483,11 @@ class Recorder:
         if spec.peer_arg is not None and pg is not None:
             peer = dist.get_global_rank(pg, args[spec.peer_arg])
         first = tensors[0] if tensors else None
+        output_bytes = None
+        if spec.kind == "all_to_all":
+            arrived = out if spec.message_arg == 0 else args[0]
+            if isinstance(arrived, torch.Tensor):
+                output_bytes = arrived.numel() * arrived.element_size()
         module, phase = self._where()
         self._collectives.append(
             Collective(
@@ -482,12 +503,45 @@ class Recorder:
                 phase=phase,
                 module=module,
                 peer=peer,
+                output_bytes=output_bytes,
             )
         )
 
 
 def _unpack(t):
     return t
+
+
+class _StorageResizes:
+    """`UntypedStorage.resize_` is no dispatched operator: megatron-core's
+    CheckpointWithoutOutput (selective recompute of layernorm, moe_act, mla_up_proj) frees its
+    outputs with `untyped_storage().resize_(0)` and regrows them in backward. Seen here."""
+
+    def __init__(self, recorder: "Recorder"):
+        self.storages = recorder.storages
+        self._orig = None
+
+    def __enter__(self):
+        self._orig = orig = torch.UntypedStorage.resize_
+        storages = self.storages
+
+        def resize_(storage, size):
+            out = orig(storage, size)
+            sid = storages.by_cdata.get(storage._cdata)
+            if sid is not None:
+                info = storages.live[sid]
+                nbytes = round_block(storage.nbytes())
+                if nbytes != info[1]:
+                    delta, info[1] = nbytes - info[1], nbytes
+                    storages.on_change(delta, sid)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return self
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig
+        return False
 
 
 _BASE_SAVED_TENSORS = torch._C._FunctionBase.__dict__["saved_tensors"]

@@ -28,6 +28,9 @@ class ParamInfo:
     bytes: int
     tp_sharded: bool = False
     """megatron-core split it over the TP group (attribute `tensor_model_parallel`)."""
+    expert: bool = False
+    """A routed expert's parameter (under a MoE layer's `experts` module): sharded over the
+    expert-parallel group (and the expert tensor-parallel one when tp_sharded)."""
     embedding_copy: bool = False
     """The last pipeline stage's copy of the tied word embedding (megatron-core marks it
     `shared`): the same model parameter as the first stage's, held twice."""
@@ -66,6 +69,9 @@ class Collective:
     module: str
     peer: int | None = None
     """Global rank of the other side of a send or recv."""
+    output_bytes: int | None = None
+    """All-to-all: bytes of the output (what arrives), which differs from the message (what
+    leaves) when the split sizes do."""
 
 
 @dataclass(frozen=True, slots=True)

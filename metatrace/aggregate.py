@@ -240,15 +240,24 @@ def role_summary(trace: Trace) -> RoleSummary:
     )
 
 
-def model_params(traces, tp: int) -> int:
+def model_params(
+    traces, tp: int, ep: int = 1, etp: int | None = None, expert_share: float = 1.0
+) -> int:
     """Distinct parameters of the whole model from one trace per pipeline stage: TP-sharded
     parameters count tp times, replicated ones once, the last stage's copy of a tied embedding
-    not at all."""
+    not at all; routed experts' ep times (the other ranks' experts), and etp times instead of
+    tp when sharded. `expert_share` counts that fraction of the routed experts (topk / experts
+    gives the parameters active per token)."""
+    etp = tp if etp is None else etp
     total = 0
     for trace in traces:
         for m in trace.modules:
             for p in m.params:
-                if not p.embedding_copy:
+                if p.embedding_copy:
+                    continue
+                if p.expert:
+                    total += round(p.numel * ep * (etp if p.tp_sharded else 1) * expert_share)
+                else:
                     total += p.numel * (tp if p.tp_sharded else 1)
     return total
 

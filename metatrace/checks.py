@@ -92,11 +92,8 @@ def _check_parallel(job):
             f"parallel.rank_order {par.rank_order!r} must order each of "
             f"{', '.join(RANK_ORDER_TOKENS)} exactly once, e.g. 'tp-cp-ep-dp-pp'"
         )
-    if par.ep > 1:
-        yield (
-            f"parallel.ep = {par.ep} needs a mixture-of-experts model; mixture-of-experts layers "
-            "are not modelled yet"
-        )
+    if par.ep > 1 and job.model.num_experts is None:
+        yield f"parallel.ep = {par.ep} needs a mixture-of-experts model (model.num_experts)"
     expert_grid = par.etp * par.ep * par.pp
     if world % expert_grid:
         yield (
@@ -415,7 +412,8 @@ def _check_recompute(job, split_ok: bool):
             yield "selective recompute takes no training.recompute.method or num_layers"
         for name in rec.modules or ():
             if name in MOE_RECOMPUTE_MODULES:
-                yield f"training.recompute.modules: {name!r} needs mixture-of-experts layers"
+                if job.model.num_experts is None:
+                    yield f"training.recompute.modules: {name!r} needs mixture-of-experts layers"
             elif name not in DENSE_RECOMPUTE_MODULES:
                 yield (
                     f"training.recompute.modules: unknown module {name!r} "

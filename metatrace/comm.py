@@ -195,13 +195,15 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
         ranks = tuple(sorted({rank, c.peer})) if c.peer is not None else c.ranks
         module, layer = module_pattern(c.module)
         key = (dimension, c.op, c.group, ranks, c.peer, c.shape, c.dtype, c.bytes,
-               per_microbatch, c.phase, module)
+               c.output_bytes, per_microbatch, c.phase, module)
         grouped.setdefault(key, []).append((c, layer))
     items = []
     for key, calls in grouped.items():
-        dimension, op, group, ranks, peer, shape, dtype, message, per_mb, phase, module = key
+        dimension, op, group, ranks, peer, shape, dtype, message, arrived, per_mb, phase, module = key
         n = len(calls[0][0].ranks) if peer is None else 2
         sent, received = ring_bytes(op, message, n)
+        if arrived is not None:  # all-to-all: what arrives from the other ranks
+            received = ring_bytes(op, arrived, n)[1]
         count = len(calls) * (job.num_microbatches if per_mb else 1)
         layers = len({layer for _, layer in calls if layer is not None})
         items.append(

@@ -75,6 +75,37 @@ class Model:
     """Dropout after attention and MLP (Megatron-LM default 0.1)."""
     attention_dropout: float | None = None
     """Dropout on attention probabilities (Megatron-LM default 0.1)."""
+    num_experts: int | None = None
+    """Routed experts per mixture-of-experts layer; omitted means a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of each routed expert's MLP (default ffn_hidden_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Megatron-LM default 2)."""
+    moe_layer_freq: int | list[int] | str = 1
+    """Which layers are MoE layers: every n-th (an integer), a 0/1 list per layer, or Megatron-LM's
+    expression such as "([0]*3+[1]*58)"."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared experts (all shared experts together); omitted means none."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax before the top-k choice instead of after it."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: expert groups (DeepSeek's node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may use."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Scale of the top-k routing weights (DeepSeek-V3: 2.5)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing with a per-expert bias (DeepSeek-V3)."""
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
+    ] = "aux_loss"
+    """Load balancing of the router (Megatron-LM default aux_loss)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the auxiliary load-balancing loss (Megatron-LM default 0)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss; omitted means none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +150,11 @@ class Parallel:
     default; off without virtual stages)."""
     overlap_p2p_comm_warmup_flush: bool = False
     """Interleaved schedule: overlap also in the warm-up and flush phases."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How MoE layers move tokens to their experts: all-gather / reduce-scatter over the TP x EP
+    group (Megatron-LM's default) or all-to-all over the EP group."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap the shared experts' computation with the token dispatch (alltoall)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +232,17 @@ class Training:
     default; --no-gradient-accumulation-fusion turns it off)."""
     calculate_per_token_loss: bool = False
     """Normalise the loss by the tokens of the whole global batch (--calculate-per-token-loss)."""
+    moe_routing: Literal["balanced", "capacity"] = "balanced"
+    """Token counts per expert, which depend on the data, as metatrace assumes them: balanced
+    (every expert gets tokens x topk / experts; dropless routing) or capacity (each expert's
+    input padded to its capacity, megatron-core's static path; needs moe_expert_capacity_factor)."""
+    moe_expert_capacity_factor: float | None = None
+    """Expert capacity as a multiple of the balanced share (tokens beyond it are dropped)."""
+    moe_hottest_expert_load: float = 1.0
+    """With balanced routing: the most loaded expert on each rank gets this multiple of the
+    balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
     create_attention_mask_in_dataloader: bool = True
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
     the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""
@@ -231,6 +278,9 @@ class Implementation:
     apply_query_key_layer_scaling: bool = False
     """Scale attention scores by the layer number (--apply-query-key-layer-scaling); forces
     the softmax into fp32."""
+    moe_grouped_gemm: bool = False
+    """Experts of a MoE layer as one grouped GEMM (Transformer Engine's GroupedLinear) instead of
+    one MLP per expert."""
 
 
 # Compute capability of each GPU model (what Transformer Engine's choices depend on).
@@ -525,7 +575,7 @@ def resolve(job: Job) -> Job:
             training, global_batch_size=training.micro_batch_size * par.dp
         )
     notes = []
-    if par.etp != par.tp:
+    if par.etp != par.tp and model.num_experts is None:
         notes.append(
             f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
             "builds them for every model); this model has no experts"
@@ -671,7 +721,48 @@ def _resolve_model(model: Model) -> Model:
         values["kv_channels"] = h // values["num_attention_heads"]
     if values["num_query_groups"] is None:
         values["num_query_groups"] = values["num_attention_heads"]
+    if values["num_experts"] is not None:
+        if values["num_experts"] < 1:
+            raise ConfigError(f"'model.num_experts' must be at least 1, got {values['num_experts']}")
+        if values["moe_ffn_hidden_size"] is None:
+            values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
+        values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
     return Model(**values)
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list[int]:
+    """model.moe_layer_freq as a 0/1 list per layer (1: MoE), as Megatron-LM reads it: every
+    n-th layer from the first, a list, or an expression of lists such as "([0]*3+[1]*58)"."""
+    import ast
+
+    where = "'model.moe_layer_freq'"
+    if isinstance(freq, str):
+        def value(node):
+            if isinstance(node, ast.Constant) and type(node.value) is int:
+                return node.value
+            if isinstance(node, ast.List):
+                return [value(e) for e in node.elts]
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+                left, right = value(node.left), value(node.right)
+                return left + right if isinstance(node.op, ast.Add) else left * right
+            raise ValueError
+        try:
+            freq = value(ast.parse(freq.strip(), mode="eval").body)
+        except (SyntaxError, ValueError, TypeError):
+            raise ConfigError(
+                f"{where} {freq!r} is not an integer, a list or an expression such as "
+                "\"([0]*3+[1]*58)\""
+            ) from None
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(f"{where} must be at least 1, got {freq}")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
+        raise ConfigError(
+            f"{where} must give 0 (dense) or 1 (MoE) for each of the {num_layers} layers, got "
+            f"{len(freq)} values"
+        )
+    return list(freq)
 
 
 def job_to_dict(job: Job) -> dict:

@@ -43,7 +43,29 @@ def compact(dims) -> str:
 
 
 def param_shapes(row: agg.ModuleRow) -> str:
-    return "  ".join(f"{_SHORT.get(n, n)} {shape(s)}" for n, s in row.param_shapes)
+    """Parameter names and shapes; numbered ones of one shape (the per-expert weight0,
+    weight1, ... of grouped GEMMs) as one entry: "weight0-7 8× [96, 64]"."""
+    import re
+
+    entries: list[list] = []  # [base, first, last, shape]
+    for name, dims in row.param_shapes:
+        m = re.fullmatch(r"(\D+)(\d+)", name)
+        prev = entries[-1] if entries else None
+        if m and prev and prev[0] == m[1] and prev[2] == int(m[2]) - 1 and prev[3] == dims:
+            prev[2] = int(m[2])
+        elif m:
+            entries.append([m[1], int(m[2]), int(m[2]), dims])
+        else:
+            entries.append([name, None, None, dims])
+    out = []
+    for base, first, last, dims in entries:
+        if first is None:
+            out.append(f"{_SHORT.get(base, base)} {shape(dims)}")
+        elif first == last:
+            out.append(f"{base}{first} {shape(dims)}")
+        else:
+            out.append(f"{base}{first}-{last} {last - first + 1}× {shape(dims)}")
+    return "  ".join(out)
 
 
 def rank_span(ranks) -> str:

@@ -154,10 +154,15 @@ def job_report(job_trace) -> dict:
     job = job_trace.job
     world = job_trace.world
     par = job.parallel
-    total = agg.model_params([rt.trace for rt in job_trace.roles], par.tp)
-    model = dataclasses.asdict(job.model)
+    traces = [rt.trace for rt in job_trace.roles]
+    total = agg.model_params(traces, par.tp, par.ep, par.etp)
+    m = job.model
+    share = m.moe_router_topk / m.num_experts if m.num_experts else 1.0
+    model = dataclasses.asdict(m)
     model.update(
-        padded_vocab_size=job.padded_vocab_size, total_params=total, active_params=total
+        padded_vocab_size=job.padded_vocab_size,
+        total_params=total,
+        active_params=agg.model_params(traces, par.tp, par.ep, par.etp, expert_share=share),
     )
     report = {
         "schema_version": SCHEMA_VERSION,

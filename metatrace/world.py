@@ -30,6 +30,7 @@ GROUP_TOKENS = {
     "etp": ("expert", "tp"),
     "edp": ("expert", "dp"),
     "tp_ep": ("expert", "tp-ep"),
+    "tp_ep_pp": ("expert", "tp-ep-pp"),
 }
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding")

@@ -114,6 +114,29 @@ def transformer_config(job):
         microbatch_group_size_per_vp_stage=par.microbatch_group_size,
         gradient_accumulation_fusion=tr.gradient_accumulation_fusion,
         persist_layer_norm=False,
+        # Mixture of experts (inert for dense models).
+        num_moe_experts=m.num_experts,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size if m.num_experts else None,
+        moe_router_topk=m.moe_router_topk,
+        moe_layer_freq=m.moe_layer_freq if m.num_experts else 1,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_overlap=par.moe_shared_expert_overlap,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_z_loss_coeff=m.moe_z_loss_coeff,
+        moe_token_dispatcher_type=par.moe_token_dispatcher_type,
+        moe_grouped_gemm=impl.moe_grouped_gemm,
+        moe_router_dtype=tr.moe_router_dtype,
+        moe_expert_capacity_factor=(
+            tr.moe_expert_capacity_factor if tr.moe_routing == "capacity" else None
+        ),
+        moe_pad_expert_input_to_capacity=tr.moe_routing == "capacity",
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
         # `tensor_model_parallel` when it initialises them.
         perform_initialization=True,
@@ -131,6 +154,9 @@ def transformer_config(job):
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+    from metatrace.models.moe import Routing
+
+    config.metatrace_routing = Routing(tr.moe_routing, tr.moe_hottest_expert_load)
     return config
 
 
@@ -149,21 +175,17 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from metatrace.models.specs import gpt_layer_spec, provider_for
+    from metatrace.models.specs import decoder_layer_specs, provider_for
 
     m = job.model
     provider = provider_for(job.implementation.transformer_impl)
-    layer_spec = gpt_layer_spec(provider, qk_layernorm=m.qk_layernorm)
     chunks = []
     for v in range(job.parallel.vpp or 1):
         vp_stage = v if job.parallel.vpp else None
         block = TransformerBlockSubmodules(
-            layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_specs=decoder_layer_specs(config, provider, vp_stage=vp_stage),
             layer_norm=provider.layer_norm(),
         )
         with torch.device(device):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -46,10 +47,22 @@ class MetaLocalSpecProvider(LocalSpecProvider):
         return LocalNorm
 
 
-def gpt_layer_spec(provider, *, qk_layernorm: bool = False) -> ModuleSpec:
-    """A dense GPT layer spec built from `provider`."""
+def gpt_layer_spec(
+    provider, *, qk_layernorm: bool = False, num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+) -> ModuleSpec:
+    """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
+    (megatron-core's MoELayer from get_moe_module_spec_for_backend; the pre-MLP norm is then a
+    module of its own, as the MoE layer cannot fuse it)."""
     fused = provider.fuse_layernorm_and_linear()
     norm = provider.layer_norm()
+    if num_experts is not None:
+        mlp = get_moe_module_spec_for_backend(
+            backend=provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+            moe_use_legacy_grouped_gemm=False,
+        )
+    else:
+        mlp = get_mlp_module_spec_for_backend(backend=provider)
     qk_norm = provider.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
     linear_qkv = provider.column_parallel_layer_norm_linear() if fused else (
         provider.column_parallel_linear()
@@ -70,8 +83,8 @@ def gpt_layer_spec(provider, *, qk_layernorm: bool = False) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp if fused else norm,
-            mlp=get_mlp_module_spec_for_backend(backend=provider),
+            pre_mlp_layernorm=IdentityOp if fused and num_experts is None else norm,
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=(
                 {}
@@ -83,6 +96,35 @@ def gpt_layer_spec(provider, *, qk_layernorm: bool = False) -> ModuleSpec:
             ),
         ),
     )
+
+
+def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
+    """The layer specs of the decoder layers one model chunk builds, as megatron-core's
+    get_gpt_decoder_block_spec selects them: dense or MoE per layer from
+    config.moe_layer_freq, sliced by the pipeline layout or the chunk's layer offset."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = gpt_layer_spec(provider, qk_layernorm=config.qk_layernorm)
+    if config.num_moe_experts is None:
+        pattern = [0] * config.num_layers
+    else:
+        moe = gpt_layer_spec(
+            provider, qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+        )
+        freq = config.moe_layer_freq
+        pattern = freq if isinstance(freq, list) else [
+            1 if i % freq == 0 else 0 for i in range(config.num_layers)
+        ]
+    specs = [moe if p else dense for p in pattern]
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
+        return [specs[i] for i in ids]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
 
 
 class MetaTESpecProvider(BackendSpecProvider):
@@ -110,7 +152,25 @@ class MetaTESpecProvider(BackendSpecProvider):
         return TEDotProductAttention
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
-        raise NotImplementedError("mixture-of-experts layers are not modelled yet")
+        """TESpecProvider's choice with TE >= 1.7: TEGroupedMLP over grouped linears, or one
+        MLP of TE linears per expert (SequentialMLP)."""
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+        from metatrace.models.te_grouped import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
+        if moe_use_grouped_gemm and not moe_use_legacy_grouped_gemm:
+            return TEGroupedMLP, MLPSubmodules(
+                linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
+            )
+        if moe_use_grouped_gemm:
+            raise NotImplementedError("the legacy GroupedMLP (grouped_gemm package) is not modelled")
+        return SequentialMLP, MLPSubmodules(
+            linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear
+        )
 
     def activation_func(self) -> type:
         return None  # TEActivationOp is used only with use_te_activation_func

@@ -94,6 +94,11 @@ def te_process(installed: bool = True):
         _PROCESS = saved
 
 
+def te_installed() -> bool:
+    """Whether the simulated run has Transformer Engine (see te_process)."""
+    return _PROCESS.installed
+
+
 def te_workspace(module, device) -> None:
     """Transformer Engine's cuBLAS workspace (get_workspace): allocated by the first TE GEMM and
     kept: 32 MiB + 1 KiB on sm90 and later, 4 MiB before (TE 2.8)."""
@@ -287,6 +292,29 @@ class _TELinearBase(torch.nn.Module):
         for p in self.parameters():
             p.allreduce = True
 
+    def _setup_parallel(self, config, in_features, out_features, *, parallel_mode, tp_group,
+                        is_expert, **kwargs):
+        """megatron-core's wrappers around `_setup`: an expert linear under expert tensor or
+        expert parallelism leaves communication to the MoE dispatcher, so TE gets its shard and
+        no parallel mode; expert parameters reduce their gradients over the expert
+        data-parallel group (allreduce False) when ep > 1."""
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        expert_parallel = config.expert_model_parallel_size > 1
+        if is_expert and parallel_mode is not None and (tp > 1 or expert_parallel):
+            if parallel_mode == "column":
+                out_features //= tp
+            elif parallel_mode == "row":
+                in_features //= tp
+            self._setup(config, in_features, out_features, parallel_mode=None, tp_group=None,
+                        **kwargs)
+            self._tp_group = tp_group
+        else:
+            self._setup(config, in_features, out_features, parallel_mode=parallel_mode,
+                        tp_group=tp_group, **kwargs)
+        if is_expert:
+            for p in self.parameters():
+                p.allreduce = not expert_parallel
+
     def _register_fp8_param_buffers(self, config, out_features, in_features, device):
         """FP8 primary weights (fp8_model_init): the parameter is the quantized row-wise data;
         the other buffers of TE's quantized parameter (the column-wise copy, scales) live with
@@ -358,8 +386,9 @@ class TELinear(_TELinearBase):
             group, te_mode = None, None
         else:
             group, te_mode = _tp_group(tp_group, is_expert), parallel_mode
-        self._setup(config, input_size, output_size, parallel_mode=te_mode, tp_group=group,
-                    bias=bias, skip_bias_add=skip_bias_add, init_method=init_method)
+        self._setup_parallel(config, input_size, output_size, parallel_mode=te_mode,
+                             tp_group=group, is_expert=is_expert, bias=bias,
+                             skip_bias_add=skip_bias_add, init_method=init_method)
         if parallel_mode == "duplicated":
             for p in self.parameters():
                 p.sequence_parallel = config.sequence_parallel
@@ -372,9 +401,10 @@ class TEColumnParallelLinear(_TELinearBase):
         super().__init__()
         if gather_output:
             raise ValueError("Transformer Engine linear layers do not support gather_output = True")
-        self._setup(config, input_size, output_size, parallel_mode="column",
-                    tp_group=_tp_group(tp_group, is_expert), bias=bias,
-                    skip_bias_add=skip_bias_add, init_method=init_method, stride=stride)
+        self._setup_parallel(config, input_size, output_size, parallel_mode="column",
+                             tp_group=_tp_group(tp_group, is_expert), is_expert=is_expert,
+                             bias=bias, skip_bias_add=skip_bias_add, init_method=init_method,
+                             stride=stride)
 
 
 class TERowParallelLinear(_TELinearBase):
@@ -383,9 +413,9 @@ class TERowParallelLinear(_TELinearBase):
         super().__init__()
         if not input_is_parallel:
             raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
-        self._setup(config, input_size, output_size, parallel_mode="row",
-                    tp_group=_tp_group(tp_group, is_expert), bias=bias,
-                    skip_bias_add=skip_bias_add, init_method=init_method)
+        self._setup_parallel(config, input_size, output_size, parallel_mode="row",
+                             tp_group=_tp_group(tp_group, is_expert), is_expert=is_expert,
+                             bias=bias, skip_bias_add=skip_bias_add, init_method=init_method)
 
 
 class TELayerNormColumnParallelLinear(_TELinearBase):

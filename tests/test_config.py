@@ -117,7 +117,7 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
          "which does not divide it"),
         ({"model": {"position_embedding_type": "learned_absolute", "max_position_embeddings": 32}},
          "max_position_embeddings = 32 is smaller than training.seq_length = 64"),
-        ({"parallel": {"ep": 2}}, "mixture-of-experts layers are not modelled yet"),
+        ({"parallel": {"ep": 2}}, "needs a mixture-of-experts model (model.num_experts)"),
         ({"implementation": {"transformer_impl": "local", "attention_backend": "flash"}},
          "local spec has only its own unfused attention"),
         ({"implementation": {"attention_backend": "local"}}, "Transformer Engine then refuses to run"),

@@ -1,0 +1,174 @@
+"""Token routing of mixture-of-experts layers on meta: token counts per expert, by assumption.
+
+How many tokens each expert receives depends on the data (the router's choices), which meta
+tensors do not have. megatron-core reads those counts on the host (`.tolist()`, `.cpu()`) to size
+its all-to-alls, permutations and expert GEMMs, and `masked_select` sizes its output by the
+routing map's values. metatrace supplies the counts from a stated assumption
+(`training.moe_routing`):
+
+- balanced (default, dropless routing): every rank sends its N tokens x topk choices evenly over
+  the E experts (N*k // E each, the remainder one more on the first experts); every expert gets
+  the same share from every source rank. With `training.moe_hottest_expert_load` = L > 1 the
+  first local expert of every rank receives ceil(L x its share) from every source, the others
+  their share: each rank is shown in its worst case (globally this overcounts: the other
+  ranks' experts do not lose what the hot one gains);
+- capacity: megatron-core's own static path (moe_expert_capacity_factor with
+  moe_pad_expert_input_to_capacity): every expert's input is padded to its capacity, no count
+  depends on the data, and none of this module's substitutions are used.
+
+`metatrace.hooks.patches` puts these into megatron-core's dispatchers (the version-specific
+part); this module holds the arithmetic and the meta kernel of `aten::masked_select`, which
+sizes its output from the count of the routing map being selected by (`selecting`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_SELECTED: list[int] = []  # True entries of the masks that masked_select sees, innermost last
+
+
+@contextlib.contextmanager
+def selecting(count: int):
+    """masked_select calls inside select `count` elements (the mask's True entries)."""
+    _SELECTED.append(int(count))
+    try:
+        yield
+    finally:
+        _SELECTED.pop()
+
+
+def _masked_select_meta(x, mask):
+    if not _SELECTED:
+        raise NotImplementedError(
+            "aten::masked_select on meta tensors: the number of selected elements depends on the "
+            "data (metatrace supplies it only for MoE routing maps)"
+        )
+    return x.new_empty((_SELECTED[-1],))
+
+
+@contextlib.contextmanager
+def masked_select_meta_kernel():
+    """Register the Meta kernel of aten::masked_select while active (torch has none)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("masked_select", _masked_select_meta, "Meta")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing assumption of a job (`training.moe_routing` and its options)."""
+
+    policy: str = "balanced"
+    hottest_expert_load: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> "Routing":
+        return getattr(config, "metatrace_routing", cls())
+
+    def describe(self) -> str:
+        if self.policy == "capacity":
+            return "each expert's input padded to its capacity (megatron-core's static path)"
+        text = "balanced: every expert gets tokens x topk / experts"
+        if self.hottest_expert_load != 1.0:
+            text += (
+                f"; the hottest expert of every rank gets {self.hottest_expert_load:g}x its share"
+            )
+        return text
+
+
+def balanced_split(total: int, parts: int) -> list[int]:
+    """`total` spread over `parts` as evenly as integers allow (the first ones get the rest)."""
+    base, rest = divmod(total, parts)
+    return [base + (1 if i < rest else 0) for i in range(parts)]
+
+
+def received_per_local_expert(routing: Routing, sent: list[int], local: range) -> list[int]:
+    """Tokens one source rank sends to each of this rank's local experts: its balanced share
+    `sent[e]`, the first local expert scaled by the hottest-expert load (rounded up)."""
+    out = [sent[e] for e in local]
+    if routing.hottest_expert_load != 1.0 and out:
+        out[0] = math.ceil(out[0] * routing.hottest_expert_load)
+    return out
+
+
+def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
+    """megatron-core's MoEAlltoAllTokenDispatcher.preprocess for dropless routing, with the
+    token counts of `Routing` on the host where megatron-core has them after its device-to-host
+    copies. Allocations and the all-gather of the counts over the TP x EP group stay as in
+    megatron-core (their values are not read)."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    d = dispatcher
+    routing = Routing.of(d.config)
+    tokens, experts, topk = routing_map.size(0), d.num_experts, d.config.moe_router_topk
+    num_local_tokens_per_expert = routing_map.sum(dim=0).long()
+    d.num_out_tokens = tokens * topk
+    sent = balanced_split(tokens * topk, experts)  # what every source rank sends per expert
+    local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
+    per_source = received_per_local_expert(routing, sent, local)
+    sources = d.tp_size * d.ep_size
+    if d.ep_size > 1 or d.tp_size > 1:
+        gather_from_sequence_parallel_region(num_local_tokens_per_expert, group=d.tp_ep_group)
+        d.input_splits = np.array(
+            [sum(sent[r * d.num_local_experts : (r + 1) * d.num_local_experts])
+             for r in range(d.ep_size)],
+            dtype=np.int64,
+        )
+        d.output_splits = np.full(d.ep_size, sum(per_source), dtype=np.int64)
+        d.output_splits_tp = np.full(d.tp_size, d.ep_size * sum(per_source), dtype=np.int64)
+    global_per_local = torch.tensor([per_source] * sources, dtype=torch.long)  # [tp*ep, local]
+    if d.num_local_experts > 1:
+        d.num_global_tokens_per_local_expert = global_per_local
+    return global_per_local.sum(dim=0)
+
+
+def allgather_local_counts(dispatcher, global_tokens: int) -> torch.Tensor:
+    """Tokens each local expert of the all-gather dispatcher processes: its share of the
+    gathered tokens x topk."""
+    d = dispatcher
+    routing = Routing.of(d.config)
+    sent = balanced_split(global_tokens * d.router_topk, d.config.num_moe_experts)
+    local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
+    return torch.tensor(received_per_local_expert(routing, sent, local), dtype=torch.long)
+
+
+def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
+    """Transformer Engine's general_gemm as megatron-core's router calls it
+    (moe_utils.RouterGatingLinearFunction): the product in `out_dtype` straight from the GEMM
+    (the bias in its epilogue), no cast copies of the operands. layout "TN": B @ A^T,
+    "NN": B @ A, "NT": B^T @ A. Where the simulated run has no Transformer Engine, the
+    torch.mm path megatron-core then takes, with its casts."""
+    from metatrace.models.te_linear import te_installed
+
+    if not te_installed():
+        if layout == "TN":
+            x, w = B.to(out_dtype), A.to(out_dtype).t()
+            out = torch.mm(x, w) if bias is None else torch.addmm(bias.to(out_dtype), x, w)
+        else:
+            out = torch.mm(B, A) if layout == "NN" else torch.mm(B.t(), A)
+        return (out,)
+    rows = B.shape[-1] if layout == "NT" else B.shape[0]
+    cols = A.shape[0] if layout == "TN" else A.shape[-1]
+    return (torch.empty((rows, cols), dtype=out_dtype, device=B.device),)
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """megatron-core's Sinkhorn normalisation with one iteration: its loop runs until the
+    values converge, which meta tensors cannot tell; every iteration allocates the same
+    temporaries, and only the result leaves the function."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps = 0.00000001
+    d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+    d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+    return d1 * cost * d0.unsqueeze(1)

@@ -1,0 +1,175 @@
+"""Stand-ins for megatron-core's Transformer Engine grouped linears (the experts of TEGroupedMLP).
+
+megatron-core 0.16.1's `TEColumnParallelGroupedLinear` / `TERowParallelGroupedLinear`
+(extensions/transformer_engine.py) over TE 2.8's `GroupedLinear` (module/grouped_linear.py):
+one GEMM per local expert on its slice of the permuted tokens (`m_splits`), parameters
+`weight0..weight{n-1}` [out, in] (and `bias{i}`), the expert tensor-parallel shard taken by
+megatron-core, which does every communication itself (TE gets no parallel mode and tp 1).
+
+What the bf16 path keeps and allocates:
+- forward: the input split into per-expert views (the same storage) and the weights are saved,
+  nothing new; one output buffer [sum(m_splits), out];
+- backward: one dgrad buffer [sum(m_splits), in]; per expert a weight gradient [out, in], or with
+  gradient-accumulation fusion the GEMM accumulates into main_grad and TE returns a new
+  (uninitialised) tensor of main_grad's shape per expert, which megatron-core's DDP drops;
+- a process-wide multi-stream cuBLAS workspace: 4 buffers of 32 MiB + 1 KiB on sm90 and later
+  (4 MiB before), separate from the single-stream one of Linear.
+No communication happens inside TE in either direction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from metatrace.hooks.remap import library_kernel
+from metatrace.models import te_linear
+
+_STREAMS = 4  # TE 2.8's get_num_compute_streams()
+
+
+def _multi_stream_workspaces(module, device) -> None:
+    process = te_linear._PROCESS
+    if getattr(process, "multi_stream_workspaces", None) is not None:
+        return
+    arch = getattr(getattr(module, "config", None), "metatrace_gpu_arch", "sm90")
+    hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
+    nbytes = 32 * 1024 * 1024 + 1024 if hopper_or_later else 4 * 1024 * 1024
+    process.multi_stream_workspaces = [
+        torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_STREAMS)
+    ]
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, module, *params):
+        _multi_stream_workspaces(module, x.device)
+        with library_kernel():
+            n = module.num_gemms
+            weights, biases = params[:n], params[n:]
+            x2 = x.contiguous().view(-1, x.shape[-1])
+            inputs = torch.split(x2, m_splits)
+            out = torch.empty((x2.shape[0], module.out_features), dtype=x.dtype, device=x.device)
+            ctx.save_for_backward(*inputs, *weights, *biases)
+            ctx.module, ctx.m_splits, ctx.x_shape = module, m_splits, x.shape
+            return out.view(*x.shape[:-1], module.out_features)
+
+    @staticmethod
+    def backward(ctx, grad):
+        module = ctx.module
+        n = module.num_gemms
+        saved = ctx.saved_tensors
+        inputs, weights, biases = saved[:n], saved[n : 2 * n], saved[2 * n :]
+        with library_kernel():
+            dy = grad.contiguous().view(-1, grad.shape[-1])
+            dgrad = torch.empty(
+                (dy.shape[0], module.in_features), dtype=dy.dtype, device=dy.device
+            )
+            wgrads = [_wgrad(module, w, dy) for w in weights]
+            bgrads = [
+                torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in biases
+            ] if module.use_bias else [None] * len(biases)
+            del inputs
+        return (dgrad.view(ctx.x_shape), None, None, *wgrads, *bgrads)
+
+
+def _wgrad(module, weight, dy):
+    if (
+        module.config.gradient_accumulation_fusion
+        and hasattr(weight, "main_grad")
+        and hasattr(weight, "grad_added_to_main_grad")
+    ):
+        weight.grad_added_to_main_grad = True
+        return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=dy.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=dy.device)
+
+
+class TEGroupedLinear(torch.nn.Module):
+    """megatron-core's TEGroupedLinear with TE's GroupedLinear inside, on meta."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, parallel_mode, config,
+                 init_method, bias, skip_bias_add, is_expert=False, tp_comm_buffer_name=None,
+                 pg_collection=None):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        super().__init__()
+        if not is_expert:
+            raise AssertionError("TEGroupedLinear only supports expert parallelism")
+        if config.fp8:
+            raise NotImplementedError("FP8 grouped expert GEMMs are not modelled")
+        self.config = config
+        self.num_gemms = num_gemms
+        self.te_return_bias = skip_bias_add and bias
+        self.use_bias = bias
+        self.is_first_microbatch = True
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        tp = dist.get_world_size(self._tp_group)
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.explicit_expert_comm = tp > 1 or self.expert_parallel
+        if parallel_mode == "column":  # megatron-core's shard, or TE's own at tp 1
+            output_size //= tp
+        elif parallel_mode == "row":
+            input_size //= tp
+        self.in_features, self.out_features = input_size, output_size
+        device = torch.cuda.current_device()
+        dtype = config.params_dtype
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device))
+            if config.perform_initialization:
+                with get_cuda_rng_tracker().fork():
+                    init_method(w)
+            # TE's reset_parameters on a device; with megatron-core's explicit communication TE
+            # sees no parallel mode, so a row weight keeps partition_dim 0.
+            w.tensor_model_parallel = True
+            w.partition_dim = 1 if parallel_mode == "row" and not self.explicit_expert_comm else 0
+            w.partition_stride = 1
+            self.register_parameter(f"weight{i}", w)
+            if bias:
+                b = torch.nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device))
+                self.register_parameter(f"bias{i}", b)
+        for p in self.parameters():
+            p.allreduce = not self.expert_parallel
+
+    def _params(self):
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+        return weights, biases
+
+    def forward(self, x, m_splits):
+        weights, biases = self._params()
+        m_splits = [int(m) for m in m_splits]
+        out = _GroupedLinearFunction.apply(x, m_splits, self, *weights, *biases)
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out, biases
+        if self.use_bias:
+            raise NotImplementedError("grouped expert GEMMs with biases are not modelled")
+        return out, None
+
+    def finish_init(self, quant_config) -> None:
+        """megatron-core calls this on every module after building (quantisation recipes)."""
+
+    def backward_dw(self) -> None:
+        """Delayed weight-gradient computation (not modelled)."""
+
+
+class TEColumnParallelGroupedLinear(TEGroupedLinear):
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column",
+                         config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+
+
+class TERowParallelGroupedLinear(TEGroupedLinear):
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row",
+                         config=config, init_method=init_method, bias=bias,
+                         skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
