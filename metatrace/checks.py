@@ -41,7 +41,7 @@ def check_with_megatron(job) -> None:
 
 def check_job(job) -> None:
     problems = []
-    for check in (_check_model, _check_parallel, _check_impl):
+    for check in (_check_model, _check_parallel, _check_impl, _check_moe):
         problems.extend(check(job))
     split = list(_check_pipeline(job))
     problems += split
@@ -451,3 +451,55 @@ def _check_impl(job):
             "backend off, and Transformer Engine then refuses to run; use auto, fused, flash or "
             "unfused with transformer_impl: transformer_engine, or transformer_impl: local"
         )
+
+
+def _check_moe(job):
+    m, par, tr, impl = job.model, job.parallel, job.training, job.implementation
+    if m.num_experts is None:
+        given = [
+            name for name, value, default in (
+                ("model.moe_shared_expert_intermediate_size",
+                 m.moe_shared_expert_intermediate_size, None),
+                ("implementation.moe_grouped_gemm", impl.moe_grouped_gemm, False),
+                ("training.moe_routing", tr.moe_routing, "balanced"),
+                ("training.moe_expert_capacity_factor", tr.moe_expert_capacity_factor, None),
+                ("training.moe_hottest_expert_load", tr.moe_hottest_expert_load, 1.0),
+                ("parallel.moe_token_dispatcher_type", par.moe_token_dispatcher_type, "allgather"),
+                ("parallel.moe_shared_expert_overlap", par.moe_shared_expert_overlap, False),
+            )
+            if value != default
+        ]
+        if given:
+            yield f"{', '.join(given)} need mixture-of-experts layers (model.num_experts)"
+        return
+    if par.tp > 1 and not par.sequence_parallel:
+        # megatron-core's MoELayer.forward raises this in training.
+        yield ("mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel "
+               "(megatron-core refuses to train without it)")
+    if m.num_experts % par.ep:
+        yield f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {par.ep}"
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        yield (f"model.moe_router_topk = {m.moe_router_topk} must be between 1 and "
+               f"model.num_experts = {m.num_experts}")
+    if par.moe_token_dispatcher_type == "flex":
+        yield ("parallel.moe_token_dispatcher_type: flex (DeepEP / HybridEP kernels) is not "
+               "modelled; use alltoall or allgather")
+    if impl.moe_grouped_gemm and impl.transformer_impl == "local":
+        yield ("implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
+               "legacy GroupedMLP (the grouped_gemm package), which is not modelled; use "
+               "transformer_impl: transformer_engine")
+    if tr.precision == "fp8":
+        yield "training.precision fp8 with mixture-of-experts layers is not modelled yet"
+    factor = tr.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        yield f"training.moe_expert_capacity_factor = {factor:g} must be positive"
+    if tr.moe_routing == "capacity" and factor is None:
+        yield "training.moe_routing: capacity needs training.moe_expert_capacity_factor"
+    if tr.moe_hottest_expert_load < 1:
+        yield (f"training.moe_hottest_expert_load = {tr.moe_hottest_expert_load:g} must be at "
+               "least 1 (the hottest expert's multiple of the balanced share)")
+    elif tr.moe_hottest_expert_load != 1 and tr.moe_routing == "capacity":
+        yield ("training.moe_hottest_expert_load applies to balanced routing; with "
+               "moe_routing: capacity every expert's input is padded to its capacity")
+    if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
+        yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"

@@ -237,7 +237,9 @@ class Training:
     (every expert gets tokens x topk / experts; dropless routing) or capacity (each expert's
     input padded to its capacity, megatron-core's static path; needs moe_expert_capacity_factor)."""
     moe_expert_capacity_factor: float | None = None
-    """Expert capacity as a multiple of the balanced share (tokens beyond it are dropped)."""
+    """Expert capacity as a multiple of the balanced share. With moe_routing capacity every
+    expert's input is padded to it; with balanced routing tokens beyond it are dropped (which
+    caps moe_hottest_expert_load)."""
     moe_hottest_expert_load: float = 1.0
     """With balanced routing: the most loaded expert on each rank gets this multiple of the
     balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""

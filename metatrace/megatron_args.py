@@ -30,8 +30,6 @@ from metatrace.megatron_flags import (
     _ENV_NAMES,
     _ENV_PREFIXES,
     _GPT2_VOCAB,
-    _MOE,
-    _MOE_RECOMPUTE,
     _NVTE_ATTN,
     _NVTE_FOR_BACKEND,
     FLAGS,
@@ -203,12 +201,6 @@ def _unmodelled(v) -> list[tuple[str, str]]:
     out = []
     for flag, value in v.items():
         reason = FLAGS[flag].reason
-        if flag == "--num-experts" and not value:
-            continue
-        if reason is None and _is_moe(v) and flag in (
-            "--expert-model-parallel-size", "--expert-tensor-parallel-size"
-        ):
-            reason = _MOE
         if reason is not None:
             out.append((_show(flag, value), reason))
     optimizer = v.get("--optimizer", "adam")
@@ -301,6 +293,42 @@ def _model(v, job, notes, problems) -> None:
     # validate_args turns the QKV bias on whenever linear biases are (notes 6.4).
     if "--add-qkv-bias" in v or "--disable-bias-linear" not in v:
         m["add_qkv_bias"] = True
+    _experts(v, job, notes, problems)
+
+
+def _experts(v, job, notes, problems) -> None:
+    """Mixture of experts: the flags that need a reading (--num-experts 0 means none)."""
+    if not _is_moe(v):
+        given = [f for f in v if f.startswith("--moe-") and FLAGS[f].reason is None
+                 and not FLAGS[f].ignored]
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without --num-experts")
+            for flag in given:
+                if FLAGS[flag].key is not None:
+                    *path, leaf = FLAGS[flag].key.split(".")
+                    job.get(path[0], {}).pop(leaf, None)
+        return
+    m, t = job["model"], job["training"]
+    m["num_experts"] = v["--num-experts"]
+    freq = v.get("--moe-layer-freq")
+    if freq is not None:
+        m["moe_layer_freq"] = int(freq) if freq.strip().isdigit() else freq
+    kinds = v.get("--moe-router-load-balancing-type")
+    if kinds:
+        if len(set(kinds)) > 1:
+            problems.append(f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
+                            "load-balancing losses are not modelled; give one")
+        m["moe_router_load_balancing_type"] = kinds[0]
+    coeffs = v.get("--moe-aux-loss-coeff")
+    if coeffs:
+        m["moe_aux_loss_coeff"] = coeffs[0]
+    # A capacity factor pads every expert to capacity only with
+    # --moe-pad-expert-input-to-capacity; alone it drops tokens beyond it.
+    if "--moe-pad-expert-input-to-capacity" in v:
+        if "--moe-expert-capacity-factor" not in v:
+            problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                            "(Megatron-LM asserts it)")
+        t["moe_routing"] = "capacity"
 
 
 def _vocabulary(v, job, notes, problems) -> None:
@@ -358,8 +386,8 @@ def _parallel(v, job, notes, problems, world_size) -> None:
             problems.append(f"--cp-comm-type gives {len(kinds)} values; a value per layer needs "
                             f"--num-layers = {layers} of them")
         p["cp_comm_type"] = {"allgather": "all_gather"}.get(kinds[0], kinds[0])
-    # Expert parallelism (notes 2): EP needs experts; ETP only lays out the expert grid of a
-    # dense model. With experts both are listed as not modelled and the model is dense.
+    # Expert parallelism (notes 2): EP needs experts; ETP alone lays out the expert grid of a
+    # dense model.
     ep = v.get("--expert-model-parallel-size", 1)
     etp = v.get("--expert-tensor-parallel-size", tp)
     if ep > 1 and not _is_moe(v):
@@ -465,8 +493,7 @@ def _recompute(v, t, notes) -> None:
     modules = v.get("--recompute-modules")
     if modules is not None:
         # Modules of unmodelled layers go with them (listed in the warning).
-        skip = (_MOE_RECOMPUTE if _is_moe(v) else ()) + (
-            ("mla_up_proj",) if "--multi-latent-attention" in v else ())
+        skip = ("mla_up_proj",) if "--multi-latent-attention" in v else ()
         rec["modules"] = [m for m in modules if m not in skip]
     t["recompute"] = {**t.get("recompute", {}), **rec}
 

@@ -110,8 +110,38 @@ _MODELLED: dict[str, Flag] = {
     "--hierarchical-context-parallel-sizes": _value(
         "parallel.hierarchical_cp_sizes", int, nargs="+"
     ),
-    "--expert-model-parallel-size": _value(None, int),
+    "--expert-model-parallel-size": _value("parallel.ep", int),
     "--expert-tensor-parallel-size": _value(None, int),
+    # mixture of experts
+    "--num-experts": _value(None, int),
+    "--moe-layer-freq": _value(None),
+    "--moe-ffn-hidden-size": _value("model.moe_ffn_hidden_size", int),
+    "--moe-shared-expert-intermediate-size": _value(
+        "model.moe_shared_expert_intermediate_size", int
+    ),
+    "--moe-shared-expert-overlap": _switch("parallel.moe_shared_expert_overlap"),
+    "--moe-grouped-gemm": _switch("implementation.moe_grouped_gemm"),
+    "--moe-router-load-balancing-type": _value(
+        None, choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        nargs="+",
+    ),
+    "--moe-router-dtype": _value("training.moe_router_dtype", choices=("fp32", "fp64")),
+    "--moe-router-score-function": _value(
+        "model.moe_router_score_function", choices=("softmax", "sigmoid")
+    ),
+    "--moe-router-topk": _value("model.moe_router_topk", int),
+    "--moe-router-pre-softmax": _switch("model.moe_router_pre_softmax"),
+    "--moe-router-num-groups": _value("model.moe_router_num_groups", int),
+    "--moe-router-group-topk": _value("model.moe_router_group_topk", int),
+    "--moe-router-topk-scaling-factor": _value("model.moe_router_topk_scaling_factor", float),
+    "--moe-router-enable-expert-bias": _switch("model.moe_router_enable_expert_bias"),
+    "--moe-aux-loss-coeff": _value(None, float, nargs="+"),
+    "--moe-z-loss-coeff": _value("model.moe_z_loss_coeff", float),
+    "--moe-token-dispatcher-type": _value(
+        "parallel.moe_token_dispatcher_type", choices=("allgather", "alltoall", "flex")
+    ),
+    "--moe-expert-capacity-factor": _value("training.moe_expert_capacity_factor", float),
+    "--moe-pad-expert-input-to-capacity": _switch(),
     "--use-tp-pp-dp-mapping": _switch("parallel.rank_order", "tp-cp-ep-pp-dp"),
     "--microbatch-group-size-per-virtual-pipeline-stage": _value("parallel.microbatch_group_size", int),
     "--no-overlap-p2p-communication": _switch("parallel.overlap_p2p_comm", False),
@@ -268,26 +298,22 @@ _IGNORED = _group(
     # inference-only
     "--inference-batch-times-seqlen-threshold= --max-tokens-to-oom= --inference-max-requests= "
     "--inference-max-seq-length= --flash-decode --output-bert-embeddings --bert-embedder-type= "
-    "--symmetric-ar-type= --nccl-all-reduce-for-prefill --mlp-chunks-for-prefill=",
+    "--symmetric-ar-type= --nccl-all-reduce-for-prefill --mlp-chunks-for-prefill= "
+    # MoE values that allocate nothing: the expert-bias update rate, which tokens a full expert
+    # drops, logging; forced load balancing is what metatrace's balanced routing assumes.
+    "--moe-router-bias-update-rate= --moe-token-drop-policy= --moe-per-layer-logging "
+    "--moe-router-force-load-balancing",
     ignored=True,
 )
 
-_MOE = "mixture of experts"
+_MOE = "mixture-of-experts options"
 # Class 3: known, not modelled yet. Reason -> flags.
 _NOT_MODELLED_GROUPS = {
-    _MOE: "--num-experts= --moe-layer-freq= --moe-ffn-hidden-size= "
-    "--moe-shared-expert-intermediate-size= --moe-shared-expert-overlap --moe-grouped-gemm "
-    "--moe-use-legacy-grouped-gemm --moe-layer-recompute --moe-extended-tp --moe-use-upcycling "
-    "--moe-upcycling-granularity= --moe-router-load-balancing-type=+ --moe-router-dtype= "
-    "--moe-router-fusion --moe-router-score-function= --moe-router-topk= "
-    "--moe-router-pre-softmax --moe-router-num-groups= --moe-router-group-topk= "
-    "--moe-router-topk-scaling-factor= --moe-router-enable-expert-bias "
-    "--moe-router-bias-update-rate= --moe-router-force-load-balancing "
-    "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization --moe-aux-loss-coeff=+ "
-    "--moe-z-loss-coeff= --moe-input-jitter-eps= --moe-per-layer-logging "
-    "--moe-token-dispatcher-type= --moe-enable-deepep --moe-flex-dispatcher-backend= "
+    _MOE: "--moe-use-legacy-grouped-gemm --moe-layer-recompute --moe-extended-tp "
+    "--moe-use-upcycling --moe-upcycling-granularity= --moe-router-fusion "
+    "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization "
+    "--moe-input-jitter-eps= --moe-enable-deepep --moe-flex-dispatcher-backend= "
     "--moe-deepep-num-sms= --moe-hybridep-num-sms= --moe-permute-fusion "
-    "--moe-expert-capacity-factor= --moe-pad-expert-input-to-capacity --moe-token-drop-policy= "
     "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size= "
     "--overlap-moe-expert-parallel-comm --delay-wgrad-compute",
     "multi-latent attention": "--multi-latent-attention --q-lora-rank= --kv-lora-rank= "
@@ -360,5 +386,4 @@ _NVTE_FOR_BACKEND = {
     "local": (0, 0, 0), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
     "auto": (1, 1, 1),
 }
-_MOE_RECOMPUTE = ("moe_act", "moe", "shared_experts")
 

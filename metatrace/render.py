@@ -117,11 +117,14 @@ def build_summary(job, world) -> Table:
         f"{'biases' if m.add_bias_linear else 'no biases'}, dropout "
         f"{m.hidden_dropout:g}/{m.attention_dropout:g}",
     )
+    if m.num_experts:
+        table.add_row("experts", moe_summary(job))
     vpp = f" (vpp {par.vpp})" if par.vpp else ""
     table.add_row(
         "parallel",
         f"tp {par.tp} · pp {par.pp}{vpp} · cp {par.cp} · dp {par.dp} · ep {par.ep}"
-        f" · sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        + (f" · etp {par.etp} · expert dp {world.expert_dp}" if m.num_experts else "")
+        + f" · sequence parallel {'on' if par.sequence_parallel else 'off'}"
         f" · rank order {par.rank_order}",
     )
     rec = tr.recompute
@@ -147,6 +150,26 @@ def build_summary(job, world) -> Table:
     for note in job.notes:
         table.add_row("note", note)
     return table
+
+
+def moe_summary(job) -> str:
+    """The MoE layers of a job in a line, with the routing assumption its numbers rest on."""
+    from metatrace.models.moe import Routing
+
+    m, tr = job.model, job.training
+    moe_layers = sum(m.moe_layer_freq)
+    shared = (
+        f", shared experts {m.moe_shared_expert_intermediate_size}"
+        if m.moe_shared_expert_intermediate_size else ""
+    )
+    routing = Routing(tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor)
+    return (
+        f"{m.num_experts} experts, top-{m.moe_router_topk}, expert ffn {m.moe_ffn_hidden_size}"
+        f"{shared}, {moe_layers} of {m.num_layers} layers MoE, "
+        f"{job.parallel.moe_token_dispatcher_type} dispatcher, "
+        f"{'grouped GEMM' if job.implementation.moe_grouped_gemm else 'one GEMM per expert'} · "
+        f"routing assumed {routing.describe()}"
+    )
 
 
 # ----------------------------------------------------------------------------- module trees

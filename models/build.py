@@ -133,9 +133,7 @@ def transformer_config(job):
         moe_token_dispatcher_type=par.moe_token_dispatcher_type,
         moe_grouped_gemm=impl.moe_grouped_gemm,
         moe_router_dtype=tr.moe_router_dtype,
-        moe_expert_capacity_factor=(
-            tr.moe_expert_capacity_factor if tr.moe_routing == "capacity" else None
-        ),
+        moe_expert_capacity_factor=tr.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=tr.moe_routing == "capacity",
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
         # `tensor_model_parallel` when it initialises them.
@@ -156,7 +154,9 @@ def transformer_config(job):
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
     from metatrace.models.moe import Routing
 
-    config.metatrace_routing = Routing(tr.moe_routing, tr.moe_hottest_expert_load)
+    config.metatrace_routing = Routing(
+        tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor
+    )
     return config
 
 

@@ -69,19 +69,32 @@ class Routing:
 
     policy: str = "balanced"
     hottest_expert_load: float = 1.0
+    capacity_factor: float | None = None
+    """With balanced routing: megatron-core's token dropping caps what one source rank sends
+    to an expert at this multiple of its share (so it caps the hottest expert's load)."""
 
     @classmethod
     def of(cls, config) -> "Routing":
         return getattr(config, "metatrace_routing", cls())
 
+    @property
+    def hottest(self) -> float:
+        """The hottest local expert's load after token dropping."""
+        if self.capacity_factor is None:
+            return self.hottest_expert_load
+        return min(self.hottest_expert_load, self.capacity_factor)
+
     def describe(self) -> str:
         if self.policy == "capacity":
-            return "each expert's input padded to its capacity (megatron-core's static path)"
-        text = "balanced: every expert gets tokens x topk / experts"
-        if self.hottest_expert_load != 1.0:
-            text += (
-                f"; the hottest expert of every rank gets {self.hottest_expert_load:g}x its share"
+            return (
+                f"each expert's input padded to its capacity ({self.capacity_factor:g}x the "
+                "balanced share; megatron-core's static path)"
             )
+        text = "balanced (every expert gets tokens x topk / experts)"
+        if self.hottest_expert_load != 1.0:
+            text += f", the hottest expert of every rank {self.hottest:g}x its share"
+            if self.hottest != self.hottest_expert_load:
+                text += f" (capacity factor {self.capacity_factor:g} drops the rest)"
         return text
 
 
@@ -95,8 +108,8 @@ def received_per_local_expert(routing: Routing, sent: list[int], local: range) -
     """Tokens one source rank sends to each of this rank's local experts: its balanced share
     `sent[e]`, the first local expert scaled by the hottest-expert load (rounded up)."""
     out = [sent[e] for e in local]
-    if routing.hottest_expert_load != 1.0 and out:
-        out[0] = math.ceil(out[0] * routing.hottest_expert_load)
+    if routing.hottest != 1.0 and out:
+        out[0] = math.ceil(out[0] * routing.hottest)
     return out
 
 

@@ -112,16 +112,25 @@ def test_cp_case_maps_hierarchical_sizes_and_comm_type():
     assert resolved.num_microbatches == 8  # cp does not change dp: 32 / (4 x 1)
 
 
-def test_moe_case_warns_once_and_builds_the_dense_model():
+def test_moe_case_maps_experts_and_expert_parallelism():
     c = case("moe/gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel")
     resolved, notes = job_from_args(c["args"], world_size=8, gpu="h100", env=c["env_vars"])
-    warnings = [n for n in notes if n.startswith("warning")]
-    assert len(warnings) == 1 and notes[0] == warnings[0]
-    for flag in ("--num-experts 4", "--moe-router-topk 1", "--expert-model-parallel-size 2"):
-        assert flag in warnings[0]
-    assert "mixture of experts" in warnings[0]
-    assert (resolved.parallel.ep, resolved.parallel.etp) == (1, 2)  # dense: etp follows tp
-    assert "--num-experts 4: mixture of experts" in not_modelled(c["args"])
+    assert not [n for n in notes if n.startswith("warning")]
+    m, par = resolved.model, resolved.parallel
+    assert (m.num_experts, m.moe_router_topk, m.moe_router_load_balancing_type) == (4, 1, "sinkhorn")
+    assert m.moe_ffn_hidden_size == m.ffn_hidden_size and m.moe_layer_freq == [1] * 12
+    assert (par.ep, par.etp, par.moe_token_dispatcher_type) == (2, 2, "allgather")
+    assert not_modelled(c["args"]) == []
+
+
+def test_moe_options_not_modelled_are_listed():
+    resolved, notes = job(BASE + " --num-experts 8 --moe-permute-fusion --moe-layer-freq 2"
+                          " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity")
+    assert resolved.model.moe_layer_freq == [1, 0] * 6  # 12 layers
+    assert resolved.training.moe_routing == "capacity"
+    assert resolved.training.moe_expert_capacity_factor == 1.5
+    warning, = [n for n in notes if n.startswith("warning")]
+    assert "--moe-permute-fusion" in warning and "mixture-of-experts options" in warning
 
 
 # --------------------------------------------------------------------------- derivations
