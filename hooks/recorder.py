@@ -247,6 +247,7 @@ class Recorder:
                 self._fqn[id(mod)] = _join(prefix, name)
         self._stack: list[str] = []
         self._inputs: list[set] = []  # grad_fn nodes of the inputs of each module on _stack
+        self._backward_module = STEP
         self._label: tuple[str, str] | None = None
         self._windows: list[Window] = []
         self.step_phase = "forward"
@@ -335,7 +336,11 @@ class Recorder:
             if self._stack:
                 return self._stack[-1], "recompute"
             node = torch._C._current_autograd_node()
-            return (node.metadata.get(_NODE_KEY, STEP) if node is not None else STEP), "backward"
+            if node is not None:
+                self._backward_module = node.metadata.get(_NODE_KEY, STEP)
+            # No node: a tensor hook between nodes (e.g. megatron-core's CheckpointWithoutOutput
+            # recomputing an activation), on behalf of the module whose node ran last.
+            return self._backward_module, "backward"
         if self._stack:
             return self._stack[-1], "forward"
         return STEP, self.step_phase

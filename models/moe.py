@@ -11,7 +11,7 @@ routing map's values. metatrace supplies the counts from a stated assumption
   the same share from every source rank. With `training.moe_hottest_expert_load` = L > 1 the
   first local expert of every rank receives ceil(L x its share) from every source, the others
   their share: each rank is shown in its worst case (globally this overcounts: the other
-  ranks' experts do not lose what the hot one gains);
+  ranks' experts do not lose what the hot one gains; on a single rank they do);
 - capacity: megatron-core's own static path (moe_expert_capacity_factor with
   moe_pad_expert_input_to_capacity): every expert's input is padded to its capacity, no count
   depends on the data, and none of this module's substitutions are used.
@@ -104,12 +104,20 @@ def balanced_split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < rest else 0) for i in range(parts)]
 
 
-def received_per_local_expert(routing: Routing, sent: list[int], local: range) -> list[int]:
+def received_per_local_expert(
+    routing: Routing, sent: list[int], local: range, *, alone: bool = False
+) -> list[int]:
     """Tokens one source rank sends to each of this rank's local experts: its balanced share
-    `sent[e]`, the first local expert scaled by the hottest-expert load (rounded up)."""
+    `sent[e]`, the first local expert scaled by the hottest-expert load (rounded up). `alone`:
+    the rank is the only source (no expert or tensor parallelism), so what the hottest expert
+    gains the others lose."""
     out = [sent[e] for e in local]
     if routing.hottest != 1.0 and out:
+        total = sum(out)
         out[0] = math.ceil(out[0] * routing.hottest)
+        if alone:
+            out[0] = min(out[0], total)
+            out[1:] = balanced_split(total - out[0], len(out) - 1)
     return out
 
 
@@ -127,8 +135,8 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     d.num_out_tokens = tokens * topk
     sent = balanced_split(tokens * topk, experts)  # what every source rank sends per expert
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
-    per_source = received_per_local_expert(routing, sent, local)
     sources = d.tp_size * d.ep_size
+    per_source = received_per_local_expert(routing, sent, local, alone=sources == 1)
     if d.ep_size > 1 or d.tp_size > 1:
         gather_from_sequence_parallel_region(num_local_tokens_per_expert, group=d.tp_ep_group)
         d.input_splits = np.array(
@@ -151,7 +159,9 @@ def allgather_local_counts(dispatcher, global_tokens: int) -> torch.Tensor:
     routing = Routing.of(d.config)
     sent = balanced_split(global_tokens * d.router_topk, d.config.num_moe_experts)
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
-    return torch.tensor(received_per_local_expert(routing, sent, local), dtype=torch.long)
+    alone = d.tp_size * d.ep_size == 1
+    counts = received_per_local_expert(routing, sent, local, alone=alone)
+    return torch.tensor(counts, dtype=torch.long)
 
 
 def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False, **kwargs):
