@@ -3,7 +3,8 @@
 Cases: Llama-2 70B, tp 8, pp 4 (32 GPUs), seq 4096, micro-batch 1 (every pipeline stage, the
 full model, one training iteration each); Llama-2 70B on 64 GPUs, tp 8, pp 4, dp 2
 (examples/llama2-70b-64gpu.yaml); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8,
-cp 2 (examples/llama3.1-405b-16k.yaml, without the full model). Prints the wall time of
+cp 2 (examples/llama3.1-405b-16k.yaml, without the full model); Mixtral 8x7B on 64 GPUs, pp 4,
+ep 8 (examples/mixtral-8x7b-64gpu.yaml). Prints the wall time of
 `metatrace run` (import, traces, iteration replay, memory and communication tables, JSON), the ratio to the import,
 the peak RSS of any process of the run, and the trace counts per role of the first case.
 Targets (the 70B case on 32 GPUs): ratio <= 3, RSS < 1.5 GB.
@@ -26,6 +27,11 @@ CASES = [
         "llama3.1-405b tp8 pp16 vpp8 cp2, 16,384 GPUs",
         os.path.join(ROOT, "examples", "llama3.1-405b-16k.yaml"),
         ["--no-full-model"],
+    ),
+    (
+        "mixtral-8x7b pp4 ep8, 64 GPUs",
+        os.path.join(ROOT, "examples", "mixtral-8x7b-64gpu.yaml"),
+        [],
     ),
 ]
 RUNS = 3
