@@ -347,6 +347,17 @@ def _allgather_dispatch_postprocess(orig):
     return dispatch_postprocess
 
 
+def _balanced_routing(orig):
+    def routing(self, logits, padding_mask=None):
+        probs, routing_map = orig(self, logits, padding_mask=padding_mask)
+        routing = _moe().Routing.of(self.config)
+        if routing.policy == "balanced" and routing.hottest == 1.0:
+            _moe().balance_routing_map(routing_map, self.topk)
+        return probs, routing_map
+
+    return routing
+
+
 def _moe():
     return importlib.import_module("metatrace.models.moe")
 
@@ -385,6 +396,14 @@ PATCHES += (
     ),
     Patch(
         "megatron.core.transformer.moe.router",
+        "TopKRouter.routing",
+        _balanced_routing,
+        "0.15-0.16",
+        "on real tensors (the CPU check of a meta trace) the routing map is made the balanced "
+        "one metatrace assumes; on meta it holds no values and is left alone.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.router",
         "sinkhorn",
         _standin("metatrace.models.moe", "sinkhorn"),
         "0.12-0.16",
@@ -399,6 +418,65 @@ PATCHES += (
         "router's gating GEMM calls it.",
     ),
 )
+
+
+# Multi-latent attention and multi-token prediction (DeepSeek-V3).
+def _kv_channels_per_tensor(orig):
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        orig(self, *args, **kwargs)
+        if v_channels is not None:  # the output is heads x v_channels wide
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+
+    return __init__
+
+
+def _no_kernel(orig):
+    from metatrace.models.fusions import NoKernel
+
+    return NoKernel()
+
+
+PATCHES += (
+    Patch(
+        "megatron.core.transformer.multi_latent_attention",
+        "TELinear",
+        _standin("metatrace.models.te_linear", "TELinear"),
+        "0.16.1",
+        "imported from megatron.core.extensions.transformer_engine, whose classes without TE "
+        "are MagicMock instances: `isinstance(linear_proj, TELinear)` raises TypeError, and the "
+        "down-projections' `in [TELinear]` test never matches the stand-in.",
+    ),
+    Patch(
+        "megatron.core.transformer.multi_latent_attention",
+        "TEColumnParallelLinear",
+        _standin("metatrace.models.te_linear", "TEColumnParallelLinear"),
+        "0.16.1",
+        "as TELinear: the down-projections' class test.",
+    ),
+    Patch(
+        "megatron.core.transformer.dot_product_attention",
+        "DotProductAttention.__init__",
+        _kv_channels_per_tensor,
+        "0.16.1",
+        "MLA builds its core attention with k_channels / v_channels (TEDotProductAttention's "
+        "signature); the local DotProductAttention takes neither (TypeError) and sizes its "
+        "output by kv_channels. Accept both; the output is v_channels per head.",
+    ),
+)
+for _name in ("rotary_fwd_q_kernel", "rotary_bwd_q_kernel", "rotary_fwd_kv_kernel",
+              "rotary_bwd_kv_kernel"):
+    PATCHES += (
+        Patch(
+            "megatron.core.fusions.fused_mla_yarn_rope_apply",
+            _name,
+            _no_kernel,
+            "0.15-0.16",
+            "a Triton kernel (MLA's fused yarn RoPE, on by default with TE); without Triton the "
+            "module imports with a mocked triton and `kernel[grid](...)` raises TypeError.",
+        ),
+    )
 
 _MISSING = object()
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
@@ -426,12 +504,19 @@ _PARALLEL_STATE_LEFTOVERS = (
 
 
 def clear_parallel_state_leftovers() -> None:
-    """Finish megatron-core's destroy_model_parallel (0.16.1): reset what it forgets."""
+    """Finish megatron-core's destroy_model_parallel (0.16.1): reset what it forgets, and the
+    multi-token-prediction class globals one traced role would leave to the next (0.16.1:
+    MTPLossLoggingHelper.tracker keeps the previous role's loss tensor and groups;
+    MTPLossAutoScaler.main_loss_backward_scale the scale a schedule set)."""
     from megatron.core import parallel_state as ps
 
     for name in _PARALLEL_STATE_LEFTOVERS:
         if hasattr(ps, name):
             setattr(ps, name, None if name != "_HYBRID_DP_CP_GROUPS" else {})
+    mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
+    if mtp is not None:
+        mtp.MTPLossLoggingHelper.tracker = {}
+        mtp.MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ megatron-core allocates with `device=torch.cuda.current_device()`, hard-codes `d
 calls `Tensor.cuda()`, pins memory, and uses CUDA streams and events in pipeline schedules.
 `remap_cuda(device)` is a context manager that, while active,
 
-- rewrites every CUDA device argument of a torch function (and `Tensor.cuda()` / `.to("cuda")`)
-  to `device`, drops `pin_memory=True`; `Tensor.cuda()` of a host tensor makes a device copy;
+- rewrites every CUDA device argument of a torch function (and `Tensor.cuda()` / `.to("cuda")`,
+  and `torch.device("cuda")` / `torch.device(0)` themselves) to `device`, drops
+  `pin_memory=True`; `Tensor.cuda()` of a host tensor makes a device copy;
   `Tensor.type()` of a device tensor answers with the CUDA type name;
 - replaces the CUDA runtime entry points megatron-core calls (current_device, streams, events,
   synchronize, record_stream, RNG state) with stand-ins that do nothing;
@@ -127,6 +128,11 @@ class _RemapMode(TorchFunctionMode):
             kwargs = {**kwargs, "device": self.device}
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.device and args and _is_cuda(args[0]):
+            # torch.device(torch.cuda.current_device()) (megatron-core's YarnRotaryEmbedding
+            # enters it as a default-device context); torch.device(0) means "accelerator 0"
+            # and raises without one.
+            return self.device
         if func is torch.Tensor.cuda:
             return self._cuda(args[0], kwargs)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

@@ -13,6 +13,7 @@ RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Selective-recompute modules megatron-core 0.16.1 accepts for a dense GPT layer.
 DENSE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
+MLA_RECOMPUTE_MODULES = ("mla_up_proj",)
 
 
 def layout_stages(layout: str, pp: int) -> list[list[str]]:
@@ -41,7 +42,7 @@ def check_with_megatron(job) -> None:
 
 def check_job(job) -> None:
     problems = []
-    for check in (_check_model, _check_parallel, _check_impl, _check_moe):
+    for check in (_check_model, _check_parallel, _check_impl, _check_moe, _check_mla, _check_mtp):
         problems.extend(check(job))
     split = list(_check_pipeline(job))
     problems += split
@@ -186,8 +187,7 @@ def _check_pipeline(job):
             yield "parallel.layout must start with the embedding (E), exactly once"
         if flat.count("loss") != 1 or flat[-1:] != ["loss"]:
             yield "parallel.layout must end with the loss (L), exactly once"
-        if flat.count("mtp"):
-            yield "parallel.layout has MTP layers (m); multi-token prediction is not modelled yet"
+        yield from _check_mtp_layout(job, stages)
         return
     if uneven and account:
         yield (
@@ -414,10 +414,14 @@ def _check_recompute(job, split_ok: bool):
             if name in MOE_RECOMPUTE_MODULES:
                 if job.model.num_experts is None:
                     yield f"training.recompute.modules: {name!r} needs mixture-of-experts layers"
+            elif name in MLA_RECOMPUTE_MODULES:
+                if not job.model.multi_latent_attention:
+                    yield f"training.recompute.modules: {name!r} needs model.multi_latent_attention"
             elif name not in DENSE_RECOMPUTE_MODULES:
+                known = DENSE_RECOMPUTE_MODULES + MOE_RECOMPUTE_MODULES + MLA_RECOMPUTE_MODULES
                 yield (
                     f"training.recompute.modules: unknown module {name!r} "
-                    f"(known: {', '.join(DENSE_RECOMPUTE_MODULES + MOE_RECOMPUTE_MODULES)})"
+                    f"(known: {', '.join(known)})"
                 )
         if "mlp" in (rec.modules or ()) and job.model.add_bias_linear:
             # megatron-core 0.16.1 checkpoints the MLP, which returns its fc2 bias parameter
@@ -503,3 +507,71 @@ def _check_moe(job):
                "moe_routing: capacity every expert's input is padded to its capacity")
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
+
+
+# Model keys that only multi-latent attention reads.
+_MLA_KEYS = (
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim",
+)
+
+
+def _check_mla(job):
+    import dataclasses
+
+    m, par = job.model, job.parallel
+    if not m.multi_latent_attention:
+        defaults = {f.name: f.default for f in dataclasses.fields(m)}
+        given = [f"model.{k}" for k in _MLA_KEYS if getattr(m, k) != defaults[k]]
+        if given:
+            yield f"{', '.join(given)} need model.multi_latent_attention"
+        if m.rope_type == "yarn":
+            yield ("model.rope_type yarn is modelled with model.multi_latent_attention only "
+                   "(megatron-core 0.16.1 asserts rope for other attention)")
+        return
+    if m.num_query_groups != m.num_attention_heads:
+        yield (f"model.num_query_groups = {m.num_query_groups} with multi-latent attention: MLA "
+               "has no grouped-query attention (Megatron-LM refuses the combination)")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if getattr(m, name) < 1:
+            yield f"model.{name} = {getattr(m, name)} must be at least 1"
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        yield f"model.q_lora_rank = {m.q_lora_rank} must be at least 1 (or omitted)"
+    if par.cp > 1:
+        # Transformer Engine's context-parallel attention exchanges K and V of different head
+        # dimensions separately for MLA; models/te_cp.py models equal head dimensions only.
+        yield ("parallel.cp > 1 with multi-latent attention is not modelled (Transformer "
+               "Engine's context-parallel MLA exchanges K and V of different head sizes)")
+    if job.attention_kernel == "flash":
+        yield ("implementation.attention_backend: flash with multi-latent attention: Transformer "
+               "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
+               "use fused or unfused")
+    if job.training.precision == "fp8":
+        yield "training.precision fp8 with multi-latent attention is not modelled yet"
+
+
+def _check_mtp(job):
+    m = job.model
+    n = m.mtp_num_layers
+    if n is None:
+        return
+    if n < 1:
+        yield f"model.mtp_num_layers = {n} must be at least 1 (or omitted)"
+    if m.position_embedding_type not in ("rope", "none"):
+        yield ("multi-token prediction needs model.position_embedding_type rope or none "
+               "(Megatron-LM asserts it)")
+
+
+def _check_mtp_layout(job, stages):
+    """MTP layers (m) in a pipeline layout: as many as model.mtp_num_layers, in the stage of
+    the loss. megatron-core allows them one stage earlier too; metatrace passes one
+    hidden-state shape between stages, and MTP doubles it after its layers."""
+    n = job.model.mtp_num_layers or 0
+    placed = sum(stage.count("mtp") for stage in stages)
+    if placed != n:
+        yield (f"parallel.layout places {placed} MTP layers (m), but model.mtp_num_layers = "
+               f"{job.model.mtp_num_layers}")
+    elif n and not any("mtp" in stage and "loss" in stage for stage in stages):
+        yield ("parallel.layout must put the MTP layers (m) in the stage of the loss (L), e.g. "
+               "...|tmL")

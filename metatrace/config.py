@@ -106,6 +106,41 @@ class Model:
     """Weight of the auxiliary load-balancing loss (Megatron-LM default 0)."""
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss; omitted means none."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (megatron-core's MLASelfAttention) instead of
+    (grouped-query) self-attention; the head dimensions below replace kv_channels."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection; omitted means no query compression (one
+    column-parallel query projection), as Megatron-LM's default."""
+    kv_lora_rank: int = 32
+    """MLA: rank of the key/value latent (Megatron-LM's default 32; DeepSeek-V3: 512)."""
+    qk_head_dim: int = 128
+    """MLA: query/key head dimension without the rotary part (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary part of the query/key head (DeepSeek's qk_rope_head_dim); a query/key head
+    is qk_head_dim + qk_pos_emb_head_dim wide."""
+    v_head_dim: int = 128
+    """MLA: value head dimension."""
+    rope_type: Literal["rope", "yarn"] | None = None
+    """MLA: rotary embedding kind; default yarn (megatron-core's MLATransformerConfig). Without
+    MLA only rope."""
+    rotary_scaling_factor: float = 1.0
+    """MLA yarn: context-extension factor (Megatron-LM's default 1.0; DeepSeek-V3: 40)."""
+    original_max_position_embeddings: int = 4096
+    """MLA yarn: the pre-extension context length."""
+    beta_fast: float = 32.0
+    """MLA yarn: fast correction boundary."""
+    beta_slow: float = 1.0
+    """MLA yarn: slow correction boundary."""
+    mscale: float = 1.0
+    """MLA yarn: attention-scale factor."""
+    mscale_all_dim: float = 0.0
+    """MLA yarn: attention-scale factor for all dimensions (Megatron-LM's default 0)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths (DeepSeek-V3: 1), built after the decoder on the last
+    pipeline stage (or where parallel.layout puts 'm'); omitted means none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token-prediction loss."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -618,7 +653,12 @@ def resolve(job: Job) -> Job:
     te = impl.transformer_impl == "transformer_engine"
     if impl.rope_fusion is None:
         # Megatron-LM's default with Transformer Engine, turned off without RoPE.
-        impl = dataclasses.replace(impl, rope_fusion=te and model.position_embedding_type == "rope")
+        # megatron-core fuses MLA's RoPE only for yarn (MLATransformerConfig refuses the rest).
+        impl = dataclasses.replace(
+            impl,
+            rope_fusion=te and model.position_embedding_type == "rope"
+            and (not model.multi_latent_attention or model.rope_type == "yarn"),
+        )
     kernel = impl.attention_backend
     if kernel == "auto":
         # Transformer Engine 2.8 prefers cuDNN fused attention on sm90+ and, without a
@@ -723,6 +763,9 @@ def _resolve_model(model: Model) -> Model:
         values["kv_channels"] = h // values["num_attention_heads"]
     if values["num_query_groups"] is None:
         values["num_query_groups"] = values["num_attention_heads"]
+    if values["rope_type"] is None:
+        # megatron-core's MLATransformerConfig defaults to yarn; other attention rotates plainly.
+        values["rope_type"] = "yarn" if values["multi_latent_attention"] else "rope"
     if values["num_experts"] is not None:
         if values["num_experts"] < 1:
             raise ConfigError(f"'model.num_experts' must be at least 1, got {values['num_experts']}")

@@ -294,6 +294,31 @@ def _model(v, job, notes, problems) -> None:
     if "--add-qkv-bias" in v or "--disable-bias-linear" not in v:
         m["add_qkv_bias"] = True
     _experts(v, job, notes, problems)
+    _latent_attention(v, job, notes, problems)
+
+
+# Flags only multi-latent attention reads (megatron-core's MLATransformerConfig fields).
+_MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+
+
+def _latent_attention(v, job, notes, problems) -> None:
+    """Multi-latent attention: its flags mean nothing without --multi-latent-attention (the
+    yarn flags then feed HEAD's non-MLA yarn, listed as not modelled)."""
+    if "--multi-latent-attention" in v:
+        if "--group-query-attention" in v:
+            problems.append("--multi-latent-attention and --group-query-attention exclude each "
+                            "other (Megatron-LM asserts it)")
+            job["model"].pop("num_query_groups", None)
+        return
+    given = [f for f in _MLA_FLAGS if f in v]
+    if given:
+        notes.append(f"{', '.join(given)} are ignored without --multi-latent-attention")
+        for flag in given:
+            job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
+    if v.get("--rope-type") == "yarn":
+        problems.append("--rope-type yarn needs --multi-latent-attention (Megatron-LM asserts "
+                        "rope for other attention)")
 
 
 def _experts(v, job, notes, problems) -> None:
@@ -377,8 +402,7 @@ def _parallel(v, job, notes, problems, world_size) -> None:
     _virtual_pipeline(v, p, problems, pp)
     layout = v.get("--pipeline-model-parallel-layout")
     if layout is not None:
-        # MTP layers (m) are listed as not modelled; the layout without them places the rest.
-        p["layout"] = layout.replace("m", "") if "--mtp-num-layers" in v else layout
+        p["layout"] = layout
     kinds = v.get("--cp-comm-type")
     if kinds:
         layers = v.get("--num-layers")
@@ -492,9 +516,7 @@ def _recompute(v, t, notes) -> None:
         rec["num_layers"] = v["--recompute-num-layers"]
     modules = v.get("--recompute-modules")
     if modules is not None:
-        # Modules of unmodelled layers go with them (listed in the warning).
-        skip = ("mla_up_proj",) if "--multi-latent-attention" in v else ()
-        rec["modules"] = [m for m in modules if m not in skip]
+        rec["modules"] = list(modules)
     t["recompute"] = {**t.get("recompute", {}), **rec}
 
 

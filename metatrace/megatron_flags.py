@@ -142,6 +142,19 @@ _MODELLED: dict[str, Flag] = {
     ),
     "--moe-expert-capacity-factor": _value("training.moe_expert_capacity_factor", float),
     "--moe-pad-expert-input-to-capacity": _switch(),
+    # multi-latent attention (its rotary scaling too) and multi-token prediction (notes 4.8)
+    "--multi-latent-attention": _switch("model.multi_latent_attention"),
+    "--q-lora-rank": _value("model.q_lora_rank", int),
+    "--kv-lora-rank": _value("model.kv_lora_rank", int),
+    "--qk-head-dim": _value("model.qk_head_dim", int),
+    "--qk-pos-emb-head-dim": _value("model.qk_pos_emb_head_dim", int),
+    "--v-head-dim": _value("model.v_head_dim", int),
+    "--rope-type": _value("model.rope_type", choices=("rope", "yarn")),
+    "--rotary-scaling-factor": _value("model.rotary_scaling_factor", float),
+    "--mscale": _value("model.mscale", float),
+    "--mscale-all-dim": _value("model.mscale_all_dim", float),
+    "--mtp-num-layers": _value("model.mtp_num_layers", int),
+    "--mtp-loss-scaling-factor": _value("model.mtp_loss_scaling_factor", float),
     "--use-tp-pp-dp-mapping": _switch("parallel.rank_order", "tp-cp-ep-pp-dp"),
     "--microbatch-group-size-per-virtual-pipeline-stage": _value("parallel.microbatch_group_size", int),
     "--no-overlap-p2p-communication": _switch("parallel.overlap_p2p_comm", False),
@@ -292,13 +305,14 @@ _IGNORED = _group(
     # no-ops in 0.16.1 or values that only apply when an unmodelled feature is on (notes 4.2,
     # 4.11, 4.12): the data-parallel sharding strategy is copied even without FSDP.
     "--use-flash-attn --no-persist-layer-norm --rotary-interleaved --use-rope-scaling "
-    "--rope-scaling-factor= --rotary-seq-len-interpolation-factor= --rope-type= "
-    "--rotary-scaling-factor= --mscale= --mscale-all-dim= --data-parallel-sharding-strategy= "
+    "--rope-scaling-factor= --rotary-seq-len-interpolation-factor= "
+    "--data-parallel-sharding-strategy= "
     "--fp8-margin= --fp8-interval= --fp8-amax-compute-algo= "
     # inference-only
     "--inference-batch-times-seqlen-threshold= --max-tokens-to-oom= --inference-max-requests= "
     "--inference-max-seq-length= --flash-decode --output-bert-embeddings --bert-embedder-type= "
     "--symmetric-ar-type= --nccl-all-reduce-for-prefill --mlp-chunks-for-prefill= "
+    "--cache-mla-latents "
     # MoE values that allocate nothing: the expert-bias update rate, which tokens a full expert
     # drops, logging; forced load balancing is what metatrace's balanced routing assumes.
     "--moe-router-bias-update-rate= --moe-token-drop-policy= --moe-per-layer-logging "
@@ -316,9 +330,6 @@ _NOT_MODELLED_GROUPS = {
     "--moe-deepep-num-sms= --moe-hybridep-num-sms= --moe-permute-fusion "
     "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size= "
     "--overlap-moe-expert-parallel-comm --delay-wgrad-compute",
-    "multi-latent attention": "--multi-latent-attention --q-lora-rank= --kv-lora-rank= "
-    "--qk-head-dim= --qk-pos-emb-head-dim= --v-head-dim= --cache-mla-latents",
-    "multi-token prediction": "--mtp-num-layers= --mtp-loss-scaling-factor=",
     "CUDA graphs": "--cuda-graph-impl= --cuda-graph-scope=+ --cuda-graph-modules=+ "
     "--cuda-graph-warmup-steps= --enable-cuda-graph --external-cuda-graph",
     "TP communication overlap (userbuffers)": "--tp-comm-overlap --tp-comm-overlap-cfg= "

@@ -368,8 +368,7 @@ def peak_at(at, chunks: int = 1) -> str:
         where += f" µb {at.microbatch}"
     if at.chunk is not None and chunks > 1:
         where += f" chunk {at.chunk}"
-    if at.module != STEP:
-        where += f", {at.module or 'model'}"
+    where += f", {at.module or 'model'}"  # STEP: the training step outside the modules
     return where
 
 

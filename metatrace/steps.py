@@ -41,8 +41,12 @@ def synthetic_batches(*, micro_batch_size: int, seq_length: int, attention_mask:
         yield batch
 
 
-def get_batch_on_this_tp_rank(data_iterator, *, micro_batch_size, seq_length, attention_mask):
-    """Megatron-LM training/utils.py: rank 0 of the TP group loads, then broadcasts."""
+def get_batch_on_this_tp_rank(
+    data_iterator, *, micro_batch_size, seq_length, attention_mask, mtp=False
+):
+    """Megatron-LM training/utils.py: rank 0 of the TP group loads, then broadcasts. With
+    multi-token prediction (`mtp`) the last stage takes tokens and positions too: the MTP layers
+    embed them."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
@@ -82,6 +86,8 @@ def get_batch_on_this_tp_rank(data_iterator, *, micro_batch_size, seq_length, at
     elif ps.is_pipeline_first_stage():
         keys = ("tokens", "attention_mask", "position_ids")
         batch["labels"] = batch["loss_mask"] = None
+    elif mtp:  # last stage, with the MTP layers
+        keys = ("tokens", "position_ids", "labels", "loss_mask", "attention_mask")
     else:  # last stage
         keys = ("labels", "loss_mask", "attention_mask")
         batch["tokens"] = batch["position_ids"] = None
@@ -90,7 +96,7 @@ def get_batch_on_this_tp_rank(data_iterator, *, micro_batch_size, seq_length, at
     return batch
 
 
-def get_batch(data_iterator, vp_stage, *, micro_batch_size, seq_length, attention_mask):
+def get_batch(data_iterator, vp_stage, *, micro_batch_size, seq_length, attention_mask, mtp=False):
     """pretrain_gpt.get_batch: nothing on middle stages, TP broadcast, then the CP split."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -104,6 +110,7 @@ def get_batch(data_iterator, vp_stage, *, micro_batch_size, seq_length, attentio
         micro_batch_size=micro_batch_size,
         seq_length=seq_length,
         attention_mask=attention_mask,
+        mtp=mtp,
     )
     batch = get_batch_on_this_cp_rank(batch)
     return (
@@ -145,12 +152,14 @@ def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask:
         from megatron.core.utils import get_attr_wrapped_model
 
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        config = get_attr_wrapped_model(model, "config")
         tokens, labels, loss_mask, mask, position_ids = get_batch(
             data_iterator,
             vp_stage,
             micro_batch_size=micro_batch_size,
             seq_length=seq_length,
             attention_mask=attention_mask,
+            mtp=config.mtp_num_layers is not None,
         )
         output_tensor = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
         return output_tensor, partial(loss_func, loss_mask)

@@ -135,18 +135,44 @@ def transformer_config(job):
         moe_router_dtype=tr.moe_router_dtype,
         moe_expert_capacity_factor=tr.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=tr.moe_routing == "capacity",
+        # Multi-token prediction (inert without it).
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
         # `tensor_model_parallel` when it initialises them.
         perform_initialization=True,
         use_cpu_initialization=False,
     )
+    config_class = TransformerConfig
+    if m.multi_latent_attention:
+        # Megatron-LM's core_transformer_config_from_args switches the class for MLA.
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        fields.update(
+            multi_latent_attention=True,
+            q_lora_rank=m.q_lora_rank,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_head_dim=m.qk_head_dim,
+            qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+            v_head_dim=m.v_head_dim,
+            rope_type=m.rope_type,
+            rotary_base=m.rotary_base,
+            rotary_percent=m.rotary_percent,
+            rotary_scaling_factor=m.rotary_scaling_factor,
+            original_max_position_embeddings=m.original_max_position_embeddings,
+            beta_fast=m.beta_fast,
+            beta_slow=m.beta_slow,
+            mscale=m.mscale,
+            mscale_all_dim=m.mscale_all_dim,
+        )
     from metatrace.hooks.patches import megatron_patches
 
     from metatrace.config import GPU_ARCH
 
     try:
         with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
-            config = TransformerConfig(**fields)
+            config = config_class(**fields)
     except (ValueError, AssertionError, TypeError) as e:
         raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
@@ -165,7 +191,8 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
 
     The steps, in this order (each needs the previous):
     1. the backend spec provider for `implementation.transformer_impl`, and from it the layer
-       spec (megatron-core's structure, the provider's modules);
+       specs (megatron-core's structure, the provider's modules) and, on the chunk that holds
+       them, the multi-token-prediction layers' spec;
     2. for every virtual stage v of this rank: its place in the pipeline (pre_process /
        post_process from megatron-core's parallel_state) and the number of layers it builds
        (megatron-core's get_num_layers_to_build, which applies uneven splits and layouts);
@@ -177,7 +204,7 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from metatrace.models.specs import decoder_layer_specs, provider_for
+    from metatrace.models.specs import decoder_layer_specs, mtp_block_spec, provider_for
 
     m = job.model
     provider = provider_for(job.implementation.transformer_impl)
@@ -188,6 +215,7 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
             layer_specs=decoder_layer_specs(config, provider, vp_stage=vp_stage),
             layer_norm=provider.layer_norm(),
         )
+        mtp_block = mtp_block_spec(config, provider, block, vp_stage=vp_stage)
         with torch.device(device):
             model = GPTModel(
                 config=config,
@@ -201,6 +229,7 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
                 position_embedding_type=m.position_embedding_type,
                 rotary_percent=m.rotary_percent,
                 rotary_base=m.rotary_base,
+                mtp_block_spec=mtp_block,
                 vp_stage=vp_stage,
             )
         if config.fp16 or config.bf16:

@@ -67,3 +67,14 @@ class _TECrossEntropy(torch.autograd.Function):
 def te_parallel_cross_entropy(logits, labels, tp_group, is_cg_capturable=False):
     """megatron.core.extensions.transformer_engine.te_parallel_cross_entropy."""
     return _TECrossEntropy.apply(logits, labels, tp_group)
+
+
+class NoKernel:
+    """Stands for a Triton kernel launched as `kernel[grid](...)`: it does nothing (meta tensors
+    hold no values). The autograd Function around it allocates and saves in Python exactly what
+    it does on a GPU, so only the kernel's writes are skipped (megatron-core's fused MLA yarn
+    RoPE, fusions/fused_mla_yarn_rope_apply.py: q is rotated in place, key and value are new
+    tensors, cos and sin are saved)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None

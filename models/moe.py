@@ -121,6 +121,19 @@ def received_per_local_expert(
     return out
 
 
+def balance_routing_map(routing_map: torch.Tensor, topk: int) -> None:
+    """On real tensors (the CPU check of a meta trace): overwrite the router's choices with the
+    balanced assumption, token i going to experts (i·k + j) mod E for j < k, so that the real
+    run routes as the meta trace assumes. Meta tensors hold no choices to overwrite."""
+    if routing_map.device.type == "meta":
+        return
+    tokens, experts = routing_map.shape
+    choice = (torch.arange(tokens).unsqueeze(1) * topk + torch.arange(topk)) % experts
+    balanced = torch.zeros(tokens, experts, dtype=torch.bool)
+    balanced.scatter_(1, choice, True)
+    routing_map.copy_(balanced.to(routing_map.device))
+
+
 def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     """megatron-core's MoEAlltoAllTokenDispatcher.preprocess for dropless routing, with the
     token counts of `Routing` on the host where megatron-core has them after its device-to-host

@@ -194,4 +194,51 @@ PRESETS: dict[str, Preset] = {
         },
         "Qwen/Qwen3-30B-A3B config.json (every layer sparse: decoder_sparse_step 1)",
     ),
+    "deepseek-v3": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 61,
+            "hidden_size": 7168,
+            "ffn_hidden_size": 18432,  # intermediate_size: the 3 dense layers
+            "num_attention_heads": 128,
+            "kv_channels": 128,  # Megatron-LM's DeepSeek-V3 recipe; MLA uses the dims below
+            "norm_epsilon": 1e-6,
+            "vocab_size": 129280,
+            "max_position_embeddings": 163840,
+            "rotary_base": 10000,
+            # multi-latent attention; q_a_layernorm / kv_a_layernorm are its qk_layernorm
+            "multi_latent_attention": True,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_head_dim": 128,  # qk_nope_head_dim
+            "qk_pos_emb_head_dim": 64,  # qk_rope_head_dim
+            "v_head_dim": 128,
+            "qk_layernorm": True,
+            "rope_type": "yarn",
+            "rotary_scaling_factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            # mixture of experts: first_k_dense_replace 3, n_routed_experts 256, top 8,
+            # n_shared_experts 1 x moe_intermediate_size, noaux_tc (sigmoid, expert bias)
+            "num_experts": 256,
+            "moe_router_topk": 8,
+            "moe_ffn_hidden_size": 2048,
+            "moe_shared_expert_intermediate_size": 2048,
+            "moe_layer_freq": "([0]*3+[1]*58)",
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": 8,
+            "moe_router_group_topk": 4,
+            "moe_router_topk_scaling_factor": 2.5,
+            "moe_router_load_balancing_type": "seq_aux_loss",
+            "moe_aux_loss_coeff": 1e-4,
+            # multi-token prediction: num_nextn_predict_layers 1
+            "mtp_num_layers": 1,
+            "mtp_loss_scaling_factor": 0.1,
+        },
+        "deepseek-ai/DeepSeek-V3 config.json (MTP loss weight 0.1 from the paper, section 4.2)",
+    ),
 }

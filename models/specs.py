@@ -23,6 +23,10 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -47,13 +51,44 @@ class MetaLocalSpecProvider(LocalSpecProvider):
         return LocalNorm
 
 
+def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
+    """megatron-core 0.16.1's MLASelfAttention spec, as get_gpt_layer_with_transformer_engine_spec
+    (a provider that fuses norms: down-projections replicated (TELinear), the latent norms fused
+    into the up-projections) and get_gpt_layer_local_spec (column-parallel projections, separate
+    latent norms) build it with multi_latent_attention=True."""
+    if provider.fuse_layernorm_and_linear():
+        up = provider.column_parallel_layer_norm_linear() if qk_layernorm else (
+            provider.column_parallel_linear()
+        )
+        down, latent_norm = provider.linear(), IdentityOp
+    else:
+        up = down = provider.column_parallel_linear()
+        latent_norm = provider.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=provider.column_parallel_linear(),
+            linear_q_down_proj=down,
+            linear_q_up_proj=up,
+            linear_kv_down_proj=down,
+            linear_kv_up_proj=up,
+            core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=latent_norm,
+            kv_layernorm=latent_norm,
+        ),
+    )
+
+
 def gpt_layer_spec(
     provider, *, qk_layernorm: bool = False, num_experts: int | None = None,
-    moe_grouped_gemm: bool = False,
+    moe_grouped_gemm: bool = False, multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
     (megatron-core's MoELayer from get_moe_module_spec_for_backend; the pre-MLP norm is then a
-    module of its own, as the MoE layer cannot fuse it)."""
+    module of its own, as the MoE layer cannot fuse it); with `multi_latent_attention` its
+    attention is MLA (`mla_attention_spec`), whose input norm is never fused."""
     fused = provider.fuse_layernorm_and_linear()
     norm = provider.layer_norm()
     if num_experts is not None:
@@ -63,6 +98,18 @@ def gpt_layer_spec(
         )
     else:
         mlp = get_mlp_module_spec_for_backend(backend=provider)
+    if multi_latent_attention:
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=norm,
+                self_attention=mla_attention_spec(provider, qk_layernorm=qk_layernorm),
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=IdentityOp if fused and num_experts is None else norm,
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
     qk_norm = provider.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
     linear_qkv = provider.column_parallel_layer_norm_linear() if fused else (
         provider.column_parallel_linear()
@@ -106,14 +153,14 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    dense = gpt_layer_spec(provider, qk_layernorm=config.qk_layernorm)
+    dense = gpt_layer_spec(
+        provider, qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+    )
     if config.num_moe_experts is None:
         pattern = [0] * config.num_layers
     else:
-        moe = gpt_layer_spec(
-            provider, qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts,
-            moe_grouped_gemm=config.moe_grouped_gemm,
-        )
+        moe = _moe_layer_spec(config, provider)
         freq = config.moe_layer_freq
         pattern = freq if isinstance(freq, list) else [
             1 if i % freq == 0 else 0 for i in range(config.num_layers)
@@ -125,6 +172,33 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
         return [specs[i] for i in ids]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     return specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+
+
+def _moe_layer_spec(config, provider) -> ModuleSpec:
+    return gpt_layer_spec(
+        provider, qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        multi_latent_attention=config.multi_latent_attention,
+    )
+
+
+def mtp_block_spec(config, provider, block, *, vp_stage=None):
+    """The multi-token-prediction block of the chunk `block` belongs to (None where it holds no
+    MTP layer), as Megatron-LM's model provider builds it: megatron-core's
+    get_gpt_mtp_block_spec_for_backend with the chunk's last decoder layer as the MTP layer's
+    transformer layer, or, on a chunk without decoder layers, the model's layer spec (MoE when
+    the model has experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    if not config.mtp_num_layers:
+        return None
+    spec = block
+    if not block.layer_specs:
+        spec = _moe_layer_spec(config, provider) if config.num_moe_experts else gpt_layer_spec(
+            provider, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+        )
+    return get_gpt_mtp_block_spec_for_backend(config, spec, backend=provider, vp_stage=vp_stage)
 
 
 class MetaTESpecProvider(BackendSpecProvider):

@@ -204,10 +204,11 @@ def unfused_attention(q, k, v, scale: float, dropout: float, training: bool):
         probs = torch.softmax(scores.float().masked_fill_(mask, -10000.0), dim=-1).to(q.dtype)
     if training and dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
-    v2 = v.reshape(sk, b * np_, hn).transpose(0, 1)
-    context = torch.bmm(probs.view(b * np_, sq, sk), v2)  # [b*np, sq, hn]
-    context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).contiguous()
-    return context.view(sq, b, np_ * hn)
+    hv = v.shape[-1]  # the value head dimension (MLA: v_head_dim, not the query's)
+    v2 = v.reshape(sk, b * np_, hv).transpose(0, 1)
+    context = torch.bmm(probs.view(b * np_, sq, sk), v2)  # [b*np, sq, hv]
+    context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3).contiguous()
+    return context.view(sq, b, np_ * hv)
 
 
 class TEDotProductAttention(torch.nn.Module):

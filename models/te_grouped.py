@@ -157,19 +157,22 @@ class TEGroupedLinear(torch.nn.Module):
         """Delayed weight-gradient computation (not modelled)."""
 
 
-class TEColumnParallelGroupedLinear(TEGroupedLinear):
+class _ParallelGroupedLinear(TEGroupedLinear):
+    """megatron-core's column / row wrappers: the parallel mode is the class's."""
+
+    parallel_mode = "column"
+
     def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
                  skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column",
+        super().__init__(num_gemms, input_size, output_size, parallel_mode=self.parallel_mode,
                          config=config, init_method=init_method, bias=bias,
                          skip_bias_add=skip_bias_add, is_expert=is_expert,
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
 
 
-class TERowParallelGroupedLinear(TEGroupedLinear):
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row",
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+class TEColumnParallelGroupedLinear(_ParallelGroupedLinear):
+    parallel_mode = "column"
+
+
+class TERowParallelGroupedLinear(_ParallelGroupedLinear):
+    parallel_mode = "row"

@@ -123,6 +123,31 @@ def test_moe_case_maps_experts_and_expert_parallelism():
     assert not_modelled(c["args"]) == []
 
 
+def test_mla_case_maps_the_latent_dimensions():
+    c = case("gpt/gpt3_mcore_te_tp2_pp2_mla")
+    resolved, notes = job_from_args(c["args"], world_size=8, gpu="h100", env=c["env_vars"])
+    assert not [n for n in notes if n.startswith("warning")]
+    m = resolved.model
+    assert m.multi_latent_attention and (m.q_lora_rank, m.kv_lora_rank) == (192, 64)
+    assert (m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (16, 8, 16)
+    # Megatron-LM's defaults: yarn (MLATransformerConfig's), factor 1.0 (the CLI's, not 40)
+    assert (m.rope_type, m.rotary_scaling_factor, m.mscale_all_dim) == ("yarn", 1.0, 0.0)
+    assert not_modelled(c["args"]) == []
+
+
+def test_mtp_keeps_its_layout_and_mla_flags_need_mla():
+    resolved, _ = job(BASE.replace("--num-layers 12", "--num-layers 3") +
+                      " --position-embedding-type rope --pipeline-model-parallel-size 2"
+                      " --mtp-num-layers 1 --pipeline-model-parallel-layout 'Et|ttmL'")
+    assert resolved.model.mtp_num_layers == 1 and resolved.parallel.layout == "Et|ttmL"
+    resolved, notes = job(BASE + " --kv-lora-rank 64 --mscale 2.0")
+    assert resolved.model.kv_lora_rank == 32 and resolved.model.mscale == 1.0
+    assert any("--kv-lora-rank, --mscale are ignored without --multi-latent-attention" in n
+               for n in notes)
+    assert "--rope-type yarn needs --multi-latent-attention" in error(BASE + " --rope-type yarn")
+    assert "exclude each other" in error(BASE + " --multi-latent-attention --group-query-attention")
+
+
 def test_moe_options_not_modelled_are_listed():
     resolved, notes = job(BASE + " --num-experts 8 --moe-permute-fusion --moe-layer-freq 2"
                           " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity")

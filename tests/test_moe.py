@@ -26,6 +26,14 @@ def moe_job(model=None, parallel=None, training=None, **sections):
     )
 
 
+def merged(*parts):
+    out: dict = {}
+    for part in parts:
+        for name, values in part.items():
+            out[name] = {**out.get(name, {}), **values}
+    return out
+
+
 @pytest.mark.parametrize(
     "preset, layout, total, active",
     [
@@ -166,3 +174,47 @@ def test_expert_and_dense_optimizer_state_shard_over_their_own_groups():
 def test_moe_config_errors(sections, message):
     with pytest.raises(ConfigError, match=message):
         small_job(**sections)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"parallel": {"tp": 2, "ep": 2, "sequence_parallel": True,
+                      "moe_token_dispatcher_type": "alltoall"},
+         "implementation": {"moe_grouped_gemm": True}, "cluster": {"num_gpus": 4}},
+        {"parallel": {"tp": 2, "ep": 2, "sequence_parallel": True},
+         "implementation": {"transformer_impl": "local"}, "cluster": {"num_gpus": 4}},
+        {"model": {"moe_shared_expert_intermediate_size": 128},
+         "parallel": {"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+         "training": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}},
+         "implementation": {"moe_grouped_gemm": True}, "cluster": {"num_gpus": 2}},
+    ],
+    ids=["alltoall-te-grouped-tp2", "allgather-local-tp2", "shared-experts-moe-act-recompute"],
+)
+def test_moe_meta_matches_real_cpu_tensors_under_balanced_routing(sections):
+    """On real CPU tensors the router's choices are overwritten with the balanced routing the
+    meta trace assumes (and masked_select counts for itself): both keep the same tensors for
+    backward and issue the same collectives, so the counts metatrace supplies on meta are the
+    ones the real code derives."""
+    from metatrace.world import World
+    from test_trace import assert_meta_matches_real
+
+    job = moe_job(**merged({"training": {"global_batch_size": 8}}, sections))
+    world = World.from_job(job)
+    assert_meta_matches_real(job, world, world.roles()[0])
+
+
+def test_moe_recompute_keeps_only_the_layer_input():
+    # Selective recompute of "moe": megatron-core checkpoints the whole MoE layer (router,
+    # dispatch, experts, combine), which keeps only its input, the pre-MLP norm's output
+    # [s, b, h] bf16, per layer; without it the layer keeps far more.
+    def kept(recompute):
+        training = {"recompute": {"granularity": "selective", "modules": ["moe"]}} if recompute else {}
+        job = moe_job(parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+                      training=training, cluster={"num_gpus": 2})
+        trace = trace_job(job, full_model=False, workers=1).roles[0].trace
+        return sum(s.bytes for s in trace.saved if not s.static and s.phase == "forward"
+                   and s.module.startswith("decoder.layers.0.mlp"))
+
+    assert kept(True) == S * B * H * BF16
+    assert kept(False) > 4 * S * B * H * BF16

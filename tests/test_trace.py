@@ -124,12 +124,18 @@ def test_meta_tells_the_truth(sections):
     job = small_job(**sections)
     world = World.from_job(job)
     for role in world.roles():
-        meta = trace_role(job, world, role, device="meta", also_track=("cpu",)).trace
-        real = trace_role(job, world, role, device="cpu").trace
-        saved = lambda t: [(s.module, s.shape, s.dtype, s.bytes, s.phase, s.static) for s in t.saved]
-        assert saved(meta) == saved(real)
-        assert collective_rows(meta) == collective_rows(real)
-        assert agg.activation_bytes(meta) == agg.activation_bytes(real) > 0
+        assert_meta_matches_real(job, world, role)
+
+
+def assert_meta_matches_real(job, world, role):
+    """`role` traced on meta and on real CPU tensors: the same tensors saved for backward, the
+    same collectives, the same activation bytes."""
+    meta = trace_role(job, world, role, device="meta", also_track=("cpu",)).trace
+    real = trace_role(job, world, role, device="cpu").trace
+    saved = lambda t: [(s.module, s.shape, s.dtype, s.bytes, s.phase, s.static) for s in t.saved]
+    assert saved(meta) == saved(real)
+    assert collective_rows(meta) == collective_rows(real)
+    assert agg.activation_bytes(meta) == agg.activation_bytes(real) > 0
 
 
 def test_nothing_is_unclassified(debug_trace):
