@@ -102,17 +102,25 @@ def build_summary(job, world) -> Table:
     table.add_column(style="bold")
     table.add_column()
     name = f"{m.preset}: " if m.preset else ""
-    gqa = (
-        f"{m.num_query_groups} query groups"
-        if m.num_query_groups != m.num_attention_heads
-        else "multi-head"
-    )
+    if m.multi_latent_attention:
+        q = f"q rank {m.q_lora_rank}, " if m.q_lora_rank else ""
+        attention = (
+            f"multi-latent: {q}kv rank {m.kv_lora_rank}, qk head dim "
+            f"{m.qk_head_dim}+{m.qk_pos_emb_head_dim}, v head dim {m.v_head_dim}"
+        )
+    elif m.num_query_groups != m.num_attention_heads:
+        attention = f"{m.num_query_groups} query groups, head dim {m.kv_channels}"
+    else:
+        attention = f"multi-head, head dim {m.kv_channels}"
+    position = m.position_embedding_type
+    if position == "rope" and m.multi_latent_attention and m.rope_type == "yarn":
+        position = f"yarn rope (x{m.rotary_scaling_factor:g})"
+    mtp = f", {m.mtp_num_layers} MTP layer{'s' * (m.mtp_num_layers > 1)}" if m.mtp_num_layers else ""
     table.add_row(
         "model",
-        f"{name}{m.num_layers} layers, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
-        f"{m.num_attention_heads} heads ({gqa}, head dim {m.kv_channels}), vocab {m.vocab_size} "
-        f"(padded {job.padded_vocab_size}), {m.normalization}, {m.activation}, "
-        f"{m.position_embedding_type}, "
+        f"{name}{m.num_layers} layers{mtp}, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
+        f"{m.num_attention_heads} heads ({attention}), vocab {m.vocab_size} "
+        f"(padded {job.padded_vocab_size}), {m.normalization}, {m.activation}, {position}, "
         f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} embeddings, "
         f"{'biases' if m.add_bias_linear else 'no biases'}, dropout "
         f"{m.hidden_dropout:g}/{m.attention_dropout:g}",
