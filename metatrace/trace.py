@@ -66,17 +66,20 @@ def trace_job(
         for role in world.roles()
     ]
     if full_model:
+        # First: the whole model on one GPU is the longest trace (all layers, all experts),
+        # so it runs beside the roles rather than after them.
         single = single_gpu_job(job)
         single_world = World.from_job(single)
-        tasks.append(
-            ("the full model on one GPU", (single, single_world, single_world.roles()[0], device, False))
+        tasks.insert(
+            0,
+            ("the full model on one GPU", (single, single_world, single_world.roles()[0], device, False)),
         )
     if workers is None:
         workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     workers = max(1, min(workers, len(tasks)))
     results = _run_tasks(tasks, workers, progress)
-    roles = results[: len(world.roles())]
-    full = results[len(world.roles())] if full_model else None
+    full = results.pop(0) if full_model else None
+    roles = results
     return JobTrace(
         job=job,
         world=world,

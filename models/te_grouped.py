@@ -119,7 +119,9 @@ class TEGroupedLinear(torch.nn.Module):
         dtype = config.params_dtype
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype, device=device))
-            if config.perform_initialization:
+            if config.perform_initialization and w.device.type != "meta":
+                # (on meta an initialiser writes nothing, and hundreds of experts' normal_
+                # calls cost seconds)
                 with get_cuda_rng_tracker().fork():
                     init_method(w)
             # TE's reset_parameters on a device; with megatron-core's explicit communication TE
