@@ -77,14 +77,21 @@ def _tensors(obj):
 
 
 class _Storages:
-    """Live storages on the traced device, found through the tensors that use them."""
+    """Live storages on the traced device, found through the tensors that use them.
+
+    A storage is live from first sight until its StorageImpl dies: a weak reference to the
+    storage itself says when (the Python storage object lives as long as the StorageImpl). Counting the
+    tensor objects that use a storage instead misses deaths where a tensor's storage changes
+    beneath it without a dispatched operator, and a new storage at the dead one's address then
+    passes for it (seen with megatron-core's fused MLA RoPE). Static storages (parameters,
+    gradient buffers, optimizer state) count for the whole trace."""
 
     def __init__(self, device_types: tuple[str, ...], on_change):
         self.device_types = device_types
         self.on_change = on_change  # on_change(delta_bytes, storage id)
         self.by_tensor: dict[int, tuple[weakref.ref, int]] = {}
         self.by_cdata: dict[int, int] = {}
-        self.live: dict[int, list] = {}  # sid -> [tensor refs, rounded bytes, cdata]
+        self.live: dict[int, list] = {}  # sid -> [weakref to the storage, rounded bytes, cdata]
         self.static: set[int] = set()
         self.next_sid = 0
 
@@ -93,7 +100,7 @@ class _Storages:
         if t.device.type not in self.device_types:
             return None
         entry = self.by_tensor.get(id(t))
-        if entry is not None:
+        if entry is not None and entry[1] in self.live:
             return entry[1]
         return self._bind(t)
 
@@ -106,10 +113,9 @@ class _Storages:
             self.next_sid += 1
             nbytes = round_block(storage.nbytes())
             self.by_cdata[cdata] = sid
-            self.live[sid] = [0, nbytes, cdata]
+            self.live[sid] = [weakref.ref(storage, partial(self._storage_dead, sid)), nbytes, cdata]
             if nbytes:
                 self.on_change(nbytes, sid)
-        self.live[sid][0] += 1
         self.by_tensor[id(t)] = (weakref.ref(t, partial(self._dead, id(t))), sid)
         return sid
 
@@ -117,7 +123,7 @@ class _Storages:
         """After an operator wrote to `t`: it may use another storage now (out= variants resize
         their output, set_ swaps it) or its storage may have grown (resize_)."""
         entry = self.by_tensor.get(id(t))
-        if entry is None:
+        if entry is None or entry[1] not in self.live:
             self.see(t)
             return
         info = self.live[entry[1]]
@@ -132,25 +138,24 @@ class _Storages:
 
     def rebind(self, t: torch.Tensor) -> None:
         """`t` now uses another storage (tensor.data = ..., set_, a resized out= tensor)."""
-        entry = self.by_tensor.pop(id(t), None)
-        if entry is not None:
-            self._release(entry[1])
+        self.by_tensor.pop(id(t), None)
         if t.device.type in self.device_types:
             self._bind(t)
 
     def _dead(self, tid: int, _ref) -> None:
-        entry = self.by_tensor.pop(tid, None)
-        if entry is not None:
-            self._release(entry[1])
+        self.by_tensor.pop(tid, None)
 
-    def _release(self, sid: int) -> None:
-        info = self.live[sid]
-        info[0] -= 1
-        if info[0] == 0 and sid not in self.static:
-            del self.live[sid]
-            del self.by_cdata[info[2]]
-            if info[1]:
-                self.on_change(-info[1], sid)
+    def _storage_dead(self, sid: int, _ref=None) -> None:
+        info = self.live.get(sid)
+        if info is None:
+            return
+        if self.by_cdata.get(info[2]) == sid:
+            del self.by_cdata[info[2]]  # the address may hold a new storage now
+        if sid in self.static:
+            return  # counted for the whole trace
+        del self.live[sid]
+        if info[1]:
+            self.on_change(-info[1], sid)
 
     def nbytes(self, sid: int) -> int:
         return self.live[sid][1] if sid in self.live else 0

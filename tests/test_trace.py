@@ -201,3 +201,26 @@ def test_pipeline_split_is_megatron_cores(sections):
                       if m.type == "TransformerLayer" and m.fqn.startswith(prefix)]
             built[v * pp + rt.role.pp_stage] = len(layers)
     assert [built[i] for i in range(len(built))] == chunk_layer_counts(job)
+
+
+def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
+    """A storage is live until its StorageImpl dies. MLA's fused YaRN RoPE (megatron-core's
+    Triton kernels, stood in by no-ops) changes tensors' storages beneath them; counting the
+    tensor objects missed those frees, a new storage at the same address passed for the old
+    one, and the peak depended on what the process had traced before."""
+    from metatrace.memory import role_memory
+
+    job = small_job(
+        model={"preset": "deepseek-v3", "num_layers": 2, "num_experts": None,
+               "moe_shared_expert_intermediate_size": None, "moe_router_num_groups": None,
+               "moe_router_group_topk": None, "mtp_num_layers": None, "hidden_size": 512,
+               "ffn_hidden_size": 1024, "num_attention_heads": 8},
+        training={"seq_length": 256, "global_batch_size": 2, "micro_batch_size": 2},
+    )
+    assert job.implementation.rope_fusion
+    world = World.from_job(job)
+    peaks = set()
+    for _ in range(3):
+        rt = trace_role(job, world, world.roles()[0])
+        peaks.add(role_memory(rt.trace, rt.iteration).peak)
+    assert len(peaks) == 1
