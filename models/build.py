@@ -246,7 +246,8 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def single_gpu_job(job):
-    """The same model and micro-batch on one GPU: no parallelism (the "full model" view)."""
+    """The same model and micro-batch on one GPU: no parallelism and no optimizer sharding (the
+    "full model" view)."""
     par = dataclasses.replace(
         job.parallel,
         tp=1,
@@ -264,6 +265,17 @@ def single_gpu_job(job):
         layout=None,
     )
     tr = dataclasses.replace(job.training, global_batch_size=job.training.micro_batch_size)
+    if not tr.fp8_param_gather:
+        # On one GPU the distributed optimizer shards nothing and the view shows no optimizer
+        # state; megatron-core maps parameters to its buckets in O(buckets x parameters), which
+        # takes minutes for a whole DeepSeek-V3 on one rank.
+        tr = dataclasses.replace(
+            tr,
+            distributed_optimizer=False,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            overlap_param_gather_with_optimizer_step=False,
+        )
     cl = dataclasses.replace(job.cluster, num_gpus=1)
     multiple = job.model.make_vocab_size_divisible_by
     padded = -(-job.model.vocab_size // multiple) * multiple
