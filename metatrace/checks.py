@@ -464,6 +464,11 @@ def _check_moe(job):
             name for name, value, default in (
                 ("model.moe_shared_expert_intermediate_size",
                  m.moe_shared_expert_intermediate_size, None),
+                ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, None),
+                ("model.moe_router_num_groups", m.moe_router_num_groups, None),
+                ("model.moe_router_group_topk", m.moe_router_group_topk, None),
+                ("model.moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
+                ("model.moe_router_enable_expert_bias", m.moe_router_enable_expert_bias, False),
                 ("implementation.moe_grouped_gemm", impl.moe_grouped_gemm, False),
                 ("training.moe_routing", tr.moe_routing, "balanced"),
                 ("training.moe_expert_capacity_factor", tr.moe_expert_capacity_factor, None),

@@ -211,12 +211,14 @@ def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
     from metatrace.memory import role_memory
 
     job = small_job(
-        model={"preset": "deepseek-v3", "num_layers": 2, "num_experts": None,
-               "moe_shared_expert_intermediate_size": None, "moe_router_num_groups": None,
-               "moe_router_group_topk": None, "mtp_num_layers": None, "hidden_size": 512,
-               "ffn_hidden_size": 1024, "num_attention_heads": 8},
+        model={"num_layers": 2, "hidden_size": 512, "ffn_hidden_size": 1024,
+               "num_attention_heads": 8, "num_query_groups": 8, "kv_channels": 64,
+               "multi_latent_attention": True, "q_lora_rank": 128, "kv_lora_rank": 64,
+               "qk_head_dim": 64, "qk_pos_emb_head_dim": 32, "v_head_dim": 64,
+               "rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0},
         training={"seq_length": 256, "global_batch_size": 2, "micro_batch_size": 2},
     )
+    assert job.model.rope_type == "yarn"
     assert job.implementation.rope_fusion
     world = World.from_job(job)
     peaks = set()
