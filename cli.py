@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
             "--expand", action="store_true", help="show identical layers and stages one by one"
         )
         p.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+        p.add_argument(
+            "--quiet", "-q", action="store_true", help="no progress messages on stderr"
+        )
 
     run = sub.add_parser("run", help="trace every rank role and print the report")
     common(run)
@@ -73,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--jobs", type=int, metavar="N", help="processes tracing roles in parallel (default: CPUs, at most 4)"
+    )
+    run.add_argument(
+        "--fail-on-oom",
+        action="store_true",
+        help="exit with status 1 when some rank does not fit in GPU memory",
     )
     run.set_defaults(func=cmd_run)
 
@@ -108,9 +116,9 @@ def _console(args, console):
     return Console(width=args.width) if args.width else Console()
 
 
-def _progress(console):
-    """Progress on stderr while tracing, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
+def _progress(console, args=None):
+    """Progress on stderr while tracing, only when stderr is a terminal (and not --quiet)."""
+    if not sys.stderr.isatty() or getattr(args, "quiet", False):
         return None
     from rich.console import Console
 
@@ -191,7 +199,7 @@ def cmd_run(args, console=None) -> int:
     _check_jobs(args)
     job = _load_job(args)
     console = _console(args, console)
-    progress = _progress(console)
+    progress = _progress(console, args)
     search = None
     if args.max_mbs:
         search = max_micro_batch(
@@ -213,7 +221,16 @@ def cmd_run(args, console=None) -> int:
             report["max_micro_batch"] = search_report(search)
         write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}")
+    if args.fail_on_oom and not _fits(job_trace):
+        return 1
     return 0
+
+
+def _fits(job_trace) -> bool:
+    from metatrace.memory import role_memory, verdict
+
+    ranked = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
+    return verdict(job_trace.job, ranked).fits
 
 
 def _check_jobs(args) -> None:
@@ -230,7 +247,9 @@ def cmd_comm(args, console=None) -> int:
     _check_jobs(args)
     job = _load_job(args)
     console = _console(args, console)
-    job_trace = trace_job(job, full_model=False, progress=_progress(console), workers=args.jobs)
+    job_trace = trace_job(
+        job, full_model=False, progress=_progress(console, args), workers=args.jobs
+    )
     console.print(section("Configuration"))
     console.print(build_summary(job, job_trace.world))
     render_comm(job_trace, console, dim=args.dim)

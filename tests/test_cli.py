@@ -205,3 +205,15 @@ def test_max_mbs_finds_the_largest_micro_batch_that_fits(tmp_path):
     larger = [c for c in search["candidates"] if c > best]
     assert not larger or not probes[larger[0]]["fits"]
     assert "Micro-batch size" in result.stdout
+
+
+def test_fail_on_oom_exit_code_follows_the_verdict(tmp_path):
+    # The debug job peaks near 100 MiB per GPU: it fits on an H100 and not on a GPU of
+    # 0.05 GiB with no reserved overhead; --fail-on-oom turns that verdict into exit status 1.
+    small = write(tmp_path, "model: {preset: debug}\ntraining: {seq_length: 64}\n"
+                  "cluster: {gpu_memory_gib: 0.05, reserved_overhead_gib: 0}")
+    fits = metatrace("run", "--config", DEBUG, "--no-full-model", "--fail-on-oom", "--quiet")
+    assert fits.returncode == 0, fits.stderr
+    oom = metatrace("run", "--config", small, "--no-full-model", "--fail-on-oom", "-q")
+    assert oom.returncode == 1 and "Out of memory" in oom.stdout
+    assert metatrace("run", "--config", small, "--no-full-model").returncode == 0
