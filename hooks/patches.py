@@ -586,35 +586,26 @@ _META_DEPTH = [0]  # megatron_patches nests when a config is checked inside a tr
 
 
 @contextlib.contextmanager
-def _coalesced_meta_kernels():
-    """torch 2.13 registers Meta kernels for 16 c10d operators but not the coalesced ones (see
-    torch/distributed/_meta_registrations.py); Transformer Engine's FP8 all-gathers and
-    megatron-core's DDP issue them."""
+def _meta_kernels():
+    """Meta kernels torch 2.13 lacks: the coalesced c10d collectives (it registers 16 c10d
+    operators, see torch/distributed/_meta_registrations.py; Transformer Engine's FP8
+    all-gathers and megatron-core's DDP issue them), and aten::masked_select, whose output size
+    depends on the mask's values (metatrace.models.moe sizes it for MoE routing maps)."""
     from torch.distributed._meta_registrations import create_fakework
 
-    lib = None
+    libs = []
     if not _META_DEPTH[0]:
         lib = torch.library.Library("c10d", "IMPL")
         for op in _COALESCED:
             lib.impl(op, lambda *args: create_fakework(args, return_first_arg=False), "Meta")
+        libs = [lib, _moe().masked_select_meta_library()]
     _META_DEPTH[0] += 1
     try:
         yield
     finally:
         _META_DEPTH[0] -= 1
-        if lib is not None:
+        for lib in libs:
             lib._destroy()
-
-
-@contextlib.contextmanager
-def _masked_select_meta_kernel():
-    """aten::masked_select has no Meta kernel in torch 2.13 (its output size depends on the
-    mask's values); metatrace.models.moe gives it one for MoE routing maps."""
-    if _META_DEPTH[0] > 1:  # nested inside an active megatron_patches()
-        yield
-        return
-    with _moe().masked_select_meta_kernel():
-        yield
 
 
 @contextlib.contextmanager
@@ -638,8 +629,7 @@ def megatron_patches():
     with contextlib.ExitStack() as stack:
         for instrument in (
             _nvte_env_isolated,
-            _coalesced_meta_kernels,
-            _masked_select_meta_kernel,
+            _meta_kernels,
             _extension_modules,
             _dynamo_disabled,
             _patched_attributes,

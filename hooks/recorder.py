@@ -131,10 +131,15 @@ class _Storages:
         if storage._cdata != info[2]:
             self.rebind(t)
             return
+        self.resized(entry[1], storage)
+
+    def resized(self, sid: int, storage) -> None:
+        """Storage `sid` may have grown or shrunk in place (resize_)."""
+        info = self.live[sid]
         nbytes = round_block(storage.nbytes())
         if nbytes != info[1]:
             delta, info[1] = nbytes - info[1], nbytes
-            self.on_change(delta, entry[1])
+            self.on_change(delta, sid)
 
     def rebind(self, t: torch.Tensor) -> None:
         """`t` now uses another storage (tensor.data = ..., set_, a resized out= tensor)."""
@@ -539,11 +544,7 @@ class _StorageResizes:
             out = orig(storage, size)
             sid = storages.by_cdata.get(storage._cdata)
             if sid is not None:
-                info = storages.live[sid]
-                nbytes = round_block(storage.nbytes())
-                if nbytes != info[1]:
-                    delta, info[1] = nbytes - info[1], nbytes
-                    storages.on_change(delta, sid)
+                storages.resized(sid, storage)
             return out
 
         torch.UntypedStorage.resize_ = resize_

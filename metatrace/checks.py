@@ -457,27 +457,35 @@ def _check_impl(job):
         )
 
 
+# Keys that only mixture-of-experts layers read.
+_MOE_KEYS = (
+    "model.moe_shared_expert_intermediate_size", "model.moe_ffn_hidden_size",
+    "model.moe_router_num_groups", "model.moe_router_group_topk",
+    "model.moe_router_topk_scaling_factor", "model.moe_router_enable_expert_bias",
+    "implementation.moe_grouped_gemm", "training.moe_routing",
+    "training.moe_expert_capacity_factor", "training.moe_hottest_expert_load",
+    "parallel.moe_token_dispatcher_type", "parallel.moe_shared_expert_overlap",
+)
+
+
+def _given(job, paths) -> list[str]:
+    """The `section.key` paths of `paths` whose value is not the key's default."""
+    import dataclasses
+
+    out = []
+    for path in paths:
+        section, key = path.split(".")
+        values = getattr(job, section)
+        default = next(f.default for f in dataclasses.fields(values) if f.name == key)
+        if getattr(values, key) != default:
+            out.append(path)
+    return out
+
+
 def _check_moe(job):
     m, par, tr, impl = job.model, job.parallel, job.training, job.implementation
     if m.num_experts is None:
-        given = [
-            name for name, value, default in (
-                ("model.moe_shared_expert_intermediate_size",
-                 m.moe_shared_expert_intermediate_size, None),
-                ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, None),
-                ("model.moe_router_num_groups", m.moe_router_num_groups, None),
-                ("model.moe_router_group_topk", m.moe_router_group_topk, None),
-                ("model.moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor, None),
-                ("model.moe_router_enable_expert_bias", m.moe_router_enable_expert_bias, False),
-                ("implementation.moe_grouped_gemm", impl.moe_grouped_gemm, False),
-                ("training.moe_routing", tr.moe_routing, "balanced"),
-                ("training.moe_expert_capacity_factor", tr.moe_expert_capacity_factor, None),
-                ("training.moe_hottest_expert_load", tr.moe_hottest_expert_load, 1.0),
-                ("parallel.moe_token_dispatcher_type", par.moe_token_dispatcher_type, "allgather"),
-                ("parallel.moe_shared_expert_overlap", par.moe_shared_expert_overlap, False),
-            )
-            if value != default
-        ]
+        given = _given(job, _MOE_KEYS)
         if given:
             yield f"{', '.join(given)} need mixture-of-experts layers (model.num_experts)"
         return
@@ -515,20 +523,17 @@ def _check_moe(job):
 
 
 # Model keys that only multi-latent attention reads.
-_MLA_KEYS = (
+_MLA_KEYS = tuple(f"model.{k}" for k in (
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
     "mscale", "mscale_all_dim",
-)
+))
 
 
 def _check_mla(job):
-    import dataclasses
-
     m, par = job.model, job.parallel
     if not m.multi_latent_attention:
-        defaults = {f.name: f.default for f in dataclasses.fields(m)}
-        given = [f"model.{k}" for k in _MLA_KEYS if getattr(m, k) != defaults[k]]
+        given = _given(job, _MLA_KEYS)
         if given:
             yield f"{', '.join(given)} need model.multi_latent_attention"
         if m.rope_type == "yarn":

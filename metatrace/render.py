@@ -6,6 +6,8 @@ aggregator did not (formatting only).
 
 from __future__ import annotations
 
+import re
+
 from rich import box
 from rich.console import Group
 from rich.table import Table
@@ -45,8 +47,6 @@ def compact(dims) -> str:
 def param_shapes(row: agg.ModuleRow) -> str:
     """Parameter names and shapes; numbered ones of one shape (the per-expert weight0,
     weight1, ... of grouped GEMMs) as one entry: "weight0-7 8× [96, 64]"."""
-    import re
-
     entries: list[list] = []  # [base, first, last, shape]
     for name, dims in row.param_shapes:
         m = re.fullmatch(r"(\D+)(\d+)", name)
@@ -164,13 +164,13 @@ def moe_summary(job) -> str:
     """The MoE layers of a job in a line, with the routing assumption its numbers rest on."""
     from metatrace.models.moe import Routing
 
-    m, tr = job.model, job.training
+    m = job.model
     moe_layers = sum(m.moe_layer_freq)
     shared = (
         f", shared experts {m.moe_shared_expert_intermediate_size}"
         if m.moe_shared_expert_intermediate_size else ""
     )
-    routing = Routing(tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor)
+    routing = Routing.of_job(job)
     return (
         f"{m.num_experts} experts, top-{m.moe_router_topk}, expert ffn {m.moe_ffn_hidden_size}"
         f"{shared}, {moe_layers} of {m.num_layers} layers MoE, "

@@ -192,10 +192,7 @@ def job_report(job_trace) -> dict:
     if job.model.num_experts:
         from metatrace.models.moe import Routing
 
-        tr = job.training
-        report["moe_routing"] = Routing(
-            tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor
-        ).describe()
+        report["moe_routing"] = Routing.of_job(job).describe()
     iterations = all(rt.iteration is not None for rt in job_trace.roles)
     mems = [role_memory(rt.trace, rt.iteration) if iterations else None for rt in job_trace.roles]
     comms = [None] * len(mems)

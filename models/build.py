@@ -180,9 +180,7 @@ def transformer_config(job):
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
     from metatrace.models.moe import Routing
 
-    config.metatrace_routing = Routing(
-        tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor
-    )
+    config.metatrace_routing = Routing.of_job(job)
     return config
 
 

@@ -52,15 +52,12 @@ def _masked_select_meta(x, mask):
     return x.new_empty((_SELECTED[-1],))
 
 
-@contextlib.contextmanager
-def masked_select_meta_kernel():
-    """Register the Meta kernel of aten::masked_select while active (torch has none)."""
+def masked_select_meta_library() -> torch.library.Library:
+    """A library registering the Meta kernel of aten::masked_select (torch has none); the
+    kernel is gone once the caller destroys it."""
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("masked_select", _masked_select_meta, "Meta")
-    try:
-        yield
-    finally:
-        lib._destroy()
+    return lib
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,13 @@ class Routing:
 
     @classmethod
     def of(cls, config) -> "Routing":
+        """The assumption transformer_config attached to megatron-core's config."""
         return getattr(config, "metatrace_routing", cls())
+
+    @classmethod
+    def of_job(cls, job) -> "Routing":
+        tr = job.training
+        return cls(tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor)
 
     @property
     def hottest(self) -> float:

@@ -153,19 +153,10 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    dense = gpt_layer_spec(
-        provider, qk_layernorm=config.qk_layernorm,
-        multi_latent_attention=config.multi_latent_attention,
-    )
-    if config.num_moe_experts is None:
-        pattern = [0] * config.num_layers
-    else:
-        moe = _moe_layer_spec(config, provider)
-        freq = config.moe_layer_freq
-        pattern = freq if isinstance(freq, list) else [
-            1 if i % freq == 0 else 0 for i in range(config.num_layers)
-        ]
-    specs = [moe if p else dense for p in pattern]
+    # metatrace.config resolved moe_layer_freq to a 0/1 list per layer.
+    pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
+    kinds = {moe: _layer_spec(config, provider, moe=moe) for moe in set(pattern)}
+    specs = [kinds[p] for p in pattern]
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
         ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
@@ -174,9 +165,11 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     return specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
 
 
-def _moe_layer_spec(config, provider) -> ModuleSpec:
+def _layer_spec(config, provider, *, moe: bool) -> ModuleSpec:
+    """The model's dense or MoE layer spec."""
     return gpt_layer_spec(
-        provider, qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts,
+        provider, qk_layernorm=config.qk_layernorm,
+        num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm,
         multi_latent_attention=config.multi_latent_attention,
     )
@@ -194,10 +187,7 @@ def mtp_block_spec(config, provider, block, *, vp_stage=None):
         return None
     spec = block
     if not block.layer_specs:
-        spec = _moe_layer_spec(config, provider) if config.num_moe_experts else gpt_layer_spec(
-            provider, qk_layernorm=config.qk_layernorm,
-            multi_latent_attention=config.multi_latent_attention,
-        )
+        spec = _layer_spec(config, provider, moe=bool(config.num_moe_experts))
     return get_gpt_mtp_block_spec_for_backend(config, spec, backend=provider, vp_stage=vp_stage)
 
 

@@ -51,34 +51,30 @@ class _GroupedLinearFunction(torch.autograd.Function):
             inputs = torch.split(x2, m_splits)
             out = torch.empty((x2.shape[0], module.out_features), dtype=x.dtype, device=x.device)
             ctx.save_for_backward(*inputs, *weights, *biases)
-            ctx.module, ctx.m_splits, ctx.x_shape = module, m_splits, x.shape
+            ctx.module, ctx.x_shape = module, x.shape
             return out.view(*x.shape[:-1], module.out_features)
 
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
         n = module.num_gemms
-        saved = ctx.saved_tensors
-        inputs, weights, biases = saved[:n], saved[n : 2 * n], saved[2 * n :]
+        saved = ctx.saved_tensors  # the per-expert inputs, then the weights and biases
+        weights, biases = saved[n : 2 * n], saved[2 * n :]
         with library_kernel():
             dy = grad.contiguous().view(-1, grad.shape[-1])
             dgrad = torch.empty(
                 (dy.shape[0], module.in_features), dtype=dy.dtype, device=dy.device
             )
             wgrads = [_wgrad(module, w, dy) for w in weights]
-            bgrads = [
-                torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in biases
-            ] if module.use_bias else [None] * len(biases)
-            del inputs
+            bgrads = [torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in biases]
         return (dgrad.view(ctx.x_shape), None, None, *wgrads, *bgrads)
 
 
 def _wgrad(module, weight, dy):
-    if (
-        module.config.gradient_accumulation_fusion
-        and hasattr(weight, "main_grad")
-        and hasattr(weight, "grad_added_to_main_grad")
-    ):
+    """A fresh [out, in] gradient per expert; with gradient-accumulation fusion the GEMM writes
+    main_grad and TE still returns a new uninitialised tensor of its shape (not the cached
+    dummy of Linear)."""
+    if te_linear.fuses_wgrad(module, weight):
         weight.grad_added_to_main_grad = True
         return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=dy.device)
     return torch.empty(weight.shape, dtype=weight.dtype, device=dy.device)

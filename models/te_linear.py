@@ -131,17 +131,22 @@ def te_wgrad(module, weight, compute, *args, **kwargs):
     wgrad GEMM accumulates into main_grad in place and TE returns get_dummy_wgrad's tensor;
     megatron-core's DDP hook then skips its own accumulation (grad_added_to_main_grad).
     Otherwise `compute(*args, **kwargs)` makes the gradient."""
+    if not fuses_wgrad(module, weight):
+        return compute(*args, **kwargs)
+    weight.grad_added_to_main_grad = True
+    return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype)
+
+
+def fuses_wgrad(module, weight) -> bool:
+    """Whether TE accumulates `weight`'s gradient straight into DDP's main_grad
+    (fuse_wgrad_accumulation, with megatron-core's DDP having given the weight one)."""
     config = getattr(module, "config", None)
-    fused = (
+    return (
         config is not None
         and config.gradient_accumulation_fusion
         and hasattr(weight, "main_grad")
         and hasattr(weight, "grad_added_to_main_grad")
     )
-    if not fused:
-        return compute(*args, **kwargs)
-    weight.grad_added_to_main_grad = True
-    return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype)
 
 
 class _LinearFunction(torch.autograd.Function):
