@@ -23,6 +23,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"metatrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    def megatron_options(group):
+        group.add_argument(
+            "--world-size", type=int, metavar="N", help="GPUs of the run (with Megatron-LM arguments)"
+        )
+        group.add_argument(
+            "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
+        )
+        group.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
+        group.add_argument(
+            "--env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="an environment variable of the run (e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)",
+        )
+
     def common(p):
         source = p.add_argument_group(
             "the job (one of --config, --megatron-args, --megatron-args-file)"
@@ -38,20 +54,7 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="a file with them: one line, a training script, or a YAML {--flag: value} map",
         )
-        source.add_argument(
-            "--world-size", type=int, metavar="N", help="GPUs of the run (with Megatron-LM arguments)"
-        )
-        source.add_argument(
-            "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
-        )
-        source.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
-        source.add_argument(
-            "--env",
-            action="append",
-            default=[],
-            metavar="NAME=VALUE",
-            help="an environment variable of the run (e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)",
-        )
+        megatron_options(source)
         p.add_argument("--depth", type=int, metavar="D", help="deepest module level shown")
         p.add_argument(
             "--expand", action="store_true", help="show identical layers and stages one by one"
@@ -64,6 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="trace every rank role and print the report")
     common(run)
     run.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    run.add_argument(
+        "--html", metavar="PATH", help="also write the report as a self-contained HTML page"
+    )
+    run.add_argument(
+        "--memory-snapshot",
+        metavar="PATH",
+        help="also write the memory timeline of the rank with the highest peak as a PyTorch "
+        "memory snapshot (pytorch.org/memory_viz); {stage} in PATH: one file per pipeline stage",
+    )
+    run.add_argument(
+        "--chrome-trace",
+        metavar="PATH",
+        help="also write the estimated timeline of an iteration as a Chrome/Perfetto trace",
+    )
     run.add_argument(
         "--no-full-model",
         action="store_true",
@@ -105,6 +122,55 @@ def _parser() -> argparse.ArgumentParser:
     common(tree)
     tree.add_argument("--rank", type=int, required=True, metavar="R", help="global rank")
     tree.set_defaults(func=cmd_tree)
+
+    diff = sub.add_parser(
+        "diff",
+        help="compare two jobs: configuration, memory, communication, modules",
+        description="Compare two jobs. Each side is a job file (YAML), a JSON report written by "
+        "`metatrace run --json`, a file of Megatron-LM arguments, or Megatron-LM arguments "
+        "quoted as one string.",
+    )
+    diff.add_argument("a", metavar="A", help="the first job")
+    diff.add_argument("b", metavar="B", help="the job compared with it")
+    megatron_options(diff.add_argument_group("sides given as Megatron-LM arguments"))
+    diff.add_argument("--json", metavar="PATH", help="also write the diff as JSON")
+    diff.add_argument(
+        "--all", action="store_true", help="show unchanged figures of every stage too"
+    )
+    diff.add_argument("--jobs", type=int, metavar="N", help="as for run")
+    diff.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+    diff.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress messages on stderr"
+    )
+    diff.set_defaults(func=cmd_diff, depth=None)
+
+    plan = sub.add_parser(
+        "plan",
+        help="find the parallel layouts that fit and rank them",
+        description="Enumerate parallel layouts of a model on a cluster, prune with closed-form "
+        "bounds, trace the promising ones and rank those that fit.",
+    )
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="NAME", help="a preset (e.g. llama2-70b) or a Hugging "
+                      "Face config.json")
+    what.add_argument("--config", metavar="FILE", help="a job file: its model, training and "
+                      "cluster settings (its parallel layout is replaced)")
+    plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs of the cluster")
+    plan.add_argument("--gpu", metavar="NAME", help="GPU model (default h100)")
+    plan.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="memory per GPU")
+    plan.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
+    plan.add_argument("--reserved-overhead-gib", type=float, metavar="GIB",
+                      help="memory a GPU needs beside the allocator's (default 4)")
+    plan.add_argument("--seq", type=int, metavar="S", help="sequence length")
+    plan.add_argument("--global-batch", type=int, metavar="B", help="samples per iteration")
+    plan.add_argument("--top", type=int, default=3, metavar="K", help="layouts shown (default 3)")
+    plan.add_argument("--max-traces", type=int, default=16, metavar="N",
+                      help="most layouts traced (default 16)")
+    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    plan.add_argument("--jobs", type=int, metavar="N", help="as for run")
+    plan.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+    plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    plan.set_defaults(func=cmd_plan, depth=None)
     return parser
 
 
@@ -126,12 +192,12 @@ def _progress(console, args=None):
     return lambda message: err.print(f"[dim]{message}…[/dim]")
 
 
-def _check_output_path(path: str) -> None:
+def _check_output_path(path: str, flag: str = "--json") -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ConfigError(f"--json {path}: directory {parent} does not exist")
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist")
     if os.path.isdir(path):
-        raise ConfigError(f"--json {path} is a directory")
+        raise ConfigError(f"{flag} {path} is a directory")
 
 
 def _check_depth(args) -> None:
@@ -158,7 +224,9 @@ def _load_job(args):
             raise ConfigError(f"{flag} applies to Megatron-LM arguments; set it in {args.config}")
         from metatrace.config import load_job
 
-        return load_job(args.config)
+        job = load_job(args.config)
+        _warn(job.notes)  # e.g. fields of a Hugging Face config.json that nothing reads
+        return job
     from metatrace.megatron_args import job_from_args, read_args_file, split_args
 
     if args.world_size is None:
@@ -181,10 +249,14 @@ def _load_job(args):
         env=env,
         source=source,
     )
+    _warn(notes)
+    return dataclasses.replace(job, notes=job.notes + tuple(notes))
+
+
+def _warn(notes) -> None:
     for note in notes:
         if note.startswith("warning"):
             print(f"metatrace: {note}", file=sys.stderr)
-    return dataclasses.replace(job, notes=job.notes + tuple(notes))
 
 
 def cmd_run(args, console=None) -> int:
@@ -196,8 +268,25 @@ def cmd_run(args, console=None) -> int:
     _check_depth(args)
     if args.json:
         _check_output_path(args.json)
+    if args.html:
+        _check_output_path(args.html, "--html")
+    if args.chrome_trace:
+        _check_output_path(args.chrome_trace, "--chrome-trace")
     _check_jobs(args)
     job = _load_job(args)
+    if args.chrome_trace:
+        from metatrace.timing import peak_flops
+
+        if peak_flops(job) is None:
+            raise ConfigError(
+                f"--chrome-trace needs the peak FLOP/s of cluster.gpu {job.cluster.gpu!r}, "
+                "which metatrace does not know"
+            )
+    if args.memory_snapshot:
+        from metatrace.snapshot import stage_paths
+
+        for path in stage_paths(args.memory_snapshot, job.parallel.pp):
+            _check_output_path(path, "--memory-snapshot")
     console = _console(args, console)
     progress = _progress(console, args)
     search = None
@@ -215,12 +304,29 @@ def cmd_run(args, console=None) -> int:
     render_run(job_trace, console, depth=args.depth, expand=args.expand)
     if search is not None:
         render_search(job, search, console)
-    if args.json:
+    if args.json or args.html:
         report = job_report(job_trace)
         if search is not None:
             report["max_micro_batch"] = search_report(search)
+    if args.json:
         write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}")
+    if args.html:
+        from metatrace.html import role_timelines, write_html
+
+        write_html(report, args.html, role_timelines(job_trace))
+        console.print(f"\nHTML report written to {args.html}")
+    if args.chrome_trace:
+        from metatrace.chrome import chrome_trace
+        from metatrace.timing import cached_timing
+
+        write_json(chrome_trace(job_trace, cached_timing(job_trace)), args.chrome_trace)
+        console.print(f"\nChrome trace written to {args.chrome_trace}")
+    if args.memory_snapshot:
+        from metatrace.snapshot import write_snapshots
+
+        lines = write_snapshots(job_trace.roles, args.memory_snapshot)
+        console.print("\n" + "\n".join(lines), markup=False, soft_wrap=True)
     if args.fail_on_oom and not _fits(job_trace):
         return 1
     return 0
@@ -295,6 +401,170 @@ def cmd_tree(args, console=None) -> int:
     console.print(build_role_tree(job_trace, [rt], depth=args.depth, expand=args.expand))
     console.print(build_totals_line(rt.trace))
     return 0
+
+
+def _side_report(side: str, args, progress) -> dict:
+    """The JSON report of one side of `metatrace diff`: read, or traced."""
+    import argparse as _argparse
+    import json
+
+    from metatrace.report import job_report
+    from metatrace.trace import trace_job
+
+    if os.path.isfile(side) and side.endswith(".json"):
+        try:
+            with open(side) as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{side}: cannot read a JSON report ({e})") from None
+        if not isinstance(report, dict) or "roles" not in report or "schema_version" not in report:
+            raise ConfigError(f"{side} is not a JSON report of `metatrace run --json`")
+        return report
+    given = dict(config=None, megatron_args=None, megatron_args_file=None)
+    if os.path.isfile(side):
+        given["megatron_args_file" if _megatron_file(side) else "config"] = side
+    elif side.lstrip().startswith("--"):
+        given["megatron_args"] = side
+    else:
+        raise ConfigError(f"{side}: no such file (a side is a job file, a JSON report, "
+                          "or Megatron-LM arguments)")
+    side_args = _argparse.Namespace(**vars(args))
+    vars(side_args).update(given)
+    if given["config"]:
+        vars(side_args).update(world_size=None, gpu=None, gpus_per_node=None, env=[])
+    job = _load_job(side_args)
+    if progress:
+        progress(f"tracing {side}")
+    return job_report(trace_job(job, full_model=False, progress=progress, workers=args.jobs))
+
+
+def _megatron_file(path: str) -> bool:
+    """A file of Megatron-LM arguments rather than a job file: not YAML by its name, or a YAML
+    mapping of `--flag: value`."""
+    if not path.endswith((".yaml", ".yml")):
+        return True
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False  # the job loader names the problem
+    return isinstance(data, dict) and any(str(k).startswith("--") for k in data)
+
+
+def cmd_diff(args, console=None) -> int:
+    from metatrace.diff import diff_reports
+    from metatrace.render_diff import render_diff
+    from metatrace.report import write_json
+
+    _check_depth(args)
+    _check_jobs(args)
+    if args.json:
+        _check_output_path(args.json)
+    console = _console(args, console)
+    progress = _progress(console, args)
+    a = _side_report(args.a, args, progress)
+    b = _side_report(args.b, args, progress)
+    diff = diff_reports(a, b)
+    render_diff(diff, console, all_rows=args.all)
+    if args.json:
+        write_json(diff, args.json)
+        console.print(f"\nJSON diff written to {args.json}")
+    return 0
+
+
+def _plan_base(args):
+    """The job whose model, batch and cluster the planner keeps, on one GPU."""
+    import dataclasses
+
+    from metatrace.config import job_from_dict, load_job, resolve
+
+    if args.config:
+        base = load_job(args.config)
+        source = args.config
+    else:
+        key = "hf_config" if args.model.endswith(".json") else "preset"
+        missing = [f for f, v in (("--num-gpus", args.num_gpus), ("--seq", args.seq),
+                                  ("--global-batch", args.global_batch)) if v is None]
+        if missing:
+            raise ConfigError(f"plan --model needs {', '.join(missing)}")
+        base = job_from_dict({"model": {key: args.model},
+                              "training": {"seq_length": args.seq,
+                                           "global_batch_size": args.global_batch},
+                              "cluster": {"num_gpus": 1}}, source=args.model)
+        source = args.model
+    training = base.training
+    if args.seq is not None:
+        training = dataclasses.replace(training, seq_length=args.seq)
+    if args.global_batch is not None:
+        training = dataclasses.replace(training, global_batch_size=args.global_batch)
+    cluster = dataclasses.replace(base.cluster, num_gpus=None)
+    for flag, key in (("gpu", "gpu"), ("gpus_per_node", "gpus_per_node"),
+                      ("gpu_memory_gib", "gpu_memory_gib"),
+                      ("reserved_overhead_gib", "reserved_overhead_gib")):
+        if getattr(args, flag) is not None:
+            cluster = dataclasses.replace(cluster, **{key: getattr(args, flag)})
+    if args.gpu is not None and args.gpu_memory_gib is None:
+        cluster = dataclasses.replace(cluster, gpu_memory_gib=None, intra_node_gbps=None,
+                                      inter_node_gbps=None, cublas_workspace_config=None)
+    parallel = type(base.parallel)(rank_order=base.parallel.rank_order)
+    num_gpus = args.num_gpus or base.cluster.num_gpus
+    job = resolve(dataclasses.replace(base, parallel=parallel, training=training,
+                                      cluster=cluster, notes=(), source=source))
+    return job, num_gpus
+
+
+def cmd_plan(args, console=None) -> int:
+    from metatrace.plan import plan, plan_report
+    from metatrace.render_plan import render_plan
+    from metatrace.report import job_report, write_json
+    from metatrace.trace import trace_job
+
+    _check_depth(args)
+    _check_jobs(args)
+    for flag in ("num_gpus", "top", "max_traces"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.json:
+        _check_output_path(args.json)
+    job, num_gpus = _plan_base(args)
+    console = _console(args, console)
+    bar = _progress_bar(args)
+    with bar or _nothing():
+        task = bar.add_task("tracing", total=args.max_traces) if bar else None
+
+        def progress(done, total, text):
+            if bar:
+                bar.update(task, completed=done, description=text)
+
+        result = plan(job, num_gpus, top=args.top, budget=args.max_traces, progress=progress,
+                      trace=lambda j: job_report(trace_job(j, full_model=False, workers=args.jobs)))
+        if bar:
+            bar.update(task, completed=args.max_traces, description="done")
+    render_plan(job, num_gpus, result, console, top=args.top)
+    if args.json:
+        write_json(plan_report(result, args.top), args.json)
+        console.print(f"\nJSON plan written to {args.json}")
+    return 0 if result.ranked() else 1
+
+
+def _progress_bar(args):
+    """A progress bar on stderr when it is a terminal (and not --quiet)."""
+    if not sys.stderr.isatty() or args.quiet:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def main(argv=None, console=None) -> int:

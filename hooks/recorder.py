@@ -8,7 +8,9 @@ One context manager installs, and on exit (also on error) removes:
 - saved-tensor hooks, which note every tensor autograd keeps for backward;
 - a private `TorchDispatchMode`, which counts every operator, follows every tensor to its
   storage (allocations, and frees when the last tensor using a storage dies, rounded to the
-  CUDA caching allocator's 512-byte blocks), and records collectives from a declarative table;
+  CUDA caching allocator's 512-byte blocks), records collectives from a declarative table, and
+  counts floating-point operations per Window (hooks/flops.py: torch.utils.flop_counter's
+  formulas, and what stand-ins for library kernels report);
 - a private `TorchFunctionMode` that sees `tensor.data = ...` (storage swaps that are not
   dispatched operators, e.g. megatron-core's pipeline-output deallocation).
 
@@ -39,6 +41,7 @@ from metatrace.hooks.collectives import (
     op_key,
     resolve_group,
 )
+from metatrace.hooks import flops as _flops
 from metatrace.hooks.fastmeta import MetaMemo
 from metatrace.hooks.records import (
     STEP,
@@ -54,6 +57,7 @@ from metatrace.hooks.records import (
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512-byte blocks
 _NODE_KEY = "metatrace.module"
 _DATA_SET = torch.Tensor.data.__set__
+_UNKNOWN = object()
 
 
 def round_block(nbytes: int) -> int:
@@ -275,6 +279,10 @@ class Recorder:
         self._modes = []
         self._static_bytes = 0
         self._run = _MEMO if self.device_types[0] == "meta" else _call
+        self._flops = _flops.FlopCount()
+        self._formulas: dict = {}  # operator -> flop_counter formula, or None
+        self._window_flops: list[int] = []  # FLOPs counted when each open window began
+        self._collective_flops: dict[int, int] = {}
 
     # ------------------------------------------------------------------ install / remove
 
@@ -308,6 +316,7 @@ class Recorder:
             for mode in (_DataSwaps(self), _Dispatch(self), _StorageResizes(self)):
                 mode.__enter__()
                 self._modes.append(mode)
+            _flops.push(self._flops)
         except BaseException:
             self._remove()
             raise
@@ -318,6 +327,7 @@ class Recorder:
         return False
 
     def _remove(self) -> None:
+        _flops.pop(self._flops)
         while self._modes:
             self._modes.pop().__exit__(None, None, None)
         while self._handles:
@@ -335,6 +345,7 @@ class Recorder:
             unclassified=dict(self._unclassified),
             windows=tuple(self._windows),
             static_parts=dict(self._static_parts),
+            collective_flops=dict(self._collective_flops),
         )
 
     # ------------------------------------------------------------------ where are we
@@ -365,14 +376,21 @@ class Recorder:
         the activations it keeps."""
         first = self._seq + 1
         info: dict = {}
+        count = self._flops
+        total, fp8 = count.total, count.fp8
+        self._window_flops.append(total)
         try:
             yield info
         finally:
+            self._window_flops.pop()
             sids = {
                 key: self.storages.see(info[key]) if isinstance(info.get(key), torch.Tensor) else None
                 for key in ("output", "held")
             }
-            self._windows.append(Window(phase, chunk, microbatch, first, self._seq, **sids))
+            self._windows.append(
+                Window(phase, chunk, microbatch, first, self._seq, **sids,
+                       flops=count.total - total, fp8_flops=count.fp8 - fp8)
+            )
 
     @contextlib.contextmanager
     def label(self, module: str, phase: str):
@@ -459,6 +477,12 @@ class Recorder:
 
     def _on_op(self, func, args, kwargs, out) -> None:
         self._ops[str(func)] += 1
+        formula = self._formulas.get(func, _UNKNOWN)
+        if formula is _UNKNOWN:
+            formula = self._formulas[func] = _flops.formula(func)
+        if formula is not None and _flops.counting():
+            # Shapes only: also right for the outputs fastmeta's memo makes for repeated layers.
+            self._flops.total += formula(*args, out_val=out, **kwargs)
         written = self._written.get(func)
         if written is None:
             written = self._written[func] = _written_args(func)
@@ -504,9 +528,12 @@ class Recorder:
             if isinstance(arrived, torch.Tensor):
                 output_bytes = arrived.numel() * arrived.element_size()
         module, phase = self._where()
+        seq = self._next_seq()
+        if self._window_flops:
+            self._collective_flops[seq] = self._flops.total - self._window_flops[-1]
         self._collectives.append(
             Collective(
-                seq=self._next_seq(),
+                seq=seq,
                 op=spec.kind,
                 aten=str(func),
                 group=name,

@@ -120,6 +120,12 @@ class Window:
     """Storage id of the tensor the step handed on (a forward step's output), if any."""
     held: int | None = None
     """Storage id of the tensor that stands for the activations a replayed forward step keeps."""
+    flops: int = 0
+    """Floating-point operations inside the window (hooks/flops.py: matrix products and
+    attention; a backward step includes its recompute). A replayed step computes nothing: read
+    the traced micro-batch's windows."""
+    fp8_flops: int = 0
+    """Of `flops`, those of FP8 GEMMs."""
 
 
 @dataclass(frozen=True)
@@ -142,3 +148,6 @@ class Trace:
     static_parts: dict[str, int] = field(default_factory=dict)
     """static_bytes by part: "params" (parameters and module buffers), and the parts the
     tracer names (e.g. "grads", "optimizer")."""
+    collective_flops: dict[int, int] = field(default_factory=dict)
+    """{seq of a collective issued inside a Window: the window's FLOPs before it} (where the
+    collective sits in the step's compute)."""

@@ -42,7 +42,8 @@ def check_with_megatron(job) -> None:
 
 def check_job(job) -> None:
     problems = []
-    for check in (_check_model, _check_parallel, _check_impl, _check_moe, _check_mla, _check_mtp):
+    for check in (_check_model, _check_parallel, _check_impl, _check_moe, _check_mla, _check_mtp,
+                  _check_cluster):
         problems.extend(check(job))
     split = list(_check_pipeline(job))
     problems += split
@@ -438,6 +439,15 @@ def _check_recompute(job, split_ok: bool):
             yield "distribute_saved_activations needs parallel.tp > 1 and full recompute"
         if job.parallel.sequence_parallel:
             yield "distribute_saved_activations cannot be combined with sequence parallel"
+
+
+def _check_cluster(job):
+    efficiency = job.cluster.compute_efficiency
+    if not 0 < efficiency <= 1:
+        yield (
+            f"cluster.compute_efficiency = {efficiency} must be more than 0 and at most 1 (the "
+            "fraction of the GPU's peak FLOP/s the time model assumes)"
+        )
 
 
 def _check_impl(job):

@@ -225,6 +225,21 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
     return out
 
 
+def call_seconds(job, world, c: Collective, rank: int) -> tuple[str, float, str | None]:
+    """One call of `c` on `rank`, as role_comm counts it: (dimension, estimated seconds, what
+    Megatron overlaps it with or None). For placing calls in time (metatrace.timing)."""
+    if c.peer is None and len(c.ranks) <= 1:
+        return GROUP_DIMENSION.get(c.group, "other"), 0.0, None
+    dimension = GROUP_DIMENSION.get(c.group) or ("pp" if c.peer is not None else "other")
+    ranks = tuple(sorted({rank, c.peer})) if c.peer is not None else c.ranks
+    sent, received = ring_bytes(c.op, c.bytes, len(c.ranks) if c.peer is None else 2)
+    if c.output_bytes is not None:
+        received = ring_bytes(c.op, c.output_bytes, len(c.ranks))[1]
+    cl = job.cluster
+    gbps = cl.inter_node_gbps if world.crosses_nodes(ranks) else cl.intra_node_gbps
+    return dimension, max(sent, received) * 8 / (gbps * 1e9), _overlap(job, c, dimension)
+
+
 def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
     """How many of the role's ranks send this item's traffic across nodes: each rank's own
     group (or pipeline peer) of the kind the traced rank used."""

@@ -2,10 +2,10 @@
 before any model is built.
 
 A job file has five sections (model, parallel, training, implementation, cluster). Keys are
-those of the dataclasses below; `model.preset` fills the model section and explicit keys
-override it. `load_job(path)` returns a `Job` whose every derived value (ffn size, kv channels,
-padded vocabulary, data-parallel size, number of micro-batches, ...) is resolved the way
-Megatron-LM derives it (../shared/notes/megatron-args.md, section 2).
+those of the dataclasses below; `model.preset` (or `model.hf_config`, a Hugging Face
+config.json) fills the model section and explicit keys override it. `load_job(path)` returns a
+`Job` whose every derived value (ffn size, kv channels, padded vocabulary, data-parallel size,
+number of micro-batches, ...) is resolved the way Megatron-LM derives it (../shared/notes/megatron-args.md, section 2).
 
 Bad input raises `ConfigError`; the command line prints it and exits with code 2.
 """
@@ -32,6 +32,9 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 class Model:
     preset: str | None = None
     """Name of a preset in `metatrace.models.presets` (e.g. llama2-7b); explicit keys override it."""
+    hf_config: str | None = None
+    """Path of a Hugging Face config.json (relative to the job file) read into this section by
+    `metatrace.models.hf`; explicit keys override it. Not together with preset."""
     num_layers: int | None = None
     """Transformer layers in the decoder."""
     hidden_size: int | None = None
@@ -364,6 +367,39 @@ GPU_LINKS_GBPS = {
 }
 
 
+# Peak dense (no sparsity) bf16 tensor-core throughput per GPU, TFLOP/s, from the vendors' data
+# sheets (SXM / OAM parts). The time model (metatrace.timing) runs every counted FLOP at this
+# peak times cluster.compute_efficiency; FP8 GEMMs run at twice it on GPU_FP8_ARCHS.
+GPU_PEAK_TFLOPS = {
+    "a100-40gb": 312,
+    "a100": 312,
+    "h100": 989,
+    "h800": 989,
+    "h200": 989,
+    "b200": 2250,
+    "gb200": 2500,
+    "l40s": 362,
+    "mi300x": 1307,
+}
+
+# Architectures whose tensor cores run FP8 at twice the bf16 rate (Ada, Hopper, Blackwell).
+GPU_FP8_ARCHS = ("sm89", "sm90", "sm100")
+
+# Device memory bandwidth, TB/s (data sheets): the optimizer step's element-wise update is
+# bound by it (metatrace.timing).
+GPU_HBM_TBPS = {
+    "a100-40gb": 1.555,
+    "a100": 2.039,
+    "h100": 3.35,
+    "h800": 3.35,
+    "h200": 4.8,
+    "b200": 8.0,
+    "gb200": 8.0,
+    "l40s": 0.864,
+    "mi300x": 5.3,
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     num_gpus: int | None = None
@@ -385,6 +421,12 @@ class Cluster:
     cublas_workspace_config: str | None = None
     """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
     workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""
+    compute_efficiency: float = 0.5
+    """An assumption of the time model, not a measurement: the fraction of the GPU's peak dense
+    FLOP/s (GPU_PEAK_TFLOPS) that the counted FLOPs (matrix products and attention) run at,
+    i.e. the model FLOPs utilisation of the steps' compute. 0.5 is typical of well-tuned
+    Megatron-LM runs of large dense models on Hopper (published runs report 0.4 to 0.55);
+    small models and short sequences reach less. Between 0 (exclusive) and 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,17 +470,25 @@ def load_job(path: str | Path) -> Job:
         where = getattr(e, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
         raise ConfigError(f"{path}: not valid YAML{line}: {getattr(e, 'problem', e)}") from None
-    return job_from_dict(data if data is not None else {}, source=str(path))
+    data = data if data is not None else {}
+    return job_from_dict(data, source=str(path), base_dir=path.parent)
 
 
-def job_from_dict(data: Any, *, source: str = "<config>") -> Job:
-    """Build and resolve a Job from a plain mapping (the parsed YAML)."""
+def job_from_dict(
+    data: Any, *, source: str = "<config>", base_dir: str | Path | None = None
+) -> Job:
+    """Build and resolve a Job from a plain mapping (the parsed YAML). A relative
+    `model.hf_config` is read from `base_dir` (the job file's directory; default the current
+    one)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections {SECTIONS}")
+    data, hf_notes = _apply_hf_config(data, Path(base_dir) if base_dir is not None else None)
     job = _build(
         Job, _apply_preset(data), "", exclude=_DERIVED
     )
-    return resolve(dataclasses.replace(job, source=source))
+    job = resolve(dataclasses.replace(job, source=source))
+    # resolve() writes its own notes; what the HF config said comes first.
+    return dataclasses.replace(job, notes=hf_notes + job.notes) if hf_notes else job
 
 
 def _all_keys() -> dict[str, str]:
@@ -734,6 +784,32 @@ def _apply_preset(data: dict) -> dict:
     return {**data, "model": {**PRESETS[name].dims, **model}}
 
 
+def _apply_hf_config(data: dict, base_dir: Path | None) -> tuple[dict, tuple[str, ...]]:
+    """Merge the model section read from `model.hf_config` under the keys the file gives
+    explicitly, as `_apply_preset` does; the notes of the reading (`metatrace.models.hf`)."""
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("hf_config") is None:
+        return data, ()  # _apply_preset names a model section that is not a mapping
+    if model.get("preset") is not None:
+        raise ConfigError("'model.preset' and 'model.hf_config' both give the model; keep one "
+                          "(explicit model keys override either)")
+    name = model["hf_config"]
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"'model.hf_config' must be the path of a config.json, got {_describe(name)}"
+        )
+    from metatrace.models.hf import read_hf_config
+
+    path = Path(name).expanduser()
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    training = data.get("training")
+    seq = training.get("seq_length") if isinstance(training, dict) else None
+    seq = seq if type(seq) is int else None  # a bad one is reported by resolve()
+    dims, notes = read_hf_config(path, seq_length=seq)
+    return {**data, "model": {**dims, **model}}, notes
+
+
 def _resolve_model(model: Model) -> Model:
     values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     for name, value in _MODEL_DEFAULTS.items():
@@ -742,7 +818,8 @@ def _resolve_model(model: Model) -> Model:
     missing = [n for n in _REQUIRED_MODEL if values[n] is None]
     if missing:
         raise ConfigError(
-            "model needs " + ", ".join(f"'model.{n}'" for n in missing) + " (or a model.preset)"
+            "model needs " + ", ".join(f"'model.{n}'" for n in missing)
+            + " (or a model.preset or model.hf_config)"
         )
     for name in _REQUIRED_MODEL + ("ffn_hidden_size", "num_query_groups", "kv_channels"):
         if values[name] is not None and values[name] < 1:

@@ -101,7 +101,7 @@ def build_summary(job, world) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    name = f"{m.preset}: " if m.preset else ""
+    name = f"{m.preset}: " if m.preset else (f"{m.hf_config}: " if m.hf_config else "")
     if m.multi_latent_attention:
         q = f"q rank {m.q_lora_rank}, " if m.q_lora_rank else ""
         attention = (

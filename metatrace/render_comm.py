@@ -118,6 +118,25 @@ def build_comm_summary(job, jc) -> Group:
     return Group(table, assumptions)
 
 
+def build_timing_line(job_trace) -> Text | None:
+    """One line of the time model (metatrace.timing): the iteration and the pipeline bubble."""
+    from metatrace.timing import cached_timing
+
+    t = cached_timing(job_trace)
+    if t is None:
+        return None
+    par = job_trace.job.parallel
+    schedule = f"interleaved 1F1B, vpp {par.vpp}" if par.vpp else "1F1B"
+    if par.pp == 1:
+        schedule = "no pipeline"
+    return Text(
+        f"Estimated iteration time {seconds(t.iteration_seconds)} (compute at "
+        f"{t.efficiency:.0%} of {t.peak_tflops:,.0f} TFLOP/s peak, exposed communication as "
+        f"above, {schedule}), pipeline bubble {t.bubble_fraction:.1%}",
+        style="bold",
+    )
+
+
 # ----------------------------------------------------------------------------- pipeline
 
 
@@ -340,6 +359,9 @@ def render_comm(job_trace, console, *, dim: str | None = None) -> None:
         f"Communication per iteration ({job.num_microbatches} micro-batches, "
         f"{job_trace.world.size:,} GPUs)"))
     console.print(build_comm_summary(job, jc))
+    timing_line = build_timing_line(job_trace)
+    if timing_line is not None:
+        console.print(timing_line)
     builders = {
         "tp": lambda: build_model_dim_section(job_trace, jc, "tp"),
         "cp": lambda: build_model_dim_section(job_trace, jc, "cp"),

@@ -208,12 +208,39 @@ def job_report(job_trace) -> dict:
     if iterations:
         ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]
         report["memory_verdict"] = _verdict(job, verdict(job, ranked))
+        _add_timing(report, job_trace)
     if job_trace.full is not None:
         full = role_report(job_trace.full)
         for key in ("ranks", "traced_rank", "index", "pp_stage"):
             full.pop(key)
         report["full_model"] = full
     return report
+
+
+def _add_timing(report: dict, job_trace) -> None:
+    """The time model (metatrace.timing): a "timing" object per role and for the job."""
+    from metatrace.timing import cached_timing
+
+    timing = cached_timing(job_trace)
+    if timing is None:  # no peak FLOP/s known for the GPU
+        return
+    stages = {st.stage: st for st in timing.stages}
+    for role, rt in zip(report["roles"], job_trace.roles):
+        st = stages[rt.role.pp_stage]
+        role["timing"] = {
+            "iteration_seconds": st.iteration_seconds,
+            "bubble_fraction": st.bubble_fraction,
+            "busy_seconds": st.busy_seconds,
+            "optimizer_seconds": st.optimizer_seconds,
+            "flops_per_microbatch": sum(w.flops for w in rt.trace.windows if w.chunk is not None),
+        }
+    report["timing"] = {
+        "iteration_seconds": timing.iteration_seconds,
+        "bubble_fraction": timing.bubble_fraction,
+        "pipeline_seconds": timing.pipeline_seconds,
+        "peak_tflops": timing.peak_tflops,
+        "compute_efficiency": timing.efficiency,
+    }
 
 
 def search_report(search) -> dict:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metatrace.hooks import flops
+
 _SELECTED: list[int] = []  # True entries of the masks that masked_select sees, innermost last
 
 
@@ -197,6 +199,8 @@ def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False, **kwarg
         return (out,)
     rows = B.shape[-1] if layout == "NT" else B.shape[0]
     cols = A.shape[0] if layout == "TN" else A.shape[-1]
+    inner = B.shape[0] if layout == "NT" else B.shape[-1]
+    flops.report(flops.gemm(rows, inner, cols))
     return (torch.empty((rows, cols), dtype=out_dtype, device=B.device),)
 
 

@@ -2,7 +2,8 @@
 
 Dimensions are those of the published Hugging Face `config.json` of each model (or the paper
 for GPT-3), written as Megatron-LM arguments: Llama uses RMSNorm, SwiGLU, RoPE, no biases, no
-dropout and untied output weights.
+dropout and untied output weights. `model.hf_config` (models/hf.py) reads such files directly;
+tests/test_hf.py checks that it gives these presets from the published files.
 """
 
 from __future__ import annotations
@@ -239,6 +240,7 @@ PRESETS: dict[str, Preset] = {
             "mtp_num_layers": 1,
             "mtp_loss_scaling_factor": 0.1,
         },
-        "deepseek-ai/DeepSeek-V3 config.json (MTP loss weight 0.1 from the paper, section 4.2)",
+        "deepseek-ai/DeepSeek-V3 config.json (sequence-wise balance weight 1e-4, where the file "
+        "says aux_loss_alpha 0.001, and MTP loss weight 0.1 from the paper, section 4.2)",
     ),
 }

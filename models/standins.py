@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from metatrace.hooks import flops
 from metatrace.models.norm import NormBase
 
 
@@ -99,7 +100,8 @@ class FusedSoftmaxKernels:
         from metatrace.hooks.remap import library_kernel
 
         sk = output_grads.shape[-1]
-        with library_kernel():  # the kernel's row sums, not a cuBLAS call
+        # The kernel's row sums, not a cuBLAS call (nor FLOPs of a matrix product).
+        with library_kernel(), flops.uncounted():
             dot = torch.bmm(output_grads.reshape(-1, 1, sk), softmax_results.reshape(-1, sk, 1))
         dot = dot.view(*output_grads.shape[:-1], 1)
         return output_grads.sub_(dot).mul_(softmax_results).mul_(float(scale))
@@ -123,5 +125,9 @@ class FusedWeightGradient:
 
     @staticmethod
     def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
-        # The GEMM, on PyTorch's cuBLAS handle: its [1, 1] output stands for the call.
-        torch.mm(grad_output[:1].reshape(1, -1)[:, :1], total_input[:1].reshape(1, -1)[:, :1])
+        # The GEMM, on PyTorch's cuBLAS handle: its [1, 1] output stands for the call, and the
+        # FLOPs of the real one ([out, N] @ [N, in] into main_grad) are reported.
+        with flops.uncounted():
+            torch.mm(grad_output[:1].reshape(1, -1)[:, :1], total_input[:1].reshape(1, -1)[:, :1])
+        rows = total_input.numel() // total_input.shape[-1]
+        flops.report(flops.gemm(grad_output.shape[-1], rows, total_input.shape[-1]))

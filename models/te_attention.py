@@ -36,6 +36,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from metatrace.hooks import flops
+
 def cu_seqlens(config, batch: int, seqlen: int, device) -> torch.Tensor:
     """TE's get_full_cu_seqlens: one cached int32 [b + 1] per (b, s), shared by all layers.
     TE caches it per process; here per model config, so that each traced rank has its own."""
@@ -72,9 +74,21 @@ def qkv_layout(q, k, v):
     return q.contiguous(), k.contiguous(), v.contiguous(), "sbhd_sbhd_sbhd"
 
 
+def sbhd_flops(ctx, q_shape, v_shape, causal: bool) -> None:
+    """Report a fused / flash attention kernel's forward FLOPs for sbhd q and v shapes
+    (hooks/flops.py says what is counted: causal masks halve them) and keep its backward's on
+    `ctx`."""
+    sq, b, h, d = q_shape
+    sk, _, h_kv, dv = v_shape
+    shape = (b, h, sq, sk, d, dv, h_kv)
+    flops.report(flops.attention(*shape, causal=causal, backward=False))
+    ctx.backward_flops = flops.attention(*shape, causal=causal, backward=True)
+
+
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, config, layout):
+    def forward(ctx, q, k, v, config, layout, causal=True):
+        sbhd_flops(ctx, q.shape, v.shape, causal)
         s, b, h, _ = q.shape
         out = torch.zeros((s, b, h, v.shape[-1]), dtype=q.dtype, device=q.device)
         stats = torch.empty((b, h, s, 1), dtype=torch.float32, device=q.device)
@@ -87,6 +101,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        flops.report(ctx.backward_flops)
         q, k, v, out, *_ = ctx.saved_tensors
         if ctx.layout == "sbh3d":
             s, b, h, d = q.shape
@@ -94,15 +109,17 @@ class _FusedAttention(torch.autograd.Function):
             dq, dk, dv = buf.select(3, 0), buf.select(3, 1), buf.select(3, 2)
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 class _FlashAttnFunc(torch.autograd.Function):
     """flash-attn 2's FlashAttnFunc on bshd inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, head_dim):
+    def forward(ctx, q, k, v, head_dim, causal=True):
         b, s, h, d_pad = q.shape
+        # FLOPs of the unpadded head dimension (the padding to a multiple of 8 is the kernel's).
+        sbhd_flops(ctx, (s, b, h, head_dim), (k.shape[1], b, k.shape[2], head_dim), causal)
         out_padded = torch.zeros((b, s, h, d_pad), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
@@ -112,6 +129,7 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        flops.report(ctx.backward_flops)
         q, k, v, *_ = ctx.saved_tensors
         b, s, h, d = q.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -124,14 +142,14 @@ class _FlashAttnFunc(torch.autograd.Function):
             for _ in range(2):  # dk_expanded, dv_expanded
                 scratch.append(torch.empty((b, k.shape[1], h, d), dtype=q.dtype, device=q.device))
         del scratch
-        return dq[..., : ctx.head_dim], dk[..., : ctx.head_dim], dv[..., : ctx.head_dim], None
+        return dq[..., : ctx.head_dim], dk[..., : ctx.head_dim], dv[..., : ctx.head_dim], None, None
 
 
 def _round(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def flash_attention(q, k, v, layout):
+def flash_attention(q, k, v, layout, causal=True):
     """TE's FlashAttention on sbhd q/k/v: bshd copies in, a contiguous sbhd copy out."""
     s, b, h, d = q.shape
     if layout == "sbh3d" and d == 128 and s * b >= 512:
@@ -143,7 +161,7 @@ def flash_attention(q, k, v, layout):
         qb, kb, vb = (x.transpose(0, 1).contiguous() for x in (q, k, v))
     if d % 8:
         qb, kb, vb = (F.pad(x, (0, 8 - d % 8)) for x in (qb, kb, vb))
-    out = _FlashAttnFunc.apply(qb, kb, vb, d)  # [b, s, h, d]
+    out = _FlashAttnFunc.apply(qb, kb, vb, d, causal)  # [b, s, h, d]
     return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, h * d], a second copy
 
 
@@ -260,6 +278,7 @@ class TEDotProductAttention(torch.nn.Module):
             return unfused_attention(query, key, value, self.softmax_scale,
                                      self.attention_dropout, self.training)
         q, k, v, layout = qkv_layout(query, key, value)
+        causal = "causal" in getattr(attn_mask_type, "name", self.attn_mask_type)
         if self.backend == "flash":
-            return flash_attention(q, k, v, layout)
-        return _FusedAttention.apply(q, k, v, self.config, layout)
+            return flash_attention(q, k, v, layout, causal)
+        return _FusedAttention.apply(q, k, v, self.config, layout, causal)

@@ -32,7 +32,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from metatrace.models.te_attention import cu_seqlens
+from metatrace.hooks import flops
+from metatrace.models.te_attention import cu_seqlens, sbhd_flops
+
+
+def _cp_flops(ctx, q, v, cp: int) -> None:
+    """This rank's share of the causal attention FLOPs (forward reported, backward kept on
+    `ctx`): its L = s/cp queries (local q, [L, b, h, d]) against all s keys, halved for the
+    mask. The load-balanced chunk order gives every rank the same share, whichever way (ring,
+    all-gather, all-to-all) the keys arrive."""
+    L, b, h_kv, dv = v.shape
+    sbhd_flops(ctx, q.shape, (L * cp, b, h_kv, dv), causal=True)
 
 
 def _ring_exchange(send, recv, group, send_to: int, recv_from: int, batched: bool) -> None:
@@ -131,6 +141,7 @@ def _p2p_backward(q, kv, lse, dout, ring: _Ring, kv_shapes):
 class _P2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, config):
+        _cp_flops(ctx, q, v, ring.size)
         out, (kv, lse, *rngs) = _p2p_forward(q, k, v, ring, config)
         ctx.save_for_backward(q, kv, out, lse, *rngs)
         ctx.ring, ctx.kv_shapes = ring, (k.shape, v.shape)
@@ -138,6 +149,7 @@ class _P2PAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        flops.report(ctx.backward_flops)
         q, kv, out, lse, *_ = ctx.saved_tensors
         return (*_p2p_backward(q, kv, lse, dout, ctx.ring, ctx.kv_shapes), None, None)
 
@@ -145,6 +157,7 @@ class _P2PAttention(torch.autograd.Function):
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, config):
+        _cp_flops(ctx, q, v, ring.size)
         L, b, h_q, d = q.shape
         c = ring.size
         k_ag, v_ag = _gather_reordered(k, ring), _gather_reordered(v, ring)
@@ -166,6 +179,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        flops.report(ctx.backward_flops)
         q, k, v, *_ = ctx.saved_tensors
         ring = ctx.ring
         L = q.shape[0]
@@ -211,6 +225,7 @@ def _a2a(x, group, seq_to_heads: bool):
 class _A2AAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, config):
+        _cp_flops(ctx, q, v, dist.get_world_size(group))
         q2, k2, v2 = (_a2a(x, group, True) for x in (q, k, v))
         s, b, h, d = q2.shape
         out_, lse, rng = _step_outputs(s, b, h, d, q.dtype, q.device)
@@ -221,6 +236,7 @@ class _A2AAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        flops.report(ctx.backward_flops)
         q2, k2, v2, *_ = ctx.saved_tensors
         group = ctx.group
         dout2 = _a2a(dout.contiguous(), group, True)
@@ -235,6 +251,7 @@ class _A2AP2PAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, groups, config):
         inner, ring = groups[0], _Ring(groups[1])
+        _cp_flops(ctx, q, v, dist.get_world_size(inner) * ring.size)
         q2, k2, v2 = (_a2a(x, inner, True) for x in (q, k, v))
         out2, (kv, lse, *rngs) = _p2p_forward(q2, k2, v2, ring, config)
         out = _a2a(out2, inner, False)
@@ -246,6 +263,7 @@ class _A2AP2PAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        flops.report(ctx.backward_flops)
         q2, kv, out, lse, *_ = ctx.saved_tensors
         inner = ctx.inner
         out2 = _a2a(out, inner, True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from metatrace.hooks import flops
 from metatrace.models.norm import norm_backward, norm_forward
 from metatrace.models.te_linear import te_wgrad
 from metatrace.models.te_fp8 import F32, U8, module_state, quantize, reduce_amax, register, weight_workspace
@@ -93,6 +94,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         weight_workspace(module, weight, recipe, arch)  # FP8 parameters need none
     rows = shape[0] * (mode.tp if column_sp else 1)
     out = torch.zeros((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
+    flops.report(flops.gemm(rows, weight.shape[1], weight.shape[0]), fp8=True)
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
@@ -187,6 +189,9 @@ def fp8_backward(ctx, grad):
         inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
     rows = ctx.local_rows * (mode.tp if column_sp else 1)
     dgrad = torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
+    # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
+    gemm = flops.gemm(rows, weight.shape[0], in_features)
+    flops.report(gemm * (2 if needs_wgrad else 1), fp8=True)
     dinput = dgrad
     if mode.parallel == "column" and mode.tp > 1:
         if mode.sequence_parallel:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models import te_linear
 
@@ -50,6 +51,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             x2 = x.contiguous().view(-1, x.shape[-1])
             inputs = torch.split(x2, m_splits)
             out = torch.empty((x2.shape[0], module.out_features), dtype=x.dtype, device=x.device)
+            # One GEMM per expert on its m_splits[i] rows: together over all the rows.
+            flops.report(flops.gemm(x2.shape[0], module.in_features, module.out_features))
             ctx.save_for_backward(*inputs, *weights, *biases)
             ctx.module, ctx.x_shape = module, x.shape
             return out.view(*x.shape[:-1], module.out_features)
@@ -66,6 +69,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 (dy.shape[0], module.in_features), dtype=dy.dtype, device=dy.device
             )
             wgrads = [_wgrad(module, w, dy) for w in weights]
+            gemm = flops.gemm(dy.shape[0], module.out_features, module.in_features)
+            flops.report(gemm * (2 if any(w.requires_grad for w in weights) else 1))  # dgrad, wgrad
             bgrads = [torch.empty(b.shape, dtype=b.dtype, device=b.device) for b in biases]
         return (dgrad.view(ctx.x_shape), None, None, *wgrads, *bgrads)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models.norm import NormBase, norm_backward, norm_forward
 
@@ -212,6 +213,8 @@ class _LinearFunction(torch.autograd.Function):
                 dinput = _reduce_scatter(dgrad, mode)
             else:
                 dist.all_reduce(dgrad, group=mode.group)
+        if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
+            flops.report(flops.gemm(dy.shape[1], dy.shape[0], total.shape[1]))
         wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
         bgrad = dy.sum(0) if bias is not None else None
         del total

@@ -20,7 +20,7 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"metatrace", next(t for t in top if t.endswith(".dist-info"))}
     for module in ("metatrace/cli.py", "metatrace/models/build.py", "metatrace/hooks/recorder.py",
-                   "metatrace/config.py"):
+                   "metatrace/config.py", "metatrace/report.schema.json", "metatrace/py.typed"):
         assert module in names
 
     target = tmp_path / "site"
@@ -35,6 +35,15 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
                          cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "records.py")
+    # The report's JSON Schema is package data, read where the package is installed.
+    schema = ("import json, importlib.resources as r, metatrace.report as m; "
+              "s = json.loads(r.files('metatrace').joinpath('report.schema.json').read_text()); "
+              "print(s['properties']['schema_version']['const'] == m.SCHEMA_VERSION, "
+              "r.files('metatrace'))")
+    run = subprocess.run([sys.executable, "-c", schema], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", str(target / "metatrace")]
     version = subprocess.run([sys.executable, "-m", "metatrace", "--version"], capture_output=True,
                              text=True, cwd=tmp_path, env=env, timeout=300)
     assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")

@@ -1,0 +1,511 @@
+"""Hugging Face `config.json` files as a metatrace model section, without `transformers`.
+
+`read_hf_config(path, seq_length=...)` returns the `model` keys the file stands for and notes
+for the user; `model.hf_config` in a job file merges them under the file's explicit keys, the
+way `model.preset` merges a preset. One `Family` per supported `model_type` says which HF field
+becomes which key. The presets in `models/presets.py` were written from the same published
+files, so they are the reference for the mapping (tests/test_hf.py checks that both agree).
+
+Every field of a file is accounted for: mapped (a rename or a rule), declared as changing
+nothing metatrace measures (`IGNORED`), or named in one warning note. A value metatrace cannot
+model (an unknown activation, an unsupported `rope_scaling`, sliding-window attention that masks
+something at the job's sequence length, a bias layout megatron-core has no switch for) is a
+ConfigError naming the file and the field.
+
+Known limitations: fields a file omits take the defaults of transformers' config classes
+(v4.5x) as listed in each family's `defaults`; the mapping knows the published configs of the
+supported families, not every variant saved by other tools.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from metatrace.errors import ConfigError
+
+_MISSING = object()
+
+
+class _Source:
+    """One config.json being read: typed access to its fields (with the family's defaults)
+    that names the file and the field in every error, and the notes gathered on the way."""
+
+    def __init__(self, path: Path, fields: dict, seq_length: int | None):
+        self.path, self.fields, self.seq_length = path, fields, seq_length
+        self.notes: list[str] = []
+        self.unknown: list[str] = []  # sub-fields no table knows, for the one warning
+
+    def error(self, field: str, problem: str) -> ConfigError:
+        value = self.fields.get(field, _MISSING)
+        shown = "" if value is _MISSING else f" = {json.dumps(value)}"
+        return ConfigError(f"{self.path}: '{field}'{shown}: {problem}")
+
+    def has(self, field: str) -> bool:
+        return field in self.fields
+
+    def get(self, field: str, kind: type, *, optional: bool = False) -> Any:
+        """The field's value as `kind` (int, float, bool, str, list, dict); null only when
+        `optional`. JSON writes some whole numbers as floats (rope_theta 500000.0): accepted."""
+        if field not in self.fields:
+            raise ConfigError(f"{self.path}: '{field}' is missing")
+        value = self.fields[field]
+        if value is None:
+            if optional:
+                return None
+            raise self.error(field, "must be given (not null)")
+        return _typed(value, kind, lambda problem: self.error(field, problem))
+
+
+def _typed(value: Any, kind: type, fail: Callable[[str], ConfigError]) -> Any:
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail("must be a whole number")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise fail("must be a number")
+        return float(value)
+    elif not isinstance(value, kind):
+        raise fail(f"must be {'true or false' if kind is bool else 'a ' + kind.__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Rule:
+    """HF fields that need more than a rename, and the function that maps them (reading any
+    other field it needs through the source)."""
+
+    fields: tuple[str, ...]
+    apply: Callable[[_Source], dict]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one `model_type` maps to metatrace model keys."""
+
+    renames: dict[str, tuple[str, type]]
+    """HF field -> (model key, type): copied after a type check."""
+    rules: tuple[Rule, ...]
+    fixed: dict[str, Any]
+    """Model keys every model of the family has (RMSNorm, RoPE, no residual dropout, ...)."""
+    defaults: dict[str, Any]
+    """transformers' config-class defaults of optional fields a file may omit."""
+
+
+# ----------------------------------------------------------------------------- field tables
+
+# Fields that change nothing metatrace measures (memory, communication), accepted silently.
+IGNORED = {
+    "model_type": "read to pick the family",
+    "architectures": "the HF class name; model_type names the family",
+    "_name_or_path": "where the file came from",
+    "auto_map": "remote-code class names",
+    "bos_token_id": "token id", "eos_token_id": "token id", "pad_token_id": "token id",
+    "torch_dtype": "checkpoint dtype; training.precision sets the training dtypes",
+    "dtype": "checkpoint dtype (newer transformers); training.precision sets them",
+    "transformers_version": "the writer's version",
+    "initializer_range": "initialisation only",
+    "use_cache": "inference KV cache",
+    "pretraining_tp": "slices HF's projections for bit-exact replays; the same weights",
+    "rope_interleave": "layout of the rotary pairs; the same tensors",
+    "ep_size": "an HF inference hint; parallel.ep sets expert parallelism",
+    "quantization_config": "checkpoint storage (DeepSeek-V3's FP8 blocks); training.precision "
+    "sets what training holds",
+}
+
+# Dimensions without which the file describes no model (transformers would silently fill them
+# with its class defaults, which describe some other model).
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "vocab_size")
+
+_RENAMES = {
+    "num_hidden_layers": ("num_layers", int),
+    "hidden_size": ("hidden_size", int),
+    "intermediate_size": ("ffn_hidden_size", int),  # dense layers' MLP (Mixtral: every expert)
+    "num_attention_heads": ("num_attention_heads", int),
+    "vocab_size": ("vocab_size", int),
+    "max_position_embeddings": ("max_position_embeddings", int),
+    "rms_norm_eps": ("norm_epsilon", float),
+    "attention_dropout": ("attention_dropout", float),
+}
+
+# Every supported family is a pre-norm RMSNorm decoder with RoPE and no residual dropout.
+_FIXED = {"normalization": "RMSNorm", "position_embedding_type": "rope", "hidden_dropout": 0.0}
+
+# HF's gated MLP is down(act(gate(x)) * up(x)): megatron-core's gated activations.
+ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
+               "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+
+# rope_scaling kinds that only change the rotary frequencies, as Megatron-LM's
+# --use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) do: nothing
+# metatrace measures (megatron_flags.py accepts those flags the same way).
+FREQUENCY_ONLY_ROPE = ("default", "linear", "llama3")
+
+# DeepSeek's yarn fields -> model keys; omitted ones keep Megatron-LM's defaults.
+YARN = {"factor": "rotary_scaling_factor",
+        "original_max_position_embeddings": "original_max_position_embeddings",
+        "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+        "mscale_all_dim": "mscale_all_dim"}
+
+# DeepSeek's topk_method -> (per-expert bias for aux-loss-free balancing, group-limited routing).
+TOPK_METHODS = {"noaux_tc": (True, True), "group_limited_greedy": (False, True),
+                "greedy": (False, False)}
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _query_groups(src: _Source) -> dict:
+    groups = src.get("num_key_value_heads", int, optional=True)  # null: multi-head attention
+    return {} if groups is None else {"num_query_groups": groups}
+
+
+def _head_dim(src: _Source) -> dict:
+    dim = src.get("head_dim", int, optional=True)  # null: hidden / heads, as megatron-core
+    return {} if dim is None else {"kv_channels": dim}
+
+
+def _rope_theta(src: _Source) -> dict:
+    return {"rotary_base": src.get("rope_theta", int)}  # megatron-core's rotary_base is an int
+
+
+def _activation(src: _Source) -> dict:
+    act = src.get("hidden_act", str)
+    if act not in ACTIVATIONS:
+        raise src.error("hidden_act", f"not modelled; known: {', '.join(ACTIVATIONS)}")
+    return {"activation": ACTIVATIONS[act]}
+
+
+def _tied(src: _Source) -> dict:
+    return {"untie_embeddings_and_output_weights": not src.get("tie_word_embeddings", bool)}
+
+
+def _bias_keys(src: _Source, attention: bool, mlp: bool, field: str) -> dict:
+    """megatron-core has biases on every linear (add_bias_linear) or on QKV only
+    (add_qkv_bias); HF's attention_bias also biases the output projection, so it maps only
+    together with mlp_bias."""
+    if attention != mlp:
+        raise src.error(field, "biases on the attention projections (output included) but not "
+                        "on the MLP (or the reverse): megatron-core has no such switch")
+    return {"add_bias_linear": attention, "add_qkv_bias": attention}
+
+
+def _llama_biases(src: _Source) -> dict:
+    attention, mlp = src.get("attention_bias", bool), src.get("mlp_bias", bool)
+    return _bias_keys(src, attention, mlp, "attention_bias" if attention else "mlp_bias")
+
+
+def _attention_biases(src: _Source) -> dict:
+    # Qwen3 and DeepSeek have no MLP biases at all.
+    return _bias_keys(src, src.get("attention_bias", bool), False, "attention_bias")
+
+
+def _rope_scaling(src: _Source) -> dict:
+    scaling = src.get("rope_scaling", dict, optional=True)
+    if scaling is None:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in FREQUENCY_ONLY_ROPE:
+        raise src.error("rope_scaling", f"type {kind!r} is not modelled (supported: none, "
+                        f"{', '.join(FREQUENCY_ONLY_ROPE)}; yarn with multi-latent attention)")
+    return {}
+
+
+def _sliding_window(src: _Source) -> dict:
+    """metatrace models full causal attention (megatron-core's window attention is not modelled
+    yet). A window masks nothing where it covers the whole sequence: accepted with a note;
+    otherwise refused. Qwen gates the window with use_sliding_window and keeps the first
+    max_window_layers layers full; newer files list layer_types; Mistral always uses it."""
+    window = src.get("sliding_window", int, optional=True) if src.has("sliding_window") else None
+    if window is None:
+        return {}
+    layers = src.get("num_hidden_layers", int)
+    if src.has("layer_types"):
+        windowed = sum(t == "sliding_attention" for t in src.get("layer_types", list))
+    elif src.has("use_sliding_window") and not src.get("use_sliding_window", bool):
+        windowed = 0
+    else:
+        full = src.get("max_window_layers", int) if src.has("max_window_layers") else 0
+        windowed = max(0, layers - full)
+    seq = src.seq_length
+    if windowed == 0 or seq is None:  # no sequence: the job is refused for that anyway
+        return {}
+    if seq > window:
+        raise src.error("sliding_window", f"{windowed} of {layers} layers attend to the last "
+                        f"{window} tokens only, which masks part of training.seq_length = "
+                        f"{seq}; sliding-window attention is not modelled yet (a sequence of "
+                        f"at most {window} is plain causal attention)")
+    src.notes.append(f"{src.path}: sliding_window {window} covers training.seq_length {seq}: "
+                     "plain causal attention")
+    return {}
+
+
+def _sparse(pattern: list[int]) -> int | list[int]:
+    """moe_layer_freq: 1 when every layer is MoE (so that a reduced num_layers still fits),
+    otherwise the 0/1 list per layer."""
+    return 1 if all(pattern) else pattern
+
+
+def _mixtral_moe(src: _Source) -> dict:
+    if src.get("router_jitter_noise", float):
+        raise src.error("router_jitter_noise", "router input jitter is not modelled")
+    width = src.get("intermediate_size", int)
+    # HF's Mixtral softmaxes over all experts and renormalises the top k: a softmax over the top
+    # k logits, which is megatron-core's router without pre-softmax.
+    return {"num_experts": src.get("num_local_experts", int),
+            "moe_router_topk": src.get("num_experts_per_tok", int),
+            "moe_ffn_hidden_size": width, "moe_router_pre_softmax": False}
+
+
+def _qwen3_moe(src: _Source) -> dict:
+    layers = src.get("num_hidden_layers", int)
+    step = src.get("decoder_sparse_step", int)
+    dense = src.get("mlp_only_layers", list, optional=True) or []
+    if step < 1:
+        raise src.error("decoder_sparse_step", "must be at least 1")
+    # HF's Qwen3MoeDecoderLayer: sparse where (i + 1) % step == 0 and i is not MLP-only.
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    return {"num_experts": src.get("num_experts", int),
+            "moe_router_topk": src.get("num_experts_per_tok", int),
+            "moe_ffn_hidden_size": src.get("moe_intermediate_size", int),
+            "moe_layer_freq": _sparse(pattern),
+            # renormalised top k = softmax over the top-k logits; otherwise softmax first
+            "moe_router_pre_softmax": not src.get("norm_topk_prob", bool)}
+
+
+def _router_aux_loss(src: _Source) -> dict:
+    # HF computes the load-balancing loss only with output_router_logits; off, it trains
+    # without one, which is megatron-core's default coefficient 0 (the presets agree).
+    if not src.get("output_router_logits", bool):
+        return {}
+    return {"moe_aux_loss_coeff": src.get("router_aux_loss_coef", float)}
+
+
+def _deepseek_moe(src: _Source) -> dict:
+    layers = src.get("num_hidden_layers", int)
+    first_dense = src.get("first_k_dense_replace", int)
+    freq = src.get("moe_layer_freq", int)
+    if freq < 1:
+        raise src.error("moe_layer_freq", "must be at least 1")
+    # DeepSeek's decoder layer: MoE from layer first_k_dense_replace on, every freq-th.
+    pattern = [int(i >= first_dense and i % freq == 0) for i in range(layers)]
+    width = src.get("moe_intermediate_size", int)
+    shared = src.get("n_shared_experts", int, optional=True)
+    out = {"num_experts": src.get("n_routed_experts", int),
+           "moe_router_topk": src.get("num_experts_per_tok", int),
+           "moe_ffn_hidden_size": width, "moe_layer_freq": _sparse(pattern)}
+    if shared:  # megatron-core's shared experts are one MLP of their summed width
+        out["moe_shared_expert_intermediate_size"] = shared * width
+    return out
+
+
+def _deepseek_router(src: _Source) -> dict:
+    score = src.get("scoring_func", str)
+    if score not in ("softmax", "sigmoid"):
+        raise src.error("scoring_func", "not modelled; megatron-core scores with softmax or "
+                        "sigmoid")
+    method = src.get("topk_method", str)
+    if method not in TOPK_METHODS:
+        raise src.error("topk_method", f"not modelled; known: {', '.join(TOPK_METHODS)}")
+    bias, grouped = TOPK_METHODS[method]
+    normalised = src.get("norm_topk_prob", bool)
+    out = {"moe_router_score_function": score, "moe_router_enable_expert_bias": bias,
+           "moe_router_topk_scaling_factor": src.get("routed_scaling_factor", float)}
+    if score == "softmax":
+        out["moe_router_pre_softmax"] = not normalised
+    elif not normalised and src.get("num_experts_per_tok", int) > 1:
+        raise src.error("norm_topk_prob", "megatron-core always renormalises the top-k sigmoid "
+                        "scores")
+    if grouped:
+        out["moe_router_num_groups"] = src.get("n_group", int)
+        out["moe_router_group_topk"] = src.get("topk_group", int)
+    # DeepSeek's sequence-wise balance loss is megatron-core's seq_aux_loss.
+    balance = "seq_aux_loss" if src.get("seq_aux", bool) else "aux_loss"
+    out["moe_router_load_balancing_type"] = balance
+    out["moe_aux_loss_coeff"] = src.get("aux_loss_alpha", float)
+    return out
+
+
+def _mla(src: _Source) -> dict:
+    """Multi-latent attention. num_key_value_heads and head_dim mean nothing to it (every head
+    has its own keys from the latent; transformers sets head_dim to qk_rope_head_dim for its
+    rotary cache); kv_channels is not read by megatron-core's MLA: Megatron-LM's DeepSeek-V3
+    recipe gives 128, v_head_dim."""
+    v = src.get("v_head_dim", int)
+    return {"multi_latent_attention": True,
+            "q_lora_rank": src.get("q_lora_rank", int, optional=True),  # null: no compression
+            "kv_lora_rank": src.get("kv_lora_rank", int),
+            "qk_head_dim": src.get("qk_nope_head_dim", int),
+            "qk_pos_emb_head_dim": src.get("qk_rope_head_dim", int),
+            "v_head_dim": v, "kv_channels": v,
+            "qk_layernorm": True}  # q_a_layernorm / kv_a_layernorm on the latents
+
+
+def _mla_rope_scaling(src: _Source) -> dict:
+    scaling = src.get("rope_scaling", dict, optional=True)
+    if scaling is None:
+        return {"rope_type": "rope"}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise src.error("rope_scaling", f"type {kind!r} is not modelled with multi-latent "
+                        "attention (supported: none, yarn)")
+    out = {"rope_type": "yarn"}
+    for field, value in scaling.items():
+        if field in YARN:
+            def fail(problem, where=f"{src.path}: 'rope_scaling.{field}'"):
+                return ConfigError(f"{where}: {problem}")
+            want = int if field == "original_max_position_embeddings" else float
+            out[YARN[field]] = _typed(value, want, fail)
+        elif field not in ("type", "rope_type"):
+            src.unknown.append(f"rope_scaling.{field}")
+    return out
+
+
+def _mtp(src: _Source) -> dict:
+    depth = src.get("num_nextn_predict_layers", int)
+    return {"mtp_num_layers": depth} if depth else {}
+
+
+# ----------------------------------------------------------------------------- families
+
+_DENSE_RULES = (
+    Rule(("num_key_value_heads",), _query_groups),
+    Rule(("head_dim",), _head_dim),
+    Rule(("rope_theta",), _rope_theta),
+    Rule(("hidden_act",), _activation),
+    Rule(("tie_word_embeddings",), _tied),
+    Rule(("rope_scaling",), _rope_scaling),
+)
+_WINDOW = Rule(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+               _sliding_window)
+_NO_BIASES = {"add_bias_linear": False, "add_qkv_bias": False}
+_BASE_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+                  "tie_word_embeddings": False, "rope_scaling": None, "attention_dropout": 0.0,
+                  "rms_norm_eps": 1e-6}
+_QWEN_DEFAULTS = {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 32768,
+                  "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
+                  "max_window_layers": 28}
+_MOE_ROUTER = Rule(("output_router_logits", "router_aux_loss_coef"), _router_aux_loss)
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        _RENAMES, _DENSE_RULES + (Rule(("attention_bias", "mlp_bias"), _llama_biases),),
+        _FIXED,
+        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 2048,
+         "attention_bias": False, "mlp_bias": False},
+    ),
+    "mistral": Family(
+        _RENAMES, _DENSE_RULES + (_WINDOW,), {**_FIXED, **_NO_BIASES},
+        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 4096 * 32,
+         "sliding_window": 4096},
+    ),
+    "mixtral": Family(
+        _RENAMES,
+        _DENSE_RULES + (_WINDOW, _MOE_ROUTER,
+                        Rule(("num_local_experts", "num_experts_per_tok", "router_jitter_noise"),
+                             _mixtral_moe)),
+        {**_FIXED, **_NO_BIASES},
+        {**_BASE_DEFAULTS, "rope_theta": 1000000, "max_position_embeddings": 4096 * 32,
+         "rms_norm_eps": 1e-5, "sliding_window": None, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "output_router_logits": False,
+         "router_aux_loss_coef": 0.001},
+    ),
+    # Qwen2 has biases on q, k and v (hard-wired, no field) and none elsewhere.
+    "qwen2": Family(
+        _RENAMES, _DENSE_RULES + (_WINDOW,),
+        {**_FIXED, "add_bias_linear": False, "add_qkv_bias": True}, _QWEN_DEFAULTS,
+    ),
+    "qwen3": Family(
+        _RENAMES, _DENSE_RULES + (_WINDOW, Rule(("attention_bias",), _attention_biases)),
+        {**_FIXED, "qk_layernorm": True}, {**_QWEN_DEFAULTS, "head_dim": 128},
+    ),
+    "qwen3_moe": Family(
+        _RENAMES,
+        _DENSE_RULES + (_WINDOW, Rule(("attention_bias",), _attention_biases), _MOE_ROUTER,
+                        Rule(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                              "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
+                             _qwen3_moe)),
+        {**_FIXED, "qk_layernorm": True},
+        {**_QWEN_DEFAULTS, "decoder_sparse_step": 1, "mlp_only_layers": None,
+         "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    ),
+    "deepseek_v3": Family(
+        _RENAMES,
+        (Rule(("rope_theta",), _rope_theta), Rule(("hidden_act",), _activation),
+         Rule(("tie_word_embeddings",), _tied), Rule(("attention_bias",), _attention_biases),
+         Rule(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "num_key_value_heads", "head_dim"), _mla),
+         Rule(("rope_scaling",), _mla_rope_scaling),
+         Rule(("n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq"),
+              _deepseek_moe),
+         Rule(("scoring_func", "topk_method", "norm_topk_prob", "routed_scaling_factor",
+               "n_group", "topk_group", "seq_aux", "aux_loss_alpha"), _deepseek_router),
+         Rule(("num_nextn_predict_layers",), _mtp)),
+        _FIXED,
+        # the remote-code DeepseekV3Config's defaults (transformers' own class agrees)
+        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 4096,
+         "attention_bias": False, "q_lora_rank": 1536, "kv_lora_rank": 512,
+         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+         "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "seq_aux": True,
+         "aux_loss_alpha": 0.001, "num_nextn_predict_layers": 1},
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _load(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read Hugging Face config {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: a Hugging Face config is a JSON object, got {type(data).__name__}"
+        )
+    return data
+
+
+def read_hf_config(
+    path: str | Path, *, seq_length: int | None = None
+) -> tuple[dict, tuple[str, ...]]:
+    """The model keys a Hugging Face config.json stands for, and notes for the user (one
+    warning names the fields no table knows). `seq_length` decides whether a sliding window
+    masks anything."""
+    path = Path(path)
+    data = _load(path)
+    model_type = data.get("model_type")
+    if model_type not in FAMILIES:
+        what = ("no 'model_type'" if model_type is None
+                else f"'model_type' {model_type!r} is not supported")
+        raise ConfigError(f"{path}: {what} (supported: {', '.join(FAMILIES)})")
+    family = FAMILIES[model_type]
+    missing = [f for f in REQUIRED if f not in data]
+    if missing:
+        raise ConfigError(f"{path}: {', '.join(repr(f) for f in missing)} missing "
+                          f"(a {model_type} config needs {', '.join(REQUIRED)})")
+    src = _Source(path, {**family.defaults, **data}, seq_length)
+    dims = dict(family.fixed)
+    for field, (key, kind) in family.renames.items():
+        dims[key] = src.get(field, kind)
+    for rule in family.rules:
+        dims.update(rule.apply(src))
+    known = set(IGNORED) | set(family.renames) | {f for r in family.rules for f in r.fields}
+    unknown = sorted(set(data) - known) + src.unknown
+    if unknown:
+        src.notes.append(f"warning: {path}: fields metatrace does not know, not used: "
+                         f"{', '.join(unknown)}")
+    return dims, tuple(src.notes)
