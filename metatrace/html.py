@@ -17,7 +17,7 @@ import html
 from types import SimpleNamespace
 
 from metatrace.render import compact, layer_span, mib, peak_at, rank_span, size
-from metatrace.render_comm import _DTYPE, DIM_TITLES, op as op_name, seconds, volume
+from metatrace.render_comm import DTYPE_SHORT, DIM_TITLES, op as op_name, seconds, volume
 
 PARTS = (
     ("params_bytes", "Params", "parameters and module buffers", "#4e79a7"),
@@ -374,7 +374,7 @@ def _stage_comm(role) -> str:
     detail = [
         [DIM_TITLES.get(it["dimension"], it["dimension"]), op_name(it["op"]),
          f"{it['group']} ({len(it['ranks'])})",
-         f"{compact(it['shape'])} {_DTYPE.get(it['dtype'], it['dtype'])} "
+         f"{compact(it['shape'])} {DTYPE_SHORT.get(it['dtype'], it['dtype'])} "
          f"{volume(it['message_bytes'])}", f"{it['count']:,}",
          volume(it["count"] * it["bytes_sent"]), it["phase"], it["module"],
          it["overlapped_with"] or "—"]

@@ -19,7 +19,7 @@ from metatrace.hooks.records import STEP
 MiB = 2**20
 GiB = 2**30
 TP_GROUPS = ("tp",)
-_SHORT = {"weight": "w", "bias": "b", "layer_norm_weight": "ln.w", "layer_norm_bias": "ln.b"}
+PARAM_SHORT = {"weight": "w", "bias": "b", "layer_norm_weight": "ln.w", "layer_norm_bias": "ln.b"}
 
 
 def mib(nbytes: int) -> str:
@@ -60,7 +60,7 @@ def param_shapes(row: agg.ModuleRow) -> str:
     out = []
     for base, first, last, dims in entries:
         if first is None:
-            out.append(f"{_SHORT.get(base, base)} {shape(dims)}")
+            out.append(f"{PARAM_SHORT.get(base, base)} {shape(dims)}")
         elif first == last:
             out.append(f"{base}{first} {shape(dims)}")
         else:

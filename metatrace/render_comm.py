@@ -23,9 +23,9 @@ _NAMES = {"tp": "tensor-parallel", "cp": "context-parallel", "ep": "expert-paral
           "dp": "data-parallel", "pp": "pipeline-parallel"}
 _OP = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
        "all_to_all": "all-to-all", "broadcast": "broadcast", "send": "send", "recv": "receive"}
-_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8",
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8",
           "float8_e5m2": "fp8e5", "int64": "int64", "bool": "bool"}
-_PHASE = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "grad sync": "grad sync",
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "grad sync": "grad sync",
           "optimizer": "optimizer step"}
 
 
@@ -53,7 +53,7 @@ def op(name: str) -> str:
 
 
 def message(it) -> str:
-    return f"{compact(it.shape)} {_DTYPE.get(it.dtype, it.dtype)} {volume(it.message)}"
+    return f"{compact(it.shape)} {DTYPE_SHORT.get(it.dtype, it.dtype)} {volume(it.message)}"
 
 
 def gpu_list(world, ranks, limit: int = 8) -> str:
@@ -209,7 +209,7 @@ def build_dp_section(job_trace, jc) -> Group | None:
                 merged.setdefault(key, []).append(it)
         rows = tuple(
             (op(name), f"{group} ({n})", f"{sum(it.count for it in items):,}",
-             f"{volume(sum(it.count * it.message for it in items))} {_DTYPE.get(dtype, dtype)}",
+             f"{volume(sum(it.count * it.message for it in items))} {DTYPE_SHORT.get(dtype, dtype)}",
              volume(sum(it.count * it.sent for it in items)), _WHEN.get(phase, phase),
              overlapped or "—")
             for (name, group, n, dtype, phase, overlapped), items in merged.items()
@@ -282,7 +282,7 @@ def build_model_dim_section(job_trace, jc, dim: str) -> Group | None:
         for it in sorted(items, key=lambda i: order.get(i.phase, 3)):
             per_mb = it.count // mb
             table.add_row(
-                Text(it.module.removeprefix("decoder.")), _PHASE.get(it.phase, it.phase),
+                Text(it.module.removeprefix("decoder.")), PHASE_SHORT.get(it.phase, it.phase),
                 op(it.op), Text(message(it)),
                 f"{per_mb // it.layers}" if it.layers else "",
                 f"{per_mb:,}", volume(per_mb * it.sent),
@@ -307,7 +307,7 @@ def build_model_dim_section(job_trace, jc, dim: str) -> Group | None:
     for rt, comm in jc.roles:
         for it in comm.items:
             if it.dimension == dim and not it.per_microbatch:
-                once.setdefault((it.op, it.group, len(it.ranks), _PHASE.get(it.phase, it.phase)),
+                once.setdefault((it.op, it.group, len(it.ranks), PHASE_SHORT.get(it.phase, it.phase)),
                                 []).append((rt.role.pp_stage, it))
     for (name, group, n, phase), found in once.items():
         stages = sorted({s for s, _ in found})

@@ -7,8 +7,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from metatrace.render import _SHORT, layer_span, rank_span, section
-from metatrace.render_comm import _DTYPE, _PHASE, DIM_TITLES, op, seconds, volume
+from metatrace.render import PARAM_SHORT, layer_span, rank_span, section
+from metatrace.render_comm import DTYPE_SHORT, PHASE_SHORT, DIM_TITLES, op, seconds, volume
 
 
 def _format(figure: str, value) -> str:
@@ -117,13 +117,13 @@ def _plain(value) -> str:
 def _call(call: str) -> str:
     """"forward all_reduce tp [128,64] bfloat16" as the communication tables write it."""
     phase, name, group, dims, dtype = call.split(" ")
-    return f"{_PHASE.get(phase, phase)} {op(name)} {group} {dims} {_DTYPE.get(dtype, dtype)}"
+    return f"{PHASE_SHORT.get(phase, phase)} {op(name)} {group} {dims} {DTYPE_SHORT.get(dtype, dtype)}"
 
 
 def _module_side(entry: dict | None) -> str:
     if entry is None:
         return "(absent)"
-    parts = [f"{_SHORT.get(k, k)} [{', '.join(map(str, v))}]"
+    parts = [f"{PARAM_SHORT.get(k, k)} [{', '.join(map(str, v))}]"
              for k, v in entry["param_shapes"].items()]
     acts = entry["activation_bytes"]
     if any(acts):
