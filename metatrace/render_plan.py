@@ -88,7 +88,8 @@ def render_plan(job, num_gpus: int, result, console, *, top: int) -> None:
     console.print(build_best(result, top))
     console.print(build_reasons(result, top))
     console.print(Text(
-        f"Iteration: compute at {cl.compute_efficiency:.0%} of the GPU's peak FLOP/s stretched "
-        "by the pipeline bubble, plus the traced exposed communication (bandwidth only). Kernel "
-        "efficiency does not grow with the micro-batch in this model, so small micro-batches "
-        "win.", style="dim"))
+        f"Iteration: the time model of each traced layout (its FLOPs at "
+        f"{cl.compute_efficiency:.0%} of the GPU's peak FLOP/s, the pipeline schedule simulated, "
+        "exposed communication at link bandwidth; the context-parallel ring counts as hidden). "
+        "Kernel efficiency does not grow with the micro-batch in this model, so small "
+        "micro-batches win.", style="dim"))
