@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
 from metatrace.render import PARAM_SHORT, layer_span, rank_span, section
 from metatrace.render_comm import DTYPE_SHORT, PHASE_SHORT, DIM_TITLES, op, seconds, volume
@@ -132,17 +133,35 @@ def _module_side(entry: dict | None) -> str:
     return ";  ".join(parts) or entry["type"]
 
 
-def build_module_changes(modules: list[dict]) -> Table:
-    """Each changed module (one line for all layers), then what A and B have."""
-    table = Table.grid(padding=(0, 1))
-    table.add_column(justify="right", style="bold", no_wrap=True)
-    table.add_column()
-    table.add_row("", Text("Modules that differ (per layer and micro-batch)", style="bold"))
+def _levels(pattern: str) -> list[str]:
+    """"decoder.layers.*.mlp" -> ["decoder", "layers.*", "mlp"]: all layers are one level."""
+    out: list[str] = []
+    for part in pattern.split("."):
+        if part == "*" and out:
+            out[-1] += ".*"
+        else:
+            out.append(part)
+    return out
+
+
+def build_module_changes(modules: list[dict]) -> Tree:
+    """The module tree down to each changed module, with what A and B have under it; parents
+    that did not change are dim. Modules come in tree order, so a changed parent is added
+    before its children."""
+    tree = Tree(Text("Modules that differ (per layer and micro-batch)", style="bold"))
+    nodes: dict[tuple, Tree] = {}
     for mod in modules:
-        table.add_row("", Text(mod["module"], style="cyan"))
-        table.add_row("A", _module_side(mod["a"]))
-        table.add_row("B", _module_side(mod["b"]))
-    return table
+        levels = _levels(mod["module"])
+        parent = tree
+        for depth in range(1, len(levels) + 1):
+            path = tuple(levels[:depth])
+            if path not in nodes:
+                style = "cyan" if depth == len(levels) else "dim"
+                nodes[path] = parent.add(Text(levels[depth - 1], style=style))
+            parent = nodes[path]
+        parent.add(Text.assemble(("A ", "bold"), _module_side(mod["a"])))
+        parent.add(Text.assemble(("B ", "bold"), _module_side(mod["b"])))
+    return tree
 
 
 def _role_title(pair: dict) -> str:
