@@ -123,6 +123,19 @@ def _parser() -> argparse.ArgumentParser:
     tree.add_argument("--rank", type=int, required=True, metavar="R", help="global rank")
     tree.set_defaults(func=cmd_tree)
 
+    measure = sub.add_parser(
+        "measure", help="run one rank for real and compare its memory with the prediction"
+    )
+    common(measure)
+    measure.add_argument("--rank", type=int, required=True, metavar="R", help="global rank")
+    measure.add_argument(
+        "--iterations", type=int, default=3, metavar="N", help="training iterations (default 3)"
+    )
+    measure.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
+    )
+    measure.set_defaults(func=cmd_measure)
+
     diff = sub.add_parser(
         "diff",
         help="compare two jobs: configuration, memory, communication, modules",
@@ -403,9 +416,26 @@ def cmd_tree(args, console=None) -> int:
     return 0
 
 
+def cmd_measure(args, console=None) -> int:
+    from metatrace.measure import build_comparison, check_fits, check_request, measure_rank, predict
+
+    job = _load_job(args)
+    if args.iterations < 1:
+        raise ConfigError(f"--iterations must be at least 1, not {args.iterations}")
+    check_request(job, args.rank, args.device)
+    console = _console(args, console)
+    progress = _progress(console, args) or (lambda message: None)
+    progress(f"tracing rank {args.rank} on meta")
+    predicted = predict(job, args.rank)
+    check_fits(predicted, args.device)
+    progress(f"running rank {args.rank} on {args.device} for {args.iterations} iterations")
+    measured = measure_rank(job, args.rank, iterations=args.iterations, device=args.device)
+    console.print(build_comparison(predicted, measured, args.rank))
+    return 0
+
+
 def _side_report(side: str, args, progress) -> dict:
     """The JSON report of one side of `metatrace diff`: read, or traced."""
-    import argparse as _argparse
     import json
 
     from metatrace.report import job_report
@@ -428,7 +458,7 @@ def _side_report(side: str, args, progress) -> dict:
     else:
         raise ConfigError(f"{side}: no such file (a side is a job file, a JSON report, "
                           "or Megatron-LM arguments)")
-    side_args = _argparse.Namespace(**vars(args))
+    side_args = argparse.Namespace(**vars(args))
     vars(side_args).update(given)
     if given["config"]:
         vars(side_args).update(world_size=None, gpu=None, gpus_per_node=None, env=[])
@@ -575,6 +605,7 @@ def main(argv=None, console=None) -> int:
         return 2
     warnings.filterwarnings("ignore")  # megatron-core warns about missing Apex/TE at import
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # fake process groups warn in C++
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler (measure) logs each start
     try:
         return args.func(args, console)
     except ConfigError as e:

@@ -293,12 +293,14 @@ def _replaying(replay: _Replay):
 
 
 def run_iteration(
-    job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False
+    job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
+    batches=None,
 ) -> None:
     """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
 
     With `real_steps` the model itself runs every step (Megatron-LM's forward_step on synthetic
-    batches): slow, but the reference the replay is tested against."""
+    batches, or on the iterators `batches()` makes, one per chunk): slow, but the reference the
+    replay is tested against, and what `metatrace measure` runs."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
@@ -326,7 +328,7 @@ def run_iteration(
             attention_mask=tr.create_attention_mask_in_dataloader,
         )
         step_func = _marked(rec, model, make_forward_step(**shape))
-        iterators = [synthetic_batches(**shape) for _ in model]
+        iterators = [(batches or (lambda: synthetic_batches(**shape)))() for _ in model]
         context = _marked_backward(rec)
     else:
         replay = _Replay(rec=rec, model=model, profiles=profiles, shapes=shapes, device=device)

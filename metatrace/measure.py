@@ -1,0 +1,395 @@
+"""`metatrace measure`: check a prediction against real execution of one rank.
+
+The rank's model and optimizer are built exactly as `trace_role` builds them (megatron-core's
+GPTModel with the job's layer spec, DDP, megatron-core's optimizer) inside the same fake world,
+where only rank R exists and collectives complete without moving data (their buffers are still
+allocated), but on real tensors. Then real training iterations run under megatron-core's own
+schedule (metatrace.iteration with `real_steps`) on random token ids; the tensors a rank would
+receive from its pipeline neighbours are the buffers P2PCommunicator allocates, left as they are.
+
+Two instruments, both independent of metatrace's recorder:
+- the peak: on the CPU, the PyTorch profiler's allocation events (profile_memory=True), every
+  CPU allocation and free with its exact size, from before the model is built to the end; the
+  running sum's maximum in the steady-state iterations (the second and later) is the peak. On a
+  GPU, torch.cuda.max_memory_allocated() after a reset at the start of the second iteration;
+- the saved activations: `torch.autograd.graph.saved_tensors_hooks` around one micro-batch's
+  forward, counting each storage once (untyped storage data_ptr, nbytes), storages that existed
+  before the micro-batch (parameters) left out.
+
+Known limitations: the GPU path is not exercised by the tests (they run without a GPU); received
+pipeline tensors hold whatever the allocator returned (memory does not depend on values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from metatrace.errors import ConfigError
+
+BLOCK = 512  # the CUDA caching allocator's block; the prediction counts in these
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a real run of one rank allocated (bytes)."""
+
+    peak: int
+    """Highest bytes allocated at once in the steady-state iterations (exact sizes)."""
+    peak_blocks: int
+    """The same with every allocation rounded up to 512 bytes, as the CUDA caching allocator
+    rounds it (equal to `peak` on a GPU, where the allocator already did)."""
+    saved: int
+    """Bytes of the storages one micro-batch's forward saves for backward."""
+    saved_blocks: int
+    """The same, each storage rounded up to 512 bytes (as the prediction counts them)."""
+    device: str
+
+
+@dataclass(frozen=True)
+class Predicted:
+    peak: int
+    saved: int
+    cuda_only: int
+    """Part of `peak` that only a GPU allocates: PyTorch's cuBLAS workspaces."""
+
+
+def allocation_peak(events, since_ns: int, block: int = 1) -> int:
+    """Highest running sum of `events` ((ns, bytes, ptr), a free negative) at or after
+    `since_ns`, the sum started at the first event. With `block`, each allocation counts rounded
+    up to a multiple of it (its free the same amount). A free of memory allocated before the
+    log started is not the run's: the garbage collector freeing an earlier model in the same
+    process would otherwise lower the sum by that model's size."""
+    live, best, sizes = 0, 0, {}
+    for ns, nbytes, ptr in sorted(events, key=lambda e: e[0]):
+        if nbytes > 0:
+            nbytes = -(-nbytes // block) * block
+            sizes[ptr] = nbytes
+        elif ptr in sizes:
+            nbytes = -sizes.pop(ptr)
+        else:
+            continue
+        live += nbytes
+        if ns >= since_ns:
+            best = max(best, live)
+    return best
+
+
+def _profiler_log(prof, marker: str) -> tuple[list, list[int]]:
+    """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
+    `marker` record_function ranges."""
+    events, marks = [], []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        elif node.name == marker:
+            marks.append(node.start_time_ns)
+    return events, sorted(marks)
+
+
+def random_batches(job, count: int) -> list[dict]:
+    """`count` host-side batches as Megatron's GPTDataset yields them, with random token ids."""
+    import torch
+
+    from metatrace.steps import synthetic_batches
+
+    tr = job.training
+    template = synthetic_batches(
+        micro_batch_size=tr.micro_batch_size,
+        seq_length=tr.seq_length,
+        attention_mask=tr.create_attention_mask_in_dataloader,
+    )
+    out = []
+    for _ in range(count):
+        batch = dict(next(template))
+        shape = batch["tokens"].shape
+        batch["tokens"] = torch.randint(job.model.vocab_size, shape)
+        batch["labels"] = torch.randint(job.model.vocab_size, shape)
+        out.append(batch)
+    return out
+
+
+class _Probe:
+    """What run_microbatch / run_iteration tell a recorder, kept to the step phase only."""
+
+    def __init__(self):
+        self.phase = "forward"
+
+    def set_step_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    @contextlib.contextmanager
+    def window(self, *args):
+        yield {}
+
+    label = window
+
+
+# Factory functions that make a host tensor when called without a device, on a GPU too.
+_FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn")
+
+
+def _host_tensors():
+    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) that
+    collects the storages made by factory functions called without a device: host tensors on a
+    GPU as well (megatron-core's fused softmax saves `torch.tensor([scale])`, 4 bytes a layer),
+    which a CPU run cannot otherwise tell from device tensors."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    factories = {getattr(torch, name) for name in _FACTORIES}
+
+    class HostTensors(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.ptrs: set[int] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in factories and (kwargs or {}).get("device") is None:
+                if isinstance(out, torch.Tensor):
+                    self.ptrs.add(out.untyped_storage().data_ptr())
+            return out
+
+    return HostTensors()
+
+
+@contextlib.contextmanager
+def counting_saved(probe: _Probe, existing: set[int]):
+    """{data_ptr: nbytes} of the device storages autograd saves while `probe` is in its forward
+    phase (recomputation in backward saves again: not activations a micro-batch holds)."""
+    import torch
+
+    saved: dict[int, int] = {}
+    host = _host_tensors()
+
+    def pack(t):
+        if probe.phase == "forward" and t.device.type != "meta":
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in existing and storage.data_ptr() not in host.ptrs:
+                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with host, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+@contextlib.contextmanager
+def _local_broadcasts():
+    """The batch broadcast (Megatron-LM's get_batch_on_this_tp_rank) moves nothing in the fake
+    world: a receiving TP rank would embed uninitialised token ids. Generate what it receives
+    locally instead: zeros (token ids, labels, positions, the mask), ones for float tensors (the
+    loss mask). Memory does not depend on the values."""
+    import torch.distributed as dist
+
+    original = dist.broadcast
+
+    def broadcast(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        if dist.get_rank() != (args[0] if args else kwargs.get("src")):
+            tensor.fill_(1 if tensor.is_floating_point() else 0)
+        return work
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = original
+
+
+def _live_ptrs() -> set[int]:
+    import gc
+
+    import torch
+
+    return {
+        o.untyped_storage().data_ptr()
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.device.type != "meta"
+    }
+
+
+def _live_ptrs_safe(model) -> set[int]:
+    """Storages alive now: every tensor the garbage collector knows, the parameters surely."""
+    ptrs = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    with contextlib.suppress(RuntimeError):
+        ptrs |= _live_ptrs()
+    return ptrs
+
+
+def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") -> Measured:
+    """Build global `rank`'s model and optimizer for real on `device` and run one micro-batch
+    (saved activations counted) and `iterations` training iterations (peak measured).
+
+    The order: the profiler starts before the model is built, so every byte the run holds is
+    an allocation it saw (nothing is assumed about what lives before); the counted micro-batch
+    runs under DDP's no_sync, as the traced one does; iterations after the first are the steady
+    state the prediction describes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from metatrace.hooks.fake_world import fake_world
+    from metatrace.hooks.patches import megatron_patches
+    from metatrace.hooks.remap import remap_cuda
+    from metatrace.iteration import run_iteration
+    from metatrace.models.build import build_model_chunks, build_optimizer, transformer_config, wrap_ddp
+    from metatrace.models.te_linear import te_process
+    from metatrace.trace import run_microbatch
+    from metatrace.world import World
+
+    world = World.from_job(job)
+    te = job.implementation.transformer_impl == "transformer_engine"
+    cuda = device == "cuda"
+    pool = random_batches(job, job.num_microbatches)  # host memory, made before anything counts
+    marker = "metatrace.measure.iteration"
+    remap = contextlib.nullcontext() if cuda else remap_cuda(device)
+    profiler = (
+        contextlib.nullcontext()
+        if cuda
+        else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    )
+    with profiler as prof, megatron_patches(), remap, fake_world(world.layout, rank), \
+            te_process(te), _local_broadcasts():
+        config = transformer_config(job)
+        model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
+        optimizer = build_optimizer(job, model)
+        probe = _Probe()
+        with contextlib.ExitStack() as stack:
+            saved = stack.enter_context(counting_saved(probe, _live_ptrs_safe(model)))
+            for chunk in model:
+                stack.enter_context(chunk.no_sync())
+            run_microbatch(job, config, model, rec=probe)
+        saved_bytes = sum(saved.values())
+        saved_blocks = sum(-(-n // BLOCK) * BLOCK for n in saved.values())
+        for i in range(iterations):
+            if cuda and i == min(1, iterations - 1):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            with record_function(marker):
+                run_iteration(
+                    job, config, model, optimizer, rec=_Probe(), device=torch.device(device),
+                    real_steps=True, batches=lambda: _cycle(pool),
+                )
+        del model, optimizer
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        return Measured(peak=peak, peak_blocks=peak, saved=saved_bytes, saved_blocks=saved_blocks, device=device)
+    events, marks = _profiler_log(prof, marker)
+    since = marks[min(1, len(marks) - 1)]
+    return Measured(
+        peak=allocation_peak(events, since),
+        peak_blocks=allocation_peak(events, since, BLOCK),
+        saved=saved_bytes,
+        saved_blocks=saved_blocks,
+        device=device,
+    )
+
+
+def _cycle(pool):
+    while True:
+        yield from pool
+
+
+def predict(job, rank: int) -> Predicted:
+    """metatrace's prediction for global `rank` (traced on meta, as `metatrace run` does)."""
+    from metatrace import aggregate as agg
+    from metatrace.memory import lifetimes, role_memory
+    from metatrace.trace import cublas_workspace_bytes, trace_role
+    from metatrace.world import World
+
+    world = World.from_job(job)
+    role = next(r for r in world.roles() if rank in r.ranks)
+    rt = trace_role(job, world, role, rank=rank)
+    # The cuBLAS workspaces are the micro-batch's persistent storages of exactly the configured
+    # size (one per thread that ran a GEMM: forward, and the autograd engine's in backward).
+    life = lifetimes(rt.trace.memory)
+    workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
+    cublas = sum(
+        life.bytes[sid] for sid in life.persistent() if workspace and life.bytes[sid] == workspace
+    )
+    return Predicted(
+        peak=role_memory(rt.trace, rt.iteration).peak,
+        saved=agg.role_summary(rt.trace).activation_bytes,
+        cuda_only=cublas,
+    )
+
+
+def check_request(job, rank: int, device: str) -> None:
+    """Refuse what cannot be measured, before anything is built (ConfigError: exit 2)."""
+    import importlib.util
+
+    import torch
+
+    from metatrace.world import World
+
+    size = World.from_job(job).size
+    if not 0 <= rank < size:
+        raise ConfigError(f"--rank {rank} is outside the world of {size} GPUs (0 to {size - 1})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda needs a GPU and none is visible here; use --device cpu")
+    te = job.implementation.transformer_impl == "transformer_engine"
+    if te and (device == "cpu" or importlib.util.find_spec("transformer_engine") is None):
+        raise ConfigError(
+            "the Transformer Engine layer spec cannot run for real "
+            + ("on the CPU" if device == "cpu" else "without transformer_engine installed")
+            + "; measure the local spec instead (implementation.transformer_impl: local)"
+        )
+
+
+def check_fits(predicted: Predicted, device: str) -> None:
+    """Refuse a run the machine cannot hold: the prediction (CUDA-only workspaces aside on the
+    CPU) against the memory available now."""
+    import torch
+
+    need = predicted.peak - (predicted.cuda_only if device == "cpu" else 0)
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = _available_host_memory()
+    if free is not None and need > free:
+        raise ConfigError(
+            f"the rank is predicted to need {need / 2**30:.2f} GiB and this machine has "
+            f"{free / 2**30:.2f} GiB available; measure a smaller model"
+        )
+
+
+def _available_host_memory() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
+def build_comparison(predicted: Predicted, measured: Measured, rank: int):
+    """rich Table: predicted against measured, the difference in bytes and percent."""
+    from rich import box
+    from rich.table import Table
+
+    cpu = measured.device == "cpu"
+    peak = predicted.peak - (predicted.cuda_only if cpu else 0)
+    table = Table(title=f"rank {rank}: predicted against measured on {measured.device}",
+                  box=box.SIMPLE_HEAD)
+    for name in ("", "predicted", "measured", "difference", "%"):
+        table.add_column(name, justify="left" if not name else "right")
+    rows = [
+        ("peak" + (" (cuBLAS workspaces aside)" if cpu else ""), peak, measured.peak_blocks),
+        ("saved activations / micro-batch", predicted.saved, measured.saved_blocks),
+    ]
+    for label, p, m in rows:
+        diff = p - m
+        pct = f"{100 * diff / m:+.2f}" if m else "-"
+        table.add_row(label, f"{p:,}", f"{m:,}", f"{diff:+,}", pct)
+    if cpu:
+        table.caption = (
+            f"bytes; measured in 512-byte blocks as the CUDA allocator counts (exact peak "
+            f"{measured.peak:,}); the GPU prediction {predicted.peak:,} includes "
+            f"{predicted.cuda_only:,} of cuBLAS workspaces a CPU run does not allocate"
+        )
+    return table
