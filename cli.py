@@ -505,44 +505,18 @@ def cmd_diff(args, console=None) -> int:
 
 
 def _plan_base(args):
-    """The job whose model, batch and cluster the planner keeps, on one GPU."""
-    import dataclasses
+    """The job whose model, batch and cluster the planner keeps, and the GPUs to plan for."""
+    from metatrace.plan import base_job
 
-    from metatrace.config import job_from_dict, load_job, resolve
-
-    if args.config:
-        base = load_job(args.config)
-        source = args.config
-    else:
-        key = "hf_config" if args.model.endswith(".json") else "preset"
+    if args.model:
         missing = [f for f, v in (("--num-gpus", args.num_gpus), ("--seq", args.seq),
                                   ("--global-batch", args.global_batch)) if v is None]
         if missing:
             raise ConfigError(f"plan --model needs {', '.join(missing)}")
-        base = job_from_dict({"model": {key: args.model},
-                              "training": {"seq_length": args.seq,
-                                           "global_batch_size": args.global_batch},
-                              "cluster": {"num_gpus": 1}}, source=args.model)
-        source = args.model
-    training = base.training
-    if args.seq is not None:
-        training = dataclasses.replace(training, seq_length=args.seq)
-    if args.global_batch is not None:
-        training = dataclasses.replace(training, global_batch_size=args.global_batch)
-    cluster = dataclasses.replace(base.cluster, num_gpus=None)
-    for flag, key in (("gpu", "gpu"), ("gpus_per_node", "gpus_per_node"),
-                      ("gpu_memory_gib", "gpu_memory_gib"),
-                      ("reserved_overhead_gib", "reserved_overhead_gib")):
-        if getattr(args, flag) is not None:
-            cluster = dataclasses.replace(cluster, **{key: getattr(args, flag)})
-    if args.gpu is not None and args.gpu_memory_gib is None:
-        cluster = dataclasses.replace(cluster, gpu_memory_gib=None, intra_node_gbps=None,
-                                      inter_node_gbps=None, cublas_workspace_config=None)
-    parallel = type(base.parallel)(rank_order=base.parallel.rank_order)
-    num_gpus = args.num_gpus or base.cluster.num_gpus
-    job = resolve(dataclasses.replace(base, parallel=parallel, training=training,
-                                      cluster=cluster, notes=(), source=source))
-    return job, num_gpus
+    cluster = {key: getattr(args, key) for key in
+               ("gpu", "gpus_per_node", "gpu_memory_gib", "reserved_overhead_gib")}
+    return base_job(model=args.model, config=args.config, seq=args.seq,
+                    global_batch=args.global_batch, num_gpus=args.num_gpus, cluster=cluster)
 
 
 def cmd_plan(args, console=None) -> int:

@@ -104,6 +104,38 @@ def layouts(job, num_gpus: int) -> list[Layout]:
     return out
 
 
+def base_job(*, model: str | None, config: str | None, seq: int | None,
+             global_batch: int | None, num_gpus: int | None, cluster: dict):
+    """(job on one GPU with the model, batch and cluster to plan for, GPUs to plan for): from a
+    preset or a Hugging Face config.json (`model`), or a job file (`config`) whose parallel
+    layout is dropped; `cluster` overrides given as not None (a new `gpu` brings its own
+    memory, links and cuBLAS defaults unless `gpu_memory_gib` is given too)."""
+    from metatrace.config import job_from_dict, load_job
+
+    if config:
+        base, source = load_job(config), config
+    else:
+        key = "hf_config" if model.endswith(".json") else "preset"
+        base = job_from_dict({"model": {key: model},
+                              "training": {"seq_length": seq, "global_batch_size": global_batch},
+                              "cluster": {"num_gpus": 1}}, source=model)
+        source = model
+    training = dataclasses.replace(
+        base.training,
+        seq_length=seq or base.training.seq_length,
+        global_batch_size=global_batch or base.training.global_batch_size,
+    )
+    given = {k: v for k, v in cluster.items() if v is not None}
+    if "gpu" in given and "gpu_memory_gib" not in given:
+        given.update(gpu_memory_gib=None, intra_node_gbps=None, inter_node_gbps=None,
+                     cublas_workspace_config=None)
+    fresh = dataclasses.replace(base.cluster, num_gpus=None, **given)
+    parallel = type(base.parallel)(rank_order=base.parallel.rank_order)
+    job = resolve(dataclasses.replace(base, parallel=parallel, training=training, cluster=fresh,
+                                      notes=(), source=source))
+    return job, num_gpus or base.cluster.num_gpus
+
+
 def job_of(job, layout: Layout):
     """The base job with `layout`, resolved and checked; ConfigError when Megatron refuses it."""
     par = dataclasses.replace(
