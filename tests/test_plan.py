@@ -9,6 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
+from metatrace import estimates as E
 from metatrace import plan as P
 from metatrace.cli import main
 from metatrace.config import job_from_dict
@@ -77,11 +78,11 @@ def test_nothing_left_out_would_have_ranked_first(searched):
         peak = report["memory_verdict"]["highest_peak_bytes"]
         checked += 1
         # The memory bound is a bound.
-        assert P.memory_lower_bound(job) <= peak, layout
+        assert E.memory_lower_bound(job) <= peak, layout
         if peak > capacity:
             continue
         fit_elsewhere += 1
-        cand = P.Candidate(layout, job, 0, 0, P.estimate(job))
+        cand = P.Candidate(layout, job, 0, 0, E.estimate(job))
         assert P._traced(cand, report).estimate.seconds >= best.estimate.seconds, layout
     assert checked > 10 and fit_elsewhere > 0
 
@@ -98,16 +99,16 @@ def test_closed_form_static_memory_is_exact_for_a_plain_layout():
     base = _base()
     job = P.job_of(base, P.Layout(1, 1, None, 1, 1, 1, False, 1, "none", False))
     params = json.loads(json.dumps(_trace(job)))["model"]["total_params"]
-    assert P.static_bytes(job) == 18 * params
+    assert E.static_bytes(job) == 18 * params
 
 
 def test_bubble_is_megatrons_closed_form():
     base = _base()
     job = P.job_of(base, P.Layout(1, 2, None, 1, 1, 2, False, 1, "none", False))
     m = job.num_microbatches
-    assert P.estimate(job).bubble == pytest.approx(1 / (m + 1))
+    assert E.estimate(job).bubble == pytest.approx(1 / (m + 1))
     job = P.job_of(base, P.Layout(1, 2, 2, 1, 1, 2, False, 1, "none", False))
-    assert P.estimate(job).bubble == pytest.approx(1 / (2 * m + 1))
+    assert E.estimate(job).bubble == pytest.approx(1 / (2 * m + 1))
 
 
 def test_cli_plan_prints_and_writes_json(tmp_path):
