@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from metatrace.hooks.records import STEP, Collective, ModuleInfo, Trace
+from metatrace.memory import lifetimes
 
 PHASES = ("forward", "backward", "recompute")
 
@@ -35,11 +36,21 @@ def is_within(fqn: str, ancestor: str) -> bool:
 
 
 def activation_owners(trace: Trace) -> dict[int, tuple[str, int]]:
-    """{storage: (module that saved it first in forward, bytes)} for the micro-batch's activations."""
+    """{storage: (module that saved it first in forward, bytes)} for the micro-batch's activations.
+
+    A storage saved in forward but freed before the first backward step is not held for
+    backward: e.g. the dropout masks of megatron-core's bias-dropout-add, which runs with grad
+    enabled inside a checkpointed (no-grad) layer; the small graph it builds is dropped when
+    the checkpoint returns, and its masks with it."""
+    freed = lifetimes(trace.memory).freed
+    backward = min((w.first for w in trace.windows if w.phase == "backward"), default=None)
     owners: dict[int, tuple[str, int]] = {}
     for s in trace.saved:
-        if s.phase == "forward" and not s.static and s.storage not in owners:
-            owners[s.storage] = (s.module, s.bytes)
+        if s.phase != "forward" or s.static or s.storage in owners:
+            continue
+        if backward is not None and freed.get(s.storage, backward) < backward:
+            continue
+        owners[s.storage] = (s.module, s.bytes)
     return owners
 
 

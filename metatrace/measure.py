@@ -23,6 +23,7 @@ pipeline tensors hold whatever the allocator returned (memory does not depend on
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 from metatrace.errors import ConfigError
@@ -115,12 +116,16 @@ def random_batches(job, count: int) -> list[dict]:
 
 
 class _Probe:
-    """What run_microbatch / run_iteration tell a recorder, kept to the step phase only."""
+    """What run_microbatch / run_iteration tell a recorder, kept to the step phase only;
+    `on_backward` runs when the first backward step starts."""
 
-    def __init__(self):
+    def __init__(self, on_backward=None):
         self.phase = "forward"
+        self.on_backward = on_backward
 
     def set_step_phase(self, phase: str) -> None:
+        if phase == "backward" and self.phase != "backward" and self.on_backward:
+            self.on_backward()
         self.phase = phase
 
     @contextlib.contextmanager
@@ -135,10 +140,13 @@ _FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange",
 
 
 def _host_tensors():
-    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) that
-    collects the storages made by factory functions called without a device: host tensors on a
-    GPU as well (megatron-core's fused softmax saves `torch.tensor([scale])`, 4 bytes a layer),
-    which a CPU run cannot otherwise tell from device tensors."""
+    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) that keeps
+    weak references to the tensors made by factory functions called without a device: host
+    tensors on a GPU as well (megatron-core's fused softmax saves `torch.tensor([scale])`, 4
+    bytes a layer), which a CPU run cannot otherwise tell from device tensors. Weak: an address
+    freed and reused by a device tensor must not pass for a host one."""
+    import weakref
+
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -147,36 +155,104 @@ def _host_tensors():
     class HostTensors(TorchFunctionMode):
         def __init__(self):
             super().__init__()
-            self.ptrs: set[int] = set()
+            self.made: list = []
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func in factories and (kwargs or {}).get("device") is None:
                 if isinstance(out, torch.Tensor):
-                    self.ptrs.add(out.untyped_storage().data_ptr())
+                    self.made.append(weakref.ref(out))
             return out
+
+        def ptrs(self) -> set[int]:
+            alive = (ref() for ref in self.made)
+            return {t.untyped_storage().data_ptr() for t in alive if t is not None}
 
     return HostTensors()
 
 
+class _Held:
+    """What the pack hook returns: autograd keeps it as long as it keeps the saved tensor."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
 @contextlib.contextmanager
 def counting_saved(probe: _Probe, existing: set[int]):
-    """{data_ptr: nbytes} of the device storages autograd saves while `probe` is in its forward
-    phase (recomputation in backward saves again: not activations a micro-batch holds)."""
+    """{data_ptr: nbytes} of the device storages the micro-batch's forward saved for backward
+    and that autograd still holds when the first backward step starts (a save whose graph is
+    dropped before, e.g. bias-dropout-add's inside a checkpointed layer, is not held; counted
+    while alive, no two storages share an address). Recomputation in backward saves again: not
+    activations a micro-batch holds."""
+    import weakref
+
     import torch
 
     saved: dict[int, int] = {}
+    held: list = []
     host = _host_tensors()
 
-    def pack(t):
-        if probe.phase == "forward" and t.device.type != "meta":
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in existing and storage.data_ptr() not in host.ptrs:
-                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
-        return t
+    def count():
+        skip = existing | host.ptrs()
+        for ref in held:
+            h = ref()
+            if h is None or h.tensor.device.type == "meta":
+                continue
+            storage = h.tensor.untyped_storage()
+            if storage.data_ptr() not in skip:
+                saved[storage.data_ptr()] = storage.nbytes()
 
-    with host, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def pack(t):
+        if probe.phase != "forward":
+            return t
+        h = _Held(t)
+        held.append(weakref.ref(h))
+        return h
+
+    def unpack(h):
+        return h.tensor if isinstance(h, _Held) else h
+
+    probe.on_backward = count
+    with host, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield saved
+
+
+@contextlib.contextmanager
+def _cuda_like_dropout():
+    """CPU kernels for dropout that allocate what the CUDA kernels do. ATen's CPU dropout
+    multiplies by the bool mask through TensorIterator, which first copies the mask to the
+    input's dtype (a second activation-sized buffer, [b, heads, s, s] for attention dropout),
+    and its backward keeps `grad * mask` alive while `* scale` allocates the result; the CUDA
+    kernels (fused_dropout, masked_scale) allocate only the output and the mask. Kernel
+    scratch is not what the prediction models, so the CPU run is made to allocate like the GPU:
+    output and mask, nothing else (the 0-dim zero is a 512-byte host scalar per call)."""
+    import torch
+
+    def native_dropout(input, p, train):
+        if train is False or p == 0:
+            return input.clone(), torch.ones_like(input, dtype=torch.bool)
+        mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p)
+        out = input.mul(1 / (1 - p)) if p < 1 else torch.zeros_like(input)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out, mask
+
+    def native_dropout_backward(grad_output, mask, scale):
+        out = grad_output.mul(scale)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("native_dropout", native_dropout, "CPU")
+        lib.impl("native_dropout_backward", native_dropout_backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
 
 
 @contextlib.contextmanager
@@ -253,8 +329,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         if cuda
         else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     )
+    dropout = contextlib.nullcontext() if cuda else _cuda_like_dropout()
     with profiler as prof, megatron_patches(), remap, fake_world(world.layout, rank), \
-            te_process(te), _local_broadcasts():
+            te_process(te), _local_broadcasts(), dropout:
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
         optimizer = build_optimizer(job, model)
