@@ -45,6 +45,11 @@ class Measured:
     saved_blocks: int
     """The same, each storage rounded up to 512 bytes (as the prediction counts them)."""
     device: str
+    model: int
+    """Live once the model and DDP exist (parameters, DDP's buffers), in blocks on the CPU."""
+    steady: int
+    """Live when the measured iteration starts: the model, the optimizer's state, what earlier
+    steps kept (workspaces, buffers megatron-core reuses)."""
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,19 @@ class Predicted:
     saved: int
     cuda_only: int
     """Part of `peak` that only a GPU allocates: PyTorch's cuBLAS workspaces."""
+    model: int
+    """Parameters and gradient buffers (role_memory's params + grads)."""
+    steady: int
+    """Static memory and workspaces (cuBLAS included), what exists before the iteration."""
 
 
-def allocation_peak(events, since_ns: int, block: int = 1) -> int:
-    """Highest running sum of `events` ((ns, bytes, ptr), a free negative) at or after
-    `since_ns`, the sum started at the first event. With `block`, each allocation counts rounded
+def allocation_running(events, block: int = 1) -> list[tuple[int, int]]:
+    """(ns, bytes live after it) for `events` ((ns, bytes, ptr), a free negative) in time
+    order, the sum started at the first event. With `block`, each allocation counts rounded
     up to a multiple of it (its free the same amount). A free of memory allocated before the
     log started is not the run's: the garbage collector freeing an earlier model in the same
     process would otherwise lower the sum by that model's size."""
-    live, best, sizes = 0, 0, {}
+    live, out, sizes = 0, [], {}
     for ns, nbytes, ptr in sorted(events, key=lambda e: e[0]):
         if nbytes > 0:
             nbytes = -(-nbytes // block) * block
@@ -71,15 +80,27 @@ def allocation_peak(events, since_ns: int, block: int = 1) -> int:
         else:
             continue
         live += nbytes
-        if ns >= since_ns:
-            best = max(best, live)
-    return best
+        out.append((ns, live))
+    return out
 
 
-def _profiler_log(prof, marker: str) -> tuple[list, list[int]]:
+def allocation_peak(events, since_ns: int, block: int = 1) -> int:
+    """Highest running sum of `events` (see allocation_running) at or after `since_ns`."""
+    return max((live for ns, live in allocation_running(events, block) if ns >= since_ns), default=0)
+
+
+def live_at(running: list[tuple[int, int]], ns: int) -> int:
+    """Bytes live just before time `ns`."""
+    import bisect
+
+    i = bisect.bisect_left(running, (ns, -1))
+    return running[i - 1][1] if i else 0
+
+
+def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
     """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
-    `marker` record_function ranges."""
-    events, marks = [], []
+    record_function ranges whose names start with `prefix`, by name."""
+    events, marks = [], {}
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -88,9 +109,9 @@ def _profiler_log(prof, marker: str) -> tuple[list, list[int]]:
         if type(fields).__name__ == "_ExtraFields_Allocation":
             if fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
-        elif node.name == marker:
-            marks.append(node.start_time_ns)
-    return events, sorted(marks)
+        elif node.name.startswith(prefix):
+            marks.setdefault(node.name, []).append(node.start_time_ns)
+    return events, {name: sorted(times) for name, times in marks.items()}
 
 
 def random_batches(job, count: int) -> list[dict]:
@@ -322,7 +343,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     te = job.implementation.transformer_impl == "transformer_engine"
     cuda = device == "cuda"
     pool = random_batches(job, job.num_microbatches)  # host memory, made before anything counts
-    marker = "metatrace.measure.iteration"
+    marker = "metatrace.measure."
+    allocated = {}  # on a GPU: torch.cuda.memory_allocated() at the marks
     remap = contextlib.nullcontext() if cuda else remap_cuda(device)
     profiler = (
         contextlib.nullcontext()
@@ -334,6 +356,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             te_process(te), _local_broadcasts(), dropout:
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
+        with record_function(marker + "model"):  # parameters and DDP's buffers exist
+            if cuda:
+                allocated["model"] = torch.cuda.memory_allocated()
         optimizer = build_optimizer(job, model)
         probe = _Probe()
         with contextlib.ExitStack() as stack:
@@ -347,7 +372,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             if cuda and i == min(1, iterations - 1):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            with record_function(marker):
+                allocated["steady"] = torch.cuda.memory_allocated()
+            with record_function(marker + "iteration"):
                 run_iteration(
                     job, config, model, optimizer, rec=_Probe(), device=torch.device(device),
                     real_steps=True, batches=lambda: _cycle(pool),
@@ -355,15 +381,20 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         del model, optimizer
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-        return Measured(peak=peak, peak_blocks=peak, saved=saved_bytes, saved_blocks=saved_blocks, device=device)
+        return Measured(peak=peak, peak_blocks=peak, saved=saved_bytes, saved_blocks=saved_blocks,
+                        device=device, model=allocated["model"], steady=allocated["steady"])
     events, marks = _profiler_log(prof, marker)
-    since = marks[min(1, len(marks) - 1)]
+    iterations_at = marks[marker + "iteration"]
+    since = iterations_at[min(1, len(iterations_at) - 1)]
+    running = allocation_running(events, BLOCK)
     return Measured(
         peak=allocation_peak(events, since),
-        peak_blocks=allocation_peak(events, since, BLOCK),
+        peak_blocks=max(live for ns, live in running if ns >= since),
         saved=saved_bytes,
         saved_blocks=saved_blocks,
         device=device,
+        model=live_at(running, marks[marker + "model"][0]),
+        steady=live_at(running, since),
     )
 
 
@@ -389,10 +420,13 @@ def predict(job, rank: int) -> Predicted:
     cublas = sum(
         life.bytes[sid] for sid in life.persistent() if workspace and life.bytes[sid] == workspace
     )
+    memory = role_memory(rt.trace, rt.iteration)
     return Predicted(
-        peak=role_memory(rt.trace, rt.iteration).peak,
+        peak=memory.peak,
         saved=agg.role_summary(rt.trace).activation_bytes,
         cuda_only=cublas,
+        model=memory.params + memory.grads,
+        steady=memory.static,
     )
 
 
@@ -455,8 +489,12 @@ def build_comparison(predicted: Predicted, measured: Measured, rank: int):
                   box=box.SIMPLE_HEAD)
     for name in ("", "predicted", "measured", "difference", "%"):
         table.add_column(name, justify="left" if not name else "right")
+    steady = predicted.steady - (predicted.cuda_only if cpu else 0)
     rows = [
         ("peak" + (" (cuBLAS workspaces aside)" if cpu else ""), peak, measured.peak_blocks),
+        ("  parameters, gradient buffers", predicted.model, measured.model),
+        ("  optimizer state, workspaces", steady - predicted.model, measured.steady - measured.model),
+        ("  the iteration's own at the peak", peak - steady, measured.peak_blocks - measured.steady),
         ("saved activations / micro-batch", predicted.saved, measured.saved_blocks),
     ]
     for label, p, m in rows:

@@ -64,6 +64,10 @@ def test_prediction_matches_a_real_cpu_run(name):
     peak = predicted.peak - predicted.cuda_only
     assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
     assert measured.peak <= measured.peak_blocks
+    # Parameters and DDP's gradient buffers, measured once they exist, are the predicted ones
+    # (within the host tensors megatron-core makes on the way); the steady state lies between.
+    assert abs(predicted.model - measured.model) <= 0.01 * measured.model
+    assert measured.model < measured.steady < measured.peak_blocks
 
 
 def test_allocation_peak_is_the_running_sums_maximum_after_the_mark():
@@ -119,10 +123,10 @@ def test_measure_refuses_a_model_too_large_for_the_machine(monkeypatch):
     from metatrace.errors import ConfigError
 
     monkeypatch.setattr(measure, "_available_host_memory", lambda: 10 * 2**30)
-    big = measure.Predicted(peak=200 * 2**30, saved=0, cuda_only=64 * 2**20)
+    big = measure.Predicted(peak=200 * 2**30, saved=0, cuda_only=64 * 2**20, model=0, steady=0)
     with pytest.raises(ConfigError, match="predicted to need 199.94 GiB"):
         measure.check_fits(big, "cpu")
-    measure.check_fits(measure.Predicted(peak=2**30, saved=0, cuda_only=0), "cpu")
+    measure.check_fits(measure.Predicted(peak=2**30, saved=0, cuda_only=0, model=0, steady=0), "cpu")
 
 
 def test_cuda_path(tmp_path, capsys):
