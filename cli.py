@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
             help="an environment variable of the run (e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)",
         )
 
-    def common(p):
+    def common(p, tree: bool = True):
+        """The job's options; with `tree`, the module tree's (--depth, --expand)."""
         source = p.add_argument_group(
             "the job (one of --config, --megatron-args, --megatron-args-file)"
         )
@@ -55,10 +56,13 @@ def _parser() -> argparse.ArgumentParser:
             help="a file with them: one line, a training script, or a YAML {--flag: value} map",
         )
         megatron_options(source)
-        p.add_argument("--depth", type=int, metavar="D", help="deepest module level shown")
-        p.add_argument(
-            "--expand", action="store_true", help="show identical layers and stages one by one"
-        )
+        if tree:
+            p.add_argument("--depth", type=int, metavar="D", help="deepest module level shown")
+            p.add_argument(
+                "--expand", action="store_true", help="show identical layers and stages one by one"
+            )
+        else:
+            p.set_defaults(depth=None)
         p.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
         p.add_argument(
             "--quiet", "-q", action="store_true", help="no progress messages on stderr"
@@ -102,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     comm = sub.add_parser("comm", help="print only the communication tables")
-    common(comm)
+    common(comm, tree=False)
     comm.add_argument(
         "--dim", choices=("tp", "cp", "ep", "dp", "pp"), help="only this dimension's section"
     )
@@ -112,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     groups = sub.add_parser(
         "groups", help="print the rank groups megatron-core forms (no tracing)"
     )
-    common(groups)
+    common(groups, tree=False)
     which = groups.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, metavar="R", help="only the groups of global rank R")
     which.add_argument("--all", action="store_true", help="list every group (default: 16 per kind)")
@@ -126,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     measure = sub.add_parser(
         "measure", help="run one rank for real and compare its memory with the prediction"
     )
-    common(measure)
+    common(measure, tree=False)
     measure.add_argument("--rank", type=int, required=True, metavar="R", help="global rank")
     measure.add_argument(
         "--iterations", type=int, default=3, metavar="N", help="training iterations (default 3)"
