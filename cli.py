@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 bad input (a config, a flag, a file; one message, no tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -540,7 +541,7 @@ def cmd_plan(args, console=None) -> int:
     job, num_gpus = _plan_base(args)
     console = _console(args, console)
     bar = _progress_bar(args)
-    with bar or _nothing():
+    with bar or contextlib.nullcontext():
         task = bar.add_task("tracing", total=args.max_traces) if bar else None
 
         def progress(done, total, text):
@@ -567,12 +568,6 @@ def _progress_bar(args):
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def main(argv=None, console=None) -> int:
