@@ -30,6 +30,8 @@ class Layout:
     etp: int | None = None
     order: str = "tp-cp-ep-dp-pp"
     hierarchical_cp_sizes: tuple[int, ...] | None = None
+    dist_opt_instances: int = 1
+    """num_distributed_optimizer_instances: the distributed optimizer's replicas over dp x cp."""
 
 
 def _group_getters():
@@ -59,6 +61,17 @@ def _group_getters():
         ("tp_dp_cp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
         ("cp_a2a", _hierarchical_cp(0)),  # cp_comm_type a2a+p2p: the all-to-all level
         ("cp_p2p", _hierarchical_cp(1)),  # and the ring level
+        # num_distributed_optimizer_instances > 1 (with one instance the first three are
+        # dp_cp, edp and none, the last the whole world):
+        # DDP's reduce-scatter and parameter all-gather of dense and expert buckets,
+        ("intra_dp_cp", lambda: ps.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=True)),
+        ("intra_edp", lambda: ps.get_expert_data_parallel_group(
+            partial_expert_data_parallel=True)),
+        # the all-reduce of each shard across the instances (dense and expert buckets alike),
+        ("inter_dist_opt", lambda: ps.get_inter_distributed_optimizer_instance_group(
+            check_initialized=False)),
+        # and every GPU of an instance: the optimizer's gradient-norm statistics.
         ("dist_opt", lambda: ps.get_intra_distributed_optimizer_instance_group()),
         ("world", lambda: dist.group.WORLD),
     ]
@@ -131,6 +144,7 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
             ),
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
+            num_distributed_optimizer_instances=layout.dist_opt_instances,
             order=layout.order,
             create_gloo_process_groups=False,
         )

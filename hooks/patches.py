@@ -114,6 +114,14 @@ PATCHES = (
         "bound from Transformer Engine at import (None without it); used with "
         "cross_entropy_fusion_impl='te'.",
     ),
+    Patch(
+        "megatron.core.extensions.transformer_engine",
+        "TEFusedMLP",
+        _standin("metatrace.models.te_fused_mlp", "TEFusedMLP"),
+        "0.16.1",
+        "TransformerLayer imports TEFusedMLP from here to hand the MLP its tp_group; without TE "
+        "it is None, and the op fuser's stand-in is an 'Unknown MLP type' (a warning per layer).",
+    ),
 )
 
 # Optimizers (models/te_optim.py): megatron-core takes FusedAdam/FusedSGD and the multi-tensor
@@ -417,7 +425,96 @@ PATCHES += (
         "bound from Transformer Engine at import, and referenced without it (a NameError); the "
         "router's gating GEMM calls it.",
     ),
+    Patch(
+        "megatron.core.transformer.moe.moe_utils",
+        "MoEAuxLossAutoScaler.main_loss_backward_scale",
+        lambda orig: None,
+        "0.12-0.16",
+        "a class attribute megatron-core creates on the device of the first backward (or "
+        "set_loss_scale) and keeps: a trace on another device then mixes devices (a real CPU run "
+        "after a meta trace fails in backward, metatrace measure with an aux loss).",
+    ),
 )
+
+# Transformer Engine's fused MoE kernels (--moe-permute-fusion, --moe-router-fusion;
+# metatrace.models.te_moe): moe_utils binds them from TE at import, and only when TE imports
+# (no attribute at all without it), and checks HAVE_TE before calling them.
+_TE_MOE = (
+    "fused_permute", "fused_permute_with_probs", "fused_unpermute",
+    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+)
+PATCHES += tuple(
+    Patch(
+        "megatron.core.transformer.moe.moe_utils",
+        name,
+        _standin("metatrace.models.te_moe", name),
+        "0.15-0.16",
+        "bound from Transformer Engine at import (missing without it); called with "
+        "moe_permute_fusion / moe_router_fusion, and looked up by TransformerConfig's checks.",
+    )
+    for name in _TE_MOE
+) + (
+    Patch(
+        "megatron.core.transformer.moe.moe_utils",
+        "HAVE_TE",
+        lambda orig: True,
+        "0.15-0.16",
+        "gates only the fused_* calls above (moe_utils.py:118, 322, 330, 414, 491, 498, 653, "
+        "772); each is also gated by its config flag.",
+    ),
+)
+
+
+# torch.compile: megatron.core.jit.jit_fuser is torch.compile (inductor) on a GPU, and traces run
+# the functions it decorates eagerly (_dynamo_disabled below). Where the compiled kernel allocates
+# other buffers than the eager ops, a stand-in allocates what the kernel does (models/compiled.py;
+# measured against inductor on CPU tensors by tests/test_compiled.py).
+for _module, _name, _standin_name, _why in (
+    (
+        "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
+        "fused_ce_calculate_gradients",
+        "compiled, the functional index_put on the saved softmax lowers to clone + scatter: an fp32 "
+        "[s, b, V/t] copy lives with the bf16 gradient (+4*s*b*V/t bytes over eager).",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_gelu", "bias_gelu", "bias_gelu",
+        "compiled, one kernel writes the output; eager allocates 4 more output-sized temporaries.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_gelu", "bias_gelu_back", "bias_gelu_back",
+        "compiled, one kernel writes the input gradient; eager allocates 5 more output-sized "
+        "temporaries.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_swiglu", "swiglu", "swiglu",
+        "compiled, one kernel writes the output; eager allocates silu(y1) too.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_swiglu", "bias_swiglu", "bias_swiglu",
+        "compiled, one kernel writes the output; eager allocates y + bias and silu(y1) too.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_swiglu", "swiglu_back", "swiglu_back",
+        "compiled, one kernel writes the input gradient; eager allocates every factor and both "
+        "halves before the cat.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_swiglu", "bias_swiglu_back", "bias_swiglu_back",
+        "compiled, one kernel writes the input gradient; eager allocates y + bias and the factors.",
+    ),
+    (
+        "megatron.core.fusions.fused_bias_dropout", "bias_dropout_add_fused_train",
+        "bias_dropout_add_fused_train",
+        "compiled, forward allocates the output and the bool mask only (eager: x + bias and the "
+        "dropout output too); the same mask is saved.",
+    ),
+):
+    PATCHES += (
+        Patch(_module, _name, _standin("metatrace.models.compiled", _standin_name), "0.13-0.16",
+              _why),
+    )
 
 
 # Multi-latent attention and multi-token prediction (DeepSeek-V3).
@@ -477,6 +574,103 @@ for _name in ("rotary_fwd_q_kernel", "rotary_bwd_q_kernel", "rotary_fwd_kv_kerne
             "module imports with a mocked triton and `kernel[grid](...)` raises TypeError.",
         ),
     )
+
+
+# Fine-grained activation offloading (--fine-grained-activation-offloading; metatrace.hooks.offload
+# has the stand-ins, their reasons, and the log of what moved).
+def _offload_standin(name: str):
+    def make(orig):
+        return getattr(importlib.import_module("metatrace.hooks.offload"), name)(orig)
+
+    return make
+
+
+_FGO = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
+PATCHES += (
+    Patch(
+        _FGO,
+        "ChunkOffloadHandler.offload",
+        _offload_standin("offload"),
+        "0.16.1",
+        "copies into a pinned host buffer: no pinned memory without an accelerator, and no copy "
+        "out of a meta tensor; a HostCopy record stands for the buffer.",
+    ),
+    Patch(
+        _FGO,
+        "ChunkOffloadHandler.reload",
+        _offload_standin("reload"),
+        "0.16.1",
+        "copies the host buffer back: the GPU allocation is made, the copy is not.",
+    ),
+    Patch(
+        _FGO,
+        "PipelineOffloadManager.__enter__",
+        _offload_standin("manager_enter"),
+        "0.16.1",
+        "pushes its saved-tensor hooks over metatrace's, which torch then no longer calls: note "
+        "the hooks it hides.",
+    ),
+    Patch(
+        _FGO,
+        "PipelineOffloadManager.__exit__",
+        _offload_standin("manager_exit"),
+        "0.16.1",
+        "pops them again.",
+    ),
+    Patch(
+        _FGO,
+        "PipelineOffloadManager.on_save_for_backward",
+        _offload_standin("on_save"),
+        "0.16.1",
+        "calls the hidden pack hook first (the recorder's, measure's), so that tensors saved "
+        "inside an offload group are still seen.",
+    ),
+    Patch(
+        _FGO,
+        "OffloadTensorGroup.push_tensor",
+        _offload_standin("push_tensor"),
+        "0.16.1",
+        "drops what the hidden pack hook returned once the tensor is offloaded.",
+    ),
+    Patch(
+        _FGO,
+        "OffloadTensorGroup.pop_tensor",
+        _offload_standin("pop_tensor"),
+        "0.16.1",
+        "drops it when autograd takes the tensor back.",
+    ),
+    Patch(
+        _FGO,
+        "print_offload_summary_table",
+        _no_op,
+        "0.16.1",
+        "all_gather_object and a barrier over the world at the end of the first iteration, for "
+        "a printed table.",
+    ),
+    Patch(
+        "megatron.core.extensions.transformer_engine",
+        "cpu_offload",
+        _offload_standin("cpu_offload"),
+        "0.16.1",
+        "TE's cpu_offload module, None without TE: the offload manager raises 'TE CPU offload "
+        "is not available' even with the local spec.",
+    ),
+    Patch(
+        "torch.cuda.nvtx",
+        "range_push",
+        _no_op,
+        "0.16.1",
+        "the offload handler marks its copies with NVTX ranges; a CPU build of torch raises "
+        "'NVTX functions not installed'. Profiling markers only.",
+    ),
+    Patch(
+        "torch.cuda.nvtx",
+        "range_pop",
+        _no_op,
+        "0.16.1",
+        "as range_push.",
+    ),
+)
 
 _MISSING = object()
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
@@ -545,11 +739,14 @@ def _extension_modules():
     """megatron-core 0.12-0.16 import Apex's fused softmax extensions by name inside
     FusedScaleMaskSoftmax (fusions/fused_softmax.py); without them the local spec's attention
     cannot run. The stand-ins come from metatrace.models.standins."""
-    from metatrace.models.standins import FusedSoftmaxKernels
+    from metatrace.models.standins import FusedSoftmaxKernels, FusedWeightGradient
 
     _orig_modules = {}
+    # megatron.core.utils.drain_embedding_wgrad_compute (--defer-embedding-wgrad-compute)
+    # imports Apex's extension by name at call time.
+    modules = {**FusedSoftmaxKernels.modules(), "fused_weight_gradient_mlp_cuda": FusedWeightGradient.module()}
     try:
-        for name, module in FusedSoftmaxKernels.modules().items():
+        for name, module in modules.items():
             _orig_modules[name] = sys.modules.get(name)
             sys.modules[name] = module
         yield
@@ -623,6 +820,14 @@ def _nvte_env_isolated():
                 os.environ[name] = value
 
 
+def _fresh_offload_manager():
+    """megatron-core's offload manager is a process-wide singleton that learns the group order of
+    the micro-batches it sees: one trace must not hand it on to the next."""
+    from metatrace.hooks.offload import fresh_manager
+
+    return fresh_manager()
+
+
 @contextlib.contextmanager
 def megatron_patches():
     """Everything above, applied together and restored on exit (also on error)."""
@@ -633,6 +838,7 @@ def megatron_patches():
             _extension_modules,
             _dynamo_disabled,
             _patched_attributes,
+            _fresh_offload_manager,
         ):
             stack.enter_context(instrument())
         yield

@@ -274,6 +274,7 @@ def _check_training(job, split_ok: bool):
         yield f"training.micro_batch_size = {tr.micro_batch_size} must be at least 1"
         return
     per_step = tr.micro_batch_size * par.dp
+    yield from _check_deferred_wgrad(job, per_step)
     if tr.global_batch_size < 1 or tr.global_batch_size % per_step:
         yield (
             f"training.global_batch_size = {tr.global_batch_size} is not a multiple of "
@@ -319,6 +320,7 @@ def _check_training(job, split_ok: bool):
         )
     yield from _check_optimizer(job)
     yield from _check_recompute(job, split_ok)
+    yield from _check_offload(job)
 
 
 def _check_optimizer(job):
@@ -334,6 +336,15 @@ def _check_optimizer(job):
         if dp_cp % n:
             yield (
                 f"dp x cp = {job.parallel.dp} x {job.parallel.cp} = {dp_cp} is not divisible by "
+                f"training.num_distributed_optimizer_instances = {n}"
+            )
+        par = job.parallel
+        grid = par.etp * par.ep * par.pp
+        edp = job.cluster.num_gpus // grid
+        if not job.cluster.num_gpus % grid and edp % n:
+            # initialize_model_parallel asserts it (its expert groups build the instances).
+            yield (
+                f"expert dp = num_gpus / (etp x ep x pp) = {edp} is not divisible by "
                 f"training.num_distributed_optimizer_instances = {n}"
             )
     if tr.ddp_bucket_size is not None and tr.ddp_bucket_size < 1:
@@ -366,6 +377,8 @@ def _check_fp8(job):
     from metatrace.config import GPU_ARCH
 
     tr = job.training
+    if tr.fp8_amax_history_len < 1:
+        yield f"training.fp8_amax_history_len must be at least 1, got {tr.fp8_amax_history_len}"
     if tr.precision != "fp8":
         for name in ("fp8_format", "fp8_recipe"):
             if getattr(tr, name) is not None:
@@ -465,6 +478,36 @@ def _check_impl(job):
             "backend off, and Transformer Engine then refuses to run; use auto, fused, flash or "
             "unfused with transformer_impl: transformer_engine, or transformer_impl: local"
         )
+    yield from _check_te_op_fuser(job)
+
+
+# Activations megatron-core 0.16.1's TEFusedMLP has a Transformer Engine op for (GELU, GEGLU,
+# SiLU (TE >= 2.8), SwiGLU, ReLU; ReGLU has no metatrace name).
+TE_OP_FUSER_ACTIVATIONS = ("gelu", "geglu", "silu", "swiglu", "relu")
+
+
+def _check_te_op_fuser(job):
+    """implementation.te_op_fuser: what megatron-core 0.16.1's TEFusedMLP and Transformer
+    Engine 2.8's operation fuser refuse (both would fail in the first forward)."""
+    impl, tr, par = job.implementation, job.training, job.parallel
+    if not impl.te_op_fuser:
+        return
+    if impl.transformer_impl != "transformer_engine":
+        yield ("implementation.te_op_fuser needs implementation.transformer_impl: "
+               "transformer_engine (TEFusedMLP runs Transformer Engine's operation fuser over TE's "
+               "LayerNormLinear and Linear, and raises ValueError on the local spec's linears)")
+    if job.model.activation not in TE_OP_FUSER_ACTIVATIONS:
+        yield (f"implementation.te_op_fuser does not support model.activation "
+               f"{job.model.activation}: TEFusedMLP has Transformer Engine ops for "
+               f"{', '.join(TE_OP_FUSER_ACTIVATIONS)} only (NotImplementedError)")
+    blockwise = tr.precision == "fp8" and tr.fp8_recipe == "blockwise"
+    if blockwise and par.tp > 1 and par.sequence_parallel:
+        # TE 2.8: the norm op quantizes with fc1's input quantizer, whose all_gather_usage
+        # BasicLinear never sets (GEMM-ready layout); _all_gather_fp8_blockwise then raises.
+        yield ("implementation.te_op_fuser with training.fp8_recipe blockwise and "
+               "parallel.sequence_parallel fails in Transformer Engine 2.8: the fuser's FP8 "
+               "all-gather of fc1's input needs block scales in the compact layout, which its "
+               "norm op does not write (RuntimeError); use another recipe or no sequence parallel")
 
 
 # Keys that only mixture-of-experts layers read.
@@ -472,7 +515,8 @@ _MOE_KEYS = (
     "model.moe_shared_expert_intermediate_size", "model.moe_ffn_hidden_size",
     "model.moe_router_num_groups", "model.moe_router_group_topk",
     "model.moe_router_topk_scaling_factor", "model.moe_router_enable_expert_bias",
-    "implementation.moe_grouped_gemm", "training.moe_routing",
+    "implementation.moe_grouped_gemm", "implementation.moe_permute_fusion",
+    "implementation.moe_router_fusion", "training.moe_routing",
     "training.moe_expert_capacity_factor", "training.moe_hottest_expert_load",
     "parallel.moe_token_dispatcher_type", "parallel.moe_shared_expert_overlap",
 )
@@ -530,6 +574,10 @@ def _check_moe(job):
                "moe_routing: capacity every expert's input is padded to its capacity")
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
+    if impl.moe_router_fusion and tr.moe_router_dtype == "fp64":
+        # transformer_engine/pytorch/router.py, fused_topk_with_score_function
+        yield ("implementation.moe_router_fusion with training.moe_router_dtype: fp64 is refused "
+               "by Transformer Engine's fused router (no float64 kernel)")
 
 
 # Model keys that only multi-latent attention reads.
@@ -595,3 +643,58 @@ def _check_mtp_layout(job, stages):
     elif n and not any("mtp" in stage and "loss" in stage for stage in stages):
         yield ("parallel.layout must put the MTP layers (m) in the stage of the loss (L), e.g. "
                "...|tmL")
+
+
+def _check_deferred_wgrad(job, per_step):
+    """--defer-embedding-wgrad-compute: what megatron-core 0.16.1 refuses (TransformerConfig:
+    pp 1, no gradient-accumulation fusion, a negative limit) is left to its own checks; these
+    are the set-ups on which it fails while running."""
+    tr = job.training
+    if not tr.defer_embedding_wgrad_compute:
+        return
+    if job.implementation.transformer_impl == "local":
+        # tensor_parallel/layers.py:1003: every ColumnParallelLinear (the local spec's
+        # linear_qkv and linear_fc1 too) appends to its embedding_activation_buffer, which only
+        # the output layer has (None elsewhere): AttributeError in the first forward.
+        yield ("training.defer_embedding_wgrad_compute needs implementation.transformer_impl: "
+               "transformer_engine (with the local spec megatron-core 0.16.1 fails in the first "
+               "forward: its linear layers have no embedding_activation_buffer)")
+    if tr.global_batch_size >= per_step > 0:
+        calls = (tr.global_batch_size // per_step) * (1 + (job.model.mtp_num_layers or 0))
+        deferred = calls if tr.wgrad_deferral_limit == 0 else min(tr.wgrad_deferral_limit, calls)
+        if deferred == 1:
+            # utils.drain_embedding_wgrad_compute: drain_idx is only set inside its loop over
+            # the second and later entries (UnboundLocalError at the first pipeline flush).
+            yield ("training.defer_embedding_wgrad_compute with one deferred output-layer call per "
+                   "iteration (wgrad_deferral_limit 1, or one micro-batch) fails in megatron-core "
+                   "0.16.1's drain_embedding_wgrad_compute")
+
+
+def _check_offload(job):
+    """Fine-grained activation offloading: what megatron-core 0.16.1 refuses (TransformerConfig:
+    unknown modules, attn_proj without core_attn) is left to its own checks; these are the set-ups
+    that fail while running."""
+    tr = job.training
+    modules = tr.activation_offload_modules or []
+    if not modules:
+        if tr.min_offloaded_tensor_size != 1024 * 1024:
+            yield "training.min_offloaded_tensor_size needs training.activation_offload_modules"
+        return
+    if tr.min_offloaded_tensor_size < 0:
+        size = tr.min_offloaded_tensor_size
+        yield f"training.min_offloaded_tensor_size = {size} must not be negative"
+    if tr.recompute.granularity == "full":
+        # Checkpointed layers save nothing in forward; their offload groups run again in the
+        # recompute inside backward, where the manager's bookkeeping of which chunk runs
+        # backward breaks with pipelining (on_group_commit_backward asserts), and without it the
+        # groups are offloaded and reloaded at once, saving nothing.
+        yield ("training.activation_offload_modules with full recompute: megatron-core 0.16.1 "
+               "offloads inside backward's recompute, which saves nothing and with pipeline "
+               "parallelism fails ('Chunk mismatch'); use selective recompute or no offloading")
+    delayed = tr.precision == "fp8" and (tr.fp8_recipe or "delayed") == "delayed"
+    if "expert_fc1" in modules and delayed and job.implementation.moe_grouped_gemm:
+        # megatron-core sets save_original_input on the experts' fc1 (moe/experts.py), and TE's
+        # GroupedLinear refuses it under delayed scaling (TE 2.20 module/grouped_linear.py).
+        yield ("training.activation_offload_modules: expert_fc1 with the FP8 delayed-scaling "
+               "recipe: Transformer Engine's GroupedLinear raises 'DelayedScaling recipe is not "
+               "supported with save_original_input'; use another training.fp8_recipe")

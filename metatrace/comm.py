@@ -39,6 +39,9 @@ GROUP_DIMENSION = {
     "edp": "dp",
     "tp_dp": "dp",
     "tp_dp_cp": "dp",
+    "intra_dp_cp": "dp",  # num_distributed_optimizer_instances > 1: within an instance
+    "intra_edp": "dp",
+    "inter_dist_opt": "dp",  # and across the instances
     "pp": "pp",
     "embedding": "pp",
     "position_embedding": "pp",

@@ -227,8 +227,23 @@ class Training:
     fp8_param_gather: bool = False
     """With precision fp8: keep parameters in FP8 and gather them in FP8 (needs the
     distributed optimizer)."""
+    fp8_amax_history_len: int = 1
+    """With the delayed FP8 recipe: how many amax values each quantizer keeps (Megatron-LM's
+    --fp8-amax-history-len, default 1; Transformer Engine's own default would be 1024)."""
     recompute: Recompute = field(default_factory=Recompute)
     """Activation recomputation."""
+    activation_offload_modules: list[
+        Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+                "moe_act"]
+    ] | None = None
+    """megatron-core's fine-grained activation offloading (--fine-grained-activation-offloading
+    --offload-modules): what these modules save for backward goes to pinned host memory after
+    their forward and comes back in backward. attn_proj needs core_attn; attn_norm and mlp_norm
+    move nothing in Transformer Engine's dense layers (their norm is fused into the next linear),
+    expert_fc1 only with moe_grouped_gemm. Omitted or empty: off."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """With activation_offload_modules: saved tensors with fewer elements stay on the GPU
+    (--min-offloaded-tensor-size)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over the data-parallel group (ZeRO-1)."""
     overlap_grad_reduce: bool = False
@@ -247,6 +262,10 @@ class Training:
     """Gradient bucket size in elements with overlap_grad_reduce (default max(4e7, 1e6 x dp x cp))."""
     ddp_average_in_collective: bool = False
     """Average gradients inside the reduction collective instead of scaling beforehand."""
+    ddp_pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad each gradient bucket to a multiple that keeps NCCL's bus bandwidth high
+    (--ddp-pad-buckets-for-high-nccl-busbw): lcm(dp, 128, 2**16) elements with the
+    distributed optimizer."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam (Megatron-LM's default) or SGD with momentum."""
     sgd_momentum: float = 0.9
@@ -268,6 +287,12 @@ class Training:
     gradient_accumulation_fusion: bool = True
     """Weight-gradient GEMMs accumulate straight into DDP's main-grad buffers (Megatron-LM's
     default; --no-gradient-accumulation-fusion turns it off)."""
+    defer_embedding_wgrad_compute: bool = False
+    """The last stage keeps each micro-batch's output-layer input and logits gradient and runs
+    the output layer's weight-gradient GEMMs after the last backward (--defer-embedding-wgrad-compute;
+    needs pipeline parallelism and gradient_accumulation_fusion)."""
+    wgrad_deferral_limit: int = 0
+    """With defer_embedding_wgrad_compute: how many micro-batches are deferred (0: all)."""
     calculate_per_token_loss: bool = False
     """Normalise the loss by the tokens of the whole global batch (--calculate-per-token-loss)."""
     moe_routing: Literal["balanced", "capacity"] = "balanced"
@@ -321,6 +346,19 @@ class Implementation:
     moe_grouped_gemm: bool = False
     """Experts of a MoE layer as one grouped GEMM (Transformer Engine's GroupedLinear) instead of
     one MLP per expert."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused token permutation kernels in the MoE dispatchers
+    (--moe-permute-fusion): int32 row-id maps instead of megatron-core's index tensors."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused top-k / aux-loss router kernels (--moe-router-fusion)."""
+    te_op_fuser: bool = False
+    """Dense MLPs run as megatron-core's TEFusedMLP, one Transformer Engine operation-fuser
+    pipeline (te.pytorch.ops.Sequential: norm, fc1, activation, fc2, TP reduction) instead of
+    LayerNormLinear, megatron-core's activation and Linear (--use-transformer-engine-op-fuser,
+    Megatron-LM after core_v0.16.1). Only dense MLPs change: attention, MoE experts and shared
+    experts keep their modules. Saves what the unfused modules save in bf16; under FP8 both MLP
+    weights are quantized again in every forward and kept per micro-batch in flight, instead of
+    one persistent FP8 weight per module."""
 
 
 # Compute capability of each GPU model (what Transformer Engine's choices depend on).
@@ -429,6 +467,19 @@ class Cluster:
     small models and short sequences reach less. Between 0 (exclusive) and 1."""
 
 
+@dataclass(frozen=True)
+class NotModelled:
+    """An option of the run that metatrace does not model: the prediction is made without it."""
+
+    option: str
+    """As the run gives it, e.g. "--moe-router-fusion" or "--optimizer muon"."""
+    feature: str
+    """What is not modelled."""
+    direction: Literal["raises", "lowers", "either", "unknown", "traffic"]
+    """How it could move the predicted peak: raises, lowers, either way, unknown, or not at all
+    (traffic: it changes only the communication)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     model: Model = field(default_factory=Model)
@@ -446,10 +497,15 @@ class Job:
     """What was adjusted the way Megatron-LM adjusts it (e.g. sequence parallel off at tp 1)."""
     attention_kernel: str = ""
     """The attention that runs: fused, flash or unfused (Transformer Engine), local."""
+    not_modelled: tuple[NotModelled, ...] = ()
+    """Options of the run metatrace does not model (from Megatron-LM arguments): the prediction
+    leaves them out, and the verdict says so."""
 
 
 SECTIONS = ("model", "parallel", "training", "implementation", "cluster")
-_DERIVED = ("source", "padded_vocab_size", "num_microbatches", "notes", "attention_kernel")
+_DERIVED = (
+    "source", "padded_vocab_size", "num_microbatches", "notes", "attention_kernel", "not_modelled"
+)
 
 
 # --------------------------------------------------------------------------- loading

@@ -77,8 +77,11 @@ def static_bytes(job) -> int:
             dense += s.embedding // par.tp
     expert = s.experts * s.moe_layers // par.pp // (par.ep * par.etp)
     grad = 4 if tr.grad_reduce_in_fp32 else 2
-    shard = par.dp * par.cp if tr.distributed_optimizer else 1
-    edp = par.dp * par.cp * par.tp // (par.ep * par.etp) if tr.distributed_optimizer else 1
+    # The distributed optimizer shards over the dp x cp (expert dp) ranks of one of its
+    # num_distributed_optimizer_instances instances.
+    n = tr.num_distributed_optimizer_instances
+    shard = par.dp * par.cp // n if tr.distributed_optimizer else 1
+    edp = par.dp * par.cp * par.tp // (par.ep * par.etp) // n if tr.distributed_optimizer else 1
     # bf16 parameter, main gradient, fp32 main parameter and Adam's two moments.
     return dense * (2 + grad) + 12 * dense // shard + expert * (2 + grad) + 12 * expert // max(1, edp)
 
@@ -101,6 +104,8 @@ def memory_lower_bound(job) -> int:
     """What any rank of the first stage holds at least: its fixed memory and every layer's
     input for the micro-batches in flight."""
     layers = job.model.num_layers // job.parallel.pp
+    if {"attn_norm", "qkv_linear"} & set(job.training.activation_offload_modules or ()):
+        layers = 0  # activation offloading moves the layer inputs to the host
     return _fixed_bytes(job) + layers * _layer_input(job) * _in_flight(job)
 
 

@@ -47,6 +47,7 @@ dl.config { display: grid; grid-template-columns: max-content auto; gap: 2px 16p
 dl.config dt { font-weight: bold; } dl.config dd { margin: 0; }
 .verdict { padding: .6em 1em; border-radius: 4px; font-weight: bold; }
 .fits { background: #e6f4e6; color: #1b5e20; } .oom { background: #fde8e8; color: #b71c1c; }
+.caveat { background: #fff4e0; color: #7a4b00; font-weight: normal; }
 .note { color: #666; font-size: .9em; } .key { display: inline-block; width: .9em;
   height: .9em; margin: 0 .3em 0 1em; vertical-align: -1px; }
 svg text { font: 11px system-ui, sans-serif; fill: #333; }
@@ -154,7 +155,12 @@ def _verdict(report) -> str:
                 f"{rank_span(v['out_of_memory_ranks'])}: highest peak "
                 f"{size(v['highest_peak_bytes'])} (ranks {rank_span(v['highest_peak_ranks'])}) "
                 f"+ {overhead}.")
-    return f'<p class="verdict {"fits" if v["fits"] else "oom"}">{esc(text)}</p>'
+    out = f'<p class="verdict {"fits" if v["fits"] else "oom"}">{esc(text)}</p>'
+    if v.get("not_modelled"):
+        from metatrace.memory import not_modelled_text
+
+        out += f'<p class="verdict caveat">{esc(not_modelled_text(v["not_modelled"]))}</p>'
+    return out
 
 
 # ----------------------------------------------------------------------------- memory

@@ -16,7 +16,10 @@ memory in the traced micro-batch (metatrace.memory.StepProfile), with placeholde
 - backward: its temporaries at their highest point, then the activations are freed, the DDP
   gradient hooks of the chunk's parameters run (they accumulate into the main-grad buffers and,
   with overlap_grad_reduce, launch the bucket reductions), and the gradient of the input is
-  handed back.
+  handed back;
+- with fine-grained activation offloading, beside them, the activations megatron-core's offload
+  manager keeps on the GPU or brings back ahead of a backward step in its steady state (one
+  tensor, memory.offload_slots).
 A step's micro-batches all have the same shapes, so one traced micro-batch stands for all; this
 keeps an iteration of hundreds of micro-batches at the cost of a few operators per step.
 """
@@ -84,8 +87,10 @@ class _Replay:
     forward_step_func handed to the schedule (batch and model forward; megatron-core's own
     forward_step around it does the rest), and a replacement for schedules.backward_step."""
 
-    def __init__(self, *, rec, model, profiles, shapes, device):
+    def __init__(self, *, rec, model, profiles, shapes, device, deferred_bytes=0, slots=(),
+                 microbatches=0):
         self.rec = rec
+        self.model = model
         self.device = device
         self.profiles = profiles
         self.shapes = shapes
@@ -97,6 +102,18 @@ class _Replay:
             for chunk in model
         ]
         self.launches = [_launches_reductions(chunk) for chunk in model]
+        # --defer-embedding-wgrad-compute (trace.run_microbatch): the entries one micro-batch
+        # appends to the last chunk's buffers, and the bytes it keeps until the flush.
+        self.deferred = getattr(config_of(model), "metatrace_deferred", None)
+        self.deferred_bytes = deferred_bytes
+        # Fine-grained activation offloading (memory.offload_slots): the activations the steady
+        # state keeps on the GPU or brings back ahead of a backward step, about one chunk's
+        # last layer, from the first forward step to the last backward step; its size follows
+        # the chunk whose step runs.
+        self.slots = slots
+        self.slot = None
+        self.backward_steps = 0
+        self.last_backward = microbatches * len(model)
 
     def _empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -120,7 +137,16 @@ class _Replay:
         mask_shape = StepShape((shape.shape[0], shape.shape[-1]), torch.float32)
         with self.rec.window("forward", v, microbatch) as window:
             with self.rec.label(prof.module, "forward"):
-                held = self._empty(prof.held) if prof.held else None
+                self._hold_slot(v)
+                held_bytes = prof.held
+                acts = self._defers(model, "embedding_activation_buffer") if last else None
+                if acts is not None:
+                    # The output layer's input, kept by the buffer past the backward step.
+                    buffer, room = acts
+                    for entry in self.deferred[0][:room]:
+                        buffer.append(torch.empty(entry.shape, dtype=entry.dtype, device=self.device))
+                        held_bytes -= _nbytes(entry)
+                held = self._empty(held_bytes) if held_bytes else None
                 # The loss mask Megatron-LM's loss function keeps for backward, and the output
                 # when it is kept too, are views into `held`; an output handed on (or dropped
                 # after the loss) is a tensor of its own.
@@ -154,6 +180,49 @@ class _Replay:
 
         return output, loss
 
+    def _hold_slot(self, v: int) -> None:
+        if not self.slots or self.backward_steps >= self.last_backward:
+            return
+        if self.slot is None or self.slot.numel() != self.slots[v]:
+            self.slot = None  # freed before its successor is allocated, as the GPU reuses it
+            self.slot = self._empty(self.slots[v]) if self.slots[v] else None
+
+    def _defers(self, chunk, name):
+        """(buffer, how many of this step's entries megatron-core appends to it) for the chunk's
+        deferral buffer `name`, or None: each output-layer call appends while
+        wgrad_deferral_limit is 0 or the buffer holds fewer entries than the limit (the limit
+        counts calls, e.g. 1 + mtp_num_layers per micro-batch)."""
+        if self.deferred is None:
+            return None
+        from megatron.core.utils import get_attr_wrapped_model
+
+        gpt = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+        buffer = getattr(gpt, name, None)
+        if buffer is None or not gpt.post_process:
+            return None
+        entries = len(self.deferred[0])
+        limit = gpt.config.wgrad_deferral_limit
+        room = entries if limit == 0 else max(0, min(entries, limit - len(buffer)))
+        return (buffer, room) if room else None
+
+    def _defer_grads(self, buffer, room, inputs) -> None:
+        """Append the logits gradient(s) of a deferred micro-batch to megatron-core's
+        grad_output_buffer. The output layer's kept input holds its autograd graph, which holds
+        the received pipeline input and its gradient (AccumulateGrad): the first entry keeps
+        references to them, and a storage of its own stands for anything else the traced
+        micro-batch kept until the flush; all of it goes when megatron-core's drain pops it."""
+        rest = self.deferred_bytes - sum(_nbytes(e) for e in (*self.deferred[0], *self.deferred[1]))
+        rest -= sum(_storage_bytes(x) + _storage_bytes(x.grad) for x in inputs)
+        for i, entry in enumerate(self.deferred[1][:room]):
+            n = _nbytes(entry)
+            if i == 0 and rest > 0:
+                t = _carve(self._empty(n + rest), [entry], self._empty)[0]
+            else:
+                t = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            if i == 0:
+                t._metatrace_kept = inputs
+            buffer.append(t)
+
     def _gather_params(self, chunk) -> None:
         """What DDP's forward pre-hooks do in the first forward of an iteration with
         overlap_param_gather: finish (dispatching where not yet dispatched) the parameter
@@ -178,9 +247,11 @@ class _Replay:
         inputs = [input_tensor] if unwrap else input_tensor
         with self.rec.window("backward", v, microbatch):
             with self.rec.label(prof.module, "backward"):
+                self._hold_slot(v)
                 if prof.excess:
                     self._empty(prof.excess)  # the step's temporaries at its highest point
                 del held
+                deferring = self._defers(self.model[v], "grad_output_buffer")
             zeros = {}
             # The hooks accumulate into main_grad (in place, nothing allocated) and, with
             # overlap_grad_reduce, launch a bucket's reduction once every parameter of the last
@@ -202,7 +273,32 @@ class _Replay:
                     continue
                 x.grad = torch.empty_like(x)
                 grads.append(x.grad)
+            if deferring is not None:
+                self._defer_grads(*deferring, [x for x in inputs if x is not None])
+            self.backward_steps += 1
+            if self.backward_steps == self.last_backward:
+                self.slot = None
         return grads[0] if unwrap else grads
+
+
+class Unrecorded:
+    """What run_iteration tells a recorder, for an iteration nobody records (one that only
+    brings megatron-core's state to its steady state)."""
+
+    def set_step_phase(self, phase: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def window(self, *args, **kwargs):
+        yield {}
+
+    label = window
+
+
+def config_of(model):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0])
 
 
 def _steady_state(chunk) -> None:
@@ -222,6 +318,10 @@ def _launches_reductions(chunk):
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
     overlap = chunk.ddp_config.overlap_grad_reduce
     return lambda: overlap and any(g.is_last_microbatch for g in groups)
+
+
+def _storage_bytes(t) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
 
 
 def _nbytes(shape: StepShape) -> int:
@@ -294,7 +394,7 @@ def _replaying(replay: _Replay):
 
 def run_iteration(
     job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
-    batches=None,
+    batches=None, deferred=0, slots=(),
 ) -> None:
     """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
 
@@ -331,7 +431,10 @@ def run_iteration(
         iterators = [(batches or (lambda: synthetic_batches(**shape)))() for _ in model]
         context = _marked_backward(rec)
     else:
-        replay = _Replay(rec=rec, model=model, profiles=profiles, shapes=shapes, device=device)
+        replay = _Replay(
+            rec=rec, model=model, profiles=profiles, shapes=shapes, device=device,
+            deferred_bytes=deferred, slots=slots, microbatches=job.num_microbatches,
+        )
         step_func, iterators = replay.forward_step_func, [None] * len(model)
         context = _replaying(replay)
     with context:

@@ -331,6 +331,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from metatrace.hooks.fake_world import fake_world
+    from metatrace.hooks.offload import reset_manager as reset_offload_manager
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.remap import remap_cuda
     from metatrace.iteration import run_iteration
@@ -368,6 +369,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             run_microbatch(job, config, model, rec=probe)
         saved_bytes = sum(saved.values())
         saved_blocks = sum(-(-n // BLOCK) * BLOCK for n in saved.values())
+        # With activation offloading the counted micro-batch was the offload manager's first:
+        # training starts with a fresh one (its first iteration learns the group order).
+        reset_offload_manager()
         for i in range(iterations):
             if cuda and i == min(1, iterations - 1):
                 torch.cuda.synchronize()

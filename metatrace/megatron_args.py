@@ -27,19 +27,22 @@ from typing import Any
 
 from metatrace.errors import ConfigError
 from metatrace.megatron_flags import (
-    _ENV_NAMES,
-    _ENV_PREFIXES,
-    _GPT2_VOCAB,
-    _NVTE_ATTN,
-    _NVTE_FOR_BACKEND,
+    ENV_MODELLED,
+    ENV_NO_EFFECT,
+    ENV_NO_EFFECT_PREFIXES,
+    ENV_NOT_MODELLED,
     FLAGS,
-    NOT_MODELLED_REASONS,
+    GPT2_VOCAB,
+    NVTE_ATTN,
+    NVTE_FOR_BACKEND,
+    UNMODELLED_VALUES,
     Flag,
 )
 from metatrace.megatron_script import args_from_mapping, read_args_file, split_args
 
 __all__ = [
     "NOT_MODELLED_REASONS",
+    "Unmodelled",
     "args_from_mapping",
     "job_dict_from_args",
     "job_from_args",
@@ -49,59 +52,74 @@ __all__ = [
 ]
 
 
+NOT_MODELLED_REASONS: dict[str, str] = {
+    f.name: f.reason for f in FLAGS.values() if f.cls == "not_modelled"
+}
+"""Class-3 flag -> the feature metatrace does not model yet (for a calibration harness)."""
+
+
 # --------------------------------------------------------------------------- parsing
 
 
 def _parse(tokens: list[str]) -> dict[str, Any]:
-    """Flag -> value as argparse would store it (switches True, lists for several values); the
-    last of a repeated flag wins. Every problem is reported in one ConfigError."""
+    """Flag -> value as argparse would store it (a switch: what it stores, True or False; lists
+    for several values); the last of a repeated flag wins. Every problem is reported in one
+    ConfigError."""
     values: dict[str, Any] = {}
     unknown, problems = [], []
     i, previous = 0, None
     while i < len(tokens):
         token = tokens[i]
         i += 1
-        if not token.startswith("--"):
+        name, eq, inline = token.partition("=")
+        if not token.startswith("--") and name not in FLAGS:
             after = f" after {previous}, which takes no value" if previous else ""
             problems.append(f"unexpected value {token!r}{after}")
             continue
-        name, eq, inline = token.partition("=")
         spec = FLAGS.get(name)
         previous = name
         if spec is None:
             unknown.append(name)
-            while i < len(tokens) and not tokens[i].startswith("--"):
+            while i < len(tokens) and not _is_flag(tokens[i]):
                 i += 1  # its values
             continue
         given = [inline] if eq else []
         if not eq and spec.nargs != 0:
-            limit = 1 if spec.nargs == 1 else len(tokens)
-            while i < len(tokens) and not tokens[i].startswith("--") and len(given) < limit:
+            limit = spec.nargs if isinstance(spec.nargs, int) else len(tokens)
+            limit = 1 if spec.nargs == "?" else limit
+            while i < len(tokens) and not _is_flag(tokens[i]) and len(given) < limit:
                 given.append(tokens[i])
                 i += 1
-        if spec.removed:
-            problems.append(spec.removed)
+        if spec.cls == "refused":
+            problems.append(spec.reason)
             continue
-        if spec.nargs == 0:
+        if spec.nargs == 0 or (spec.nargs == "?" and not given):
             if eq:
                 problems.append(f"{name} takes no value, got {inline!r}")
-            values[name] = True
+            values[name] = spec.const
             continue
         previous = None
         if not given and spec.nargs != "*":
             problems.append(f"{name} needs a value")
+            continue
+        if isinstance(spec.nargs, int) and spec.nargs > 1 and len(given) != spec.nargs:
+            problems.append(f"{name} takes {spec.nargs} values, got {len(given)}")
             continue
         try:
             converted = [_convert(name, spec, text) for text in given]
         except ConfigError as e:
             problems.append(str(e))
             continue
-        values[name] = converted[0] if spec.nargs == 1 else converted
+        values[name] = converted[0] if spec.nargs in (1, "?") else converted
     if unknown:
         problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(_suggest(f) for f in unknown))
     if problems:
         raise ConfigError(problems)
     return values
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("--") or token.partition("=")[0] in FLAGS
 
 
 def _convert(name: str, spec: Flag, text: str):
@@ -113,7 +131,9 @@ def _convert(name: str, spec: Flag, text: str):
     if spec.choices is not None and value not in spec.choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in spec.choices], n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"{name} must be one of {', '.join(spec.choices)}; got {text!r}{hint}")
+        raise ConfigError(
+            f"{name} must be one of {', '.join(map(str, spec.choices))}; got {text!r}{hint}"
+        )
     return value
 
 
@@ -135,6 +155,12 @@ def job_dict_from_args(
 ) -> tuple[dict, list[str]]:
     """The job mapping for `job_from_dict` and notes for the user; the first note is the one
     warning that lists every given flag metatrace does not model yet."""
+    data, notes, _ = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    return data, notes
+
+
+def _derive(tokens, world_size, gpu, gpus_per_node, env):
+    """(job mapping, notes, what is not modelled) of a Megatron-LM command line."""
     v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
     env = {k: str(val) for k, val in (env or {}).items()}
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -142,22 +168,27 @@ def job_dict_from_args(
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
+    missing = _unmodelled(v, gpu)
+    skipped = {option.split()[0] for option, _, _ in missing}
     for flag, value in v.items():
         spec = FLAGS[flag]
-        if spec.key is not None:
-            _put(job, spec.key, spec.const if spec.nargs == 0 else value)
+        if spec.key is not None and flag not in skipped:
+            _put(job, spec.key, spec.const if spec.switch else value)
     _model(v, job, notes, problems)
     _vocabulary(v, job, notes, problems)
     _parallel(v, job, notes, problems, world_size)
     _training(v, job, notes, problems)
-    _implementation(v, job, notes, problems)
-    _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
+    _implementation(v, job, notes, problems, gpu)
+    missing += _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
     if problems:
         raise ConfigError(problems)
-    missing = _unmodelled(v)
+    newer = sorted(f for f in v if FLAGS[f].versions == "HEAD")
+    if newer:
+        notes.append(f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
+                     f"0.16.1): {', '.join(newer)}")
     if missing:
         notes.insert(0, _warning(missing))
-    return {k: s for k, s in job.items() if s}, notes
+    return {k: s for k, s in job.items() if s}, notes, missing
 
 
 def job_from_args(
@@ -169,20 +200,22 @@ def job_from_args(
     env: dict[str, str] | None = None,
     source: str = "<megatron-args>",
 ):
-    """`job_dict_from_args`, resolved and checked by `job_from_dict`: (Job, notes)."""
-    from metatrace.config import job_from_dict
+    """`job_dict_from_args`, resolved and checked by `job_from_dict`: (Job, notes). The Job
+    carries what is not modelled (`Job.not_modelled`), for the verdict."""
+    import dataclasses
 
-    data, notes = job_dict_from_args(
-        tokens, world_size=world_size, gpu=gpu, gpus_per_node=gpus_per_node, env=env
-    )
-    return job_from_dict(data, source=source), notes
+    from metatrace.config import NotModelled, job_from_dict
+
+    data, notes, missing = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    job = job_from_dict(data, source=source)
+    return dataclasses.replace(job, not_modelled=tuple(NotModelled(*m) for m in missing)), notes
 
 
-def not_modelled(tokens: list[str] | dict) -> list[str]:
-    """'flag: what is not modelled' for every given flag (or value) metatrace does not model
-    yet; empty when the run is fully modelled."""
+def not_modelled(tokens: list[str] | dict, gpu: str | None = None) -> list[str]:
+    """'option: what is not modelled' for every given flag (or value) metatrace does not model
+    yet; empty when the run is fully modelled. Environment variables are not looked at."""
     v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
-    return [f"{flag}: {reason}" for flag, reason in _unmodelled(v)]
+    return [f"{option}: {feature}" for option, feature, _ in _unmodelled(v, gpu)]
 
 
 def _put(job: dict, key: str, value) -> None:
@@ -197,42 +230,49 @@ def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
 
-def _unmodelled(v) -> list[tuple[str, str]]:
+Unmodelled = tuple  # (option as given, feature, direction)
+
+
+def _unmodelled(v, gpu=None) -> list[Unmodelled]:
+    """What the run gives that metatrace does not model: class-3 flags with a value other than
+    their default, values of modelled flags that are not modelled, and combinations."""
     out = []
     for flag, value in v.items():
-        reason = FLAGS[flag].reason
-        if reason is not None:
-            out.append((_show(flag, value), reason))
-    optimizer = v.get("--optimizer", "adam")
-    if optimizer not in ("adam", "sgd"):
-        out.append((f"--optimizer {optimizer}", "optimizers other than adam and sgd"))
-    position = v.get("--position-embedding-type")
-    if position in ("yarn", "mrope", "relative"):
-        out.append((f"--position-embedding-type {position}", "position embeddings other than "
-                    "learned_absolute, rope and none"))
+        spec = FLAGS[flag]
+        if spec.cls == "not_modelled" and not _is_default(spec, value):
+            out.append((_show(flag, value), spec.reason, spec.direction))
+        elif flag in UNMODELLED_VALUES:
+            values, feature, direction = UNMODELLED_VALUES[flag]
+            if any(x in values for x in (value if isinstance(value, list) else [value])):
+                out.append((_show(flag, value), feature, direction))
     if "--fp8-format" in v and "--bf16" not in v:
-        out.append(("--fp8-format without --bf16", "FP8 over fp16 or fp32 parameters"))
-    if v.get("--fp8-recipe") == "custom" and "--fp8-format" in v:
-        out.append(("--fp8-recipe custom", "custom FP8 quantizers"))
+        out.append(("--fp8-format without --bf16", "FP8 over fp16 or fp32 parameters", "unknown"))
     if len(set(v.get("--cp-comm-type", ()))) > 1:
         out.append((_show("--cp-comm-type", v["--cp-comm-type"]), "a context-parallel "
-                    "communication type per layer"))
+                    "communication type per layer", "either"))
     return out
 
 
+def _is_default(spec: Flag, value) -> bool:
+    default = spec.default
+    if isinstance(value, list) and isinstance(default, (list, tuple)):
+        return list(value) == list(default)
+    return value == default
+
+
 def _show(flag: str, value) -> str:
-    if value is True:
+    if FLAGS[flag].switch or value is True:
         return flag
     if isinstance(value, list):
         return " ".join([flag, *map(str, value)])
     return f"{flag} {value}"
 
 
-def _warning(missing: list[tuple[str, str]]) -> str:
+def _warning(missing: list[Unmodelled]) -> str:
     by_reason: dict[str, list[str]] = {}
-    for flag, reason in missing:
-        by_reason.setdefault(reason, []).append(flag)
-    parts = [f"{reason} ({', '.join(flags)})" for reason, flags in by_reason.items()]
+    for option, feature, _ in missing:
+        by_reason.setdefault(feature, []).append(option)
+    parts = [f"{feature} ({', '.join(options)})" for feature, options in by_reason.items()]
     return (
         "warning: metatrace does not model these yet, and predicts the run without them: "
         + "; ".join(parts)
@@ -249,6 +289,12 @@ def _model(v, job, notes, problems) -> None:
             problems.append(f"give {flag} or {alias}, not both (Megatron-LM asserts it)")
         elif alias in v:
             _put(job, key, v[alias])
+    decoder = v.get("--decoder-seq-length")
+    seq = v.get("--seq-length", v.get("--encoder-seq-length"))
+    if decoder is not None and decoder != seq and v.get("--pipeline-model-parallel-size", 1) > 1:
+        problems.append(f"--decoder-seq-length {decoder} differs from --seq-length {seq}: "
+                        "megatron-core's pipeline schedule sizes its receive buffers from it "
+                        "(sends and receives would disagree)")
     required = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
                 "--micro-batch-size")
     absent = [f for f in required if f not in v and not (
@@ -324,8 +370,7 @@ def _latent_attention(v, job, notes, problems) -> None:
 def _experts(v, job, notes, problems) -> None:
     """Mixture of experts: the flags that need a reading (--num-experts 0 means none)."""
     if not _is_moe(v):
-        given = [f for f in v if f.startswith("--moe-") and FLAGS[f].reason is None
-                 and not FLAGS[f].ignored]
+        given = [f for f in v if f.startswith("--moe-") and FLAGS[f].cls == "modelled"]
         if given:
             notes.append(f"{', '.join(given)} are ignored without --num-experts")
             for flag in given:
@@ -343,7 +388,9 @@ def _experts(v, job, notes, problems) -> None:
         if len(set(kinds)) > 1:
             problems.append(f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
                             "load-balancing losses are not modelled; give one")
-        m["moe_router_load_balancing_type"] = kinds[0]
+        # quantile_balancing (newer Megatron-LM) is reported as not modelled
+        kind = "none" if kinds[0] == "quantile_balancing" else kinds[0]
+        m["moe_router_load_balancing_type"] = kind
     coeffs = v.get("--moe-aux-loss-coeff")
     if coeffs:
         m["moe_aux_loss_coeff"] = coeffs[0]
@@ -374,12 +421,12 @@ def _vocabulary(v, job, notes, problems) -> None:
             return
         if "--vocab-file" not in v:
             notes.append(f"no --tokenizer-type or --vocab-file: assuming pretrain_gpt.py's "
-                         f"default GPT2BPETokenizer ({_GPT2_VOCAB} tokens)")
+                         f"default GPT2BPETokenizer ({GPT2_VOCAB} tokens)")
         tokenizer = "GPT2BPETokenizer"
     if tokenizer == "GPT2BPETokenizer":
         if size is not None:
-            notes.append(f"--vocab-size is ignored by GPT2BPETokenizer ({_GPT2_VOCAB} tokens)")
-        m["vocab_size"] = _GPT2_VOCAB
+            notes.append(f"--vocab-size is ignored by GPT2BPETokenizer ({GPT2_VOCAB} tokens)")
+        m["vocab_size"] = GPT2_VOCAB
     elif size is None:
         problems.append(
             f"metatrace cannot know the vocabulary of --tokenizer-type {tokenizer} (Megatron-LM "
@@ -497,6 +544,25 @@ def _training(v, job, notes, problems) -> None:
         t["grad_reduce_in_fp32"] = False
     if v.get("--optimizer") in ("adam", "sgd"):
         t["optimizer"] = v["--optimizer"]
+    _offloading(v, t, notes, problems)
+
+
+def _offloading(v, t, notes, problems) -> None:
+    """Fine-grained activation offloading: --offload-modules and --min-offloaded-tensor-size
+    act only with --fine-grained-activation-offloading (megatron-core then needs modules)."""
+    given = [f for f in ("--offload-modules", "--min-offloaded-tensor-size") if f in v]
+    if "--fine-grained-activation-offloading" not in v:
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without "
+                         "--fine-grained-activation-offloading")
+        return
+    if not v.get("--offload-modules"):
+        problems.append("--fine-grained-activation-offloading needs --offload-modules "
+                        "(megatron-core asserts it)")
+        return
+    t["activation_offload_modules"] = list(v["--offload-modules"])
+    if "--min-offloaded-tensor-size" in v:
+        t["min_offloaded_tensor_size"] = v["--min-offloaded-tensor-size"]
 
 
 def _recompute(v, t, notes) -> None:
@@ -520,7 +586,7 @@ def _recompute(v, t, notes) -> None:
     t["recompute"] = {**t.get("recompute", {}), **rec}
 
 
-def _implementation(v, job, notes, problems) -> None:
+def _implementation(v, job, notes, problems, gpu) -> None:
     impl = job["implementation"]
     kind = v.get("--transformer-impl", "transformer_engine")
     if kind == "inference_optimized":
@@ -552,28 +618,54 @@ def _implementation(v, job, notes, problems) -> None:
                 problems.append(
                     f"{flag} is refused with --deterministic-mode (Megatron-LM asserts it)"
                 )
+        if kind == "transformer_engine":
+            _deterministic_attention(backend, impl, notes, problems, gpu)
 
 
-def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> None:
+def _deterministic_attention(backend, impl, notes, problems, gpu) -> None:
+    """Transformer Engine's backend selection for deterministic training (TE 2.8-2.20,
+    attention/dot_product_attention/utils.py, "Filter: Determinism") drops cuDNN's fused
+    attention (its arbitrary-sequence-length backend) before sm90: the auto backend then runs
+    flash-attn (>= 2.4.1 is deterministic), and an explicit fused backend has nothing left."""
+    from metatrace.config import GPU_ARCH
+
+    arch = GPU_ARCH.get(gpu or "h100", "")
+    if not (arch.startswith("sm") and int(arch[2:]) < 90):
+        return
+    if backend in (None, "auto"):
+        impl["attention_backend"] = "flash"
+        notes.append(f"--deterministic-mode on {gpu}: Transformer Engine has no deterministic "
+                     "fused attention before sm90 and runs flash-attn (metatrace assumes "
+                     "flash-attn >= 2.4.1 is installed, as in NVIDIA's PyTorch containers)")
+    elif backend == "fused":
+        problems.append(f"--deterministic-mode with --attention-backend fused on {gpu}: "
+                        "Transformer Engine has no deterministic fused attention before sm90 "
+                        "and finds no backend to run")
+
+
+def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> list:
+    """The cluster section, and the environment: variables metatrace models are read or
+    checked, those that change nothing are accepted silently, those it knows change memory
+    are returned as not modelled, any other is accepted and named in a note."""
     c = job["cluster"]
     c["num_gpus"] = world_size
     if gpu is not None:
         c["gpu"] = gpu
     if gpus_per_node is not None:
         c["gpus_per_node"] = gpus_per_node
-    unknown = [n for n in env if n not in _ENV_NAMES and not n.startswith(_ENV_PREFIXES)]
-    if unknown:
-        problems.append(
-            f"unknown environment variables: {', '.join(unknown)} (known: "
-            f"{', '.join(sorted(_ENV_NAMES))}, and NCCL_*, TORCH_NCCL_*, CUBLAS_*)"
-        )
+    missing = [(f"{n}={env[n]}", *ENV_NOT_MODELLED[n]) for n in env if n in ENV_NOT_MODELLED]
+    other = [n for n in env if n not in ENV_MODELLED and n not in ENV_NOT_MODELLED
+             and n not in ENV_NO_EFFECT and not n.startswith(ENV_NO_EFFECT_PREFIXES)]
+    if other:
+        notes.append(f"environment variables metatrace does not know, taken to change nothing "
+                     f"it predicts: {', '.join(sorted(other))}")
     if "CUBLAS_WORKSPACE_CONFIG" in env:
         c["cublas_workspace_config"] = env["CUBLAS_WORKSPACE_CONFIG"]
     if env.get("WORLD_SIZE", str(world_size)) != str(world_size):
         problems.append(f"WORLD_SIZE={env['WORLD_SIZE']} in the environment, but the world size "
                         f"is {world_size}")
     backend = v.get("--attention-backend", "auto")
-    for name, expected in zip(_NVTE_ATTN, _NVTE_FOR_BACKEND.get(backend, (1, 1, 1))):
+    for name, expected in zip(NVTE_ATTN, NVTE_FOR_BACKEND.get(backend, (1, 1, 1))):
         if name in env and env[name] != str(expected):
             problems.append(
                 f"{name}={env[name]} contradicts --attention-backend {backend}, which sets it to "
@@ -594,3 +686,4 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> No
     if connections not in (None, "1") and (tp > 1 or cp > 1) and not fsdp and before_blackwell:
         problems.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: Megatron-LM asserts it is 1 "
                         "with tensor or context parallelism before Blackwell")
+    return missing

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from metatrace.errors import ConfigError
-from metatrace.megatron_flags import FLAGS, Flag
+from metatrace.megatron_flags import FLAGS
 
 def split_args(text: str) -> list[str]:
     """The arguments in `text`: one line of flags, or a training script.
@@ -92,7 +92,7 @@ def args_from_mapping(data: Any) -> list[str]:
             continue
         elif isinstance(value, list):
             tokens += [flag, *(_scalar(v) for v in value)]
-        elif isinstance(value, str) and FLAGS.get(flag, Flag()).nargs in ("+", "*"):
+        elif isinstance(value, str) and getattr(FLAGS.get(flag), "nargs", 1) in ("+", "*", 3):
             tokens += [flag, *value.strip().removeprefix("[").removesuffix("]").split()]
         else:
             tokens += [flag, _scalar(value)]

@@ -22,8 +22,12 @@ Every storage is classified by when it is allocated and freed in (1):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from metatrace.hooks.records import STEP, MemEvent, Trace, Window
+
+if TYPE_CHECKING:  # records only; hooks.offload imports torch
+    from metatrace.hooks.offload import OffloadRecord
 
 
 @dataclass(frozen=True)
@@ -95,14 +99,26 @@ def _window_excess(trace: Trace, window: Window, persistent: set[int]) -> tuple[
     return best, module
 
 
-def step_profiles(trace: Trace) -> dict[tuple[str, int], StepProfile]:
-    """{(phase, chunk): StepProfile} from a one-micro-batch trace with Windows."""
+def step_profiles(
+    trace: Trace, *, reloads: frozenset[int] = frozenset()
+) -> dict[tuple[str, int], StepProfile]:
+    """{(phase, chunk): StepProfile} from a one-micro-batch trace with Windows.
+
+    `reloads`: storages of activations offloading brought back (OffloadRecord.reloads), left
+    out of the backward excess: the traced micro-batch reloads on demand (megatron-core's
+    warm-up), the steady state one layer ahead, which the replay holds as a slot of its own
+    (offload_slots)."""
     life = lifetimes(trace.memory)
     persistent = life.persistent()
-    windows = {(w.phase, w.chunk): w for w in trace.windows if w.chunk is not None}
+    windows = {
+        (w.phase, w.chunk): w
+        for w in trace.windows
+        if w.chunk is not None and w.phase in ("forward", "backward")
+    }
     profiles = {}
     for (phase, chunk), w in windows.items():
-        excess, module = _window_excess(trace, w, persistent)
+        left_out = persistent | reloads if phase == "backward" else persistent
+        excess, module = _window_excess(trace, w, left_out)
         held = output = 0
         if phase == "forward":
             back = windows.get(("backward", chunk))
@@ -120,6 +136,121 @@ def step_profiles(trace: Trace) -> dict[tuple[str, int], StepProfile]:
             excess = max(excess, held + output)
         profiles[(phase, chunk)] = StepProfile(phase, chunk, held, output, excess, module)
     return profiles
+
+
+def deferred_bytes(trace: Trace) -> int:
+    """Bytes one micro-batch keeps until the pipeline flush with
+    --defer-embedding-wgrad-compute: what the trace's "deferred" window frees."""
+    total = 0
+    for w in trace.windows:
+        if w.phase != "deferred":
+            continue
+        for e in trace.memory:
+            if w.first <= e.seq <= w.last and e.delta < 0:
+                total -= e.delta
+    return total
+
+
+# ----------------------------------------------------------------------------- offloading
+# megatron-core's fine-grained activation offloading (hooks/offload.py records it). The traced
+# micro-batch runs the offload manager's warm-up mode: every group offloaded, every reload on
+# demand. From the second iteration on (post_warmup_callback, should_bulk_offload), the last
+# group of each name stays on the GPU in the chunk that runs backward next, and reloads run one
+# layer ahead: one "slot" of about a layer's offloaded activations is resident at any time.
+
+
+def _blocks(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512
+
+
+def _last_groups(names: tuple[str, ...]) -> set[int]:
+    """Index of the last group of each name in a chunk's forward."""
+    return {max(i for i, n in enumerate(names) if n == name) for name in set(names)}
+
+
+def offload_slots(trace: Trace, record: "OffloadRecord", *, last_stage: bool) -> tuple[int, ...]:
+    """Per chunk, the bytes the steady state holds on the GPU while a step of the chunk runs,
+    beyond what the traced micro-batch keeps: the last group of each name of one chunk.
+
+    Where the manager offloads them, they come back ahead of that chunk's backward step (at the
+    end of the backward step before) and stay through the forward steps in between: one reload
+    copy per tensor, the largest chunk's. The last pipeline stage runs the backward of its last
+    chunk right after its forward, and the manager never offloads what is about to be used: in
+    that chunk's steps its groups stay where the forward left them, the storages the traced
+    micro-batch freed before the chunk's backward."""
+    life = lifetimes(trace.memory)
+    backward = {w.chunk: w.first for w in trace.windows if w.phase == "backward"}
+    kept, reload = [], []
+    for chunk, names in enumerate(record.groups):
+        last = _last_groups(names)
+        moved = [m for m in record.moved if m.chunk == chunk and m.group in last]
+        start = backward.get(chunk, 1 << 62)
+        freed = {m.source for m in moved if life.freed.get(m.source, start) < start}
+        kept.append(sum(life.bytes[sid] for sid in freed))
+        reload.append(sum(_blocks(m.bytes) for m in moved))
+    if not reload:
+        return ()
+    if not last_stage:
+        return (max(reload),) * len(reload)
+    others = max(reload[:-1], default=kept[-1])
+    return (others,) * (len(reload) - 1) + (kept[-1],)
+
+
+@dataclass(frozen=True)
+class OffloadSummary:
+    """Fine-grained activation offloading on one rank over a steady-state iteration (bytes).
+    What goes to the host (D2H) comes back (H2D)."""
+
+    d2h_per_microbatch: int
+    """Copied to the host by one micro-batch's forward steps, all chunks of the rank."""
+    d2h_per_iteration: int
+    """Over the iteration's micro-batches, less the groups the steady state keeps."""
+    pinned_host: int
+    """Pinned host memory the offload buffers hold (megatron-core never frees them): the
+    in-flight micro-batches' copies at their most, each buffer a power of two (PyTorch's caching
+    host allocator); per node, times the GPUs per node."""
+
+
+def offload_summary(
+    record: "OffloadRecord", iteration: Trace, *, microbatches: int, last_stage: bool
+) -> OffloadSummary:
+    """PCIe traffic and pinned host memory from the offload record of the traced micro-batch and
+    the replayed iteration (its forward and backward windows say what is in flight).
+
+    The last group of each name stays on the GPU: on the last pipeline stage in every
+    micro-batch of the last chunk (its backward comes right after its forward, so the manager
+    never offloads what is about to be used); elsewhere in the first micro-batch of the chunk
+    that runs backward first (the last chunk)."""
+    chunks = len(record.groups)
+    moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
+    last = chunks - 1
+    tail = _last_groups(record.groups[last]) if chunks else set()
+    kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
+    per_microbatch = sum(moved) - (kept if last_stage else 0)
+    per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
+    host = [sum(1 << max(0, m.bytes - 1).bit_length() for m in record.moved if m.chunk == v)
+            for v in range(chunks)]
+    changes = []
+    for w in iteration.windows:
+        if w.chunk is not None and w.chunk < chunks and w.phase in ("forward", "backward"):
+            sign = 1 if w.phase == "forward" else -1
+            changes.append((w.first if sign > 0 else w.last, sign * host[w.chunk]))
+    pinned = now = 0
+    for _, delta in sorted(changes):
+        now += delta
+        pinned = max(pinned, now)
+    return OffloadSummary(per_microbatch, per_iteration, pinned)
+
+
+def role_offload(job, rt) -> OffloadSummary | None:
+    """offload_summary of a traced role (metatrace.trace.RoleTrace); None when the job does not
+    offload or no iteration was traced."""
+    if rt.offload is None or rt.iteration is None:
+        return None
+    return offload_summary(
+        rt.offload, rt.iteration, microbatches=job.num_microbatches,
+        last_stage=rt.role.pp_stage == job.parallel.pp - 1,
+    )
 
 
 # ----------------------------------------------------------------------------- the iteration
@@ -293,6 +424,29 @@ class Verdict:
     def headroom(self) -> int:
         """Capacity left on the tightest rank (negative: how much is missing)."""
         return self.capacity - self.overhead - self.worst
+
+
+_DIRECTIONS = {
+    "raises": "could raise the peak",
+    "lowers": "could lower the peak",
+    "either": "could raise or lower the peak",
+    "unknown": "effect on the peak unknown",
+    "traffic": "changes communication, not the peak",
+}
+
+
+def not_modelled_text(items) -> str:
+    """One sentence for the verdict: what the prediction leaves out, by feature, and the way
+    each could move the peak. `items` are config.NotModelled or their JSON dicts."""
+    by_feature: dict[tuple[str, str], list[str]] = {}
+    for item in items:
+        get = item.get if isinstance(item, dict) else lambda k, item=item: getattr(item, k)
+        by_feature.setdefault((get("feature"), get("direction")), []).append(get("option"))
+    parts = [
+        f"{feature} ({', '.join(options)}: {_DIRECTIONS[direction]})"
+        for (feature, direction), options in by_feature.items()
+    ]
+    return "Not modelled, left out of these figures: " + "; ".join(parts) + "."
 
 
 def verdict(job, roles) -> Verdict:

@@ -145,6 +145,11 @@ def job_of(job, layout: Layout):
         distributed_optimizer=layout.distributed_optimizer,
         overlap_grad_reduce=layout.distributed_optimizer,
         overlap_param_gather=layout.distributed_optimizer,
+        # The base job's optimizer instances where the layout shards (layouts whose dp x cp
+        # they do not divide are refused by the checks, as Megatron refuses them).
+        num_distributed_optimizer_instances=(
+            job.training.num_distributed_optimizer_instances if layout.distributed_optimizer else 1
+        ),
     )
     cl = dataclasses.replace(job.cluster, num_gpus=layout.tp * layout.pp * layout.cp * layout.dp)
     return resolve(dataclasses.replace(job, parallel=par, training=tr, cluster=cl, notes=()))

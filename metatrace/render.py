@@ -432,23 +432,51 @@ def build_memory_table(mems) -> Group:
     return Group(table, where, legend)
 
 
+def build_offload_lines(job_trace) -> list[Text]:
+    """One line on fine-grained activation offloading's PCIe traffic and pinned host memory per
+    stage (none when the job does not offload)."""
+    from metatrace.memory import role_offload
+
+    job = job_trace.job
+    parts = []
+    for rt in job_trace.roles:
+        o = role_offload(job, rt)
+        if o is not None:
+            parts.append(
+                f"stage {rt.role.pp_stage} {size(o.d2h_per_microbatch)} per micro-batch, "
+                f"{size(o.d2h_per_iteration)} per iteration, {size(o.pinned_host)} pinned"
+            )
+    if not parts:
+        return []
+    modules = ", ".join(job.training.activation_offload_modules)
+    return [Text(
+        f"Activation offloading ({modules}), each way over PCIe per GPU and host memory pinned "
+        f"for good: {'; '.join(parts)}.",
+        style="dim",
+    )]
+
+
 def build_verdict(job, mems) -> Text:
-    from metatrace.memory import verdict
+    from metatrace.memory import not_modelled_text, verdict
 
     v = verdict(job, [(rt.role.ranks, m) for rt, m in mems])
     gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
     overhead = f"{job.cluster.reserved_overhead_gib:g} GiB reserved overhead"
     if v.fits:
-        return Text(
+        text = Text(
             f"Fits on {gpu}: highest peak {size(v.worst)} on ranks {rank_span(v.worst_ranks)}, "
             f"+ {overhead}; headroom {size(v.headroom)}.",
             style="bold green",
         )
-    return Text(
-        f"Out of memory on {gpu} by {size(-v.headroom)} on ranks {rank_span(v.oom_ranks)}: "
-        f"highest peak {size(v.worst)} (ranks {rank_span(v.worst_ranks)}) + {overhead}.",
-        style="bold red",
-    )
+    else:
+        text = Text(
+            f"Out of memory on {gpu} by {size(-v.headroom)} on ranks {rank_span(v.oom_ranks)}: "
+            f"highest peak {size(v.worst)} (ranks {rank_span(v.worst_ranks)}) + {overhead}.",
+            style="bold red",
+        )
+    if job.not_modelled:
+        text.append("\n" + not_modelled_text(job.not_modelled), style="bold yellow")
+    return text
 
 
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -527,6 +555,8 @@ def render_run(job_trace, console, *, depth=None, expand=False) -> None:
         )
         mems = role_memories(job_trace)
         console.print(build_memory_table(mems))
+        for line in build_offload_lines(job_trace):  # fine-grained activation offloading
+            console.print(line)
         console.print(section("Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"))
         console.print(build_timeline(mems))
         console.print()

@@ -230,9 +230,18 @@ def build_dp_section(job_trace, jc) -> Group | None:
         return Group(table, Text(
             "No data parallelism: no gradient reduction; the gradient norm's all-reduce remains.",
             style="dim"))
+    lines = [Text(f"Data-parallel groups: {groups_line(world, world.groups('dp_cp'))}")]
+    if world.instances > 1:
+        lines.append(Text(
+            f"Distributed optimizer in {world.instances} instances, each sharding the optimizer "
+            f"state over {world.dp * world.layout.cp // world.instances} ranks: gradients "
+            f"reduce-scattered and parameters all-gathered in intra_dp_cp groups "
+            f"{groups_line(world, world.groups('intra_dp_cp'))} (expert buckets in intra_edp), "
+            f"each shard all-reduced across the instances in inter_dist_opt groups "
+            f"{groups_line(world, world.groups('inter_dist_opt'))}"))
     return Group(
         table,
-        Text(f"Data-parallel groups: {groups_line(world, world.groups('dp_cp'))}"),
+        *lines,
         Text(
             f"Per iteration, all GPUs: {t.count:,} data-parallel collectives, "
             f"{volume(t.bytes_sent)} sent. Calls: DDP's gradient buckets (reduce-scatter with "
@@ -396,15 +405,17 @@ GROUP_TITLES = {
     "dp_cp": "data × context: DDP",
     "tp_cp": "tensor × context",
     "embedding": "first + last stage",
+    "intra_dp_cp": "dp × cp of one optimizer instance",
+    "intra_edp": "expert dp of one optimizer instance",
+    "inter_dist_opt": "same shard across instances",
+    "dist_opt": "every GPU of one optimizer instance",
 }
 
 
 def build_groups(world, *, rank: int | None = None, limit: int | None = 16) -> Table:
     """Every kind of group as megatron-core forms it; with `rank`, only that rank's groups."""
-    from metatrace.world import GROUP_KINDS
-
     table = _table("Kind", "Groups", "Size", "Cross nodes", "Groups (GPUs)")
-    for kind in GROUP_KINDS:
+    for kind in world.kinds():
         groups = world.groups(kind)
         if rank is not None:
             shown = [g for g in groups if rank in g]

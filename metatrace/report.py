@@ -12,8 +12,7 @@ import json
 from metatrace import __version__
 from metatrace import aggregate as agg
 from metatrace.comm import job_comm
-from metatrace.memory import role_memory, verdict
-from metatrace.world import GROUP_KINDS
+from metatrace.memory import role_memory, role_offload, verdict
 
 SCHEMA_VERSION = 3
 
@@ -111,6 +110,7 @@ def _comm_item(it) -> dict:
 
 def _verdict(job, v) -> dict:
     return {
+        "not_modelled": [dataclasses.asdict(n) for n in job.not_modelled],
         "fits": v.fits,
         "gpu_memory_bytes": v.capacity,
         "reserved_overhead_bytes": v.overhead,
@@ -121,7 +121,7 @@ def _verdict(job, v) -> dict:
     }
 
 
-def role_report(rt, world=None, memory=None, comm=None) -> dict:
+def role_report(rt, world=None, memory=None, comm=None, offload=None) -> dict:
     trace = rt.trace
     s = agg.role_summary(trace)
     out = {
@@ -147,6 +147,12 @@ def role_report(rt, world=None, memory=None, comm=None) -> dict:
     if comm is not None:
         out["comm"] = {d: _totals(t) for d, t in comm.dims.items()}
         out["comm_collectives"] = [_comm_item(it) for it in comm.items]
+    if offload is not None:
+        out["offload"] = {
+            "d2h_bytes_per_microbatch": offload.d2h_per_microbatch,
+            "d2h_bytes_per_iteration": offload.d2h_per_iteration,
+            "pinned_host_bytes": offload.pinned_host,
+        }
     return out
 
 
@@ -201,9 +207,11 @@ def job_report(job_trace) -> dict:
         comms = [c for _, c in jc.roles]
         report["cluster"]["comm"] = {d: _totals(t) for d, t in jc.cluster.items()}
         report["cluster"]["comm"]["total"] = _totals(jc.total)
-    report["groups"] = {kind: world.groups(kind) for kind in GROUP_KINDS}
+    report["groups"] = {kind: world.groups(kind) for kind in world.kinds()}
+    offloads = [role_offload(job, rt) for rt in job_trace.roles]
     report["roles"] = [
-        role_report(rt, world, m, c) for rt, m, c in zip(job_trace.roles, mems, comms)
+        role_report(rt, world, m, c, o)
+        for rt, m, c, o in zip(job_trace.roles, mems, comms, offloads)
     ]
     if iterations:
         ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]

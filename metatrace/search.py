@@ -59,7 +59,9 @@ def candidates(job) -> list[tuple[int, object]]:
             )
         except ConfigError:
             continue
-        out.append((mbs, dataclasses.replace(candidate, notes=job.notes)))
+        out.append((mbs, dataclasses.replace(
+            candidate, notes=job.notes, not_modelled=job.not_modelled
+        )))
     if not out:
         raise ConfigError(
             f"no micro-batch size divides global_batch_size / dp = {tr.global_batch_size} / "

@@ -20,10 +20,13 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from metatrace.hooks.records import Trace
 from metatrace.world import Role, World
+
+if TYPE_CHECKING:
+    from metatrace.hooks.offload import OffloadRecord
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class RoleTrace:
     """Wall time to build and trace the role."""
     iteration: Trace | None = None
     """A whole iteration, steps replayed from `trace`, optimizer step included."""
+    offload: OffloadRecord | None = None
+    """What fine-grained activation offloading moved in the traced micro-batch (None when the
+    job does not offload); memory.role_offload sums it up."""
 
 
 @dataclass(frozen=True)
@@ -137,14 +143,16 @@ def trace_role(
     device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
     with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
     model in every step of the iteration instead of replaying the traced micro-batch (the
-    reference for tests).
+    reference for tests; with activation offloading after an unrecorded first iteration, the
+    offload manager's warm-up).
     """
     from metatrace.hooks.fake_world import fake_world, named_groups
+    from metatrace.hooks.offload import OffloadLog, reset_manager
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.recorder import Recorder
     from metatrace.hooks.remap import cublas_workspaces, remap_cuda
-    from metatrace.iteration import run_iteration
-    from metatrace.memory import step_profiles
+    from metatrace.iteration import Unrecorded, run_iteration
+    from metatrace.memory import deferred_bytes, offload_slots, step_profiles
     from metatrace.models.te_linear import te_process
     from metatrace.models.build import (
         build_model_chunks,
@@ -160,6 +168,7 @@ def trace_role(
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
     config = transformer_config(job)
+    offloading = config.fine_grained_activation_offloading
     workspace = cublas_workspace_bytes(job)
     te = job.implementation.transformer_impl == "transformer_engine"
     with megatron_patches(), remap_cuda(device), fake_world(world.layout, rank), te_process(te):
@@ -182,17 +191,30 @@ def trace_role(
                 workspaces = stack.enter_context(cublas_workspaces(device, workspace))
                 for chunk in model:
                     stack.enter_context(chunk.no_sync())
+                # What megatron-core's activation offloading moves, in its warm-up mode (every
+                # group offloaded, reloads on demand; memory.offload_slots has the steady state).
+                log = stack.enter_context(OffloadLog(rec)) if offloading else None
                 shapes = run_microbatch(job, config, model, rec=rec)
         trace = rec.trace()
+        record = log.record() if log is not None else None
+        reset_manager()  # the iteration starts with a new one, as training does
         del workspaces
         steady = None
         if iteration:
+            last_stage = role.pp_stage == job.parallel.pp - 1
+            slots = offload_slots(trace, record, last_stage=last_stage) if record else ()
+            reloads = record.reloads if record else frozenset()
             if real_steps:
+                for chunk in hooked:
+                    chunk.enable_forward_pre_hook()
+                if record is not None:
+                    # The offload manager learns the group order in the first iteration and
+                    # runs its steady state from the second on.
+                    run_iteration(job, config, model, optimizer, rec=Unrecorded(),
+                                  device=torch.device(device), real_steps=True)
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
-                for chunk in hooked:
-                    chunk.enable_forward_pre_hook()
             with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
                 run_iteration(
                     job,
@@ -200,10 +222,12 @@ def trace_role(
                     model,
                     optimizer,
                     rec=rec,
-                    profiles=step_profiles(trace),
+                    profiles=step_profiles(trace, reloads=reloads),
+                    deferred=deferred_bytes(trace),
                     shapes=shapes,
                     device=torch.device(device),
                     real_steps=real_steps,
+                    slots=() if real_steps else slots,
                 )
             steady = rec.trace()
     return RoleTrace(
@@ -212,6 +236,7 @@ def trace_role(
         chunks=tuple(prefixes),
         seconds=time.perf_counter() - start,
         iteration=steady,
+        offload=record,
     )
 
 
@@ -310,6 +335,7 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
             vp_stage=vp_stage,
             is_last_stage=last,
         )
+        last_output = output_tensor  # the backward loop below rebinds output_tensor
         comm.send_forward(output_tensor, is_last_stage=last)
         if not last:
             schedules.deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
@@ -329,4 +355,42 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
     # replayed iteration sets the inputs again.
     for chunk in model:
         get_attr_wrapped_model(chunk, "set_input_tensor")(None)
+    # --defer-embedding-wgrad-compute: the last stage's output layer appended its input (forward)
+    # and the logits gradient (backward) to the model's buffers, and the input's autograd graph
+    # (down to the received pipeline input and its .grad) lives as long as the buffer holds it.
+    # megatron-core computes the deferred weight gradient at the pipeline flush and empties the
+    # buffers (schedules.finish_embedding_wgrad_compute; its drain fails on a single entry in
+    # 0.16.1, so the traced micro-batch releases them itself). The "deferred" window frees
+    # exactly what one deferred micro-batch keeps until the flush.
+    config.metatrace_deferred = None
+    if config.defer_embedding_wgrad_compute and stash[-1][4]:
+        v = stash[-1][0]
+        last_model = get_attr_wrapped_model(model[-1], "post_process", return_model_obj=True)
+        acts, grads = last_model.embedding_activation_buffer, last_model.grad_output_buffer
+        config.metatrace_deferred = (
+            [StepShape(tuple(t.shape), t.dtype) for t in acts],
+            [StepShape(tuple(t.shape), t.dtype) for t in grads],
+        )
+        del stash, input_tensor, output_tensor, input_grad, output_grad, last_output
+        with window("deferred", v):
+            acts.clear()
+            grads.clear()
+            if config.sequence_parallel:
+                _drain_gather_buffers(config, last_model)
     return shapes
+
+
+def _drain_gather_buffers(config, last_model) -> None:
+    """With sequence parallelism megatron-core's drain (utils.drain_embedding_wgrad_compute)
+    all-gathers each deferred input into two global memory buffers, "mpu_0" and "mpu_1"
+    ([s, b, h] each), which it keeps for good: allocate them here, so that they count among the
+    kept buffers (from the second iteration on they exist before it starts)."""
+    from megatron.core.parallel_state import (
+        get_global_memory_buffer,
+        get_tensor_model_parallel_world_size,
+    )
+
+    shape, dtype = config.metatrace_deferred[0][0].shape, config.metatrace_deferred[0][0].dtype
+    dim = [shape[0] * get_tensor_model_parallel_world_size(), *shape[1:]]
+    for name in ("mpu_0", "mpu_1"):
+        get_global_memory_buffer().get_tensor(dim, dtype, name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import functools
+import itertools
 from functools import cached_property
 
 from metatrace.hooks.fake_world import Layout
@@ -35,6 +36,13 @@ GROUP_TOKENS = {
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding")
 """The group kinds `metatrace groups` and the JSON report list, in that order."""
+
+INSTANCE_KINDS = ("intra_dp_cp", "intra_edp", "inter_dist_opt", "dist_opt")
+"""The distributed optimizer's instance groups (num_distributed_optimizer_instances), listed
+after GROUP_KINDS when there is more than one instance: the dp x cp ranks of an instance (DDP's
+dense reduce-scatter and all-gather), the expert dp ranks of an instance (the same for expert
+buckets), the ranks holding the same shard in every instance (the all-reduce across instances,
+of dense and expert shards alike) and every GPU of an instance (the gradient norm)."""
 
 
 def orthogonal_groups(sizes, mask) -> tuple[tuple[int, ...], ...]:
@@ -90,6 +98,7 @@ class World:
             hierarchical_cp_sizes=(
                 tuple(par.hierarchical_cp_sizes) if par.hierarchical_cp_sizes else None
             ),
+            dist_opt_instances=job.training.num_distributed_optimizer_instances,
         )
         return cls(layout, job.cluster.gpus_per_node)
 
@@ -112,8 +121,17 @@ class World:
         as lists of global ranks, in megatron-core's order."""
         return [list(g) for g in self._groups(name)]
 
+    @property
+    def instances(self) -> int:
+        return self.layout.dist_opt_instances
+
+    def kinds(self) -> tuple[str, ...]:
+        """The group kinds to list: GROUP_KINDS, and INSTANCE_KINDS with several instances."""
+        return GROUP_KINDS + (INSTANCE_KINDS if self.instances > 1 else ())
+
     def knows(self, name: str) -> bool:
-        return name in GROUP_TOKENS or name in ("embedding", "position_embedding")
+        return (name in GROUP_TOKENS or name in ("embedding", "position_embedding")
+                or (name in INSTANCE_KINDS and self.instances > 1))
 
     @functools.lru_cache(maxsize=None)
     def _groups(self, name: str) -> tuple[tuple[int, ...], ...]:
@@ -122,9 +140,31 @@ class World:
             return tuple(tuple(sorted({g[0], g[-1]})) for g in self._groups("pp"))
         if name == "position_embedding":
             return tuple((g[0],) for g in self._groups("pp"))
+        if name in INSTANCE_KINDS:
+            return self._instance_groups(name)
         grid, token = GROUP_TOKENS[name]
         gen = self._generators[grid]
         return orthogonal_groups(gen.ordered_size, gen.get_mask(gen.order, token))
+
+    def _instance_groups(self, name: str) -> tuple[tuple[int, ...], ...]:
+        """initialize_model_parallel's groups for num_distributed_optimizer_instances = n: each
+        dp x cp group cut into n consecutive parts; each expert dp group likewise (level 0 of
+        create_hierarchical_groups with sizes [edp / n, n]) and across the parts, the ranks at
+        the same place in each (level 1: `inter`, the only inter-instance group megatron-core
+        builds, dense shards use it too); an instance's GPUs: runs of edp / n consecutive
+        tp-ep-pp groups of the expert grid."""
+        n = self.instances
+        if name == "intra_dp_cp":
+            return tuple(g[i * (len(g) // n):(i + 1) * (len(g) // n)]
+                         for g in self._groups("dp_cp") for i in range(n))
+        k = self.expert_dp // n
+        if name == "intra_edp":
+            return tuple(g[i * k:(i + 1) * k] for g in self._groups("edp") for i in range(n))
+        if name == "inter_dist_opt":
+            return tuple(g[j::k] for g in self._groups("edp") for j in range(k))
+        mp = self._groups("tp_ep_pp")  # (torch's new_group sorts a group's ranks)
+        return tuple(tuple(sorted(itertools.chain.from_iterable(mp[i:i + k])))
+                     for i in range(0, len(mp), k))
 
     @functools.lru_cache(maxsize=None)
     def _index(self, name: str) -> dict[int, tuple[int, ...]]:

@@ -84,6 +84,7 @@ def transformer_config(job):
         fp8=tr.fp8_format if tr.precision == "fp8" else None,
         fp8_recipe=tr.fp8_recipe or "delayed",
         fp8_param=tr.precision == "fp8" and tr.fp8_param_gather,
+        fp8_amax_history_len=tr.fp8_amax_history_len,
         fp16=tr.precision == "fp16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -92,6 +93,11 @@ def transformer_config(job):
         recompute_num_layers=rec.num_layers,
         recompute_modules=rec.modules,
         distribute_saved_activations=rec.distribute_saved_activations,
+        # Fine-grained activation offloading: megatron-core checks the module names and that
+        # attn_proj comes with core_attn (transformer_config.py, __post_init__).
+        fine_grained_activation_offloading=bool(tr.activation_offload_modules),
+        offload_modules=list(tr.activation_offload_modules or ()),
+        min_offloaded_tensor_size=tr.min_offloaded_tensor_size,
         transformer_impl=impl.transformer_impl,
         attention_backend=AttnBackend[job.attention_kernel],
         apply_rope_fusion=impl.rope_fusion and m.position_embedding_type == "rope",
@@ -113,6 +119,8 @@ def transformer_config(job):
         overlap_p2p_comm_warmup_flush=par.overlap_p2p_comm_warmup_flush,
         microbatch_group_size_per_vp_stage=par.microbatch_group_size,
         gradient_accumulation_fusion=tr.gradient_accumulation_fusion,
+        defer_embedding_wgrad_compute=tr.defer_embedding_wgrad_compute,
+        wgrad_deferral_limit=tr.wgrad_deferral_limit,
         persist_layer_norm=False,
         # Mixture of experts (inert for dense models).
         num_moe_experts=m.num_experts,
@@ -132,6 +140,8 @@ def transformer_config(job):
         moe_z_loss_coeff=m.moe_z_loss_coeff,
         moe_token_dispatcher_type=par.moe_token_dispatcher_type,
         moe_grouped_gemm=impl.moe_grouped_gemm,
+        moe_permute_fusion=impl.moe_permute_fusion,
+        moe_router_fusion=impl.moe_router_fusion,
         moe_router_dtype=tr.moe_router_dtype,
         moe_expert_capacity_factor=tr.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=tr.moe_routing == "capacity",
@@ -178,6 +188,9 @@ def transformer_config(job):
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+    # The TransformerConfig field of Megatron-LM after core_v0.16.1 (megatron-core 0.16.1 takes
+    # it only as a spec argument); models.specs builds dense MLPs as TEFusedMLP with it.
+    config.use_transformer_engine_op_fuser = job.implementation.te_op_fuser
     from metatrace.models.moe import Routing
 
     config.metatrace_routing = Routing.of_job(job)
@@ -262,7 +275,12 @@ def single_gpu_job(job):
         account_for_loss=False,
         layout=None,
     )
-    tr = dataclasses.replace(job.training, global_batch_size=job.training.micro_batch_size)
+    tr = dataclasses.replace(
+        job.training,
+        global_batch_size=job.training.micro_batch_size,
+        num_distributed_optimizer_instances=1,  # one GPU: one instance
+        defer_embedding_wgrad_compute=False,  # megatron-core refuses it without pipelining
+    )
     if not tr.fp8_param_gather:
         # On one GPU the distributed optimizer shards nothing and the view shows no optimizer
         # state; megatron-core maps parameters to its buckets in O(buckets x parameters), which
@@ -308,6 +326,7 @@ def ddp_config(job):
         check_for_nan_in_grad=False,
         bucket_size=tr.ddp_bucket_size,
         average_in_collective=tr.ddp_average_in_collective,
+        pad_buckets_for_high_nccl_busbw=tr.ddp_pad_buckets_for_high_nccl_busbw,
         fp8_param_gather=tr.precision == "fp8" and tr.fp8_param_gather,
     )
 

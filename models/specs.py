@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from metatrace.models.standins import LocalNorm
 from metatrace.models.te_attention import TEDotProductAttention
+from metatrace.models.te_fused_mlp import TEFusedMLP
 from metatrace.models.te_linear import (
     TEColumnParallelLinear,
     TELayerNormColumnParallelLinear,
@@ -84,11 +85,14 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
 def gpt_layer_spec(
     provider, *, qk_layernorm: bool = False, num_experts: int | None = None,
     moe_grouped_gemm: bool = False, multi_latent_attention: bool = False,
+    te_op_fuser: bool = False,
 ) -> ModuleSpec:
     """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
     (megatron-core's MoELayer from get_moe_module_spec_for_backend; the pre-MLP norm is then a
     module of its own, as the MoE layer cannot fuse it); with `multi_latent_attention` its
-    attention is MLA (`mla_attention_spec`), whose input norm is never fused."""
+    attention is MLA (`mla_attention_spec`), whose input norm is never fused. With
+    `te_op_fuser` a dense layer's MLP is TEFusedMLP (MoE layers ignore it, as megatron-core's
+    get_mlp_module_spec_for_backend does)."""
     fused = provider.fuse_layernorm_and_linear()
     norm = provider.layer_norm()
     if num_experts is not None:
@@ -98,6 +102,10 @@ def gpt_layer_spec(
         )
     else:
         mlp = get_mlp_module_spec_for_backend(backend=provider)
+        if te_op_fuser:
+            # get_mlp_module_spec_for_backend(use_te_op_fuser=True): the same submodules under
+            # TEFusedMLP, whose megatron-core class is None without Transformer Engine.
+            mlp = ModuleSpec(module=TEFusedMLP, submodules=mlp.submodules)
     if multi_latent_attention:
         return ModuleSpec(
             module=TransformerLayer,
@@ -172,6 +180,7 @@ def _layer_spec(config, provider, *, moe: bool) -> ModuleSpec:
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm,
         multi_latent_attention=config.multi_latent_attention,
+        te_op_fuser=getattr(config, "use_transformer_engine_op_fuser", False),
     )
 
 

@@ -143,7 +143,10 @@ def reduce_amax(region: _Region, per_module: int, device) -> None:
     """Delayed scaling: concatenate the amaxes of the region's modules, MAX-all-reduce them."""
     if region is None or region.recipe != "delayed" or not region.modules:
         return
-    amax = torch.empty(per_module * len(region.modules), dtype=F32, device=device)
+    # `per_module` is a TE module's count; the op fuser's BasicLinear keeps one fewer
+    # (te_fused_mlp.BasicLinearState.fp8_amax_fewer).
+    count = sum(per_module - getattr(m, "fp8_amax_fewer", 0) for m in region.modules)
+    amax = torch.empty(count, dtype=F32, device=device)
     if region.group is not None and dist.get_world_size(region.group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=region.group)
 

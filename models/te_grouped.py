@@ -53,16 +53,21 @@ class _GroupedLinearFunction(torch.autograd.Function):
             out = torch.empty((x2.shape[0], module.out_features), dtype=x.dtype, device=x.device)
             # One GEMM per expert on its m_splits[i] rows: together over all the rows.
             flops.report(flops.gemm(x2.shape[0], module.in_features, module.out_features))
-            ctx.save_for_backward(*inputs, *weights, *biases)
-            ctx.module, ctx.x_shape = module, x.shape
+            # TE >= 2.6 with save_original_input keeps the whole input once (grouped_linear.py
+            # of TE 2.20: `inputmats[0] = inp`) instead of one view per expert: the same storage,
+            # but one tensor to offload (megatron-core's expert_fc1 offloading sets it).
+            original = module.save_original_input and weights[0].requires_grad
+            ctx.save_for_backward(*((x2,) if original else inputs), *weights, *biases)
+            ctx.module, ctx.x_shape, ctx.original = module, x.shape, original
             return out.view(*x.shape[:-1], module.out_features)
 
     @staticmethod
     def backward(ctx, grad):
         module = ctx.module
         n = module.num_gemms
-        saved = ctx.saved_tensors  # the per-expert inputs, then the weights and biases
-        weights, biases = saved[n : 2 * n], saved[2 * n :]
+        saved = ctx.saved_tensors  # the per-expert inputs (or the whole one), weights, biases
+        k = 1 if ctx.original else n
+        weights, biases = saved[k : k + n], saved[k + n :]
         with library_kernel():
             dy = grad.contiguous().view(-1, grad.shape[-1])
             dgrad = torch.empty(
@@ -136,6 +141,12 @@ class TEGroupedLinear(torch.nn.Module):
                 self.register_parameter(f"bias{i}", b)
         for p in self.parameters():
             p.allreduce = not self.expert_parallel
+
+    save_original_input = False
+    """TE >= 2.6: save the bf16 input itself for backward, once, instead of the per-expert
+    (quantized) inputs. megatron-core sets it (set_save_original_input) when offloading
+    expert_fc1, and for moe_act recompute under FP8; TE 2.20 refuses it with the FP8
+    delayed-scaling recipe."""
 
     def _params(self):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]

@@ -146,6 +146,32 @@ def test_data_parallel_gradient_reduction(distributed_optimizer):
         assert list(rs.ranks) == World.from_job(job).group_of("dp_cp", rt.trace.rank)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_distributed_optimizer_instances(overlap):
+    # dp 4 in 2 optimizer instances: the fp32 gradient buffer is reduce-scattered over the 2
+    # ranks of an instance (intra_dp_cp), this rank's half all-reduced with the rank holding
+    # the same half in the other instance (inter_dist_opt), the bf16 parameters all-gathered
+    # over the instance; megatron-core overlaps the first two with backward on a stream of
+    # their own (synchronous calls) when overlap_grad_reduce is on.
+    training = {"global_batch_size": 8, "distributed_optimizer": True,
+                "num_distributed_optimizer_instances": 2,
+                "overlap_grad_reduce": overlap, "overlap_param_gather": overlap}
+    job, jc = comm_of(training=training, cluster={"num_gpus": 4})
+    world = World.from_job(job)
+    (rt, comm), = jc.roles
+    rank = rt.trace.rank
+    big = {(it.op, it.group): it for it in comm.items if it.dimension == "dp" and it.message > 1024}
+    assert set(big) == {("reduce_scatter", "intra_dp_cp"), ("all_reduce", "inter_dist_opt"),
+                        ("all_gather", "intra_dp_cp")}
+    rs, ar, ag = (big[k] for k in (("reduce_scatter", "intra_dp_cp"),
+                                    ("all_reduce", "inter_dist_opt"), ("all_gather", "intra_dp_cp")))
+    assert list(rs.ranks) == list(ag.ranks) == world.group_of("intra_dp_cp", rank) == [0, 1]
+    assert list(ar.ranks) == world.group_of("inter_dist_opt", rank) == [0, 2]
+    assert ar.message * 2 == rs.message == ag.message * 2  # half the fp32 buffer; all bf16 params
+    assert (rs.sent, ar.sent, ag.sent) == (rs.message // 2, ar.message, ag.message // 2)
+    assert {it.overlapped for it in (rs, ar)} == {"backward" if overlap else None}
+
+
 def test_cluster_totals_are_the_sum_over_ranks_and_nodes_follow_gpus_per_node():
     sections = dict(parallel={"tp": 2, "pp": 2, "dp": 2}, training={"global_batch_size": 8})
     _, two = comm_of(cluster={"num_gpus": 8, "gpus_per_node": 2}, **sections)

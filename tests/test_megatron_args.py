@@ -149,13 +149,22 @@ def test_mtp_keeps_its_layout_and_mla_flags_need_mla():
 
 
 def test_moe_options_not_modelled_are_listed():
-    resolved, notes = job(BASE + " --num-experts 8 --moe-permute-fusion --moe-layer-freq 2"
+    resolved, notes = job(BASE + " --num-experts 8 --moe-apply-probs-on-input --moe-layer-freq 2"
                           " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity")
     assert resolved.model.moe_layer_freq == [1, 0] * 6  # 12 layers
     assert resolved.training.moe_routing == "capacity"
     assert resolved.training.moe_expert_capacity_factor == 1.5
     warning, = [n for n in notes if n.startswith("warning")]
-    assert "--moe-permute-fusion" in warning and "mixture-of-experts options" in warning
+    assert "MoE router and expert variants (--moe-apply-probs-on-input)" in warning
+    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
+        ("--moe-apply-probs-on-input", "either")]
+
+
+def test_moe_fusion_flags_map_to_the_implementation():
+    resolved, notes = job(BASE + " --num-experts 8 --moe-permute-fusion --moe-router-fusion")
+    assert resolved.implementation.moe_permute_fusion
+    assert resolved.implementation.moe_router_fusion
+    assert not [n for n in notes if n.startswith("warning")]
 
 
 # --------------------------------------------------------------------------- derivations
@@ -288,7 +297,18 @@ def test_environment():
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8", "NCCL_ALGO": "Ring",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert job(BASE, env=env)[0].cluster.cublas_workspace_config == ":4096:2:16:8"
-    assert "unknown environment variables: FOO" in error(BASE, env={"FOO": "1"})
+    # Variables that change nothing are accepted silently, unknown ones are named in a note,
+    # and those that change memory in ways metatrace does not model are reported as such.
+    quiet = {"PYTHONWARNINGS": "ignore", "NVTE_FWD_LAYERNORM_SM_MARGIN": "8",
+             "NVTE_BWD_LAYERNORM_SM_MARGIN": "8", "NCCL_IB_SL": "1", "NCCL_NVLS_ENABLE": "0"}
+    resolved, notes = job(BASE, env={**quiet, "FOO": "1"})
+    assert [n for n in notes if "environment" in n] == [
+        "environment variables metatrace does not know, taken to change nothing it predicts: FOO"]
+    assert resolved.not_modelled == ()
+    resolved, notes = job(BASE, env={"NVTE_FUSED_ATTN_BACKEND": "0"})
+    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
+        ("NVTE_FUSED_ATTN_BACKEND=0", "either")]
+    assert notes[0].startswith("warning") and "NVTE_FUSED_ATTN_BACKEND=0" in notes[0]
     # megatron-core asserts NVTE_*_ATTN agree with --attention-backend: they cannot choose it
     assert "NVTE_FUSED_ATTN=0 contradicts --attention-backend auto" in error(
         BASE, env={"NVTE_FUSED_ATTN": "0"})
@@ -381,8 +401,98 @@ def test_unreadable_file_names_it(tmp_path):
 
 def test_table_invariants():
     for flag, spec in FLAGS.items():
-        assert flag.startswith("--") and spec.nargs in (0, 1, "+", "*"), flag
-        kinds = [spec.key is not None, spec.ignored, spec.reason is not None, bool(spec.removed)]
-        assert sum(kinds) <= 1, flag  # one class each
+        assert flag.startswith("-") and spec.nargs in (0, 1, 3, "+", "*", "?"), flag
+        assert (spec.key is not None) <= (spec.cls == "modelled"), flag
+        assert (spec.direction is not None) == (spec.cls == "not_modelled"), flag
     assert NOT_MODELLED_REASONS["--tp-comm-overlap"].startswith("TP communication overlap")
     assert "--use-flash-attn" not in NOT_MODELLED_REASONS  # a no-op in 0.16.1
+    assert FLAGS["--no-overlap-p2p-communication"].const is False  # store_false
+    assert FLAGS["--no-rl-skip-bos-token"].const is False  # the "no" half of a boolean pair
+    assert FLAGS["--attention-backend"].choices == ("flash", "fused", "unfused", "local", "auto")
+
+
+def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
+    """tests/data/megatron-lm-flags.tsv is ../shared/notes/megatron-lm-flags.tsv: every option
+    string of pretrain_gpt.py's parser at core_v0.16.1 and at a 2026 HEAD. megatron_flags
+    raises on a flag in two classes; here no flag may be missing or unclassified."""
+    import csv
+    from collections import Counter
+
+    from metatrace.megatron_flags import _classes
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "megatron-lm-flags.tsv")) as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert len(rows) == 930
+    classes = _classes()
+    assert sorted(classes) == sorted(r["flag"] for r in rows)  # no flag missing, none extra
+    for row in rows:  # the package's copy of the parser's attributes is the same
+        spec = FLAGS[row["flag"]]
+        assert (spec.dest, spec.versions == "HEAD") == (row["dest"], row["in_core_v0.16.1"] == "no")
+        assert (spec.nargs in (0, "?")) == (row["nargs"] == "0"), row["flag"]
+    counts = Counter(spec.cls for spec in FLAGS.values())
+    assert sum(counts.values()) == 930 and counts["refused"] == 5
+    assert min(counts["modelled"], counts["no_effect"], counts["not_modelled"]) > 100
+
+
+def test_flags_of_a_newer_megatron_lm_are_noted_and_unknown_ones_refused():
+    resolved, notes = job(BASE + " --use-transformer-engine-op-fuser --log-max-attention-logit")
+    assert any(n.startswith("from a Megatron-LM newer than core_v0.16.1") and
+               "--use-transformer-engine-op-fuser" in n for n in notes)
+    assert [n.option for n in resolved.not_modelled] == ["--log-max-attention-logit"]
+    assert "unknown Megatron-LM flags: --fim-rat (did you mean --fim-rate?)" in error(
+        BASE + " --fim-rat 0.5")
+    # removed from the table: no Megatron-LM parser has them
+    assert "unknown Megatron-LM flags: --fp8-dot-product-attention" in error(
+        BASE + " --fp8-dot-product-attention")
+
+
+def test_flags_that_change_nothing_are_accepted_and_defaults_are_not_reported():
+    quiet = (" --fim-data --fim-rate 0.5 --fim-spm-rate 0.5 --async-strategy nvrx "
+             "--async-ckpt-use-cpu-shm --log-params-norm --rerun-mode validate_results "
+             "--cuda-graph-impl none")  # the last two: class 3, but their defaults
+    resolved, notes = job(BASE + quiet)
+    assert resolved.not_modelled == () and not [n for n in notes if n.startswith("warning")]
+    resolved, _ = job(BASE + " --rerun-mode report_stats --moe-router-score-function sigmoid")
+    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
+        ("--rerun-mode report_stats", "traffic")]
+
+
+def test_values_of_a_newer_megatron_lm_are_reported_not_refused():
+    resolved, notes = job(BASE + " --num-experts 4 --moe-router-score-function sqrtsoftplus "
+                          "--moe-router-load-balancing-type quantile_balancing")
+    assert resolved.model.moe_router_score_function == "softmax"
+    assert resolved.model.moe_router_load_balancing_type == "none"
+    assert sorted(n.option for n in resolved.not_modelled) == [
+        "--moe-router-load-balancing-type quantile_balancing",
+        "--moe-router-score-function sqrtsoftplus"]
+
+
+def test_deterministic_mode_before_sm90_runs_flash_attention():
+    a100, notes = job(BASE + " --deterministic-mode", gpu="a100")
+    assert a100.attention_kernel == "flash" and any("--deterministic-mode on a100" in n for n in notes)
+    assert job(BASE + " --deterministic-mode", gpu="h100")[0].attention_kernel == "fused"
+    assert job(BASE + " --deterministic-mode --attention-backend unfused",
+               gpu="a100")[0].attention_kernel == "unfused"
+    assert "no deterministic fused attention" in error(
+        BASE + " --deterministic-mode --attention-backend fused", gpu="a100")
+    assert "--decoder-seq-length 512 differs" in error(
+        BASE + " --pipeline-model-parallel-size 2 --decoder-seq-length 512")
+
+
+def test_options_of_recent_runs_map_to_their_keys():
+    tr = job(BASE + " --pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute "
+             "--wgrad-deferral-limit 2 --fp8-amax-history-len 16 --use-distributed-optimizer "
+             "--ddp-pad-buckets-for-high-nccl-busbw --fine-grained-activation-offloading "
+             "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 4096")[0].training
+    assert (tr.defer_embedding_wgrad_compute, tr.wgrad_deferral_limit) == (True, 2)
+    assert (tr.fp8_amax_history_len, tr.ddp_pad_buckets_for_high_nccl_busbw) == (16, True)
+    assert (tr.activation_offload_modules, tr.min_offloaded_tensor_size) == (
+        ["core_attn", "attn_proj"], 4096)
+    resolved, notes = job(BASE + " --offload-modules core_attn --min-offloaded-tensor-size 8")
+    assert resolved.training.activation_offload_modules is None
+    assert any("are ignored without --fine-grained-activation-offloading" in n for n in notes)
+    assert "needs --offload-modules" in error(BASE + " --fine-grained-activation-offloading")
+    impl = job(BASE + " --cross-entropy-loss-fusion --cross-entropy-fusion-impl te "
+               "--use-transformer-engine-op-fuser")[0].implementation
+    assert (impl.cross_entropy_loss_fusion, impl.cross_entropy_fusion_impl, impl.te_op_fuser) == (
+        True, "te", True)

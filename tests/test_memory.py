@@ -76,6 +76,23 @@ def test_distributed_optimizer_shards_the_state_over_data_parallel_ranks():
     assert m4.optimizer < m1.optimizer / 3
 
 
+def test_optimizer_instances_shard_the_state_over_an_instance():
+    # dp 4 in 2 instances: each rank keeps the state of half the buffer (2 ranks per instance)
+    # instead of a quarter; parameters and gradient buffers stay whole. MoE: the expert buffers
+    # shard over the instance's expert dp ranks likewise.
+    for model, parallel in (({}, {}), ({"num_experts": 4, "moe_router_topk": 2}, {"ep": 2})):
+        jobs = [small_job(model=model, parallel=parallel, cluster={"num_gpus": 4},
+                          training={"distributed_optimizer": True, "global_batch_size": 8,
+                                    "num_distributed_optimizer_instances": n})
+                for n in (1, 2)]
+        (rt1, m1), = memories(jobs[0])
+        (rt2, m2), = memories(jobs[1])
+        assert (m1.params, m1.grads) == (m2.params, m2.grads)
+        tensors = len(param_numels(rt1.trace))
+        assert abs(m2.optimizer - 2 * m1.optimizer) <= 2 * (3 * BLOCK * tensors + 8 * BLOCK)
+        assert m2.optimizer > 1.8 * m1.optimizer
+
+
 def _warmup(job, stage: int) -> int:
     """megatron-core's own warm-up count for a pipeline rank (its schedules' functions)."""
     from megatron.core import parallel_state as ps
@@ -236,3 +253,60 @@ def test_peak_of_one_micro_batch_without_pipeline_in_closed_form():
     )
     assert m.peak_at.phase == "forward" and m.peak_at.module == ""
     assert m.peak == static + workspaces + live_at_loss
+
+
+@pytest.mark.parametrize("limit", [0, 2])
+def test_deferred_embedding_wgrad_keeps_the_logits_gradient_of_each_deferred_micro_batch(limit):
+    """--defer-embedding-wgrad-compute on the last of two stages, 4 micro-batches: each deferred
+    micro-batch keeps, from its backward until the pipeline flush, the logits gradient
+    [s, b, V/t], the output layer's input [s, b, h] and (through that input's autograd graph)
+    the received pipeline input and its gradient, 2 x [s, b, h]. The peak (the last
+    micro-batch's cross entropy) sees min(K, m - 1) of them, K = m or the limit; when the
+    micro-batch just before is one of them, its received input and gradient were live at the
+    peak anyway. The replay matches megatron-core's schedule running the model in every step."""
+    base = dict(parallel={"pp": 2, "tp": 2}, cluster={"num_gpus": 4},
+                training={"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64})
+    job0 = small_job(**base)
+    deferred = {**base, "training": {**base["training"], "defer_embedding_wgrad_compute": True,
+                                     "wgrad_deferral_limit": limit}}
+    job = small_job(**deferred)
+    world = World.from_job(job)
+    last = [r for r in world.roles() if r.pp_stage == 1][0]
+    before = trace_role(job0, World.from_job(job0), last)
+    after = trace_role(job, world, last)
+    real = trace_role(job, world, last, real_steps=True)
+    peak0 = role_memory(before.trace, before.iteration).peak
+    peak = role_memory(after.trace, after.iteration).peak
+    it = real.iteration
+    measured = max(e.live for e in it.memory) - it.static_parts.get("existing", 0) + persistent_bytes(after.trace)
+    assert abs(peak - measured) <= 2 * BLOCK
+    tr, m = job.training, job.num_microbatches
+    s, b, h, vt = tr.seq_length, tr.micro_batch_size, job.model.hidden_size, job.padded_vocab_size // 2
+    layer = rounded(s * b * h * 2)
+    per_mb = rounded(s * b * vt * 2) + 3 * layer
+    k = m if limit == 0 else min(limit, m)
+    overlap = 2 * layer if k >= m - 1 else 0
+    assert peak - peak0 == min(k, m - 1) * per_mb - overlap
+
+
+def test_padded_buckets_for_nccl_bus_bandwidth():
+    """training.ddp_pad_buckets_for_high_nccl_busbw (--ddp-pad-buckets-for-high-nccl-busbw): with
+    the distributed optimizer megatron-core pads each bucket's end to lcm(dp, 128, 2**16)
+    elements instead of lcm(dp, 128): the fp32 gradient buffer (one bucket here) grows to the
+    next multiple of 2**16 elements, less than one such multiple above the unpadded one."""
+    from conftest import small_job
+
+    from metatrace.trace import trace_role
+    from metatrace.world import World
+
+    def grads(pad):
+        job = small_job(training={"distributed_optimizer": True,
+                                  "ddp_pad_buckets_for_high_nccl_busbw": pad},
+                        cluster={"num_gpus": 2})
+        world = World.from_job(job)
+        rt = trace_role(job, world, world.roles()[0])
+        return role_memory(rt.trace, rt.iteration).grads
+
+    plain, padded = grads(False), grads(True)
+    assert plain % (4 * 128) == 0 and padded % (4 * 2**16) == 0
+    assert 0 < padded - plain < 4 * 2**16

@@ -20,7 +20,8 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"metatrace", next(t for t in top if t.endswith(".dist-info"))}
     for module in ("metatrace/cli.py", "metatrace/models/build.py", "metatrace/hooks/recorder.py",
-                   "metatrace/config.py", "metatrace/report.schema.json", "metatrace/py.typed"):
+                   "metatrace/config.py", "metatrace/report.schema.json", "metatrace/py.typed",
+                   "metatrace/megatron_lm_flags.tsv"):
         assert module in names
 
     target = tmp_path / "site"
@@ -44,6 +45,11 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
                          cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", str(target / "metatrace")]
+    # The flag table reads Megatron-LM's parser attributes from package data too.
+    flags = "import metatrace.megatron_flags as f; print(len(f.FLAGS))"
+    run = subprocess.run([sys.executable, "-c", flags], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["930"], run.stderr[-2000:]
     version = subprocess.run([sys.executable, "-m", "metatrace", "--version"], capture_output=True,
                              text=True, cwd=tmp_path, env=env, timeout=300)
     assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")

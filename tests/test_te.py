@@ -302,3 +302,27 @@ def test_fp8_parameters_are_the_quantized_weights():
         assert bf16.static_bytes - fp8.static_bytes == saved_by_weights - transposes - 4 * 512
         # no FP8 weight workspace is built in the forward pass
         assert agg.peak(bf16).bytes - agg.peak(fp8).bytes >= saved_by_weights
+
+
+def test_fp8_amax_history_is_kept_per_module():
+    """training.fp8_amax_history_len (--fp8-amax-history-len): with the delayed recipe each TE
+    module keeps an amax history fp32 [H, 3] and [H, 2] beside its scales [3] and [2]; 1024
+    instead of Megatron-LM's default 1 adds (12288 - 512) + (8192 - 512) bytes (512-byte blocks)
+    per module: 4 TE linears per layer, 2 layers on the debug model's one stage."""
+    from conftest import small_job
+
+    from metatrace.memory import role_memory
+    from metatrace.trace import trace_role
+    from metatrace.world import World
+
+    def kept(history):
+        job = small_job(training={"precision": "fp8", "fp8_recipe": "delayed",
+                                  "fp8_amax_history_len": history}, cluster={"gpu": "h100"})
+        world = World.from_job(job)
+        rt = trace_role(job, world, world.roles()[0])
+        return job, role_memory(rt.trace, rt.iteration).workspaces
+
+    job, one = kept(1)
+    _, long = kept(1024)
+    per_module = (4 * 3 * 1024 - 512) + (4 * 2 * 1024 - 512)
+    assert long - one == 4 * job.model.num_layers * per_module

@@ -226,3 +226,13 @@ def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
         rt = trace_role(job, world, world.roles()[0])
         peaks.add(role_memory(rt.trace, rt.iteration).peak)
     assert len(peaks) == 1
+
+
+def test_optimizer_instances_trace_with_the_full_model():
+    # num_distributed_optimizer_instances > 1: the roles trace in megatron-core's instance
+    # groups, and the one-GPU view of the full model runs with a single instance.
+    job = small_job(training={"distributed_optimizer": True, "global_batch_size": 8,
+                              "num_distributed_optimizer_instances": 2},
+                    cluster={"num_gpus": 4})
+    jt = trace_job(job, workers=1)
+    assert jt.full is not None and all(rt.iteration is not None for rt in jt.roles)

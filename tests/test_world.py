@@ -55,8 +55,13 @@ def test_groups_equal_megatron_process_groups(parallel, num_gpus):
         Layout(world_size=16, tp=2, pp=2, cp=2, etp=4, order="tp-cp-ep-pp-dp"),
         Layout(world_size=16, tp=2, pp=2, ep=4, etp=1),
         Layout(world_size=24, tp=2, pp=3, ep=2),
+        Layout(world_size=16, tp=2, pp=2, dist_opt_instances=2),
+        Layout(world_size=16, tp=2, cp=2, dist_opt_instances=4),
+        Layout(world_size=16, tp=2, pp=2, ep=2, etp=1, dist_opt_instances=2, order="tp-cp-ep-pp-dp"),
+        Layout(world_size=32, tp=1, cp=2, ep=8, dist_opt_instances=2),
     ],
-    ids=["tp2-pp4", "tp2-pp4-pp-dp", "tp2-pp2-cp2", "tp2-pp2-cp2-pp-dp", "ep4-etp1", "24-gpus-ep2"],
+    ids=["tp2-pp4", "tp2-pp4-pp-dp", "tp2-pp2-cp2", "tp2-pp2-cp2-pp-dp", "ep4-etp1", "24-gpus-ep2",
+         "2-instances", "cp2-4-instances", "ep2-2-instances-pp-dp", "edp4-dp16-2-instances"],
 )
 def test_every_group_kind_equals_megatron(layout):
     # Every group kind metatrace lists, against megatron-core's getters on every rank.
@@ -65,6 +70,8 @@ def test_every_group_kind_equals_megatron(layout):
     world = World(layout)
     names = [name for name, _ in _group_getters() if world.knows(name)]
     assert {"tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding"} <= set(names)
+    if layout.dist_opt_instances > 1:
+        assert {"intra_dp_cp", "intra_edp", "inter_dist_opt", "dist_opt"} <= set(names)
     with megatron_patches(), remap_cuda("meta"):
         for rank in range(layout.world_size):
             with fake_world(layout, rank):
@@ -107,3 +114,20 @@ def test_roles_cover_every_rank_once_and_name_gpus():
     assert ranks == list(range(12))
     assert roles[1].rank == 6 and roles[1].ranks == (6, 7, 8, 9, 10, 11)
     assert world.gpu(0) == "n0_g0" and world.gpu(5) == "n1_g1" and world.gpu(11) == "n2_g3"
+
+
+def test_distributed_optimizer_instance_groups():
+    # 16 GPUs, tp 2, dp 8, num_distributed_optimizer_instances 2: each dp group splits into two
+    # halves (the instances); a shard's all-reduce pairs the ranks at the same place in each.
+    world = World.from_job(small_job(parallel={"tp": 2}, cluster={"num_gpus": 16},
+                                     training={"distributed_optimizer": True,
+                                               "num_distributed_optimizer_instances": 2}))
+    assert world.groups("dp_cp") == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert world.groups("intra_dp_cp") == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert world.groups("intra_edp") == world.groups("intra_dp_cp")
+    assert world.groups("inter_dist_opt") == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11],
+                                              [5, 13], [7, 15]]
+    assert world.groups("dist_opt") == [list(range(8)), list(range(8, 16))]
+    assert world.kinds()[-4:] == ("intra_dp_cp", "intra_edp", "inter_dist_opt", "dist_opt")
+    one = World.from_job(small_job(parallel={"tp": 2}, cluster={"num_gpus": 16}))
+    assert "intra_dp_cp" not in one.kinds() and not one.knows("inter_dist_opt")

@@ -1,0 +1,71 @@
+"""How metatrace classifies Megatron-LM's command line.
+
+    python bench/flags.py [--list CLASS]
+
+Counts every option string of Megatron-LM's pretrain_gpt.py parser (core_v0.16.1 and a 2026
+HEAD; metatrace/megatron_lm_flags.tsv) per class of metatrace/megatron_flags.py: modelled, no
+effect on allocated memory or traffic, not modelled yet (by the way it could move the peak), and
+refused by Megatron-LM itself; per parser version; the not-modelled features with their flag
+counts; and the environment variables metatrace reads. `--list CLASS` prints that class's flags
+with their reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter, defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+CLASSES = ("modelled", "no_effect", "not_modelled", "refused")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", choices=CLASSES, help="print the flags of one class")
+    args = parser.parse_args(argv)
+    from metatrace import megatron_flags as mf
+
+    flags = mf.FLAGS.values()
+    if args.list:
+        for f in sorted(flags, key=lambda f: (f.reason, f.name)):
+            if f.cls == args.list:
+                extra = f" [{f.direction}]" if f.direction else ""
+                print(f"{f.name:55} {f.reason}{extra}")
+        return 0
+    by_class = Counter(f.cls for f in flags)
+    by_version = defaultdict(Counter)
+    for f in flags:
+        by_version[f.versions][f.cls] += 1
+    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10}")
+    for cls in CLASSES:
+        print(f"{cls:14} {by_class[cls]:5} {by_version['both'][cls]:6} "
+              f"{by_version['core_v0.16.1'][cls]:12} {by_version['HEAD'][cls]:10}")
+    print(f"{'total':14} {sum(by_class.values()):5} {sum(by_version['both'].values()):6} "
+          f"{sum(by_version['core_v0.16.1'].values()):12} {sum(by_version['HEAD'].values()):10}")
+
+    directions = Counter(f.direction for f in flags if f.cls == "not_modelled")
+    print("\nnot modelled, by how they could move the peak: "
+          + ", ".join(f"{d} {n}" for d, n in directions.most_common()))
+    features = Counter((f.reason, f.direction) for f in flags if f.cls == "not_modelled")
+    print(f"{len(features)} features not modelled:")
+    for (feature, direction), n in sorted(features.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {n:3} {feature} [{direction}]")
+    reasons = Counter(f.reason for f in flags if f.cls == "no_effect")
+    print(f"\nno effect, {len(reasons)} reasons:")
+    for reason, n in reasons.most_common():
+        print(f"  {n:3} {reason}")
+    print(f"\nvalues of modelled flags not modelled: "
+          + ", ".join(f"{flag} {'/'.join(map(str, vals))}"
+                      for flag, (vals, _, _) in mf.UNMODELLED_VALUES.items()))
+    print(f"environment: {len(mf.ENV_MODELLED)} read or checked, {len(mf.ENV_NOT_MODELLED)} "
+          f"known not modelled ({', '.join(mf.ENV_NOT_MODELLED)}), {len(mf.ENV_NO_EFFECT)} names "
+          f"and {len(mf.ENV_NO_EFFECT_PREFIXES)} prefixes with no effect; any other is accepted "
+          "and named in a note")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

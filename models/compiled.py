@@ -1,0 +1,175 @@
+"""Stand-ins for megatron-core's @jit_fuser functions as torch.compile (inductor) runs them.
+
+megatron.core.jit.jit_fuser is torch.compile (torch >= 2.2); metatrace runs megatron-core with
+dynamo disabled (hooks/patches.py `_dynamo_disabled`), i.e. these functions eagerly, which is not
+what a GPU run allocates (measured with torch 2.13 inductor on CPU tensors; tests/test_compiled.py keeps it so):
+
+- fused_cross_entropy.calculate_gradients allocates MORE when compiled: its
+  `grad_2d[arange, target] -= update` is a functional index_put on a view of the saved softmax
+  whose result is not what is copied back into that input (the later mul_'s is), so
+  torch/_inductor/fx_passes/reinplace.py does not reinplace it and torch/_inductor/lowering.py
+  `index_put` lowers it as clone(x) + scatter: an fp32 [s, b, V/t] copy (4*s*b*V/t bytes) lives
+  with the bf16 gradient (2*s*b*V/t) until the kernel returns.
+- the pointwise functions (bias_gelu, bias_gelu_back, ...) allocate LESS when compiled: one
+  kernel, one output; eager allocates every intermediate (bias_gelu_back: 6 tensors of the
+  output's size at once).
+
+Values: on meta nothing is computed (only the allocations matter); on real tensors (metatrace
+measure) the values are computed in row chunks so the temporaries stay 1/_CHUNKS of the eager ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNKS = 64
+
+
+def _chunked(out: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
+    """out = fn(*args), computed by row chunks; args are out-shaped or broadcast (e.g. a bias)."""
+    if out.is_meta:
+        return out
+    width = out.shape[-1]
+    o2 = out.view(-1, width)
+    rows = o2.shape[0]
+    flat = [a.reshape(-1, a.shape[-1]) if a.dim() > 1 else a for a in args]
+    step = max(1, -(-rows // _CHUNKS))
+    for i in range(0, rows, step):
+        j = min(i + step, rows)
+        o2[i:j] = fn(*[a[i:j] if a.dim() > 1 else a for a in flat])
+    return out
+
+
+# megatron/core/fusions/fused_bias_gelu.py ----------------------------------------------------
+
+def _bias_gelu(bias, y):
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def _bias_gelu_back(g, bias, y):
+    x = bias + y
+    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (
+        1 + tanh_out
+    )
+    return ff * g
+
+
+def bias_gelu(bias, y):
+    """fused_bias_gelu.bias_gelu compiled: one output of y's shape and the promoted dtype."""
+    out = torch.empty(y.shape, dtype=torch.promote_types(bias.dtype, y.dtype), device=y.device)
+    return _chunked(out, lambda yy: _bias_gelu(bias, yy), y)
+
+
+def bias_gelu_back(g, bias, y):
+    """fused_bias_gelu.bias_gelu_back compiled: one output (the input gradient)."""
+    dtype = torch.promote_types(torch.promote_types(bias.dtype, y.dtype), g.dtype)
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    return _chunked(out, lambda gg, yy: _bias_gelu_back(gg, bias, yy), g, y)
+
+
+# megatron/core/fusions/fused_bias_swiglu.py ---------------------------------------------------
+
+def _swiglu(y):
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    return torch.nn.functional.silu(y_1) * y_2
+
+
+def _swiglu_back(g, y):
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    sig = torch.sigmoid(y_1)
+    return torch.cat((g * sig * (1 + y_1 * (1 - sig)) * y_2, g * y_1 * sig), -1)
+
+
+def swiglu(y):
+    """fused_bias_swiglu.swiglu compiled: one output [..., f] (half of y's last dimension)."""
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    return _chunked(out, _swiglu, y)
+
+
+def bias_swiglu(y, bias):
+    """fused_bias_swiglu.bias_swiglu compiled: one output, none of eager's y + bias."""
+    dtype = torch.promote_types(y.dtype, bias.dtype)
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=dtype, device=y.device)
+    return _chunked(out, lambda yy: _swiglu(yy + bias), y)
+
+
+def swiglu_back(g, y):
+    """fused_bias_swiglu.swiglu_back compiled: one output of y's shape (the input gradient)."""
+    out = torch.empty(y.shape, dtype=torch.promote_types(g.dtype, y.dtype), device=y.device)
+    return _chunked(out, _swiglu_back, g, y)
+
+
+def bias_swiglu_back(g, y, bias):
+    """fused_bias_swiglu.bias_swiglu_back compiled: one output of y's shape."""
+    dtype = torch.promote_types(torch.promote_types(g.dtype, y.dtype), bias.dtype)
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    return _chunked(out, lambda gg, yy: _swiglu_back(gg, yy + bias), g, y)
+
+
+# megatron/core/fusions/fused_cross_entropy.py -------------------------------------------------
+
+def fused_ce_calculate_gradients(softmax, grad_output, target_mask, masked_target_1d):
+    """fused_cross_entropy.calculate_gradients compiled (inductor's graph, torch 2.13):
+        buf0 = clone(softmax)            fp32 [s, b, V/t]   <- the buffer eager does not allocate
+        buf2 = empty(bf16 [s, b, V/t])                      (the returned gradient)
+        kernel: buf0[rows, target] -= 1 - mask; buf2 = bf16(buf0 * grad_output); softmax = buf0 * grad_output
+        return buf2                      (buf0 freed on return)
+    The write-back into the saved softmax (an input mutation) allocates nothing."""
+    work = softmax.clone()
+    grad_2d = work.view(-1, softmax.size()[-1])
+    arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+    softmax_update = 1.0 - target_mask.view(-1).float()
+    grad_2d[arange_1d, masked_target_1d] -= softmax_update
+    work.mul_(grad_output.unsqueeze(dim=-1))
+    grad_input = work.to(torch.bfloat16)
+    softmax.copy_(work)
+    return grad_input
+
+
+# megatron/core/fusions/fused_bias_dropout.py --------------------------------------------------
+
+class _BiasDropoutAdd(torch.autograd.Function):
+    """bias_dropout_add_fused_train compiled: AOT autograd's partition of
+    residual + dropout(x + bias) saves only the bool keep-mask (1 byte an element, as CUDA's
+    native_dropout); forward allocates the output and the mask, none of eager's x + bias and
+    dropout(x + bias) temporaries; backward allocates the input gradient (and the bias'), the
+    residual's gradient is the incoming one."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, prob):
+        keep = 1.0 - prob
+        shape = torch.broadcast_shapes(x.shape, residual.shape)
+        ctx.keep, ctx.has_bias = keep, bias is not None
+        if prob == 0:
+            # dropout(p=0) is the identity: one kernel writes residual + x + bias, nothing is
+            # saved, and the gradients of x and the residual are the incoming one.
+            ctx.save_for_backward()
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            b = bias if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
+            return _chunked(out, lambda xx, rr: rr.to(xx.dtype) + xx + b, x, residual)
+        mask = torch.empty(shape, dtype=torch.bool, device=x.device)
+        if not mask.is_meta:
+            _chunked(mask, lambda xx: torch.rand(xx.shape, device=xx.device) < keep, x)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        b = bias if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
+        _chunked(out, lambda xx, mm, rr: rr.to(xx.dtype) + (xx + b) * mm / keep, x, mask, residual)
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.keep == 1.0:
+            grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
+            return grad, grad_bias, grad, None
+        (mask,) = ctx.saved_tensors
+        grad_x = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        _chunked(grad_x, lambda gg, mm: gg * mm / ctx.keep, grad, mask)
+        grad_bias = grad_x.sum(dim=tuple(range(grad_x.dim() - 1))) if ctx.has_bias else None
+        return grad_x, grad_bias, grad, None
+
+
+def bias_dropout_add_fused_train(x_with_bias, residual, prob):
+    x, bias = x_with_bias
+    return _BiasDropoutAdd.apply(x, bias, residual, prob)
