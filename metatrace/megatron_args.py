@@ -6,18 +6,19 @@ checks every flag against one declarative table (`FLAGS`) and derives the job ma
 `metatrace.config.job_from_dict` takes, the way Megatron-LM at tag core_v0.16.1 derives its
 settings (../shared/notes/megatron-args.md, sections 1, 2, 4 and 6).
 
-Every flag is in one of three classes:
+Every flag is in one class of metatrace.megatron_flags (which holds Megatron-LM's own parser
+attributes, so values are read as argparse reads them):
 1. modelled: it sets job keys (directly through `Flag.key`, or in the derivations below);
-2. accepted silently: it changes nothing metatrace models (logging, data, checkpoints, the
-   learning-rate schedule, ...);
-3. known but not modelled yet (`Flag.reason`): accepted, and listed in one warning; the job
-   describes the run without it (a mixture-of-experts model becomes its dense counterpart).
-A flag that Megatron-LM does not have is an error that suggests the closest known flag.
+2. no effect: accepted silently (logging, data, checkpoints, the learning-rate schedule, ...);
+3. not modelled yet: given with a value other than its default, it is listed in one warning and
+   carried on the Job (`Job.not_modelled`) for the verdict; the job describes the run without it;
+4. refused by Megatron-LM itself: an error with its message.
+Environment variables are classified the same way (`_cluster`). A flag in no parser of the table
+is an error when it is close to one (a misspelling), else reported as not modelled (a newer
+Megatron-LM's flag, its effect unknown).
 
-Known limitations: the table was written from the notes and Megatron-LM's argument groups, not
-from a dump of its parser, so a rarely used flag may be missing (an error names it) or may take
-a value where this table says not; flags that Megatron-LM itself refuses or that crash it are
-errors here too.
+Known limitations: flags that only Megatron-LM's own training code reads were classified from
+their help and Megatron-Bridge's port of that code; HEAD-only flags from their help alone.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ NOT_MODELLED_REASONS: dict[str, str] = {
 # --------------------------------------------------------------------------- parsing
 
 
-def _parse(tokens: list[str]) -> dict[str, Any]:
+def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Flag -> value as argparse would store it (a switch: what it stores, True or False; lists
-    for several values); the last of a repeated flag wins. Every problem is reported in one
+    for several values); the last of a repeated flag wins. And the flags no parser in the table
+    has that are not a misspelling of one: a newer Megatron-LM's, as far as metatrace can tell
+    (a misspelt flag is an error that names the closest one). Every problem is reported in one
     ConfigError."""
     values: dict[str, Any] = {}
     unknown, problems = [], []
@@ -111,11 +114,13 @@ def _parse(tokens: list[str]) -> dict[str, Any]:
             problems.append(str(e))
             continue
         values[name] = converted[0] if spec.nargs in (1, "?") else converted
-    if unknown:
-        problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(_suggest(f) for f in unknown))
+    misspelt = [f for f in unknown if _closest(f)]
+    if misspelt:
+        problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(
+            f"{f} (did you mean {_closest(f)}?)" for f in misspelt))
     if problems:
         raise ConfigError(problems)
-    return values
+    return values, [f for f in unknown if f not in misspelt]
 
 
 def _is_flag(token: str) -> bool:
@@ -137,9 +142,9 @@ def _convert(name: str, spec: Flag, text: str):
     return value
 
 
-def _suggest(flag: str) -> str:
+def _closest(flag: str) -> str | None:
     close = difflib.get_close_matches(flag.replace("_", "-"), list(FLAGS), n=1, cutoff=0.75)
-    return f"{flag} (did you mean {close[0]}?)" if close else flag
+    return close[0] if close else None
 
 
 # --------------------------------------------------------------------------- deriving
@@ -161,14 +166,14 @@ def job_dict_from_args(
 
 def _derive(tokens, world_size, gpu, gpus_per_node, env):
     """(job mapping, notes, what is not modelled) of a Megatron-LM command line."""
-    v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
     env = {k: str(val) for k, val in (env or {}).items()}
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be a whole number >= 1, got {world_size!r}")
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
-    missing = _unmodelled(v, gpu)
+    missing = _unmodelled(v, gpu) + [(f, _STRANGER, "unknown") for f in strangers]
     skipped = {option.split()[0] for option, _, _ in missing}
     for flag, value in v.items():
         spec = FLAGS[flag]
@@ -214,8 +219,9 @@ def job_from_args(
 def not_modelled(tokens: list[str] | dict, gpu: str | None = None) -> list[str]:
     """'option: what is not modelled' for every given flag (or value) metatrace does not model
     yet; empty when the run is fully modelled. Environment variables are not looked at."""
-    v = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
-    return [f"{option}: {feature}" for option, feature, _ in _unmodelled(v, gpu)]
+    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    return [f"{option}: {feature}" for option, feature, _ in _unmodelled(v, gpu)] + [
+        f"{f}: {_STRANGER}" for f in strangers]
 
 
 def _put(job: dict, key: str, value) -> None:
@@ -231,6 +237,9 @@ def _is_moe(v) -> bool:
 
 
 Unmodelled = tuple  # (option as given, feature, direction)
+
+_STRANGER = ("flags no Megatron-LM parser metatrace knows has (core_v0.16.1, HEAD of "
+             "2026-08-22): a newer Megatron-LM's?")
 
 
 def _unmodelled(v, gpu=None) -> list[Unmodelled]:

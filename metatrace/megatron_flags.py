@@ -14,8 +14,9 @@ in exactly one class:
 4. refused (`_REFUSED`): Megatron-LM itself refuses it (validate_args asserts).
 
 A flag of either version is known (a command line for a newer Megatron-LM than the
-megatron-core 0.16.1 metatrace runs is read the same way; its HEAD-only flags are noted); a
-flag in neither is an error that suggests the closest spelling.
+megatron-core 0.16.1 metatrace runs is read the same way; its HEAD-only flags are noted). A flag
+in neither is a misspelling when it is close to one (an error naming it), else taken for a
+newer Megatron-LM's and reported as not modelled (metatrace.megatron_args).
 
 The classes were decided from megatron-core 0.16.1's and Transformer Engine 2.20's sources
 (where the dest is read), the flag's help, and, for flags only Megatron-LM's own training code

@@ -441,9 +441,15 @@ def test_flags_of_a_newer_megatron_lm_are_noted_and_unknown_ones_refused():
     assert [n.option for n in resolved.not_modelled] == ["--log-max-attention-logit"]
     assert "unknown Megatron-LM flags: --fim-rat (did you mean --fim-rate?)" in error(
         BASE + " --fim-rat 0.5")
-    # removed from the table: no Megatron-LM parser has them
-    assert "unknown Megatron-LM flags: --fp8-dot-product-attention" in error(
-        BASE + " --fp8-dot-product-attention")
+    # No parser in the table has it and it is no misspelling: a newer Megatron-LM's, perhaps,
+    # so not refused but reported (its effect unknown); its values go with it.
+    resolved, notes = job(BASE + " --frobnicate-widgets 3 --micro-batch-size 2")
+    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
+        ("--frobnicate-widgets", "unknown")]
+    assert resolved.training.micro_batch_size == 2 and "--frobnicate-widgets" in notes[0]
+    # A flag of an older Megatron-LM close to a current one reads as a misspelling of it.
+    assert "--check-for-nan-in-loss-and-grad (did you mean --no-check-for-nan-in-loss-and-grad?)" \
+        in error(BASE + " --check-for-nan-in-loss-and-grad")
 
 
 def test_flags_that_change_nothing_are_accepted_and_defaults_are_not_reported():
