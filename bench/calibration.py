@@ -125,20 +125,11 @@ class NotModelled(Exception):
     pass
 
 
-# Options whose modelling is new (issue 14): the cases that use them are listed at the end, with
-# whether they are predicted or which other option keeps them out.
-NEWLY_COVERED = (
-    "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--defer-embedding-wgrad-compute",
-    "--wgrad-deferral-limit", "--num-distributed-optimizer-instances", "--moe-permute-fusion",
-    "--moe-router-fusion", "--use-transformer-engine-op-fuser",
-    "--fine-grained-activation-offloading", "--offload-modules", "--min-offloaded-tensor-size",
-    "--fp8-amax-history-len", "--ddp-pad-buckets-for-high-nccl-busbw", "--deterministic-mode",
-)
-
-
 def newly_covered(cases, predicted: dict, skipped: dict) -> list[str]:
     """A line per newly modelled option: the cases that use it, their error, or what keeps them
     out of the figures."""
+    from options import NEWLY_COVERED  # bench/options.py, beside this script
+
     lines = []
     for flag in NEWLY_COVERED:
         using = [c["name"][:72] for c in cases if isinstance(c.get("args"), dict)

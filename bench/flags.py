@@ -3,7 +3,8 @@
     python bench/flags.py [--list CLASS]
 
 Counts every option string of Megatron-LM's pretrain_gpt.py parser (core_v0.16.1 and a 2026
-HEAD; metatrace/megatron_lm_flags.tsv) per class of metatrace/megatron_flags.py: modelled, no
+HEAD; metatrace/megatron_lm_flags.tsv), and the flags of older releases metatrace knows, per
+class of metatrace/megatron_flags.py: modelled, no
 effect on allocated memory or traffic, not modelled yet (by the way it could move the peak), and
 refused by Megatron-LM itself; per parser version; the not-modelled features with their flag
 counts; and the environment variables metatrace reads. `--list CLASS` prints that class's flags
@@ -39,12 +40,13 @@ def main(argv=None) -> int:
     by_version = defaultdict(Counter)
     for f in flags:
         by_version[f.versions][f.cls] += 1
-    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10}")
-    for cls in CLASSES:
-        print(f"{cls:14} {by_class[cls]:5} {by_version['both'][cls]:6} "
-              f"{by_version['core_v0.16.1'][cls]:12} {by_version['HEAD'][cls]:10}")
-    print(f"{'total':14} {sum(by_class.values()):5} {sum(by_version['both'].values()):6} "
-          f"{sum(by_version['core_v0.16.1'].values()):12} {sum(by_version['HEAD'].values()):10}")
+    versions = ("both", "core_v0.16.1", "HEAD", "older")
+    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10} "
+          f"{'older':>6}")
+    for cls in (*CLASSES, None):
+        row = [sum(c.values()) if cls is None else c[cls]
+               for c in (by_class, *(by_version[v] for v in versions))]
+        print(f"{cls or 'total':14} {row[0]:5} {row[1]:6} {row[2]:12} {row[3]:10} {row[4]:6}")
 
     directions = Counter(f.direction for f in flags if f.cls == "not_modelled")
     print("\nnot modelled, by how they could move the peak: "

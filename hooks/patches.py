@@ -13,6 +13,7 @@ Measured with megatron-core 0.16.1 and torch 2.13.0 (../shared/notes/megatron-on
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -470,7 +471,9 @@ PATCHES += tuple(
 # torch.compile: megatron.core.jit.jit_fuser is torch.compile (inductor) on a GPU, and traces run
 # the functions it decorates eagerly (_dynamo_disabled below). Where the compiled kernel allocates
 # other buffers than the eager ops, a stand-in allocates what the kernel does (models/compiled.py;
-# measured against inductor on CPU tensors by tests/test_compiled.py).
+# measured against inductor on CPU tensors by tests/test_compiled.py). Applied unless the job runs
+# them eagerly (implementation.torch_compile false).
+COMPILED_PATCHES: tuple[Patch, ...] = ()
 for _module, _name, _standin_name, _why in (
     (
         "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
@@ -511,7 +514,7 @@ for _module, _name, _standin_name, _why in (
         "dropout output too); the same mask is saved.",
     ),
 ):
-    PATCHES += (
+    COMPILED_PATCHES += (
         Patch(_module, _name, _standin("metatrace.models.compiled", _standin_name), "0.13-0.16",
               _why),
     )
@@ -714,10 +717,10 @@ def clear_parallel_state_leftovers() -> None:
 
 
 @contextlib.contextmanager
-def _patched_attributes():
+def _patched_attributes(compiled: bool = True):
     applied = []
     try:
-        for patch in PATCHES:
+        for patch in PATCHES + (COMPILED_PATCHES if compiled else ()):
             owner, attr = _resolve(patch)
             if attr in owner.__dict__:
                 _orig = owner.__dict__[attr]
@@ -829,15 +832,16 @@ def _fresh_offload_manager():
 
 
 @contextlib.contextmanager
-def megatron_patches():
-    """Everything above, applied together and restored on exit (also on error)."""
+def megatron_patches(*, compiled: bool = True):
+    """Everything above, applied together and restored on exit (also on error); `compiled`:
+    megatron-core's torch.compile'd kernels allocate as compiled (COMPILED_PATCHES)."""
     with contextlib.ExitStack() as stack:
         for instrument in (
             _nvte_env_isolated,
             _meta_kernels,
             _extension_modules,
             _dynamo_disabled,
-            _patched_attributes,
+            functools.partial(_patched_attributes, compiled),
             _fresh_offload_manager,
         ):
             stack.enter_context(instrument())

@@ -351,6 +351,10 @@ class Implementation:
     (--moe-permute-fusion): int32 row-id maps instead of megatron-core's index tensors."""
     moe_router_fusion: bool = False
     """Transformer Engine's fused top-k / aux-loss router kernels (--moe-router-fusion)."""
+    torch_compile: bool = True
+    """megatron-core's fused kernels (@jit_fuser: bias-GeLU, SwiGLU, bias-dropout-add, the fused
+    cross entropy) run compiled by torch.compile, as they do on a GPU; false runs them eagerly
+    (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), which allocates other buffers."""
     te_op_fuser: bool = False
     """Dense MLPs run as megatron-core's TEFusedMLP, one Transformer Engine operation-fuser
     pipeline (te.pytorch.ops.Sequential: norm, fc1, activation, fc2, TP reduction) instead of

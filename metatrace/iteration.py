@@ -42,6 +42,17 @@ class StepShape:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """--defer-embedding-wgrad-compute, as the traced micro-batch did it on the last stage: what
+    it appended to the output layer's buffers (megatron-core's embedding_activation_buffer and
+    grad_output_buffer), and the bytes it kept until the pipeline flush."""
+
+    activations: tuple[StepShape, ...]
+    grads: tuple[StepShape, ...]
+    kept: int = 0
+
+
 _HELD = "_metatrace_held"  # attribute of a replayed output: (chunk, micro-batch, held tensor)
 
 
@@ -87,7 +98,7 @@ class _Replay:
     forward_step_func handed to the schedule (batch and model forward; megatron-core's own
     forward_step around it does the rest), and a replacement for schedules.backward_step."""
 
-    def __init__(self, *, rec, model, profiles, shapes, device, deferred_bytes=0, slots=(),
+    def __init__(self, *, rec, model, profiles, shapes, device, deferred=None, slots=(),
                  microbatches=0):
         self.rec = rec
         self.model = model
@@ -104,8 +115,7 @@ class _Replay:
         self.launches = [_launches_reductions(chunk) for chunk in model]
         # --defer-embedding-wgrad-compute (trace.run_microbatch): the entries one micro-batch
         # appends to the last chunk's buffers, and the bytes it keeps until the flush.
-        self.deferred = getattr(config_of(model), "metatrace_deferred", None)
-        self.deferred_bytes = deferred_bytes
+        self.deferred: Deferred | None = deferred
         # Fine-grained activation offloading (memory.offload_slots): the activations the steady
         # state keeps on the GPU or brings back ahead of a backward step, about one chunk's
         # last layer, from the first forward step to the last backward step; its size follows
@@ -143,7 +153,7 @@ class _Replay:
                 if acts is not None:
                     # The output layer's input, kept by the buffer past the backward step.
                     buffer, room = acts
-                    for entry in self.deferred[0][:room]:
+                    for entry in self.deferred.activations[:room]:
                         buffer.append(torch.empty(entry.shape, dtype=entry.dtype, device=self.device))
                         held_bytes -= _nbytes(entry)
                 held = self._empty(held_bytes) if held_bytes else None
@@ -200,7 +210,7 @@ class _Replay:
         buffer = getattr(gpt, name, None)
         if buffer is None or not gpt.post_process:
             return None
-        entries = len(self.deferred[0])
+        entries = len(self.deferred.activations)
         limit = gpt.config.wgrad_deferral_limit
         room = entries if limit == 0 else max(0, min(entries, limit - len(buffer)))
         return (buffer, room) if room else None
@@ -211,9 +221,10 @@ class _Replay:
         the received pipeline input and its gradient (AccumulateGrad): the first entry keeps
         references to them, and a storage of its own stands for anything else the traced
         micro-batch kept until the flush; all of it goes when megatron-core's drain pops it."""
-        rest = self.deferred_bytes - sum(_nbytes(e) for e in (*self.deferred[0], *self.deferred[1]))
+        d = self.deferred
+        rest = d.kept - sum(_nbytes(e) for e in (*d.activations, *d.grads))
         rest -= sum(_storage_bytes(x) + _storage_bytes(x.grad) for x in inputs)
-        for i, entry in enumerate(self.deferred[1][:room]):
+        for i, entry in enumerate(d.grads[:room]):
             n = _nbytes(entry)
             if i == 0 and rest > 0:
                 t = _carve(self._empty(n + rest), [entry], self._empty)[0]
@@ -293,12 +304,6 @@ class Unrecorded:
         yield {}
 
     label = window
-
-
-def config_of(model):
-    from megatron.core.utils import get_model_config
-
-    return get_model_config(model[0])
 
 
 def _steady_state(chunk) -> None:
@@ -394,7 +399,7 @@ def _replaying(replay: _Replay):
 
 def run_iteration(
     job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
-    batches=None, deferred=0, slots=(),
+    batches=None, deferred: Deferred | None = None, slots=(),
 ) -> None:
     """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
 
@@ -433,7 +438,7 @@ def run_iteration(
     else:
         replay = _Replay(
             rec=rec, model=model, profiles=profiles, shapes=shapes, device=device,
-            deferred_bytes=deferred, slots=slots, microbatches=job.num_microbatches,
+            deferred=deferred, slots=slots, microbatches=job.num_microbatches,
         )
         step_func, iterators = replay.forward_step_func, [None] * len(model)
         context = _replaying(replay)

@@ -353,7 +353,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     )
     dropout = contextlib.nullcontext() if cuda else _cuda_like_dropout()
-    with profiler as prof, megatron_patches(), remap, fake_world(world.layout, rank), \
+    patches = megatron_patches(compiled=job.implementation.torch_compile)
+    with profiler as prof, patches, remap, fake_world(world.layout, rank), \
             te_process(te), _local_broadcasts(), dropout:
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))

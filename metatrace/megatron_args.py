@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from metatrace.config import NotModelled
 from metatrace.errors import ConfigError
 from metatrace.megatron_flags import (
     ENV_MODELLED,
@@ -34,6 +35,7 @@ from metatrace.megatron_flags import (
     ENV_NOT_MODELLED,
     FLAGS,
     GPT2_VOCAB,
+    NEEDS,
     NVTE_ATTN,
     NVTE_FOR_BACKEND,
     UNMODELLED_VALUES,
@@ -43,7 +45,6 @@ from metatrace.megatron_script import args_from_mapping, read_args_file, split_a
 
 __all__ = [
     "NOT_MODELLED_REASONS",
-    "Unmodelled",
     "args_from_mapping",
     "job_dict_from_args",
     "job_from_args",
@@ -114,10 +115,11 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
             problems.append(str(e))
             continue
         values[name] = converted[0] if spec.nargs in (1, "?") else converted
-    misspelt = [f for f in unknown if _closest(f)]
+    closest = {f: _closest(f) for f in unknown}
+    misspelt = [f for f in unknown if closest[f] or f == "--"]
     if misspelt:
         problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(
-            f"{f} (did you mean {_closest(f)}?)" for f in misspelt))
+            f"{f} (did you mean {closest[f]}?)" if closest[f] else repr(f) for f in misspelt))
     if problems:
         raise ConfigError(problems)
     return values, [f for f in unknown if f not in misspelt]
@@ -143,8 +145,16 @@ def _convert(name: str, spec: Flag, text: str):
 
 
 def _closest(flag: str) -> str | None:
-    close = difflib.get_close_matches(flag.replace("_", "-"), list(FLAGS), n=1, cutoff=0.75)
-    return close[0] if close else None
+    """The known flag `flag` most likely misspells; never its negation (--x for --no-x)."""
+    base = flag.replace("_", "-")
+    for close in difflib.get_close_matches(base, list(FLAGS), n=3, cutoff=0.75):
+        if close == base or _stem(close) != _stem(base):  # not --x for --no-x
+            return close
+    return None
+
+
+def _stem(flag: str) -> str:
+    return flag.removeprefix("--").removeprefix("no-").removeprefix("disable-")
 
 
 # --------------------------------------------------------------------------- deriving
@@ -173,8 +183,9 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env):
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
-    missing = _unmodelled(v, gpu) + [(f, _STRANGER, "unknown") for f in strangers]
-    skipped = {option.split()[0] for option, _, _ in missing}
+    unmodelled = _unmodelled(v, notes) + [(f, NotModelled(f, _STRANGER, "unknown"))
+                                          for f in strangers]
+    skipped = {flag for flag, _ in unmodelled}
     for flag, value in v.items():
         spec = FLAGS[flag]
         if spec.key is not None and flag not in skipped:
@@ -183,7 +194,8 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env):
     _vocabulary(v, job, notes, problems)
     _parallel(v, job, notes, problems, world_size)
     _training(v, job, notes, problems)
-    _implementation(v, job, notes, problems, gpu)
+    _implementation(v, job, notes, problems, gpu, env)
+    missing = [m for _, m in unmodelled]
     missing += _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
     if problems:
         raise ConfigError(problems)
@@ -191,6 +203,9 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env):
     if newer:
         notes.append(f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
                      f"0.16.1): {', '.join(newer)}")
+    older = sorted(f for f in v if FLAGS[f].versions == "older")
+    if older:
+        notes.append(f"from a Megatron-LM older than core_v0.16.1: {', '.join(older)}")
     if missing:
         notes.insert(0, _warning(missing))
     return {k: s for k, s in job.items() if s}, notes, missing
@@ -209,18 +224,18 @@ def job_from_args(
     carries what is not modelled (`Job.not_modelled`), for the verdict."""
     import dataclasses
 
-    from metatrace.config import NotModelled, job_from_dict
+    from metatrace.config import job_from_dict
 
     data, notes, missing = _derive(tokens, world_size, gpu, gpus_per_node, env)
     job = job_from_dict(data, source=source)
-    return dataclasses.replace(job, not_modelled=tuple(NotModelled(*m) for m in missing)), notes
+    return dataclasses.replace(job, not_modelled=tuple(missing)), notes
 
 
-def not_modelled(tokens: list[str] | dict, gpu: str | None = None) -> list[str]:
+def not_modelled(tokens: list[str] | dict) -> list[str]:
     """'option: what is not modelled' for every given flag (or value) metatrace does not model
     yet; empty when the run is fully modelled. Environment variables are not looked at."""
     v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
-    return [f"{option}: {feature}" for option, feature, _ in _unmodelled(v, gpu)] + [
+    return [f"{m.option}: {m.feature}" for _, m in _unmodelled(v, [])] + [
         f"{f}: {_STRANGER}" for f in strangers]
 
 
@@ -236,30 +251,54 @@ def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
 
-Unmodelled = tuple  # (option as given, feature, direction)
-
-_STRANGER = ("flags no Megatron-LM parser metatrace knows has (core_v0.16.1, HEAD of "
-             "2026-08-22): a newer Megatron-LM's?")
+_STRANGER = ("a flag in neither core_v0.16.1's nor HEAD's parser (an older or newer "
+             "Megatron-LM's?)")
 
 
-def _unmodelled(v, gpu=None) -> list[Unmodelled]:
-    """What the run gives that metatrace does not model: class-3 flags with a value other than
-    their default, values of modelled flags that are not modelled, and combinations."""
-    out = []
+def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
+    """(flag, what is not modelled) for what the run gives that metatrace does not model:
+    class-3 flags with a value other than their default, values of flags that are not
+    modelled, and combinations. An option that acts only with another one that is not given
+    changes nothing: it is noted as ignored instead."""
+    out, idle = [], []
     for flag, value in v.items():
         spec = FLAGS[flag]
-        if spec.cls == "not_modelled" and not _is_default(spec, value):
-            out.append((_show(flag, value), spec.reason, spec.direction))
-        elif flag in UNMODELLED_VALUES:
+        if flag in UNMODELLED_VALUES:
             values, feature, direction = UNMODELLED_VALUES[flag]
-            if any(x in values for x in (value if isinstance(value, list) else [value])):
-                out.append((_show(flag, value), feature, direction))
+            hit = any(x in values for x in (value if isinstance(value, list) else [value]))
+        else:
+            hit = spec.cls == "not_modelled" and not _is_default(spec, value)
+            feature, direction = spec.reason, spec.direction
+        if not hit:
+            continue
+        if flag in NEEDS and not any(_given(v, parent) for parent in NEEDS[flag]):
+            idle.append((flag, NEEDS[flag]))
+            continue
+        out.append((flag, NotModelled(_show(flag, value), feature, direction)))
+    for flag, parents in idle:
+        notes.append(f"{flag} changes nothing without {' or '.join(parents)}")
     if "--fp8-format" in v and "--bf16" not in v:
-        out.append(("--fp8-format without --bf16", "FP8 over fp16 or fp32 parameters", "unknown"))
+        out.append(("--fp8-format", NotModelled("--fp8-format without --bf16",
+                                                "FP8 over fp16 or fp32 parameters", "unknown")))
     if len(set(v.get("--cp-comm-type", ()))) > 1:
-        out.append((_show("--cp-comm-type", v["--cp-comm-type"]), "a context-parallel "
-                    "communication type per layer", "either"))
+        out.append(("--cp-comm-type", NotModelled(_show("--cp-comm-type", v["--cp-comm-type"]),
+                                                  "a context-parallel communication type per "
+                                                  "layer", "either")))
+    evaluation = v.get("--eval-micro-batch-size")
+    if evaluation is not None and evaluation > v.get("--micro-batch-size", evaluation):
+        # Between iterations, with the optimizer state resident: [s, b, V/t] fp32 logits and
+        # every layer's transients at the larger micro-batch can exceed the training peak.
+        out.append(("--eval-micro-batch-size", NotModelled(
+            _show("--eval-micro-batch-size", evaluation),
+            "evaluation with a larger micro-batch than training (between iterations)",
+            "raises")))
     return out
+
+
+def _given(v, flag: str) -> bool:
+    """The run gives `flag` with a value that turns something on (not its default, not 0)."""
+    value = v.get(flag)
+    return flag in v and not _is_default(FLAGS[flag], value) and value not in (0, "none", [])
 
 
 def _is_default(spec: Flag, value) -> bool:
@@ -277,10 +316,10 @@ def _show(flag: str, value) -> str:
     return f"{flag} {value}"
 
 
-def _warning(missing: list[Unmodelled]) -> str:
+def _warning(missing: list[NotModelled]) -> str:
     by_reason: dict[str, list[str]] = {}
-    for option, feature, _ in missing:
-        by_reason.setdefault(feature, []).append(option)
+    for m in missing:
+        by_reason.setdefault(m.feature, []).append(m.option)
     parts = [f"{feature} ({', '.join(options)})" for feature, options in by_reason.items()]
     return (
         "warning: metatrace does not model these yet, and predicts the run without them: "
@@ -595,7 +634,7 @@ def _recompute(v, t, notes) -> None:
     t["recompute"] = {**t.get("recompute", {}), **rec}
 
 
-def _implementation(v, job, notes, problems, gpu) -> None:
+def _implementation(v, job, notes, problems, gpu, env) -> None:
     impl = job["implementation"]
     kind = v.get("--transformer-impl", "transformer_engine")
     if kind == "inference_optimized":
@@ -621,14 +660,25 @@ def _implementation(v, job, notes, problems, gpu) -> None:
     off = "--no-bias-swiglu-fusion" if "--swiglu" in v else "--no-bias-gelu-fusion"
     if off in v:
         impl["bias_activation_fusion"] = False
+    allow = env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
     if "--deterministic-mode" in v:
         for flag in ("--cross-entropy-loss-fusion", "--use-flash-attn"):
             if flag in v:
                 problems.append(
                     f"{flag} is refused with --deterministic-mode (Megatron-LM asserts it)"
                 )
-        if kind == "transformer_engine":
-            _deterministic_attention(backend, impl, notes, problems, gpu)
+        if kind == "transformer_engine" and allow not in (None, "0"):
+            # megatron-core 0.16.1 TEDotProductAttention.__init__ (Megatron-LM's HEAD sets the
+            # variable itself when it is not set)
+            problems.append(f"--deterministic-mode with NVTE_ALLOW_NONDETERMINISTIC_ALGO={allow}: "
+                            "megatron-core's Transformer Engine attention refuses to run (it "
+                            "needs 0)")
+    # Transformer Engine trains deterministically with --deterministic-mode (Megatron-LM turns
+    # torch's deterministic algorithms on) or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0.
+    if kind == "transformer_engine" and ("--deterministic-mode" in v or allow == "0"):
+        _deterministic_attention(backend, impl, notes, problems, gpu)
+    if env.get("TORCHDYNAMO_DISABLE") == "1" or env.get("TORCH_COMPILE_DISABLE") == "1":
+        impl["torch_compile"] = False  # megatron-core's @jit_fuser kernels run eagerly
 
 
 def _deterministic_attention(backend, impl, notes, problems, gpu) -> None:
@@ -643,11 +693,11 @@ def _deterministic_attention(backend, impl, notes, problems, gpu) -> None:
         return
     if backend in (None, "auto"):
         impl["attention_backend"] = "flash"
-        notes.append(f"--deterministic-mode on {gpu}: Transformer Engine has no deterministic "
+        notes.append(f"deterministic training on {gpu}: Transformer Engine has no deterministic "
                      "fused attention before sm90 and runs flash-attn (metatrace assumes "
                      "flash-attn >= 2.4.1 is installed, as in NVIDIA's PyTorch containers)")
     elif backend == "fused":
-        problems.append(f"--deterministic-mode with --attention-backend fused on {gpu}: "
+        problems.append(f"deterministic training with --attention-backend fused on {gpu}: "
                         "Transformer Engine has no deterministic fused attention before sm90 "
                         "and finds no backend to run")
 
@@ -662,7 +712,8 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
         c["gpu"] = gpu
     if gpus_per_node is not None:
         c["gpus_per_node"] = gpus_per_node
-    missing = [(f"{n}={env[n]}", *ENV_NOT_MODELLED[n]) for n in env if n in ENV_NOT_MODELLED]
+    missing = [NotModelled(f"{n}={env[n]}", *ENV_NOT_MODELLED[n])
+               for n in env if n in ENV_NOT_MODELLED]
     other = [n for n in env if n not in ENV_MODELLED and n not in ENV_NOT_MODELLED
              and n not in ENV_NO_EFFECT and not n.startswith(ENV_NO_EFFECT_PREFIXES)]
     if other:

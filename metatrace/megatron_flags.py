@@ -50,7 +50,8 @@ class Flag:
     """The parser's default (what the run has when the flag is not given)."""
     const: Any
     """What a switch stores (True, False, or a job value, e.g. a rank order)."""
-    versions: Literal["both", "core_v0.16.1", "HEAD"]
+    versions: Literal["both", "core_v0.16.1", "HEAD", "older"]
+    """Which parsers have it: both, one of the two of the table, or an older release only."""
     cls: Class
     reason: str
     """modelled: the job key or "derived"; no_effect: why; not_modelled: the feature;
@@ -217,13 +218,12 @@ _MODELLED: dict[str, str | None] = {
     "--apply-query-key-layer-scaling": "implementation.apply_query_key_layer_scaling",
     "--use-transformer-engine-op-fuser": "implementation.te_op_fuser",
     "--deterministic-mode": None,  # what Transformer Engine's attention selection then drops
-    "--rerun-mode": None,  # report_stats runs every step twice (a value not modelled)
 }
 _CONST = {"--use-tp-pp-dp-mapping": "tp-cp-ep-pp-dp"}
 
 # Values of modelled flags that metatrace does not model (newer Megatron-LM choices): the job is
 # built without them and they are reported like class-3 flags.
-_UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
+UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
     "--optimizer": (("muon", "dist_muon", "lion", "soap", "adaptive_muon"),
                     "optimizers other than adam and sgd", "either"),
     "--position-embedding-type": (("yarn", "mrope", "relative"), "position embeddings other "
@@ -239,6 +239,8 @@ _UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
 
 # Megatron-LM refuses these (validate_args asserts, or its TransformerConfig raises).
 _REFUSED = {
+    "--help": "--help: Megatron-LM prints its help and exits; there is no run to predict",
+    "-h": "-h: Megatron-LM prints its help and exits; there is no run to predict",
     "--batch-size": "--batch-size is no longer valid; use --micro-batch-size",
     "--warmup": "--warmup is no longer valid; use --lr-warmup-fraction",
     "--model-parallel-size": "--model-parallel-size is no longer valid; use "
@@ -502,9 +504,9 @@ _NO_EFFECT: dict[str, str] = {
         "--cpu-offloading-retain-pinned-cpu-buffers --no-pin-cpu-grads --no-pin-cpu-params "
         "--use-cpu-initialization "
     ),
-    "set-up before training, or help": (
-        "--data-parallel-random-init --help --no-initialization -h "
-    ),
+    "set-up before training": "--data-parallel-random-init --no-initialization ",
+    "the rerun state machine's checks (its report_stats mode runs every step twice: a value "
+    "not modelled)": "--rerun-mode ",
     "negligible: a few scalars per iteration, not scaling with the model": (
         "--apply-layernorm-1p --check-for-large-grads "
         "--check-weight-hash-across-dp-replicas-interval --log-params-norm "
@@ -587,7 +589,12 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("fp16 cross entropy (logits not upcast)", "lowers"): "--fp16-lm-cross-entropy",
     ("output-logit dtype", "raises"): "--output-logit-dtype",
-    ("JIT fusion off (megatron-core's fused kernels run unfused)", "raises"): "--disable-jit-fuser",
+    # megatron-core's kernels are compiled at import, before Megatron-LM reads this flag: whether
+    # they then run eagerly (the fused cross entropy's backward 4*s*b*V/t lower, the pointwise
+    # fusions' temporaries higher) is not known here; TORCHDYNAMO_DISABLE=1 is modelled.
+    ("JIT fusion switched off (if it reaches megatron-core's compiled kernels)", "either"): (
+        "--disable-jit-fuser"
+    ),
     ("batch-invariant kernels", "unknown"): "--batch-invariant-backend --batch-invariant-mode",
     # mixture of experts (the MoE issue)
     ("expert-parallel all-to-all overlap and delayed weight gradients", "either"): (
@@ -769,8 +776,9 @@ def _build() -> dict[str, Flag]:
     flags = {}
     for row in _rows():
         name = row["flag"]
-        cls, reason, key, direction = classes.get(name, ("not_modelled", "unclassified", None,
-                                                         "unknown"))
+        if name not in classes:
+            raise ValueError(f"{name} is in no class of megatron_flags")  # a bug here
+        cls, reason, key, direction = classes[name]
         kind = row["kind"]
         if name in _OPTIONAL_VALUE:
             nargs: int | str = "?"
@@ -802,19 +810,135 @@ def _build() -> dict[str, Flag]:
             key=key,
             direction=direction,
         )
+    for name, (nargs, cls, reason, direction) in _OLDER.items():
+        flags[name] = Flag(
+            name=name, dest=name[2:].replace("-", "_"), nargs=nargs, type=str, choices=None,
+            default=[] if nargs == "+" else None if nargs else False, const=True,
+            versions="older", cls=cls, reason=reason, direction=direction,
+        )
     return flags
 
 
+# Flags of older Megatron-LM releases that neither parser of the table has (renamed or removed
+# since), read as they were and classed like what replaced them: nargs, class, reason, direction.
+_OLDER: dict[str, tuple[int | str, Class, str, Direction | None]] = {
+    "--use-custom-fsdp": (0, "not_modelled", "FSDP (sharded parameters, gradients and "
+                          "optimizer state)", "lowers"),  # renamed --use-megatron-fsdp
+    "--fp8-dot-product-attention": (0, "not_modelled", "FP8 attention", "either"),
+    "--fp8-multi-head-attention": (0, "not_modelled", "FP8 attention", "either"),
+    "--muon-split-qkv": (0, "not_modelled", "the Muon optimizer's options", "either"),
+    "--special-tokens": ("+", "not_modelled", "tokens added to the vocabulary", "raises"),
+    "--check-for-nan-in-loss-and-grad": (0, "no_effect", "negligible: a few scalars per "
+                                         "iteration, not scaling with the model", None),
+    "--barrier-with-L1-time": (0, "no_effect", "logging, timers, profiling and telemetry: on the "
+                               "host, or a few scalars", None),
+    "--load-model-opt-format": (0, "no_effect", "checkpoints: saved and loaded between "
+                                "iterations, not during them", None),
+    "--retriever-seq-length": (1, "no_effect", "other model families (vision, BERT, retrieval, "
+                               "T5, Mamba): GPT training does not read them", None),
+    "--tokenizer-prompt-format": (1, "no_effect", "tokenizer files and behaviour (the "
+                                  "vocabulary size is given separately)", None),
+}
+
+# Class-3 options (and values) that act only with another option: given without any of these
+# (with a value other than its default), they change nothing and are noted as ignored.
+_NEEDS_GROUPS: dict[str, str] = {
+    "--tp-comm-overlap": (
+        "--tp-comm-overlap-cfg --tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad "
+        "--disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
+        "--disable-tp-comm-split-ag --disable-tp-comm-split-rs --no-tp-comm-bulk-dgrad "
+        "--no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs "
+        "--no-tp-comm-split-ag --no-tp-comm-split-rs"
+    ),
+    "--enable-cuda-graph --external-cuda-graph --cuda-graph-impl": (
+        "--cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps"
+    ),
+    "--use-megatron-fsdp --use-torch-fsdp2 --use-custom-fsdp": (
+        "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward "
+        "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
+        "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
+        "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
+        "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
+        "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
+        "--suggested-communication-unit-size --fsdp-db-use-persist-buf-on-alloc-fail"
+    ),
+    "--optimizer-cpu-offload": (
+        "--optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
+        "--use-torch-optimizer-for-cpu-offload"
+    ),
+    "--fp8-format --fp4-format": (
+        "--no-fp8-wgrad --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
+        "--num-layers-at-end-in-bf16 --fp8-output-proj --fp8-quantizer-factory "
+        "--reuse-grad-buf-for-mxfp8-param-ag --fp8-recipe --te-precision-config-file"
+    ),
+    "--fp4-format": "--fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
+    "--window-size": "--window-attn-skip-freq",
+    "--use-mup": "--mup-embedding-mult --mup-output-mult",
+    "--enable-mhc-connections": (
+        "--mhc-num-residual-streams --mhc-recompute-layer-num --mhc-sinkhorn-iterations"
+    ),
+    "--experimental-attention-variant --linear-attention-freq": (
+        "--linear-conv-kernel-dim --linear-key-head-dim --linear-num-key-heads "
+        "--linear-num-value-heads --linear-value-head-dim --dsa-indexer-head-dim "
+        "--dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32 --dsa-indexer-loss-coeff "
+        "--dsa-indexer-n-heads --dsa-indexer-rope-interleaved --dsa-indexer-skip-topk-offset "
+        "--dsa-indexer-topk --dsa-indexer-topk-freq --dsa-indexer-use-sparse-loss "
+        "--dsa-kernel-backend --disable-dsa-indexer-rotate-activation "
+        "--disable-dsa-indexer-scoring-relu --no-dsa-indexer-rotate-activation "
+        "--no-dsa-indexer-scoring-relu --gdp-cutedsl-kernel --gdp-num-chunk-states-to-recompute "
+        "--gdp-num-householder"
+    ),
+    "--hybrid-context-parallel": "--max-seqlen-per-dp-cp-rank",
+    "--tensor-parallel-num-weight-shards --expert-tensor-parallel-num-weight-shards": (
+        "--gtp-remat-opt-in-modules --gtp-remat-nccl-ub --gtp-expert-remat-nccl-ub "
+        "--gtp-remat-reduce-scatter-with-fp32-accumulation"
+    ),
+    "--use-nccl-ub": "--disable-symmetric-registration",
+    "--kitchen-config-file --kitchen-recipe-number --use-kitchen-attention": (
+        "--kitchen-attention-backend"
+    ),
+    "--export-kd-teacher-load": "--export-kd-cfg --export-kd-teacher-model-config",
+    "--logits-save-dir": "--logits-save-top-k",
+    "--optimizer": (
+        "--muon-tp-mode --muon-no-split-qkv --muon-scalar-optimizer --muon-nesterov "
+        "--muon-use-nesterov --muon-split-qkv"
+    ),
+    "--num-experts": (
+        "--overlap-moe-expert-parallel-comm --delay-wgrad-compute "
+        "--ep-overlap-early-attn-memory-release --overlap-dispatch-backward-with-experts-wgrad "
+        "--moe-enable-deepep --moe-flex-dispatcher-backend "
+        "--moe-hybridep-pad-uneven-dispatch-inputs --moe-ncclep-zero-copy "
+        "--moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype --moe-combine-bwd-dtype "
+        "--moe-expert-rank-capacity-factor --moe-paged-stash "
+        "--moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda "
+        "--moe-paged-stash-page-size --moe-router-padding-for-fp8 "
+        "--moe-router-padding-for-quantization --moe-router-force-biased --moe-input-jitter-eps "
+        "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size "
+        "--use-fused-weighted-squared-relu --moe-single-grouped-bias --moe-single-grouped-weight "
+        "--moe-use-grouped-tensor --moe-use-legacy-grouped-gemm "
+        "--use-grouped-gemm-for-shared-expert --moe-layer-recompute --moe-use-upcycling "
+        "--moe-upcycling-granularity --moe-router-score-function "
+        "--moe-router-load-balancing-type"
+    ),
+}
+NEEDS: dict[str, tuple[str, ...]] = {
+    flag: tuple(parents.split()) for parents, flags in _NEEDS_GROUPS.items()
+    for flag in flags.split()
+}
+"""A class-3 flag (or a flag with values not modelled) -> the options it acts only with."""
+
 FLAGS: dict[str, Flag] = _build()
 """Every Megatron-LM flag (option string) -> Flag."""
-
-UNMODELLED_VALUES = _UNMODELLED_VALUES
 
 
 # --------------------------------------------------------------------------- environment
 
 # Variables that change what metatrace predicts, and how it reads them (megatron_args._cluster).
 ENV_MODELLED = {
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0: Transformer Engine trains deterministically (before "
+    "sm90 its attention then runs flash-attn); checked with --deterministic-mode",
+    "TORCHDYNAMO_DISABLE": "1: megatron-core's torch.compile'd kernels run eagerly",
+    "TORCH_COMPILE_DISABLE": "1: megatron-core's torch.compile'd kernels run eagerly",
     "CUBLAS_WORKSPACE_CONFIG": "sizes PyTorch's cuBLAS workspaces "
     "(cluster.cublas_workspace_config)",
     "NVTE_FLASH_ATTN": "checked against --attention-backend (megatron-core asserts they agree)",
@@ -830,7 +954,6 @@ ENV_NO_EFFECT = {
     "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
     "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS",
     "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "TOKENIZERS_PARALLELISM",
-    "NVTE_ALLOW_NONDETERMINISTIC_ALGO",  # algorithm choice; TE keeps fused attention on sm90
     "NVTE_FWD_LAYERNORM_SM_MARGIN", "NVTE_BWD_LAYERNORM_SM_MARGIN", "NVTE_DEBUG",
     "NVTE_DEBUG_LEVEL", "NVTE_TORCH_COMPILE", "CUDNN_LOGLEVEL_DBG", "CUBLASLT_LOG_LEVEL",
     "TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG", "TORCH_SHOW_CPP_STACKTRACES",

@@ -435,13 +435,12 @@ _DIRECTIONS = {
 }
 
 
-def not_modelled_text(items) -> str:
+def not_modelled_text(items: list[dict]) -> str:
     """One sentence for the verdict: what the prediction leaves out, by feature, and the way
-    each could move the peak. `items` are config.NotModelled or their JSON dicts."""
+    each could move the peak. `items`: the report's memory_verdict.not_modelled."""
     by_feature: dict[tuple[str, str], list[str]] = {}
     for item in items:
-        get = item.get if isinstance(item, dict) else lambda k, item=item: getattr(item, k)
-        by_feature.setdefault((get("feature"), get("direction")), []).append(get("option"))
+        by_feature.setdefault((item["feature"], item["direction"]), []).append(item["option"])
     parts = [
         f"{feature} ({', '.join(options)}: {_DIRECTIONS[direction]})"
         for (feature, direction), options in by_feature.items()

@@ -6,6 +6,7 @@ aggregator did not (formatting only).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from rich import box
@@ -475,7 +476,8 @@ def build_verdict(job, mems) -> Text:
             style="bold red",
         )
     if job.not_modelled:
-        text.append("\n" + not_modelled_text(job.not_modelled), style="bold yellow")
+        items = [dataclasses.asdict(n) for n in job.not_modelled]
+        text.append("\n" + not_modelled_text(items), style="bold yellow")
     return text
 
 

@@ -17,6 +17,7 @@ optimizer), and record two things:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -171,7 +172,9 @@ def trace_role(
     offloading = config.fine_grained_activation_offloading
     workspace = cublas_workspace_bytes(job)
     te = job.implementation.transformer_impl == "transformer_engine"
-    with megatron_patches(), remap_cuda(device), fake_world(world.layout, rank), te_process(te):
+    compiled = job.implementation.torch_compile
+    with megatron_patches(compiled=compiled), remap_cuda(device), fake_world(world.layout, rank), \
+            te_process(te):
         chunks = build_model_chunks(job=job, config=config, device=device)
         model = wrap_ddp(job, config, chunks)
         optimizer = build_optimizer(job, model)
@@ -194,7 +197,7 @@ def trace_role(
                 # What megatron-core's activation offloading moves, in its warm-up mode (every
                 # group offloaded, reloads on demand; memory.offload_slots has the steady state).
                 log = stack.enter_context(OffloadLog(rec)) if offloading else None
-                shapes = run_microbatch(job, config, model, rec=rec)
+                shapes, deferred = run_microbatch(job, config, model, rec=rec)
         trace = rec.trace()
         record = log.record() if log is not None else None
         reset_manager()  # the iteration starts with a new one, as training does
@@ -223,7 +226,9 @@ def trace_role(
                     optimizer,
                     rec=rec,
                     profiles=step_profiles(trace, reloads=reloads),
-                    deferred=deferred_bytes(trace),
+                    deferred=deferred and dataclasses.replace(
+                        deferred, kept=deferred_bytes(trace)
+                    ),
                     shapes=shapes,
                     device=torch.device(device),
                     real_steps=real_steps,
@@ -269,7 +274,9 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
     """One micro-batch through this rank's chunks, forward then backward (see module docstring).
 
     With a recorder `rec`, each chunk's forward and backward step is marked as a Window and the
-    steps outside the model are told their phase. Returns each chunk's output shape.
+    steps outside the model are told their phase. Returns each chunk's output shape, and with
+    --defer-embedding-wgrad-compute on the last stage what the output layer deferred (a
+    "deferred" window frees what one deferred micro-batch keeps until the pipeline flush).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
@@ -362,25 +369,36 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
     # buffers (schedules.finish_embedding_wgrad_compute; its drain fails on a single entry in
     # 0.16.1, so the traced micro-batch releases them itself). The "deferred" window frees
     # exactly what one deferred micro-batch keeps until the flush.
-    config.metatrace_deferred = None
-    if config.defer_embedding_wgrad_compute and stash[-1][4]:
-        v = stash[-1][0]
-        last_model = get_attr_wrapped_model(model[-1], "post_process", return_model_obj=True)
-        acts, grads = last_model.embedding_activation_buffer, last_model.grad_output_buffer
-        config.metatrace_deferred = (
-            [StepShape(tuple(t.shape), t.dtype) for t in acts],
-            [StepShape(tuple(t.shape), t.dtype) for t in grads],
-        )
-        del stash, input_tensor, output_tensor, input_grad, output_grad, last_output
-        with window("deferred", v):
-            acts.clear()
-            grads.clear()
-            if config.sequence_parallel:
-                _drain_gather_buffers(config, last_model)
-    return shapes
+    if not (config.defer_embedding_wgrad_compute and stash[-1][4]):
+        return shapes, None
+    v = stash[-1][0]
+    del stash, input_tensor, output_tensor, input_grad, output_grad, last_output
+    with window("deferred", v):
+        deferred = _release_deferred(config, model[-1])
+    return shapes, deferred
 
 
-def _drain_gather_buffers(config, last_model) -> None:
+def _release_deferred(config, chunk):
+    """Empty the last chunk's deferral buffers (what megatron-core's pipeline flush does), and
+    return what they held."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from metatrace.iteration import Deferred, StepShape
+
+    last_model = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+    acts, grads = last_model.embedding_activation_buffer, last_model.grad_output_buffer
+    deferred = Deferred(
+        activations=tuple(StepShape(tuple(t.shape), t.dtype) for t in acts),
+        grads=tuple(StepShape(tuple(t.shape), t.dtype) for t in grads),
+    )
+    acts.clear()
+    grads.clear()
+    if config.sequence_parallel:
+        _drain_gather_buffers(deferred.activations[0])
+    return deferred
+
+
+def _drain_gather_buffers(shape) -> None:
     """With sequence parallelism megatron-core's drain (utils.drain_embedding_wgrad_compute)
     all-gathers each deferred input into two global memory buffers, "mpu_0" and "mpu_1"
     ([s, b, h] each), which it keeps for good: allocate them here, so that they count among the
@@ -390,7 +408,6 @@ def _drain_gather_buffers(config, last_model) -> None:
         get_tensor_model_parallel_world_size,
     )
 
-    shape, dtype = config.metatrace_deferred[0][0].shape, config.metatrace_deferred[0][0].dtype
-    dim = [shape[0] * get_tensor_model_parallel_world_size(), *shape[1:]]
+    dim = [shape.shape[0] * get_tensor_model_parallel_world_size(), *shape.shape[1:]]
     for name in ("mpu_0", "mpu_1"):
-        get_global_memory_buffer().get_tensor(dim, dtype, name)
+        get_global_memory_buffer().get_tensor(dim, shape.dtype, name)

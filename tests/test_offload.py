@@ -194,7 +194,6 @@ LAYER = 2 * N * A * D * 2 + 2 * N * G * D * 2 + 2 * N * A * D
 def test_pcie_traffic_and_pinned_host_memory_in_closed_form():
     job, _, roles = traces("pp2", True, False)
     first, last = (role_offload(job, rt) for rt, _ in roles)
-    assert LAYER == 65536
     m, layers = job.num_microbatches, 2
     # Every micro-batch moves both layers; the steady state keeps the last layer of the first
     # micro-batch to run backward on the GPU.
@@ -267,15 +266,12 @@ def test_measure_sees_the_same_saved_activations_on_cpu_tensors():
     [
         ({"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}, {},
          "with full recompute"),
-        ({"precision": "fp8", "activation_offload_modules": ["expert_fc1"]},
-         {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
-         "DelayedScaling recipe is not supported"),
         ({"activation_offload_modules": ["attn_proj"]}, {},
          "attn_proj cannot be set to offload_modules alone"),
         ({"activation_offload_modules": None}, {},
          "min_offloaded_tensor_size needs training.activation_offload_modules"),
     ],
-    ids=["full-recompute", "fp8-delayed-expert_fc1", "attn_proj-alone", "min-size-alone"],
+    ids=["full-recompute", "attn_proj-alone", "min-size-alone"],
 )
 def test_what_cannot_run_is_refused(training, sections, message):
     training = {"activation_offload_modules": ["core_attn"], "min_offloaded_tensor_size": 1024,

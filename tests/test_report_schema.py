@@ -167,3 +167,21 @@ def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
     missing = documented - set(validator.schema["properties"])
     assert not missing, f"README documents {missing}: add them to metatrace/report.schema.json"
     assert "comm" in validator.schema["properties"]["cluster"]["properties"]
+
+
+@pytest.mark.parametrize("section", ["model", "parallel", "training", "implementation", "cluster"])
+def test_every_job_key_is_in_the_schema_and_the_readme(validator, section):
+    """A job key added to metatrace/config.py is described in the schema (a required property
+    of its section) and named in README's table of job-file keys."""
+    import dataclasses
+    import typing
+
+    from metatrace.config import Job
+
+    fields = [f.name for f in dataclasses.fields(typing.get_type_hints(Job)[section])]
+    node = validator.schema["properties"][section]
+    assert [f for f in fields if f not in node["properties"]] == []
+    assert [f for f in fields if f not in node["required"]] == []
+    with open(os.path.join(ROOT, "README.md")) as f:
+        row = next(line for line in f if line.startswith(f"| `{section}` |"))
+    assert [f for f in fields if f"`{f}`" not in row] == []
