@@ -226,6 +226,16 @@ def _check_depth(args) -> None:
 
 
 def _load_job(args):
+    """The job from --config or from Megatron-LM arguments, checked by megatron-core too;
+    warnings go to stderr."""
+    from metatrace.tracing.checks import check_with_megatron
+
+    job = _read_job(args)
+    check_with_megatron(job)
+    return job
+
+
+def _read_job(args):
     """The job from --config or from Megatron-LM arguments; warnings go to stderr."""
     import dataclasses
 
@@ -245,7 +255,7 @@ def _load_job(args):
         job = load_job(args.config)
         _warn(job.notes)  # e.g. fields of a Hugging Face config.json that nothing reads
         return job
-    from metatrace.megatron_args import job_from_args, read_args_file, split_args
+    from metatrace.config.megatron.args import job_from_args, read_args_file, split_args
 
     if args.world_size is None:
         raise ConfigError("Megatron-LM arguments need --world-size N (the GPUs of the run)")
@@ -278,10 +288,10 @@ def _warn(notes) -> None:
 
 
 def cmd_run(args, console=None) -> int:
-    from metatrace.render import render_run, render_search
-    from metatrace.report import job_report, search_report, write_json
-    from metatrace.search import max_micro_batch
-    from metatrace.trace import trace_job
+    from metatrace.render.run import render_run, render_search
+    from metatrace.export.report import job_report, search_report, write_json
+    from metatrace.planning.search import max_micro_batch
+    from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
     if args.json:
@@ -293,7 +303,7 @@ def cmd_run(args, console=None) -> int:
     _check_jobs(args)
     job = _load_job(args)
     if args.chrome_trace:
-        from metatrace.timing import peak_flops
+        from metatrace.analysis.timing import peak_flops
 
         if peak_flops(job) is None:
             raise ConfigError(
@@ -301,7 +311,7 @@ def cmd_run(args, console=None) -> int:
                 "which metatrace does not know"
             )
     if args.memory_snapshot:
-        from metatrace.snapshot import stage_paths
+        from metatrace.export.snapshot import stage_paths
 
         for path in stage_paths(args.memory_snapshot, job.parallel.pp):
             _check_output_path(path, "--memory-snapshot")
@@ -330,18 +340,18 @@ def cmd_run(args, console=None) -> int:
         write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}")
     if args.html:
-        from metatrace.html import role_timelines, write_html
+        from metatrace.export.html import role_timelines, write_html
 
         write_html(report, args.html, role_timelines(job_trace))
         console.print(f"\nHTML report written to {args.html}")
     if args.chrome_trace:
-        from metatrace.chrome import chrome_trace
-        from metatrace.timing import cached_timing
+        from metatrace.export.chrome import chrome_trace
+        from metatrace.analysis.timing import cached_timing
 
         write_json(chrome_trace(job_trace, cached_timing(job_trace)), args.chrome_trace)
         console.print(f"\nChrome trace written to {args.chrome_trace}")
     if args.memory_snapshot:
-        from metatrace.snapshot import write_snapshots
+        from metatrace.export.snapshot import write_snapshots
 
         lines = write_snapshots(job_trace.roles, args.memory_snapshot)
         console.print("\n" + "\n".join(lines), markup=False, soft_wrap=True)
@@ -351,7 +361,7 @@ def cmd_run(args, console=None) -> int:
 
 
 def _fits(job_trace) -> bool:
-    from metatrace.memory import role_memory, verdict
+    from metatrace.analysis.memory import role_memory, verdict
 
     ranked = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
     return verdict(job_trace.job, ranked).fits
@@ -363,9 +373,10 @@ def _check_jobs(args) -> None:
 
 
 def cmd_comm(args, console=None) -> int:
-    from metatrace.render import build_summary, section
-    from metatrace.render_comm import render_comm
-    from metatrace.trace import trace_job
+    from metatrace.render.format import section
+    from metatrace.render.run import build_summary
+    from metatrace.render.comm import render_comm
+    from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
     _check_jobs(args)
@@ -381,8 +392,9 @@ def cmd_comm(args, console=None) -> int:
 
 
 def cmd_groups(args, console=None) -> int:
-    from metatrace.render import build_summary, section
-    from metatrace.render_comm import build_groups
+    from metatrace.render.format import section
+    from metatrace.render.run import build_summary
+    from metatrace.render.comm import build_groups
     from metatrace.world import World
 
     _check_depth(args)
@@ -402,8 +414,9 @@ def cmd_groups(args, console=None) -> int:
 
 
 def cmd_tree(args, console=None) -> int:
-    from metatrace.render import build_role_tree, build_totals_line, role_title, section
-    from metatrace.trace import JobTrace, trace_role
+    from metatrace.render.format import section
+    from metatrace.render.run import build_role_tree, build_totals_line, role_title
+    from metatrace.tracing.trace import JobTrace, trace_role
     from metatrace.world import World
 
     _check_depth(args)
@@ -422,7 +435,7 @@ def cmd_tree(args, console=None) -> int:
 
 
 def cmd_measure(args, console=None) -> int:
-    from metatrace.measure import build_comparison, check_fits, check_request, measure_rank, predict
+    from metatrace.tracing.measure import build_comparison, check_fits, check_request, measure_rank, predict
 
     job = _load_job(args)
     if args.iterations < 1:
@@ -443,8 +456,8 @@ def _side_report(side: str, args, progress) -> dict:
     """The JSON report of one side of `metatrace diff`: read, or traced."""
     import json
 
-    from metatrace.report import job_report
-    from metatrace.trace import trace_job
+    from metatrace.export.report import job_report
+    from metatrace.tracing.trace import trace_job
 
     if os.path.isfile(side) and side.endswith(".json"):
         try:
@@ -489,9 +502,9 @@ def _megatron_file(path: str) -> bool:
 
 
 def cmd_diff(args, console=None) -> int:
-    from metatrace.diff import diff_reports
-    from metatrace.render_diff import render_diff
-    from metatrace.report import write_json
+    from metatrace.analysis.diff import diff_reports
+    from metatrace.render.diff import render_diff
+    from metatrace.export.report import write_json
 
     _check_depth(args)
     _check_jobs(args)
@@ -511,7 +524,7 @@ def cmd_diff(args, console=None) -> int:
 
 def _plan_base(args):
     """The job whose model, batch and cluster the planner keeps, and the GPUs to plan for."""
-    from metatrace.plan import base_job
+    from metatrace.planning.plan import base_job
 
     if args.model:
         missing = [f for f, v in (("--num-gpus", args.num_gpus), ("--seq", args.seq),
@@ -525,10 +538,10 @@ def _plan_base(args):
 
 
 def cmd_plan(args, console=None) -> int:
-    from metatrace.plan import plan, plan_report
-    from metatrace.render_plan import render_plan
-    from metatrace.report import job_report, write_json
-    from metatrace.trace import trace_job
+    from metatrace.planning.plan import plan, plan_report
+    from metatrace.render.plan import render_plan
+    from metatrace.export.report import job_report, write_json
+    from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
     _check_jobs(args)

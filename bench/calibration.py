@@ -101,9 +101,9 @@ def third_party_cases(path):
 
 def predict(case):
     """(predicted peak bytes, RoleMemory) or raises NotModelled / ConfigError."""
-    from metatrace.megatron_args import job_from_args, not_modelled, split_args
-    from metatrace.memory import role_memory
-    from metatrace.trace import trace_role
+    from metatrace.config.megatron.args import job_from_args, not_modelled, split_args
+    from metatrace.analysis.memory import role_memory
+    from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     args = case["args"]

@@ -3,7 +3,7 @@
     python bench/flags.py [--list CLASS]
 
 Counts every option string of Megatron-LM's pretrain_gpt.py parser (core_v0.16.1 and a 2026
-HEAD; metatrace/megatron_lm_flags.tsv), and the flags of older releases metatrace knows, per
+HEAD; metatrace/config/megatron/flags.tsv), and the flags of older releases metatrace knows, per
 class of metatrace/megatron_flags.py: modelled, no
 effect on allocated memory or traffic, not modelled yet (by the way it could move the peak), and
 refused by Megatron-LM itself; per parser version; the not-modelled features with their flag
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", choices=CLASSES, help="print the flags of one class")
     args = parser.parse_args(argv)
-    from metatrace import megatron_flags as mf
+    from metatrace.config.megatron import flags as mf
 
     flags = mf.FLAGS.values()
     if args.list:

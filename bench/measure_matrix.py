@@ -55,8 +55,8 @@ def _tokens(args: dict) -> list[str]:
 
 
 def run_case(name: str, extra: dict, world: int, device: str, gpu: str) -> dict:
-    from metatrace.measure import measure_rank, predict
-    from metatrace.megatron_args import job_from_args
+    from metatrace.tracing.measure import measure_rank, predict
+    from metatrace.config.megatron.args import job_from_args
 
     args = {**BASE, **extra}
     job, _ = job_from_args(_tokens(args), world_size=world, gpu=gpu, source=name)

@@ -67,9 +67,9 @@ CASES = (
 
 @functools.lru_cache(maxsize=None)  # the base runs repeat between cases
 def run(args: str, gpu: str):
-    from metatrace.megatron_args import job_from_args, split_args
-    from metatrace.memory import role_memory, role_offload
-    from metatrace.trace import trace_job
+    from metatrace.config.megatron.args import job_from_args, split_args
+    from metatrace.analysis.memory import role_memory, role_offload
+    from metatrace.tracing.trace import trace_job
 
     job, _ = job_from_args(split_args(args), world_size=8, gpu=gpu)
     jt = trace_job(job, full_model=False)

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 
 from metatrace import aggregate as agg  # noqa: E402
 from metatrace.config import job_from_dict  # noqa: E402
-from metatrace.trace import trace_job  # noqa: E402
+from metatrace.tracing.trace import trace_job  # noqa: E402
 
 MiB = 2**20
 

@@ -9,29 +9,12 @@ On exit it destroys both, so the next rank can be simulated in the same process.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-
 import torch.distributed as dist
+
+from metatrace.world import Layout
 
 # Every device type needs a backend: plain "fake" breaks batch_isend_irecv on meta tensors.
 FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """The parallel sizes megatron-core's initialize_model_parallel takes."""
-
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    order: str = "tp-cp-ep-dp-pp"
-    hierarchical_cp_sizes: tuple[int, ...] | None = None
-    dist_opt_instances: int = 1
-    """num_distributed_optimizer_instances: the distributed optimizer's replicas over dp x cp."""
 
 
 def _group_getters():

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metatrace.records import Moved, OffloadRecord
+
 _OUTER = "_metatrace_outer"  # attribute on the manager (a stack) and on offload groups (a dict)
 
 
@@ -39,37 +41,6 @@ class HostCopy:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Moved:
-    """One saved tensor the offload manager copied to host memory (and back in backward)."""
-
-    chunk: int
-    """The model chunk whose forward saved it (the handler's place among the trace's)."""
-    group: int
-    """Index of its offload group in the chunk's forward (one group per module and layer)."""
-    name: str
-    """The offload module: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, ..."""
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    """Exact bytes copied each way."""
-    source: int | None
-    """Recorder storage id of the GPU storage it came from (None without a recorder)."""
-
-
-@dataclass(frozen=True)
-class OffloadRecord:
-    """What megatron-core's offload manager did in one traced micro-batch (its warm-up mode:
-    every group offloaded, every reload on demand in backward)."""
-
-    moved: tuple[Moved, ...]
-    groups: tuple[tuple[str, ...], ...]
-    """Per chunk, the names of its offload groups in forward order (those that moved nothing
-    included: megatron-core's steady-state rules count them)."""
-    reloads: frozenset[int]
-    """Recorder storage ids of the GPU copies reloads allocated."""
 
 
 _LOGS: list["OffloadLog"] = []

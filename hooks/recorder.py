@@ -43,7 +43,7 @@ from metatrace.hooks.collectives import (
 )
 from metatrace.hooks import flops as _flops
 from metatrace.hooks.fastmeta import MetaMemo
-from metatrace.hooks.records import (
+from metatrace.records import (
     STEP,
     Collective,
     MemEvent,

@@ -14,7 +14,6 @@ import functools
 import itertools
 from functools import cached_property
 
-from metatrace.hooks.fake_world import Layout
 
 # Group name -> (grid, token for RankGenerator.get_ranks).
 GROUP_TOKENS = {
@@ -61,6 +60,44 @@ def orthogonal_groups(sizes, mask) -> tuple[tuple[int, ...], ...]:
     return tuple(map(tuple, groups.tolist()))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The parallel sizes megatron-core's initialize_model_parallel takes."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    order: str = "tp-cp-ep-dp-pp"
+    hierarchical_cp_sizes: tuple[int, ...] | None = None
+    dist_opt_instances: int = 1
+    """num_distributed_optimizer_instances: the distributed optimizer's replicas over dp x cp."""
+
+
+class _Grid:
+    """megatron-core 0.16.1's RankGenerator (parallel_state.py), restated: the sizes in the
+    order's order (a dimension the order leaves out, of size 1, goes last) and, for a token
+    such as "tp-dp", the groups that vary those dimensions (hooks/guards.py keeps the hash of
+    the original; a test compares the groups with megatron-core's)."""
+
+    def __init__(self, sizes: dict[str, int], order: str):
+        names = order.lower().split("-")
+        for name, size in sizes.items():
+            if name not in names:
+                if size != 1:
+                    raise ValueError(f"{name} = {size} is not in the rank order {order!r}")
+                names.append(name)
+        self.names = names
+        self.sizes = [sizes[n] for n in names]
+
+    def groups(self, token: str) -> tuple[tuple[int, ...], ...]:
+        mask = [n in token.split("-") for n in self.names]
+        return orthogonal_groups(self.sizes, mask)
+
+
 @dataclass(frozen=True)
 class Role:
     """Ranks that hold the same model chunks and do the same work (one pipeline stage)."""
@@ -103,17 +140,12 @@ class World:
         return cls(layout, job.cluster.gpus_per_node)
 
     @cached_property
-    def _generators(self):
-        from megatron.core.parallel_state import RankGenerator
-
+    def _grids(self) -> dict[str, "_Grid"]:
         lay = self.layout
         return {
-            "dense": RankGenerator(
-                tp=lay.tp, ep=1, dp=self.dp, pp=lay.pp, cp=lay.cp, order=lay.order
-            ),
-            "expert": RankGenerator(
-                tp=lay.etp or lay.tp, ep=lay.ep, dp=self.expert_dp, pp=lay.pp, cp=1, order=lay.order
-            ),
+            "dense": _Grid(dict(tp=lay.tp, ep=1, dp=self.dp, pp=lay.pp, cp=lay.cp), lay.order),
+            "expert": _Grid(dict(tp=lay.etp or lay.tp, ep=lay.ep, dp=self.expert_dp, pp=lay.pp,
+                                 cp=1), lay.order),
         }
 
     def groups(self, name: str) -> list[list[int]]:
@@ -143,8 +175,7 @@ class World:
         if name in INSTANCE_KINDS:
             return self._instance_groups(name)
         grid, token = GROUP_TOKENS[name]
-        gen = self._generators[grid]
-        return orthogonal_groups(gen.ordered_size, gen.get_mask(gen.order, token))
+        return self._grids[grid].groups(token)
 
     def _instance_groups(self, name: str) -> tuple[tuple[int, ...], ...]:
         """initialize_model_parallel's groups for num_distributed_optimizer_instances = n: each

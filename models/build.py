@@ -191,7 +191,7 @@ def transformer_config(job):
     # The TransformerConfig field of Megatron-LM after core_v0.16.1 (megatron-core 0.16.1 takes
     # it only as a spec argument); models.specs builds dense MLPs as TEFusedMLP with it.
     config.use_transformer_engine_op_fuser = job.implementation.te_op_fuser
-    from metatrace.models.moe import Routing
+    from metatrace.config.routing import Routing
 
     config.metatrace_routing = Routing.of_job(job)
     return config

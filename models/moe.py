@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metatrace.config.routing import Routing
+
 from metatrace.hooks import flops
 
 _SELECTED: list[int] = []  # True entries of the masks that masked_select sees, innermost last
@@ -60,47 +62,6 @@ def masked_select_meta_library() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("masked_select", _masked_select_meta, "Meta")
     return lib
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The routing assumption of a job (`training.moe_routing` and its options)."""
-
-    policy: str = "balanced"
-    hottest_expert_load: float = 1.0
-    capacity_factor: float | None = None
-    """With balanced routing: megatron-core's token dropping caps what one source rank sends
-    to an expert at this multiple of its share (so it caps the hottest expert's load)."""
-
-    @classmethod
-    def of(cls, config) -> "Routing":
-        """The assumption transformer_config attached to megatron-core's config."""
-        return getattr(config, "metatrace_routing", cls())
-
-    @classmethod
-    def of_job(cls, job) -> "Routing":
-        tr = job.training
-        return cls(tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor)
-
-    @property
-    def hottest(self) -> float:
-        """The hottest local expert's load after token dropping."""
-        if self.capacity_factor is None:
-            return self.hottest_expert_load
-        return min(self.hottest_expert_load, self.capacity_factor)
-
-    def describe(self) -> str:
-        if self.policy == "capacity":
-            return (
-                f"each expert's input padded to its capacity ({self.capacity_factor:g}x the "
-                "balanced share; megatron-core's static path)"
-            )
-        text = "balanced (every expert gets tokens x topk / experts)"
-        if self.hottest_expert_load != 1.0:
-            text += f", the hottest expert of every rank {self.hottest:g}x its share"
-            if self.hottest != self.hottest_expert_load:
-                text += f" (capacity factor {self.capacity_factor:g} drops the rest)"
-        return text
 
 
 def balanced_split(total: int, parts: int) -> list[int]:

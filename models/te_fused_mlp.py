@@ -45,7 +45,7 @@ on a GPU.
 Known limitations: userbuffers (tp_comm_overlap) and cache_quantized_input
 (activation_func_fp8_input_store, which metatrace does not set) are not modelled; activation
 values are not computed. Block scaling under sequence parallelism fails in TE 2.8 (the fuser's
-FP8 all-gather needs the compact block layout its norm op does not write); metatrace.checks
+FP8 all-gather needs the compact block layout its norm op does not write); metatrace.config.checks
 refuses it.
 """
 

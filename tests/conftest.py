@@ -55,6 +55,6 @@ def small_job(**sections):
 def debug_trace():
     """The traced examples/debug.yaml job (tp 2, pp 2 on 4 GPUs), full model included."""
     from metatrace.config import load_job
-    from metatrace.trace import trace_job
+    from metatrace.tracing.trace import trace_job
 
     return trace_job(load_job(os.path.join(EXAMPLES, "debug.yaml")))

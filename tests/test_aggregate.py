@@ -1,7 +1,7 @@
 """Aggregation is pure: synthetic records in, tables out; plus invariants on a real trace."""
 
-from metatrace import aggregate as agg
-from metatrace.hooks.records import STEP, Collective, MemEvent, ModuleInfo, ParamInfo, Saved, Trace
+from metatrace.analysis import aggregate as agg
+from metatrace.records import STEP, Collective, MemEvent, ModuleInfo, ParamInfo, Saved, Trace
 
 
 def p(name, *shape, sharded=False, copy=False):

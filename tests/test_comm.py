@@ -3,8 +3,8 @@ sum over ranks, and node classification against gpus_per_node."""
 
 import pytest
 
-from metatrace.comm import job_comm, ring_bytes
-from metatrace.trace import trace_job
+from metatrace.analysis.comm import job_comm, ring_bytes
+from metatrace.tracing.trace import trace_job
 from metatrace.world import World
 
 from conftest import small_job

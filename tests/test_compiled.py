@@ -110,8 +110,8 @@ def test_standin_allocates_as_compiled(case):
 def _last_stage_memory(**implementation):
     from conftest import small_job
 
-    from metatrace.memory import role_memory
-    from metatrace.trace import trace_role
+    from metatrace.analysis.memory import role_memory
+    from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     job = small_job(model={"vocab_size": 8192}, parallel={"tp": 2, "pp": 2},

@@ -4,7 +4,7 @@ import pytest
 
 from metatrace.config import job_from_dict, load_job
 from metatrace.errors import ConfigError
-from metatrace.models.presets import PRESETS
+from metatrace.config.presets import PRESETS
 
 from conftest import small_job
 
@@ -209,7 +209,7 @@ def test_uniform_recompute_groups_must_divide_every_chunk():
 
 
 def test_chunk_layer_counts_follow_megatron_core():
-    from metatrace.checks import chunk_layer_counts
+    from metatrace.config.checks import chunk_layer_counts
 
     assert chunk_layer_counts(small_job(model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2},
                                         training={"global_batch_size": 4})) == [2, 2, 2, 2]

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from metatrace.cli import main
-from metatrace.diff import diff_reports, pair_roles
+from metatrace.analysis.diff import diff_reports, pair_roles
 
 from conftest import EXAMPLES
 

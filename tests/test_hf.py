@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from metatrace import aggregate as agg
+from metatrace.analysis import aggregate as agg
 from metatrace.config import job_from_dict, load_job
 from metatrace.errors import ConfigError
-from metatrace.models.hf import IGNORED, read_hf_config
-from metatrace.trace import trace_job
+from metatrace.config.hf import IGNORED, read_hf_config
+from metatrace.tracing.trace import trace_job
 
 from conftest import EXAMPLES, ROOT
 

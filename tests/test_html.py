@@ -7,11 +7,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from metatrace import html as page_html
-from metatrace.render import size
-from metatrace.render_comm import DIM_TITLES
-from metatrace.report import job_report
-from metatrace.trace import JobTrace, trace_role
+from metatrace.export import html as page_html
+from metatrace.render.format import DIM_TITLES, size
+from metatrace.export.report import job_report
+from metatrace.tracing.trace import JobTrace, trace_role
 from metatrace.world import World
 
 from conftest import small_job

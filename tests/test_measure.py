@@ -9,7 +9,7 @@ from conftest import small_job
 from rich.console import Console
 
 from metatrace.cli import main
-from metatrace.measure import allocation_peak, measure_rank, predict
+from metatrace.tracing.measure import allocation_peak, measure_rank, predict
 
 LOCAL = {"implementation": {"transformer_impl": "local"}}
 CASES = {
@@ -119,7 +119,7 @@ def test_measure_refuses_bad_input(tmp_path, capsys, extra, args, message):
 
 
 def test_measure_refuses_a_model_too_large_for_the_machine(monkeypatch):
-    from metatrace import measure
+    from metatrace.tracing import measure
     from metatrace.errors import ConfigError
 
     monkeypatch.setattr(measure, "_available_host_memory", lambda: 10 * 2**30)

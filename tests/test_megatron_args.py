@@ -6,7 +6,7 @@ import os
 import pytest
 
 from metatrace.errors import ConfigError
-from metatrace.megatron_args import (
+from metatrace.config.megatron.args import (
     FLAGS,
     NOT_MODELLED_REASONS,
     args_from_mapping,
@@ -418,7 +418,7 @@ def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
     import csv
     from collections import Counter
 
-    from metatrace.megatron_flags import _classes
+    from metatrace.config.megatron.flags import _classes
 
     with open(os.path.join(os.path.dirname(__file__), "data", "megatron-lm-flags.tsv")) as f:
         rows = list(csv.DictReader(f, delimiter="\t"))

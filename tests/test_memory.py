@@ -4,8 +4,8 @@ against the model running every step, and the parts adding up to the peak."""
 
 import pytest
 
-from metatrace.memory import persistent_bytes, role_memory
-from metatrace.trace import trace_job, trace_role
+from metatrace.analysis.memory import persistent_bytes, role_memory
+from metatrace.tracing.trace import trace_job, trace_role
 from metatrace.world import World
 
 from conftest import small_job
@@ -133,7 +133,7 @@ def test_steps_in_flight_follow_megatron_warmup(sections):
 
 
 def test_full_recompute_holds_one_input_per_layer():
-    from metatrace.memory import step_profiles
+    from metatrace.analysis.memory import step_profiles
 
     def held(layers, **recompute):
         job = small_job(
@@ -191,7 +191,7 @@ def test_replayed_iteration_matches_running_every_step(sections):
 
 
 def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
-    from metatrace.memory import verdict
+    from metatrace.analysis.memory import verdict
 
     job = small_job(parallel={"pp": 2}, training={"global_batch_size": 8},
                     cluster={"gpu_memory_gib": 1.0, "reserved_overhead_gib": 0.5})
@@ -296,7 +296,7 @@ def test_padded_buckets_for_nccl_bus_bandwidth():
     next multiple of 2**16 elements, less than one such multiple above the unpadded one."""
     from conftest import small_job
 
-    from metatrace.trace import trace_role
+    from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     def grads(pad):

@@ -4,9 +4,9 @@ config checks."""
 
 import pytest
 
-from metatrace import aggregate as agg
+from metatrace.analysis import aggregate as agg
 from metatrace.errors import ConfigError
-from metatrace.trace import trace_job
+from metatrace.tracing.trace import trace_job
 
 from conftest import small_job
 

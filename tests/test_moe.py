@@ -4,11 +4,11 @@ config checks."""
 
 import pytest
 
-from metatrace import aggregate as agg
-from metatrace.comm import job_comm
+from metatrace.analysis import aggregate as agg
+from metatrace.analysis.comm import job_comm
 from metatrace.errors import ConfigError
-from metatrace.memory import role_memory
-from metatrace.trace import trace_job
+from metatrace.analysis.memory import role_memory
+from metatrace.tracing.trace import trace_job
 
 from conftest import small_job
 

@@ -159,7 +159,7 @@ def fusion_job(fused, **parallel):
 
 
 def _layer0_mlp_saved(job):
-    from metatrace.trace import trace_role
+    from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     world = World.from_job(job)

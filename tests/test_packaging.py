@@ -20,8 +20,8 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"metatrace", next(t for t in top if t.endswith(".dist-info"))}
     for module in ("metatrace/cli.py", "metatrace/models/build.py", "metatrace/hooks/recorder.py",
-                   "metatrace/config.py", "metatrace/report.schema.json", "metatrace/py.typed",
-                   "metatrace/megatron_lm_flags.tsv"):
+                   "metatrace/config/job.py", "metatrace/export/report.schema.json",
+                   "metatrace/py.typed", "metatrace/config/megatron/flags.tsv"):
         assert module in names
 
     target = tmp_path / "site"
@@ -31,22 +31,23 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
     )
     assert install.returncode == 0, install.stderr[-2000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
-    probe = "import metatrace.cli, metatrace.models.presets, metatrace.hooks.records as r; print(r.__file__)"
+    probe = ("import metatrace.cli, metatrace.config.presets, metatrace.hooks.recorder as r; "
+             "print(r.__file__)")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "records.py")
+    assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "recorder.py")
     # The report's JSON Schema is package data, read where the package is installed.
-    schema = ("import json, importlib.resources as r, metatrace.report as m; "
-              "s = json.loads(r.files('metatrace').joinpath('report.schema.json').read_text()); "
+    schema = ("import json, importlib.resources as r, metatrace.export.report as m; "
+              "s = json.loads(r.files('metatrace.export').joinpath('report.schema.json').read_text()); "
               "print(s['properties']['schema_version']['const'] == m.SCHEMA_VERSION, "
-              "r.files('metatrace'))")
+              "r.files('metatrace.export'))")
     run = subprocess.run([sys.executable, "-c", schema], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["True", str(target / "metatrace")]
+    assert run.stdout.split() == ["True", str(target / "metatrace" / "export")]
     # The flag table reads Megatron-LM's parser attributes from package data too.
-    flags = "import metatrace.megatron_flags as f; print(len(f.FLAGS))"
+    flags = "import metatrace.config.megatron.flags as f; print(len(f.FLAGS))"
     run = subprocess.run([sys.executable, "-c", flags], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[-2000:]  # 930 + 10 older

@@ -2,8 +2,8 @@
 
 import pytest
 
-from metatrace import aggregate as agg
-from metatrace.trace import trace_job
+from metatrace.analysis import aggregate as agg
+from metatrace.tracing.trace import trace_job
 
 from conftest import small_job
 

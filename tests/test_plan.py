@@ -9,13 +9,13 @@ import json
 import pytest
 from rich.console import Console
 
-from metatrace import estimates as E
-from metatrace import plan as P
+from metatrace.planning import estimates as E
+from metatrace.planning import plan as P
 from metatrace.cli import main
 from metatrace.config import job_from_dict
 from metatrace.errors import ConfigError
-from metatrace.report import job_report
-from metatrace.trace import trace_job
+from metatrace.export.report import job_report
+from metatrace.tracing.trace import trace_job
 
 GPUS = 4
 # 102 MiB: 54 of the 93 valid layouts of this model fit (traced peaks 98.3 to 114.5 MiB, of

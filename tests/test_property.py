@@ -9,9 +9,9 @@ from rich.console import Console
 
 from metatrace.config import job_from_dict
 from metatrace.errors import ConfigError
-from metatrace.render import render_run
-from metatrace.report import job_report
-from metatrace.trace import trace_job
+from metatrace.render.run import render_run
+from metatrace.export.report import job_report
+from metatrace.tracing.trace import trace_job
 
 recompute = st.one_of(
     st.just({}),

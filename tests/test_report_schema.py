@@ -1,4 +1,4 @@
-"""The JSON report against its schema, metatrace/report.schema.json (shipped in the package)."""
+"""The JSON report against its schema, metatrace/export/report.schema.json (shipped in the package)."""
 
 import copy
 import json
@@ -9,8 +9,8 @@ from importlib import resources
 import jsonschema
 import pytest
 
-from metatrace.report import SCHEMA_VERSION, job_report, search_report
-from metatrace.trace import JobTrace, trace_job, trace_role
+from metatrace.export.report import SCHEMA_VERSION, job_report, search_report
+from metatrace.tracing.trace import JobTrace, trace_job, trace_role
 from metatrace.world import World
 
 from conftest import ROOT, small_job
@@ -20,7 +20,7 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96}
 
 @pytest.fixture(scope="module")
 def validator():
-    schema = json.loads(resources.files("metatrace").joinpath("report.schema.json").read_text())
+    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -44,7 +44,7 @@ def test_schema_version_is_pinned_to_the_reports(validator):
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert f"## The JSON report (schema version {SCHEMA_VERSION})" in readme
-    assert "metatrace/report.schema.json" in readme
+    assert "metatrace/export/report.schema.json" in readme
 
 
 def test_tp2_pp2_report_with_the_full_model_is_valid(validator, debug_report):
@@ -64,9 +64,9 @@ def test_moe_report_is_valid_and_names_its_routing(validator):
 
 
 def test_max_mbs_report_is_valid():
-    from metatrace.search import max_micro_batch
+    from metatrace.planning.search import max_micro_batch
 
-    schema = json.loads(resources.files("metatrace").joinpath("report.schema.json").read_text())
+    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
     job = small_job(training={"micro_batch_size": 1, "global_batch_size": 4})
     search = max_micro_batch(job, lambda j: trace_job(j, full_model=False, workers=1))
     report = job_report(search.trace)
@@ -165,7 +165,7 @@ def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
     documented.discard("cluster.comm")
     assert {"schema_version", "roles", "memory_verdict", "max_micro_batch"} <= documented
     missing = documented - set(validator.schema["properties"])
-    assert not missing, f"README documents {missing}: add them to metatrace/report.schema.json"
+    assert not missing, f"README documents {missing}: add them to metatrace/export/report.schema.json"
     assert "comm" in validator.schema["properties"]["cluster"]["properties"]
 
 

@@ -17,10 +17,10 @@ from rich.console import Console
 from torch.cuda import _memory_viz
 
 from metatrace.cli import main
-from metatrace.hooks.records import MemEvent, Trace, Window
-from metatrace.memory import persistent_bytes, role_memory
-from metatrace.snapshot import BASE, chosen_roles, role_snapshot
-from metatrace.trace import trace_job
+from metatrace.records import MemEvent, Trace, Window
+from metatrace.analysis.memory import persistent_bytes, role_memory
+from metatrace.export.snapshot import BASE, chosen_roles, role_snapshot
+from metatrace.tracing.trace import trace_job
 
 from conftest import EXAMPLES, small_job
 
@@ -225,7 +225,7 @@ def test_resizes_first_fit_and_the_synthetic_segment():
 
 
 def test_the_arena_coalesces_free_neighbours():
-    from metatrace.snapshot import _Arena
+    from metatrace.export.snapshot import _Arena
 
     arena = _Arena()
     a, b, c, d = (arena.alloc(100) for _ in range(4))
@@ -310,12 +310,12 @@ def test_cli_writes_the_rank_with_the_highest_peak_and_one_file_per_stage(tmp_pa
     ],
 )
 def test_bad_snapshot_paths_exit_2_before_tracing(tmp_path, capsys, monkeypatch, path, message):
-    import metatrace.trace
+    import metatrace.tracing.trace
 
     def no_tracing(*args, **kwargs):
         raise AssertionError("traced before checking the path")
 
-    monkeypatch.setattr(metatrace.trace, "trace_job", no_tracing)
+    monkeypatch.setattr(metatrace.tracing.trace, "trace_job", no_tracing)
     path = path.format(tmp=tmp_path)
     code, _ = run("run", "--config", DEBUG, "--memory-snapshot", path)
     assert code == 2

@@ -3,8 +3,8 @@ bytes against closed forms, context-parallel traffic against hand-derived counts
 
 import pytest
 
-from metatrace import aggregate as agg
-from metatrace.trace import trace_job
+from metatrace.analysis import aggregate as agg
+from metatrace.tracing.trace import trace_job
 
 from conftest import small_job
 
@@ -311,8 +311,8 @@ def test_fp8_amax_history_is_kept_per_module():
     per module: 4 TE linears per layer, 2 layers on the debug model's one stage."""
     from conftest import small_job
 
-    from metatrace.memory import role_memory
-    from metatrace.trace import trace_role
+    from metatrace.analysis.memory import role_memory
+    from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     def kept(history):

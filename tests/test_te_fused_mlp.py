@@ -5,10 +5,10 @@ it keeps per micro-batch instead of the modules' persistent FP8 workspaces."""
 
 import pytest
 
-from metatrace import aggregate as agg
+from metatrace.analysis import aggregate as agg
 from metatrace.errors import ConfigError
-from metatrace.memory import persistent_bytes, step_profiles
-from metatrace.trace import trace_job
+from metatrace.analysis.memory import persistent_bytes, step_profiles
+from metatrace.tracing.trace import trace_job
 
 from conftest import small_job
 

@@ -9,8 +9,8 @@ import pytest
 
 from cli import main
 from metatrace.errors import ConfigError
-from metatrace.timing import bubble, compute_seconds, job_timing, peak_flops, simulate
-from metatrace.trace import trace_job
+from metatrace.analysis.timing import bubble, compute_seconds, job_timing, peak_flops, simulate
+from metatrace.tracing.trace import trace_job
 
 from conftest import EXAMPLES, small_job
 
@@ -72,7 +72,7 @@ def test_flops_of_one_layer_in_closed_form(impl, tp, causal_half, attention_back
 
 
 def test_stand_ins_that_dispatch_no_gemm_report_the_same_flops():
-    from metatrace.trace import trace_job as trace
+    from metatrace.tracing.trace import trace_job as trace
 
     def steps(**sections):
         jt = trace(small_job(**sections), full_model=False, workers=1)
@@ -156,7 +156,7 @@ def debug_timing(debug_trace):
 
 
 def test_step_time_is_flops_at_the_assumed_rate_plus_exposed_communication(debug_timing):
-    from metatrace.comm import job_comm
+    from metatrace.analysis.comm import job_comm
 
     jt, timing = debug_timing
     job = jt.job
@@ -210,7 +210,7 @@ def test_compute_efficiency_outside_0_1_is_refused(value):
 
 
 def test_chrome_trace_has_a_process_per_stage_and_ordered_steps(debug_timing):
-    from metatrace.chrome import chrome_trace
+    from metatrace.export.chrome import chrome_trace
 
     jt, timing = debug_timing
     trace = json.loads(json.dumps(chrome_trace(jt, timing)))
@@ -252,9 +252,9 @@ def test_cli_writes_the_chrome_trace(tmp_path, capsys):
 
 
 def test_cli_refuses_a_bad_chrome_trace_path_before_tracing(tmp_path, capsys, monkeypatch):
-    import metatrace.trace
+    import metatrace.tracing.trace
 
-    monkeypatch.setattr(metatrace.trace, "trace_job", lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr(metatrace.tracing.trace, "trace_job", lambda *a, **k: pytest.fail("traced"))
     missing = tmp_path / "nowhere" / "trace.json"
     assert main(["run", "--config", os.path.join(EXAMPLES, "debug.yaml"),
                  "--chrome-trace", str(missing)]) == 2
@@ -262,7 +262,7 @@ def test_cli_refuses_a_bad_chrome_trace_path_before_tracing(tmp_path, capsys, mo
 
 
 def test_json_report_carries_the_timing(debug_timing):
-    from metatrace.report import job_report
+    from metatrace.export.report import job_report
 
     jt, timing = debug_timing
     report = json.loads(json.dumps(job_report(jt)))

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from metatrace import aggregate as agg
-from metatrace.trace import trace_job, trace_role
+from metatrace.analysis import aggregate as agg
+from metatrace.tracing.trace import trace_job, trace_role
 from metatrace.world import World
 
 from conftest import small_job
@@ -189,7 +189,7 @@ def test_mlp_recompute_with_biases_really_recurses_in_megatron_core():
 )
 def test_pipeline_split_is_megatron_cores(sections):
     """The checks' closed-form split equals what megatron-core builds on each rank."""
-    from metatrace.checks import chunk_layer_counts
+    from metatrace.config.checks import chunk_layer_counts
 
     job = small_job(**sections)
     jt = trace_job(job, full_model=False)
@@ -208,7 +208,7 @@ def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
     Triton kernels, stood in by no-ops) changes tensors' storages beneath them; counting the
     tensor objects missed those frees, a new storage at the same address passed for the old
     one, and the peak depended on what the process had traced before."""
-    from metatrace.memory import role_memory
+    from metatrace.analysis.memory import role_memory
 
     job = small_job(
         model={"num_layers": 2, "hidden_size": 512, "ffn_hidden_size": 1024,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from metatrace.hooks.fake_world import Layout, fake_world, named_groups
+from metatrace.hooks.fake_world import fake_world, named_groups
+from metatrace.world import Layout
 from metatrace.hooks.patches import megatron_patches
 from metatrace.hooks.remap import remap_cuda
 from metatrace.world import World

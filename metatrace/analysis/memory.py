@@ -1,0 +1,456 @@
+"""Memory over an iteration, from the records (pure functions, no torch).
+
+Two traces per role feed it (metatrace.tracing.trace):
+1. one micro-batch through the rank's chunks under megatron-core's forward_step/backward_step,
+   with a Window around each chunk's forward and backward step;
+2. the whole iteration under megatron-core's own schedule, each step replayed from what (1)
+   measured (metatrace.tracing.iteration), then the optimizer step.
+
+`step_profiles(trace1)` condenses (1) into what each replayed step must allocate and free;
+`iteration_memory(...)` reads the peak of (2) and splits it into its parts.
+
+Every storage is classified by when it is allocated and freed in (1):
+- static: existed before (parameters, DDP's gradient and parameter buffers, optimizer state);
+- persistent: allocated during the micro-batch and never freed (kernel workspaces, FP8 weight
+  caches, buffers megatron-core keeps for reuse). In the steady state of training they exist
+  before the iteration starts, so they count once, beside the static memory;
+- held: allocated by a chunk's forward step and freed in or after its backward step: the
+  activations a micro-batch keeps while it is in flight;
+- everything else is temporary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+from metatrace.records import STEP, MemEvent, OffloadRecord, Trace, Window
+
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What one chunk's forward or backward step does to memory, for one micro-batch."""
+
+    phase: str
+    chunk: int
+    held: int
+    """Forward: bytes it allocates that stay until the chunk's backward step (0 for backward)."""
+    output: int
+    """Forward: bytes of the output handed to the next stage and freed right after the send."""
+    excess: int
+    """Highest live bytes inside the step above the bytes live when it starts (persistent
+    allocations left out); at least held + output for a forward step."""
+    module: str
+    """Module active when the step reached its highest point."""
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """When each storage a trace allocated was allocated and freed, and its size."""
+
+    bytes: dict[int, int]
+    """Largest size the storage had (storages grow with resize_)."""
+    allocated: dict[int, int]
+    freed: dict[int, int]
+    """Storages freed within the trace (the others are still alive at its end)."""
+
+    def persistent(self) -> set[int]:
+        return {sid for sid in self.allocated if sid not in self.freed}
+
+
+def lifetimes(memory: tuple[MemEvent, ...]) -> Lifetimes:
+    size: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    allocated: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for e in memory:
+        now = size.get(e.storage, 0) + e.delta
+        size[e.storage] = now
+        if e.delta > 0:
+            allocated.setdefault(e.storage, e.seq)
+            largest[e.storage] = max(largest.get(e.storage, 0), now)
+        elif now <= 0 and e.storage in allocated:
+            freed[e.storage] = e.seq
+    return Lifetimes(bytes=largest, allocated=allocated, freed=freed)
+
+
+def persistent_bytes(trace: Trace) -> int:
+    """Bytes allocated during the trace and still alive at its end."""
+    life = lifetimes(trace.memory)
+    return sum(life.bytes[sid] for sid in life.persistent())
+
+
+def _window_excess(trace: Trace, window: Window, persistent: set[int]) -> tuple[int, str]:
+    """Highest live bytes inside `window` above its start, persistent storages left out."""
+    live, best, module = 0, 0, STEP
+    for e in trace.memory:
+        if e.seq < window.first:
+            continue
+        if e.seq > window.last:
+            break
+        if e.storage in persistent:
+            continue
+        live += e.delta
+        if live > best:
+            best, module = live, e.module
+    return best, module
+
+
+def step_profiles(
+    trace: Trace, *, reloads: frozenset[int] = frozenset()
+) -> dict[tuple[str, int], StepProfile]:
+    """{(phase, chunk): StepProfile} from a one-micro-batch trace with Windows.
+
+    `reloads`: storages of activations offloading brought back (OffloadRecord.reloads), left
+    out of the backward excess: the traced micro-batch reloads on demand (megatron-core's
+    warm-up), the steady state one layer ahead, which the replay holds as a slot of its own
+    (offload_slots)."""
+    life = lifetimes(trace.memory)
+    persistent = life.persistent()
+    windows = {
+        (w.phase, w.chunk): w
+        for w in trace.windows
+        if w.chunk is not None and w.phase in ("forward", "backward")
+    }
+    profiles = {}
+    for (phase, chunk), w in windows.items():
+        left_out = persistent | reloads if phase == "backward" else persistent
+        excess, module = _window_excess(trace, w, left_out)
+        held = output = 0
+        if phase == "forward":
+            back = windows.get(("backward", chunk))
+            until = back.first if back is not None else w.last + 1
+            for sid, seq in life.allocated.items():
+                if not w.first <= seq <= w.last or sid in persistent:
+                    continue
+                end = life.freed[sid]
+                if end <= w.last:
+                    continue  # a temporary of the step
+                if end >= until:
+                    held += life.bytes[sid]
+                elif sid == w.output:
+                    output += life.bytes[sid]
+            excess = max(excess, held + output)
+        profiles[(phase, chunk)] = StepProfile(phase, chunk, held, output, excess, module)
+    return profiles
+
+
+def deferred_bytes(trace: Trace) -> int:
+    """Bytes one micro-batch keeps until the pipeline flush with
+    --defer-embedding-wgrad-compute: what the trace's "deferred" window frees."""
+    total = 0
+    for w in trace.windows:
+        if w.phase != "deferred":
+            continue
+        for e in trace.memory:
+            if w.first <= e.seq <= w.last and e.delta < 0:
+                total -= e.delta
+    return total
+
+
+# ----------------------------------------------------------------------------- offloading
+# megatron-core's fine-grained activation offloading (hooks/offload.py records it). The traced
+# micro-batch runs the offload manager's warm-up mode: every group offloaded, every reload on
+# demand. From the second iteration on (post_warmup_callback, should_bulk_offload), the last
+# group of each name stays on the GPU in the chunk that runs backward next, and reloads run one
+# layer ahead: one "slot" of about a layer's offloaded activations is resident at any time.
+
+
+def _blocks(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512
+
+
+def _last_groups(names: tuple[str, ...]) -> set[int]:
+    """Index of the last group of each name in a chunk's forward."""
+    return {max(i for i, n in enumerate(names) if n == name) for name in set(names)}
+
+
+def offload_slots(trace: Trace, record: "OffloadRecord", *, last_stage: bool) -> tuple[int, ...]:
+    """Per chunk, the bytes the steady state holds on the GPU while a step of the chunk runs,
+    beyond what the traced micro-batch keeps: the last group of each name of one chunk.
+
+    Where the manager offloads them, they come back ahead of that chunk's backward step (at the
+    end of the backward step before) and stay through the forward steps in between: one reload
+    copy per tensor, the largest chunk's. The last pipeline stage runs the backward of its last
+    chunk right after its forward, and the manager never offloads what is about to be used: in
+    that chunk's steps its groups stay where the forward left them, the storages the traced
+    micro-batch freed before the chunk's backward."""
+    life = lifetimes(trace.memory)
+    backward = {w.chunk: w.first for w in trace.windows if w.phase == "backward"}
+    kept, reload = [], []
+    for chunk, names in enumerate(record.groups):
+        last = _last_groups(names)
+        moved = [m for m in record.moved if m.chunk == chunk and m.group in last]
+        start = backward.get(chunk, 1 << 62)
+        freed = {m.source for m in moved if life.freed.get(m.source, start) < start}
+        kept.append(sum(life.bytes[sid] for sid in freed))
+        reload.append(sum(_blocks(m.bytes) for m in moved))
+    if not reload:
+        return ()
+    if not last_stage:
+        return (max(reload),) * len(reload)
+    others = max(reload[:-1], default=kept[-1])
+    return (others,) * (len(reload) - 1) + (kept[-1],)
+
+
+@dataclass(frozen=True)
+class OffloadSummary:
+    """Fine-grained activation offloading on one rank over a steady-state iteration (bytes).
+    What goes to the host (D2H) comes back (H2D)."""
+
+    d2h_per_microbatch: int
+    """Copied to the host by one micro-batch's forward steps, all chunks of the rank."""
+    d2h_per_iteration: int
+    """Over the iteration's micro-batches, less the groups the steady state keeps."""
+    pinned_host: int
+    """Pinned host memory the offload buffers hold (megatron-core never frees them): the
+    in-flight micro-batches' copies at their most, each buffer a power of two (PyTorch's caching
+    host allocator); per node, times the GPUs per node."""
+
+
+def offload_summary(
+    record: "OffloadRecord", iteration: Trace, *, microbatches: int, last_stage: bool
+) -> OffloadSummary:
+    """PCIe traffic and pinned host memory from the offload record of the traced micro-batch and
+    the replayed iteration (its forward and backward windows say what is in flight).
+
+    The last group of each name stays on the GPU: on the last pipeline stage in every
+    micro-batch of the last chunk (its backward comes right after its forward, so the manager
+    never offloads what is about to be used); elsewhere in the first micro-batch of the chunk
+    that runs backward first (the last chunk)."""
+    chunks = len(record.groups)
+    moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
+    last = chunks - 1
+    tail = _last_groups(record.groups[last]) if chunks else set()
+    kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
+    per_microbatch = sum(moved) - (kept if last_stage else 0)
+    per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
+    host = [sum(1 << max(0, m.bytes - 1).bit_length() for m in record.moved if m.chunk == v)
+            for v in range(chunks)]
+    changes = []
+    for w in iteration.windows:
+        if w.chunk is not None and w.chunk < chunks and w.phase in ("forward", "backward"):
+            sign = 1 if w.phase == "forward" else -1
+            changes.append((w.first if sign > 0 else w.last, sign * host[w.chunk]))
+    pinned = now = 0
+    for _, delta in sorted(changes):
+        now += delta
+        pinned = max(pinned, now)
+    return OffloadSummary(per_microbatch, per_iteration, pinned)
+
+
+def role_offload(job, rt) -> OffloadSummary | None:
+    """offload_summary of a traced role (metatrace.tracing.trace.RoleTrace); None when the job does not
+    offload or no iteration was traced."""
+    if rt.offload is None or rt.iteration is None:
+        return None
+    return offload_summary(
+        rt.offload, rt.iteration, microbatches=job.num_microbatches,
+        last_stage=rt.role.pp_stage == job.parallel.pp - 1,
+    )
+
+
+# ----------------------------------------------------------------------------- the iteration
+
+
+@dataclass(frozen=True)
+class PeakAt:
+    phase: str
+    """forward, backward (a chunk's step), optimizer, or the schedule's own work between steps."""
+    microbatch: int | None
+    chunk: int | None
+    module: str
+    """Module active at the peak (for a replayed step, where the traced micro-batch peaked)."""
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """A rank's memory over one training iteration, the optimizer step included (bytes)."""
+
+    params: int
+    """Parameters and module buffers (with the distributed optimizer: DDP's parameter buffer)."""
+    grads: int
+    """DDP's main-gradient buffers."""
+    optimizer: int
+    """Main parameters, optimizer state and the optimizer's small tensors."""
+    workspaces: int
+    """Allocated once and kept: kernel workspaces (cuBLAS, Transformer Engine), TE's dummy
+    weight gradients, FP8 weight caches, buffers megatron-core reuses."""
+    activations: int
+    """Held at the peak for the micro-batches in flight: what their forward steps keep for
+    backward, and the pipeline buffers that carry them (received inputs, input gradients)."""
+    temporary: int
+    """Everything else live at the peak: the running step's temporaries."""
+    peak: int
+    peak_at: PeakAt
+    inflight: int
+    """Micro-batches whose activations are held at the peak (the running one included)."""
+    most_steps_held: int
+    """The most forward steps (chunk x micro-batch) whose activations were held at once during
+    the iteration: the schedule's warm-up depth plus one."""
+    timeline: tuple[tuple[str, int], ...]
+    """(phase, highest live bytes) of every step of the iteration in order (each chunk's
+    forward and backward per micro-batch, then the optimizer), workspaces included: the picture
+    of memory over time."""
+
+    @property
+    def static(self) -> int:
+        return self.params + self.grads + self.optimizer + self.workspaces
+
+
+def role_memory(micro: Trace, iteration: Trace) -> RoleMemory:
+    """The iteration's peak and its parts, from the two traces of a role (see module doc)."""
+    workspaces = persistent_bytes(micro)
+    life = lifetimes(iteration.memory)
+    best = None
+    for e in iteration.memory:
+        if best is None or e.live > best.live:
+            best = e
+    peak = (best.live if best is not None else iteration.static_bytes) + workspaces
+    window = None
+    if best is not None:
+        for w in iteration.windows:
+            if w.first <= best.seq <= w.last:
+                window = w
+                break
+    held = {w.held: w for w in iteration.windows if w.held is not None}
+    activations = temporary = 0
+    inflight = set()
+    if best is not None:
+        # Storages alive right after the peak event, the static ones aside.
+        since = window.first if window is not None else _last_window_end(iteration, best.seq)
+        for sid, seq in life.allocated.items():
+            if seq > best.seq or life.freed.get(sid, best.seq + 1) <= best.seq:
+                continue
+            size = life.bytes[sid]
+            if sid in held:
+                activations += size
+                inflight.add(held[sid].microbatch)
+            elif seq >= since:
+                temporary += size
+            else:
+                activations += size
+    parts = iteration.static_parts
+    if window is not None and window.phase == "forward" and window.microbatch is not None:
+        inflight.add(window.microbatch)
+    at = PeakAt(
+        phase=window.phase if window is not None else (best.phase if best else "forward"),
+        microbatch=window.microbatch if window is not None else None,
+        chunk=window.chunk if window is not None else None,
+        module=best.module if best is not None else STEP,
+    )
+    return RoleMemory(
+        params=parts.get("params", 0),
+        grads=parts.get("grads", 0),
+        optimizer=parts.get("optimizer", 0),
+        workspaces=workspaces,
+        activations=activations,
+        temporary=temporary,
+        peak=peak,
+        peak_at=at,
+        inflight=len(inflight),
+        timeline=_timeline(iteration, workspaces),
+        most_steps_held=_most_held(iteration, life),
+    )
+
+
+def _most_held(trace: Trace, life: Lifetimes) -> int:
+    changes = []
+    for w in trace.windows:
+        if w.held is not None and w.held in life.allocated:
+            changes.append((life.allocated[w.held], 1))
+            changes.append((life.freed.get(w.held, 1 << 62), -1))
+    most = now = 0
+    for _, delta in sorted(changes):
+        now += delta
+        most = max(most, now)
+    return most
+
+
+def _timeline(trace: Trace, workspaces: int) -> tuple[tuple[str, int], ...]:
+    """Highest live bytes of each window, in order (a window without events keeps the level)."""
+    out = []
+    events = trace.memory
+    i, live = 0, trace.static_bytes
+    for w in trace.windows:
+        while i < len(events) and events[i].seq < w.first:
+            live = events[i].live
+            i += 1
+        top = live
+        while i < len(events) and events[i].seq <= w.last:
+            live = events[i].live
+            top = max(top, live)
+            i += 1
+        out.append((w.phase, top + workspaces))
+    return tuple(out)
+
+
+def _last_window_end(trace: Trace, seq: int) -> int:
+    end = 0
+    for w in trace.windows:
+        if w.last < seq:
+            end = max(end, w.last + 1)
+    return end
+
+
+# ----------------------------------------------------------------------------- the verdict
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether every GPU holds its peak plus the reserved overhead (bytes)."""
+
+    capacity: int
+    """Memory of one GPU (cluster.gpu_memory_gib)."""
+    overhead: int
+    """Reserved for what the caching allocator does not hand out (cluster.reserved_overhead_gib)."""
+    worst: int
+    """The highest predicted peak of any rank."""
+    worst_ranks: tuple[int, ...]
+    """Ranks with that peak."""
+    oom_ranks: tuple[int, ...]
+    """Ranks whose peak plus the overhead exceeds the capacity."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom_ranks
+
+    @property
+    def headroom(self) -> int:
+        """Capacity left on the tightest rank (negative: how much is missing)."""
+        return self.capacity - self.overhead - self.worst
+
+
+_DIRECTIONS = {
+    "raises": "could raise the peak",
+    "lowers": "could lower the peak",
+    "either": "could raise or lower the peak",
+    "unknown": "effect on the peak unknown",
+    "traffic": "changes communication, not the peak",
+}
+
+
+def not_modelled_text(items: list[dict]) -> str:
+    """One sentence for the verdict: what the prediction leaves out, by feature, and the way
+    each could move the peak. `items`: the report's memory_verdict.not_modelled."""
+    by_feature: dict[tuple[str, str], list[str]] = {}
+    for item in items:
+        by_feature.setdefault((item["feature"], item["direction"]), []).append(item["option"])
+    parts = [
+        f"{feature} ({', '.join(options)}: {_DIRECTIONS[direction]})"
+        for (feature, direction), options in by_feature.items()
+    ]
+    return "Not modelled, left out of these figures: " + "; ".join(parts) + "."
+
+
+def verdict(job, roles) -> Verdict:
+    """`roles`: (ranks, RoleMemory) for every role."""
+    capacity = round(job.cluster.gpu_memory_gib * GiB)
+    overhead = round(job.cluster.reserved_overhead_gib * GiB)
+    worst = max(m.peak for _, m in roles)
+    worst_ranks = sorted(r for ranks, m in roles if m.peak == worst for r in ranks)
+    oom = sorted(r for ranks, m in roles if m.peak + overhead > capacity for r in ranks)
+    return Verdict(capacity, overhead, worst, tuple(worst_ranks), tuple(oom))

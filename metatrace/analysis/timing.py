@@ -1,0 +1,384 @@
+"""A time model of one training iteration, from the records (pure functions, no torch).
+
+Assumptions, all approximate:
+- a step's compute takes its counted FLOPs (hooks/flops.py: matrix products and attention, as
+  torch.utils.flop_counter counts them; element-wise work is not counted) at the GPU's peak
+  dense bf16 FLOP/s (config.GPU_PEAK_TFLOPS) times `cluster.compute_efficiency`; FP8 GEMMs at
+  twice that peak on the GPUs with FP8 tensor cores (config.GPU_FP8_ARCHS);
+- the collectives inside a step (tensor, sequence, context, expert parallel, the batch
+  broadcast) take their estimated wire time (metatrace.analysis.comm: ring algorithm, link bandwidth, no
+  latency) one after another with the compute: the traced micro-batch's own calls, per step, so
+  a step's share of a role's exposed TP/CP/EP seconds per iteration is exactly what it issued
+  (those per-iteration seconds are the steps' sums times the micro-batches). What Megatron
+  overlaps (the context-parallel ring) adds nothing;
+- each pipeline stage runs its steps in the order the replayed iteration recorded them
+  (megatron-core's own 1F1B or interleaved order for that stage), each as early as its
+  dependencies allow: chunk v of stage s is virtual stage k = v·pp + s; the forward step of
+  micro-batch m on virtual stage k waits for the forward of m on k - 1 plus the transfer of the
+  boundary tensor (bytes / link bandwidth, the traced send's size and peer), the backward of m
+  on k waits for the backward of m on k + 1 plus the transfer of the gradient. A transfer
+  delays the receiver only (the sender goes on: asynchronous sends; with overlap_p2p_comm off
+  megatron-core waits for its sends too, which is not modelled), and links are never shared;
+- the optimizer step starts on every stage when the last stage finishes its steps (the
+  gradient norm's all-reduce over the model-parallel group synchronises them) and takes the
+  stage's exposed communication outside the steps (gradient reduction and parameter gathering
+  that are not overlapped, the embedding and layer-norm gradient all-reduces, the gradient
+  norm's and the loss's all-reduces), one after another, plus the update itself, bound by
+  memory bandwidth: it reads and writes the optimizer state (main parameters, moments) and
+  reads the gradients and writes the parameters once, at config.GPU_HBM_TBPS. Overlapped
+  gradient reduction and parameter gathering are assumed hidden.
+Bubble: a stage's idle time during the forward-backward part of the iteration (from the first
+step's start to the last step's end on any stage), as a fraction of that part. With equal
+stages and no communication it is Megatron's (pp - 1) / (m + pp - 1) for 1F1B and
+(pp - 1) / (vpp·m + pp - 1) for the interleaved schedule.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from metatrace.records import Trace
+
+STEP_PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Call:
+    """A collective placed in time inside a step (the steps of one chunk and phase share them)."""
+
+    offset: float
+    """Seconds from the start of the step."""
+    seconds: float
+    op: str
+    group: str
+    dimension: str
+    bytes: int
+    module: str
+    overlapped: str | None
+    """What Megatron overlaps it with (None: exposed, part of the step's time)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """A step of one stage in time: a chunk's forward or backward for one micro-batch, or the
+    optimizer step (with the gradient synchronisation before it)."""
+
+    start: float
+    end: float
+    phase: str
+    microbatch: int | None
+    chunk: int | None
+    flops: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    """Exposed communication inside the step."""
+    peak_bytes: int = 0
+    """The rank's highest allocated memory during the step (replayed iteration)."""
+    calls: tuple[Call, ...] = ()
+    """The collectives inside the step, at offsets from its start."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A pipeline send: the boundary tensor of a forward step, or its gradient in backward."""
+
+    start: float
+    end: float
+    phase: str
+    microbatch: int
+    source: tuple[int, int]
+    """(stage, chunk) that sends."""
+    target: tuple[int, int]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    stage: int
+    spans: tuple[Span, ...]
+    """Steps in order, then the optimizer step."""
+    busy_seconds: float
+    """Forward and backward steps."""
+    optimizer_seconds: float
+    iteration_seconds: float
+    """When the stage's optimizer step ends."""
+    bubble_fraction: float
+
+
+@dataclass(frozen=True)
+class Timing:
+    stages: tuple[StageTiming, ...]
+    transfers: tuple[Transfer, ...]
+    pipeline_seconds: float
+    """The forward-backward part: the last step's end on any stage."""
+    iteration_seconds: float
+    bubble_fraction: float
+    """Idle GPU time over GPU time in the forward-backward part, all stages together."""
+    peak_tflops: float
+    efficiency: float
+
+
+# ----------------------------------------------------------------------------- rates
+
+
+def peak_flops(job) -> tuple[float, float] | None:
+    """(bf16, fp8) peak dense FLOP/s of the job's GPU, or None when it is not in the table."""
+    from metatrace.config import GPU_ARCH, GPU_FP8_ARCHS, GPU_PEAK_TFLOPS
+
+    tflops = GPU_PEAK_TFLOPS.get(job.cluster.gpu)
+    if tflops is None:
+        return None
+    fp8 = 2 if GPU_ARCH.get(job.cluster.gpu) in GPU_FP8_ARCHS else 1
+    return tflops * 1e12, fp8 * tflops * 1e12
+
+
+def compute_seconds(flops: int, fp8_flops: int, peak: tuple[float, float],
+                    efficiency: float) -> float:
+    bf16, fp8 = peak
+    return ((flops - fp8_flops) / bf16 + fp8_flops / fp8) / efficiency
+
+
+# ----------------------------------------------------------------------------- the pipeline
+
+
+def virtual_stage(stage: int, chunk: int, pp: int) -> int:
+    return chunk * pp + stage
+
+
+def simulate(orders, seconds, *, pp: int, vpp: int | None = None, p2p=None):
+    """Start and end of every step of every stage.
+
+    `orders[s]`: stage s's steps in order, (phase, chunk, microbatch); `seconds(s, phase, chunk)`
+    a step's duration; `p2p(s, phase)` the transfer time of what stage s sends after a step of
+    `phase` (default 0). Returns, per stage, [(start, end, phase, chunk, microbatch)]."""
+    chunks = vpp or 1
+    last = pp * chunks - 1
+    p2p = p2p or (lambda stage, phase: 0.0)
+    finish: dict[tuple[str, int, int], float] = {}
+    out = [[] for _ in orders]
+    clock = [0.0] * len(orders)
+    cursor = [0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progress = False
+        for s, order in enumerate(orders):
+            while cursor[s] < len(order):
+                phase, chunk, mb = order[cursor[s]]
+                k = virtual_stage(s, chunk, pp)
+                ready = clock[s]
+                dep = k - 1 if phase == "forward" else k + 1
+                if 0 <= dep <= last:
+                    done = finish.get((phase, dep, mb))
+                    if done is None:
+                        break  # waits for another stage
+                    ready = max(ready, done + p2p(dep % pp, phase))
+                start, end = ready, ready + seconds(s, phase, chunk)
+                finish[(phase, k, mb)] = end
+                out[s].append((start, end, phase, chunk, mb))
+                clock[s] = end
+                cursor[s] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            waiting = [order[cursor[s]] for s, order in enumerate(orders) if cursor[s] < len(order)]
+            raise ValueError(f"the stages' step orders wait for each other: {waiting}")
+    return out
+
+
+def bubble(steps, pipeline: float) -> float:
+    """Idle fraction of `pipeline` seconds for a stage's [(start, end, ...)] steps."""
+    if pipeline <= 0:
+        return 0.0
+    busy = sum(end - start for start, end, *_ in steps)
+    return max(0.0, pipeline - busy) / pipeline
+
+
+# ----------------------------------------------------------------------------- a traced job
+
+
+def _inside(windows):
+    """seq -> the window that holds it (or None)."""
+    spans = sorted(windows, key=lambda w: w.first)
+    firsts = [w.first for w in spans]
+
+    def find(seq: int):
+        i = bisect.bisect_right(firsts, seq) - 1
+        return spans[i] if i >= 0 and seq <= spans[i].last else None
+
+    return find
+
+
+def _step_calls(job, world, micro: Trace, rank: int):
+    """{(phase, chunk): [(flops before, Collective, dimension, seconds, overlapped)]} of the
+    traced micro-batch's steps, in order."""
+    from metatrace.analysis.comm import call_seconds
+
+    find = _inside([w for w in micro.windows if w.chunk is not None])
+    out: dict[tuple[str, int], list] = {}
+    for c in micro.collectives:
+        w = find(c.seq)
+        if w is None:
+            continue
+        dim, sec, over = call_seconds(job, world, c, rank)
+        if sec == 0.0:
+            continue
+        out.setdefault((w.phase, w.chunk), []).append(
+            (micro.collective_flops.get(c.seq, 0), c, dim, sec, over))
+    return out
+
+
+def _p2p(job, world, micro: Trace, rank: int) -> dict[str, tuple[float, int]]:
+    """{phase: (seconds, bytes)} of the largest pipeline send after a step of that phase."""
+    from metatrace.analysis.comm import call_seconds
+
+    out: dict[str, tuple[float, int]] = {}
+    for c in micro.collectives:
+        if c.op == "send" and c.peer is not None and c.phase in STEP_PHASES:
+            _, sec, _ = call_seconds(job, world, c, rank)
+            out[c.phase] = max(out.get(c.phase, (0.0, 0)), (sec, c.bytes))
+    return out
+
+
+def _peaks(iteration: Trace, extra: int) -> dict:
+    """{(phase, chunk, microbatch): highest live bytes (+ `extra`)} of the iteration's steps."""
+    events = iteration.memory
+    seqs = [e.seq for e in events]
+    out = {}
+    for w in iteration.windows:
+        i = bisect.bisect_left(seqs, w.first)
+        j = bisect.bisect_right(seqs, w.last)
+        before = events[i - 1].live if i > 0 else iteration.static_bytes
+        high = max([before, *(e.live for e in events[i:j])])
+        key = (w.phase, w.chunk, w.microbatch)
+        out[key] = max(out.get(key, 0), high + extra)
+    return out
+
+
+def _place(compute: float, flops: int, calls) -> tuple[Call, ...]:
+    """The step's collectives in time: each after the share of the compute that came before it
+    (by FLOPs) and the exposed calls before it; overlapped ones do not delay what follows."""
+    placed, waited = [], 0.0
+    for before, c, dim, sec, over in calls:
+        at = (compute * before / flops if flops else 0.0) + waited
+        placed.append(Call(at, sec, c.op, c.group, dim, c.bytes, c.module, over))
+        if over is None:
+            waited += sec
+    return tuple(placed)
+
+
+def _optimizer(job, world, iteration: Trace, rank: int):
+    """The optimizer step's seconds, the update's, and its exposed calls (see module doc)."""
+    from metatrace.analysis.comm import call_seconds
+    from metatrace.config import GPU_HBM_TBPS
+
+    find = _inside([w for w in iteration.windows if w.chunk is not None])
+    calls = []
+    for c in iteration.collectives:
+        if find(c.seq) is not None or c.op in ("send", "recv"):
+            continue  # inside the steps, or the pipeline's transfers
+        dim, sec, over = call_seconds(job, world, c, rank)
+        if over is None and sec > 0.0:
+            calls.append((c, dim, sec))
+    parts = iteration.static_parts
+    traffic = 2 * parts.get("optimizer", 0) + parts.get("grads", 0) + parts.get("params", 0)
+    tbps = GPU_HBM_TBPS.get(job.cluster.gpu)
+    update = traffic / (tbps * 1e12) if tbps else 0.0
+    # The update runs before the distributed optimizer's parameter all-gather.
+    gather = next((i for i, (c, _, _) in enumerate(calls)
+                   if c.op == "all_gather" and c.phase == "optimizer"), len(calls))
+    placed, t = [], 0.0
+    for i, (c, dim, sec) in enumerate(calls):
+        if i == gather:
+            t += update
+        placed.append(Call(t, sec, c.op, c.group, dim, c.bytes, c.module, None))
+        t += sec
+    if gather == len(calls):
+        t += update
+    return t, update, tuple(placed)
+
+
+def job_timing(job_trace) -> Timing | None:
+    """The time model of a traced job (needs iteration traces and a GPU with a known peak)."""
+    from metatrace.analysis.memory import persistent_bytes
+
+    job, world = job_trace.job, job_trace.world
+    peak = peak_flops(job)
+    roles = sorted(job_trace.roles, key=lambda rt: rt.role.pp_stage)
+    if peak is None or any(rt.iteration is None for rt in roles):
+        return None
+    eff = job.cluster.compute_efficiency
+    pp, vpp = world.layout.pp, job.parallel.vpp
+    # Per (stage, phase, chunk), what every micro-batch's step does: (flops, compute seconds,
+    # exposed communication seconds, the collectives placed in the step).
+    kinds, sends, orders = {}, {}, []
+    for rt in roles:
+        s, micro = rt.role.pp_stage, rt.trace
+        calls = _step_calls(job, world, micro, micro.rank)
+        for w in micro.windows:
+            if w.chunk is not None:
+                comp = compute_seconds(w.flops, w.fp8_flops, peak, eff)
+                mine = calls.get((w.phase, w.chunk), ())
+                exposed = sum(sec for *_, sec, over in mine if over is None)
+                kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
+        sends[s] = _p2p(job, world, micro, micro.rank)
+        orders.append([(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows
+                       if w.chunk is not None])
+    none = (0, 0.0, 0.0, ())
+
+    def duration(s, phase, chunk):
+        _, comp, exposed, _ = kinds.get((s, phase, chunk), none)
+        return comp + exposed
+
+    simulated = simulate(orders, duration, pp=pp, vpp=vpp,
+                         p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0])
+    pipeline = max((end for stage in simulated for _, end, *_ in stage), default=0.0)
+    stages, transfers = [], []
+    for rt, stage in zip(roles, simulated):
+        s = rt.role.pp_stage
+        peaks = _peaks(rt.iteration, persistent_bytes(rt.trace))
+        spans = []
+        for start, end, phase, chunk, mb in stage:
+            flops, comp, exposed, placed = kinds.get((s, phase, chunk), none)
+            spans.append(Span(start, end, phase, mb, chunk, flops, comp, exposed,
+                              peaks.get((phase, chunk, mb), 0), placed))
+            transfers.extend(_transfers(s, phase, chunk, mb, end, sends[s], pp, vpp))
+        opt_seconds, update, opt_calls = _optimizer(job, world, rt.iteration, rt.trace.rank)
+        opt_peak = max((v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")),
+                       default=0)
+        spans.append(Span(pipeline, pipeline + opt_seconds, "optimizer", None, None,
+                          compute_seconds=update, comm_seconds=opt_seconds - update,
+                          peak_bytes=opt_peak, calls=opt_calls))
+        busy = sum(end - start for start, end, *_ in stage)
+        stages.append(StageTiming(s, tuple(spans), busy, opt_seconds, pipeline + opt_seconds,
+                                  bubble(stage, pipeline)))
+    idle = sum(pipeline - st.busy_seconds for st in stages)
+    return Timing(
+        stages=tuple(stages),
+        transfers=tuple(transfers),
+        pipeline_seconds=pipeline,
+        iteration_seconds=max(st.iteration_seconds for st in stages),
+        bubble_fraction=idle / (pipeline * len(stages)) if pipeline else 0.0,
+        peak_tflops=peak[0] / 1e12,
+        efficiency=eff,
+    )
+
+
+def _transfers(s, phase, chunk, mb, end, sends, pp, vpp):
+    """The pipeline send after a step, if its virtual stage has a neighbour that way."""
+    if phase not in sends:
+        return ()
+    k = virtual_stage(s, chunk, pp) + (1 if phase == "forward" else -1)
+    if not 0 <= k < pp * (vpp or 1):
+        return ()
+    sec, nbytes = sends[phase]
+    return (Transfer(end, end + sec, phase, mb, (s, chunk), (k % pp, k // pp), nbytes),)
+
+
+_last: list = [None, None]  # (job trace, its Timing): the output, the report and the trace share it
+
+
+def cached_timing(job_trace) -> Timing | None:
+    if _last[0] is not job_trace:
+        _last[:] = [job_trace, job_timing(job_trace)]
+    return _last[1]

@@ -1,0 +1,705 @@
+"""Checks a resolved job against the rules Megatron-LM and megatron-core enforce, before any
+model is built. Every violated rule is reported (one line each) in a single `ConfigError`.
+
+megatron-core's own `TransformerConfig` checks run afterwards, before any trace
+(metatrace.tracing.checks), and are reported the same way.
+"""
+
+from __future__ import annotations
+
+import re
+
+from metatrace.config.hardware import GPU_ARCH
+from metatrace.errors import ConfigError
+
+RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+# Selective-recompute modules megatron-core 0.16.1 accepts for a dense GPT layer.
+DENSE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
+MLA_RECOMPUTE_MODULES = ("mla_up_proj",)
+
+
+# megatron-core 0.16.1 PipelineParallelLayerLayout.parse_str_to_list, restated without its
+# LayerType enum (hooks/guards.py keeps the hash of the original: a test fails when it changes).
+_LAYER_TYPES = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+
+
+def parse_layout(layout: str) -> list[list[str]]:
+    """A pipeline layout string as megatron-core reads it: "Ettt|(tt|)*29,m|L" -> one list of
+    layer types per virtual stage (embedding, decoder, mtp, loss)."""
+    text = layout.replace(",", "")  # purely cosmetic commas
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # (ab|)*n, then x*n
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    stages = []
+    for stage in text.split("|"):
+        unknown = [c for c in stage if c not in _LAYER_TYPES]
+        if unknown:
+            raise ValueError(f"invalid layer character {unknown[0]!r} (known: E, L, t, m)")
+        stages.append([_LAYER_TYPES[c] for c in stage])
+    return stages
+
+
+def layout_stages(layout: str, pp: int) -> list[list[str]]:
+    """Parse a pipeline layout string as megatron-core does."""
+    try:
+        stages = parse_layout(layout)
+    except (ValueError, re.error) as e:
+        raise ConfigError(f"parallel.layout {layout!r} is not a valid layout: {e}") from None
+    if len(stages) % pp:
+        raise ConfigError(
+            f"parallel.layout has {len(stages)} stages, not a multiple of parallel.pp = {pp}"
+        )
+    return stages
+
+
+def check_job(job) -> None:
+    problems = []
+    for check in (_check_model, _check_parallel, _check_impl, _check_moe, _check_mla, _check_mtp,
+                  _check_cluster):
+        problems.extend(check(job))
+    split = list(_check_pipeline(job))
+    problems += split
+    problems.extend(_check_training(job, split_ok=not split))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_model(job):
+    m = job.model
+    tp = job.parallel.tp
+    if m.num_attention_heads % tp:
+        yield f"model.num_attention_heads = {m.num_attention_heads} is not divisible by parallel.tp = {tp}"
+    if m.num_attention_heads % m.num_query_groups:
+        yield (
+            f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups = {m.num_query_groups}"
+        )
+    if m.num_query_groups % tp:
+        yield (
+            f"model.num_query_groups = {m.num_query_groups} is not divisible by parallel.tp = {tp} "
+            "(megatron-core splits key/value heads over the TP group)"
+        )
+    if m.ffn_hidden_size % tp:
+        yield f"model.ffn_hidden_size = {m.ffn_hidden_size} is not divisible by parallel.tp = {tp}"
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, name)
+        if not 0.0 <= p < 1.0:
+            yield f"model.{name} = {p} must be in [0, 1)"
+    seq = job.training.seq_length
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < seq:
+        yield (
+            f"model.max_position_embeddings = {m.max_position_embeddings} is smaller than "
+            f"training.seq_length = {seq}"
+        )
+    if m.make_vocab_size_divisible_by < 1:
+        yield "model.make_vocab_size_divisible_by must be at least 1"
+    if not 0.0 < m.rotary_percent <= 1.0:
+        yield f"model.rotary_percent = {m.rotary_percent} must be in (0, 1]"
+
+
+def _check_parallel(job):
+    par = job.parallel
+    world = job.cluster.num_gpus
+    tokens = par.rank_order.split("-")
+    if sorted(tokens) != sorted(RANK_ORDER_TOKENS):
+        yield (
+            f"parallel.rank_order {par.rank_order!r} must order each of "
+            f"{', '.join(RANK_ORDER_TOKENS)} exactly once, e.g. 'tp-cp-ep-dp-pp'"
+        )
+    if par.ep > 1 and job.model.num_experts is None:
+        yield f"parallel.ep = {par.ep} needs a mixture-of-experts model (model.num_experts)"
+    expert_grid = par.etp * par.ep * par.pp
+    if world % expert_grid:
+        yield (
+            f"cluster.num_gpus = {world} is not divisible by etp x ep x pp = "
+            f"{par.etp} x {par.ep} x {par.pp} = {expert_grid}"
+        )
+    elif not par.rank_order.endswith("pp") and par.pp > 1:
+        expert_dp = world // expert_grid
+        if expert_dp != par.dp:
+            # megatron-core's initialize_model_parallel asserts this.
+            yield (
+                f"parallel.rank_order {par.rank_order!r} does not end in pp: megatron-core then "
+                f"needs the same data-parallel size for dense and expert layers, got dp {par.dp} "
+                f"and expert dp {expert_dp} = num_gpus / (etp x ep x pp)"
+            )
+    if par.cp > 1:
+        seq = job.training.seq_length
+        if seq % (2 * par.cp):
+            yield (
+                f"training.seq_length = {seq} is not divisible by 2 x parallel.cp = {2 * par.cp} "
+                "(Megatron splits the sequence into 2 x cp load-balanced chunks)"
+            )
+        if job.implementation.transformer_impl == "local":
+            yield (
+                "parallel.cp > 1 needs implementation.transformer_impl: transformer_engine "
+                "(megatron-core's local attention refuses context parallelism)"
+            )
+        elif job.attention_kernel == "unfused":
+            yield (
+                "implementation.attention_backend: unfused has no context-parallel path in "
+                "Transformer Engine; use fused or flash with parallel.cp > 1"
+            )
+        yield from _check_cp_comm(job)
+    elif par.hierarchical_cp_sizes is not None:
+        yield "parallel.hierarchical_cp_sizes needs parallel.cp > 1"
+    if par.sequence_parallel:
+        local_seq = job.training.seq_length // par.cp
+        if local_seq % par.tp:
+            yield (
+                f"sequence parallel splits training.seq_length / cp = {local_seq} over "
+                f"parallel.tp = {par.tp}, which does not divide it"
+            )
+
+
+def _check_cp_comm(job):
+    par, m = job.parallel, job.model
+    sizes = par.hierarchical_cp_sizes
+    if par.cp_comm_type == "a2a+p2p":
+        if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != par.cp or min(sizes) < 1:
+            yield (
+                "parallel.cp_comm_type a2a+p2p needs parallel.hierarchical_cp_sizes: [a2a size, "
+                f"p2p size] whose product is parallel.cp = {par.cp}, got {sizes}"
+            )
+    elif sizes is not None:
+        yield "parallel.hierarchical_cp_sizes applies to parallel.cp_comm_type a2a+p2p only"
+    a2a = {"a2a": par.cp, "a2a+p2p": (sizes or [1])[0]}.get(par.cp_comm_type)
+    if a2a and a2a > 1:
+        heads, groups = m.num_attention_heads // par.tp, m.num_query_groups // par.tp
+        if heads % a2a or groups % a2a:
+            yield (
+                f"cp_comm_type {par.cp_comm_type} spreads attention heads over {a2a} ranks: "
+                f"query heads per TP rank ({heads}) and key/value heads per TP rank ({groups}) "
+                "must both be divisible by it"
+            )
+
+
+def _check_pipeline(job):
+    par = job.parallel
+    layers = job.model.num_layers
+    pp, vpp = par.pp, par.vpp
+    uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
+    account = par.account_for_embedding or par.account_for_loss
+    if vpp is not None and pp == 1:
+        yield "parallel.vpp needs parallel.pp > 1"
+        return
+    if par.layout is not None:
+        if uneven or account:
+            yield (
+                "parallel.layout cannot be combined with first_stage_layers, last_stage_layers, "
+                "account_for_embedding or account_for_loss"
+            )
+            return
+        stages = layout_stages(par.layout, pp)
+        # Stages are listed in layer order (virtual-stage major), so the flat list is too.
+        flat = [t for stage in stages for t in stage]
+        count = flat.count("decoder")
+        if count != layers:
+            yield f"parallel.layout places {count} decoder layers, but model.num_layers = {layers}"
+        if flat.count("embedding") != 1 or flat[:1] != ["embedding"]:
+            yield "parallel.layout must start with the embedding (E), exactly once"
+        if flat.count("loss") != 1 or flat[-1:] != ["loss"]:
+            yield "parallel.layout must end with the loss (L), exactly once"
+        yield from _check_mtp_layout(job, stages)
+        return
+    if uneven and account:
+        yield (
+            "parallel.first_stage_layers / last_stage_layers cannot be combined with "
+            "account_for_embedding / account_for_loss"
+        )
+        return
+    if uneven:
+        middle_layers, middle_stages = layers, pp
+        for name in ("first_stage_layers", "last_stage_layers"):
+            n = getattr(par, name)
+            if n is None:
+                continue
+            if n < 1:
+                yield f"parallel.{name} = {n} must be at least 1"
+                return
+            if vpp is not None and n % vpp:
+                yield f"parallel.{name} = {n} is not divisible by parallel.vpp = {vpp}"
+            middle_layers -= n
+            middle_stages -= 1
+        if middle_stages < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+            yield (
+                f"the uneven split leaves {middle_layers} layers for {max(middle_stages, 0)} "
+                f"middle stages (model.num_layers = {layers}, parallel.pp = {pp})"
+            )
+        elif middle_stages and middle_layers % middle_stages:
+            yield (
+                f"{middle_layers} middle layers do not split evenly over {middle_stages} middle "
+                f"pipeline stages"
+            )
+        elif middle_stages and vpp is not None and (middle_layers // middle_stages) % vpp:
+            yield (
+                f"{middle_layers // middle_stages} layers per middle stage are not divisible by "
+                f"parallel.vpp = {vpp}"
+            )
+        return
+    total = layers + int(par.account_for_embedding) + int(par.account_for_loss)
+    what = "model.num_layers" + (
+        " + embedding" * par.account_for_embedding + " + loss" * par.account_for_loss
+    )
+    if total % pp:
+        yield f"{what} = {total} is not divisible by parallel.pp = {pp}"
+    elif vpp is not None and (total // pp) % vpp:
+        yield (
+            f"{what} / parallel.pp = {total // pp} layers per pipeline rank are not divisible "
+            f"by parallel.vpp = {vpp}"
+        )
+
+
+def chunk_layer_counts(job) -> list[int]:
+    """Decoder layers of every model chunk, in layer order (virtual stage major: chunk v of
+    pipeline rank p is entry v * pp + p), as megatron-core's get_num_layers_to_build splits
+    them; call after the pipeline checks passed."""
+    par, layers = job.parallel, job.model.num_layers
+    pp, vpp = par.pp, par.vpp or 1
+    if par.layout is not None:
+        return [stage.count("decoder") for stage in layout_stages(par.layout, pp)]
+    if par.first_stage_layers is not None or par.last_stage_layers is not None:
+        first, last = par.first_stage_layers, par.last_stage_layers
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle = layers - (first or 0) - (last or 0)
+        per_stage = [middle // middle_stages if middle_stages else 0] * pp
+        if first is not None:
+            per_stage[0] = first
+        if last is not None:
+            per_stage[-1] = last
+        return [n // vpp for _ in range(vpp) for n in per_stage]
+    total = layers + int(par.account_for_embedding) + int(par.account_for_loss)
+    counts = [total // pp // vpp] * (pp * vpp)
+    if par.account_for_embedding:
+        counts[0] -= 1
+    if par.account_for_loss:
+        counts[-1] -= 1
+    return counts
+
+
+def _check_training(job, split_ok: bool):
+    tr = job.training
+    par = job.parallel
+    if tr.seq_length < 1:
+        yield f"training.seq_length = {tr.seq_length} must be at least 1"
+    if tr.micro_batch_size < 1:
+        yield f"training.micro_batch_size = {tr.micro_batch_size} must be at least 1"
+        return
+    per_step = tr.micro_batch_size * par.dp
+    yield from _check_deferred_wgrad(job, per_step)
+    if tr.global_batch_size < 1 or tr.global_batch_size % per_step:
+        yield (
+            f"training.global_batch_size = {tr.global_batch_size} is not a multiple of "
+            f"micro_batch_size x dp = {tr.micro_batch_size} x {par.dp} = {per_step}"
+        )
+    elif par.vpp is not None:
+        # megatron-core's interleaved schedule: pp <= group <= M, and the last group of
+        # micro-batches is whole or at least pp long.
+        m = tr.global_batch_size // per_step
+        group = par.microbatch_group_size or par.pp
+        if not par.pp <= group <= m:
+            yield (
+                f"the interleaved schedule runs micro-batches in groups of "
+                f"parallel.microbatch_group_size = {group}, which must be at least parallel.pp "
+                f"= {par.pp} and at most the number of micro-batches, {m} = global_batch_size / "
+                "(micro_batch_size x dp)"
+            )
+        elif 0 < m % group < par.pp:
+            yield (
+                f"the interleaved schedule needs the number of micro-batches ({m} = "
+                f"global_batch_size / (micro_batch_size x dp)) to be a multiple of "
+                f"parallel.microbatch_group_size = {group}, or to leave at least parallel.pp = "
+                f"{par.pp} over"
+            )
+    if par.vpp is None and (par.microbatch_group_size is not None or par.overlap_p2p_comm):
+        yield "parallel.microbatch_group_size and parallel.overlap_p2p_comm need parallel.vpp"
+    if par.overlap_p2p_comm_warmup_flush and not par.overlap_p2p_comm:
+        yield "parallel.overlap_p2p_comm_warmup_flush needs parallel.overlap_p2p_comm"
+    if par.vpp is not None and not par.overlap_p2p_comm and par.pp <= 2:
+        yield "an interleaved schedule without overlap_p2p_comm needs parallel.pp > 2"
+    if tr.overlap_param_gather_with_optimizer_step and not (
+        tr.overlap_param_gather and par.vpp is not None
+    ):
+        yield (
+            "training.overlap_param_gather_with_optimizer_step needs "
+            "training.overlap_param_gather and parallel.vpp"
+        )
+    yield from _check_fp8(job)
+    if tr.overlap_param_gather and not (tr.distributed_optimizer and tr.overlap_grad_reduce):
+        yield (
+            "training.overlap_param_gather needs training.distributed_optimizer and "
+            "training.overlap_grad_reduce"
+        )
+    yield from _check_optimizer(job)
+    yield from _check_recompute(job, split_ok)
+    yield from _check_offload(job)
+
+
+def _check_optimizer(job):
+    """Megatron-LM's validate_args and megatron-core's optimizer/DDP assertions."""
+    tr = job.training
+    dp_cp = job.parallel.dp * job.parallel.cp
+    n = tr.num_distributed_optimizer_instances
+    if n < 1:
+        yield f"training.num_distributed_optimizer_instances = {n} must be at least 1"
+    elif n > 1:
+        if not tr.distributed_optimizer:
+            yield "training.num_distributed_optimizer_instances > 1 needs training.distributed_optimizer"
+        if dp_cp % n:
+            yield (
+                f"dp x cp = {job.parallel.dp} x {job.parallel.cp} = {dp_cp} is not divisible by "
+                f"training.num_distributed_optimizer_instances = {n}"
+            )
+        par = job.parallel
+        grid = par.etp * par.ep * par.pp
+        edp = job.cluster.num_gpus // grid
+        if not job.cluster.num_gpus % grid and edp % n:
+            # initialize_model_parallel asserts it (its expert groups build the instances).
+            yield (
+                f"expert dp = num_gpus / (etp x ep x pp) = {edp} is not divisible by "
+                f"training.num_distributed_optimizer_instances = {n}"
+            )
+    if tr.ddp_bucket_size is not None and tr.ddp_bucket_size < 1:
+        yield f"training.ddp_bucket_size = {tr.ddp_bucket_size} must be at least 1"
+    low = [
+        name
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        if getattr(tr, name) != "fp32"
+    ]
+    if low and not tr.use_precision_aware_optimizer:
+        yield (
+            f"training.{low[0]} = {getattr(tr, low[0])} needs "
+            "training.use_precision_aware_optimizer (Megatron-LM asserts it)"
+        )
+    if tr.use_precision_aware_optimizer:
+        if tr.optimizer != "adam":
+            yield "training.use_precision_aware_optimizer works with training.optimizer: adam only"
+        if job.implementation.transformer_impl != "transformer_engine":
+            yield (
+                "training.use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
+                "(implementation.transformer_impl: transformer_engine)"
+            )
+    if tr.grad_reduce_in_fp32 and tr.main_grads_dtype != "fp32":
+        yield "training.grad_reduce_in_fp32 contradicts training.main_grads_dtype = bf16"
+    if tr.clip_grad < 0:
+        yield f"training.clip_grad = {tr.clip_grad} must not be negative"
+
+
+def _check_fp8(job):
+    tr = job.training
+    if tr.fp8_amax_history_len < 1:
+        yield f"training.fp8_amax_history_len must be at least 1, got {tr.fp8_amax_history_len}"
+    if tr.precision != "fp8":
+        for name in ("fp8_format", "fp8_recipe"):
+            if getattr(tr, name) is not None:
+                yield f"training.{name} applies with training.precision: fp8 only"
+        if tr.fp8_param_gather:
+            yield "training.fp8_param_gather applies with training.precision: fp8 only"
+        return
+    if job.implementation.transformer_impl != "transformer_engine":
+        yield "training.precision fp8 needs implementation.transformer_impl: transformer_engine"
+    arch = GPU_ARCH.get(job.cluster.gpu)
+    if arch == "sm80":
+        yield f"training.precision fp8 needs an FP8 GPU (Ada, Hopper, Blackwell); {job.cluster.gpu} has none"
+    elif arch is None or not arch.startswith("sm"):
+        yield f"training.precision fp8 is not modelled on cluster.gpu {job.cluster.gpu!r}"
+    elif tr.fp8_recipe == "mxfp8" and arch != "sm100":
+        yield f"training.fp8_recipe mxfp8 needs a Blackwell GPU (b200, gb200), not {job.cluster.gpu}"
+    if tr.fp8_param_gather and not tr.distributed_optimizer:
+        yield "training.fp8_param_gather needs training.distributed_optimizer"
+
+
+def _check_recompute(job, split_ok: bool):
+    rec = job.training.recompute
+    if rec.granularity is None:
+        if rec.method or rec.num_layers or rec.modules or rec.distribute_saved_activations:
+            yield "training.recompute keys are given but training.recompute.granularity is not"
+        return
+    if rec.granularity == "full":
+        if rec.method is None or rec.num_layers is None:
+            yield "full recompute needs training.recompute.method and training.recompute.num_layers"
+        elif rec.num_layers < 1:
+            yield f"training.recompute.num_layers = {rec.num_layers} must be at least 1"
+        if rec.modules:
+            yield "training.recompute.modules applies to selective recompute only"
+        if split_ok and rec.method == "uniform" and rec.num_layers and rec.num_layers >= 1:
+            counts = sorted({n for n in chunk_layer_counts(job) if n % rec.num_layers})
+            if counts:
+                yield (
+                    f"full uniform recompute checkpoints groups of training.recompute.num_layers "
+                    f"= {rec.num_layers} layers, which must divide the layers of every model "
+                    f"chunk ({', '.join(map(str, counts))} on some); megatron-core would index "
+                    "past the chunk's last layer"
+                )
+    else:
+        if rec.method is not None or rec.num_layers is not None:
+            yield "selective recompute takes no training.recompute.method or num_layers"
+        for name in rec.modules or ():
+            if name in MOE_RECOMPUTE_MODULES:
+                if job.model.num_experts is None:
+                    yield f"training.recompute.modules: {name!r} needs mixture-of-experts layers"
+            elif name in MLA_RECOMPUTE_MODULES:
+                if not job.model.multi_latent_attention:
+                    yield f"training.recompute.modules: {name!r} needs model.multi_latent_attention"
+            elif name not in DENSE_RECOMPUTE_MODULES:
+                known = DENSE_RECOMPUTE_MODULES + MOE_RECOMPUTE_MODULES + MLA_RECOMPUTE_MODULES
+                yield (
+                    f"training.recompute.modules: unknown module {name!r} "
+                    f"(known: {', '.join(known)})"
+                )
+        if "mlp" in (rec.modules or ()) and job.model.add_bias_linear:
+            # megatron-core 0.16.1 checkpoints the MLP, which returns its fc2 bias parameter
+            # alongside the output; autograd then makes the checkpoint's backward that
+            # parameter's grad_fn, and backward re-enters it without end (reproduced with real
+            # CPU tensors, tests/test_trace.py).
+            yield (
+                "selective recompute of 'mlp' with model.add_bias_linear: megatron-core 0.16.1's "
+                "backward recurses without end in this combination; drop 'mlp' from "
+                "training.recompute.modules or set model.add_bias_linear: false"
+            )
+    if rec.distribute_saved_activations:
+        if job.parallel.tp == 1 or rec.granularity != "full":
+            yield "distribute_saved_activations needs parallel.tp > 1 and full recompute"
+        if job.parallel.sequence_parallel:
+            yield "distribute_saved_activations cannot be combined with sequence parallel"
+
+
+def _check_cluster(job):
+    efficiency = job.cluster.compute_efficiency
+    if not 0 < efficiency <= 1:
+        yield (
+            f"cluster.compute_efficiency = {efficiency} must be more than 0 and at most 1 (the "
+            "fraction of the GPU's peak FLOP/s the time model assumes)"
+        )
+
+
+def _check_impl(job):
+    impl = job.implementation
+    if impl.transformer_impl == "local":
+        if impl.attention_backend in ("flash", "fused"):
+            yield (
+                f"implementation.attention_backend: {impl.attention_backend} needs "
+                "transformer_impl: transformer_engine (megatron-core 0.16.1's local spec has only "
+                "its own unfused attention; it uses flash-attn for inference only)"
+            )
+    elif impl.attention_backend == "local":
+        yield (
+            "implementation.attention_backend: local turns every Transformer Engine attention "
+            "backend off, and Transformer Engine then refuses to run; use auto, fused, flash or "
+            "unfused with transformer_impl: transformer_engine, or transformer_impl: local"
+        )
+    yield from _check_te_op_fuser(job)
+
+
+# Activations megatron-core 0.16.1's TEFusedMLP has a Transformer Engine op for (GELU, GEGLU,
+# SiLU (TE >= 2.8), SwiGLU, ReLU; ReGLU has no metatrace name).
+TE_OP_FUSER_ACTIVATIONS = ("gelu", "geglu", "silu", "swiglu", "relu")
+
+
+def _check_te_op_fuser(job):
+    """implementation.te_op_fuser: what megatron-core 0.16.1's TEFusedMLP and Transformer
+    Engine 2.8's operation fuser refuse (both would fail in the first forward)."""
+    impl, tr, par = job.implementation, job.training, job.parallel
+    if not impl.te_op_fuser:
+        return
+    if impl.transformer_impl != "transformer_engine":
+        yield ("implementation.te_op_fuser needs implementation.transformer_impl: "
+               "transformer_engine (TEFusedMLP runs Transformer Engine's operation fuser over TE's "
+               "LayerNormLinear and Linear, and raises ValueError on the local spec's linears)")
+    if job.model.activation not in TE_OP_FUSER_ACTIVATIONS:
+        yield (f"implementation.te_op_fuser does not support model.activation "
+               f"{job.model.activation}: TEFusedMLP has Transformer Engine ops for "
+               f"{', '.join(TE_OP_FUSER_ACTIVATIONS)} only (NotImplementedError)")
+    blockwise = tr.precision == "fp8" and tr.fp8_recipe == "blockwise"
+    if blockwise and par.tp > 1 and par.sequence_parallel:
+        # TE 2.8: the norm op quantizes with fc1's input quantizer, whose all_gather_usage
+        # BasicLinear never sets (GEMM-ready layout); _all_gather_fp8_blockwise then raises.
+        yield ("implementation.te_op_fuser with training.fp8_recipe blockwise and "
+               "parallel.sequence_parallel fails in Transformer Engine 2.8: the fuser's FP8 "
+               "all-gather of fc1's input needs block scales in the compact layout, which its "
+               "norm op does not write (RuntimeError); use another recipe or no sequence parallel")
+
+
+# Keys that only mixture-of-experts layers read.
+_MOE_KEYS = (
+    "model.moe_shared_expert_intermediate_size", "model.moe_ffn_hidden_size",
+    "model.moe_router_num_groups", "model.moe_router_group_topk",
+    "model.moe_router_topk_scaling_factor", "model.moe_router_enable_expert_bias",
+    "implementation.moe_grouped_gemm", "implementation.moe_permute_fusion",
+    "implementation.moe_router_fusion", "training.moe_routing",
+    "training.moe_expert_capacity_factor", "training.moe_hottest_expert_load",
+    "parallel.moe_token_dispatcher_type", "parallel.moe_shared_expert_overlap",
+)
+
+
+def _given(job, paths) -> list[str]:
+    """The `section.key` paths of `paths` whose value is not the key's default."""
+    import dataclasses
+
+    out = []
+    for path in paths:
+        section, key = path.split(".")
+        values = getattr(job, section)
+        default = next(f.default for f in dataclasses.fields(values) if f.name == key)
+        if getattr(values, key) != default:
+            out.append(path)
+    return out
+
+
+def _check_moe(job):
+    m, par, tr, impl = job.model, job.parallel, job.training, job.implementation
+    if m.num_experts is None:
+        given = _given(job, _MOE_KEYS)
+        if given:
+            yield f"{', '.join(given)} need mixture-of-experts layers (model.num_experts)"
+        return
+    if par.tp > 1 and not par.sequence_parallel:
+        # megatron-core's MoELayer.forward raises this in training.
+        yield ("mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel "
+               "(megatron-core refuses to train without it)")
+    if m.num_experts % par.ep:
+        yield f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {par.ep}"
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        yield (f"model.moe_router_topk = {m.moe_router_topk} must be between 1 and "
+               f"model.num_experts = {m.num_experts}")
+    if par.moe_token_dispatcher_type == "flex":
+        yield ("parallel.moe_token_dispatcher_type: flex (DeepEP / HybridEP kernels) is not "
+               "modelled; use alltoall or allgather")
+    if impl.moe_grouped_gemm and impl.transformer_impl == "local":
+        yield ("implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
+               "legacy GroupedMLP (the grouped_gemm package), which is not modelled; use "
+               "transformer_impl: transformer_engine")
+    if tr.precision == "fp8":
+        yield "training.precision fp8 with mixture-of-experts layers is not modelled yet"
+    factor = tr.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        yield f"training.moe_expert_capacity_factor = {factor:g} must be positive"
+    if tr.moe_routing == "capacity" and factor is None:
+        yield "training.moe_routing: capacity needs training.moe_expert_capacity_factor"
+    if tr.moe_hottest_expert_load < 1:
+        yield (f"training.moe_hottest_expert_load = {tr.moe_hottest_expert_load:g} must be at "
+               "least 1 (the hottest expert's multiple of the balanced share)")
+    elif tr.moe_hottest_expert_load != 1 and tr.moe_routing == "capacity":
+        yield ("training.moe_hottest_expert_load applies to balanced routing; with "
+               "moe_routing: capacity every expert's input is padded to its capacity")
+    if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
+        yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
+    if impl.moe_router_fusion and tr.moe_router_dtype == "fp64":
+        # transformer_engine/pytorch/router.py, fused_topk_with_score_function
+        yield ("implementation.moe_router_fusion with training.moe_router_dtype: fp64 is refused "
+               "by Transformer Engine's fused router (no float64 kernel)")
+
+
+# Model keys that only multi-latent attention reads.
+_MLA_KEYS = tuple(f"model.{k}" for k in (
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim",
+))
+
+
+def _check_mla(job):
+    m, par = job.model, job.parallel
+    if not m.multi_latent_attention:
+        given = _given(job, _MLA_KEYS)
+        if given:
+            yield f"{', '.join(given)} need model.multi_latent_attention"
+        if m.rope_type == "yarn":
+            yield ("model.rope_type yarn is modelled with model.multi_latent_attention only "
+                   "(megatron-core 0.16.1 asserts rope for other attention)")
+        return
+    if m.num_query_groups != m.num_attention_heads:
+        yield (f"model.num_query_groups = {m.num_query_groups} with multi-latent attention: MLA "
+               "has no grouped-query attention (Megatron-LM refuses the combination)")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if getattr(m, name) < 1:
+            yield f"model.{name} = {getattr(m, name)} must be at least 1"
+    if m.q_lora_rank is not None and m.q_lora_rank < 1:
+        yield f"model.q_lora_rank = {m.q_lora_rank} must be at least 1 (or omitted)"
+    if par.cp > 1:
+        # Transformer Engine's context-parallel attention exchanges K and V of different head
+        # dimensions separately for MLA; models/te_cp.py models equal head dimensions only.
+        yield ("parallel.cp > 1 with multi-latent attention is not modelled (Transformer "
+               "Engine's context-parallel MLA exchanges K and V of different head sizes)")
+    if job.attention_kernel == "flash":
+        yield ("implementation.attention_backend: flash with multi-latent attention: Transformer "
+               "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
+               "use fused or unfused")
+    if job.training.precision == "fp8":
+        yield "training.precision fp8 with multi-latent attention is not modelled yet"
+
+
+def _check_mtp(job):
+    m = job.model
+    n = m.mtp_num_layers
+    if n is None:
+        return
+    if n < 1:
+        yield f"model.mtp_num_layers = {n} must be at least 1 (or omitted)"
+    if m.position_embedding_type not in ("rope", "none"):
+        yield ("multi-token prediction needs model.position_embedding_type rope or none "
+               "(Megatron-LM asserts it)")
+
+
+def _check_mtp_layout(job, stages):
+    """MTP layers (m) in a pipeline layout: as many as model.mtp_num_layers, in the stage of
+    the loss. megatron-core allows them one stage earlier too; metatrace passes one
+    hidden-state shape between stages, and MTP doubles it after its layers."""
+    n = job.model.mtp_num_layers or 0
+    placed = sum(stage.count("mtp") for stage in stages)
+    if placed != n:
+        yield (f"parallel.layout places {placed} MTP layers (m), but model.mtp_num_layers = "
+               f"{job.model.mtp_num_layers}")
+    elif n and not any("mtp" in stage and "loss" in stage for stage in stages):
+        yield ("parallel.layout must put the MTP layers (m) in the stage of the loss (L), e.g. "
+               "...|tmL")
+
+
+def _check_deferred_wgrad(job, per_step):
+    """--defer-embedding-wgrad-compute: what megatron-core 0.16.1 refuses (TransformerConfig:
+    pp 1, no gradient-accumulation fusion, a negative limit) is left to its own checks; these
+    are the set-ups on which it fails while running."""
+    tr = job.training
+    if not tr.defer_embedding_wgrad_compute or job.parallel.pp == 1:
+        return  # without pipelining megatron-core's TransformerConfig refuses it itself
+    if job.implementation.transformer_impl == "local":
+        # tensor_parallel/layers.py:1003: every ColumnParallelLinear (the local spec's
+        # linear_qkv and linear_fc1 too) appends to its embedding_activation_buffer, which only
+        # the output layer has (None elsewhere): AttributeError in the first forward.
+        yield ("training.defer_embedding_wgrad_compute needs implementation.transformer_impl: "
+               "transformer_engine (with the local spec megatron-core 0.16.1 fails in the first "
+               "forward: its linear layers have no embedding_activation_buffer)")
+    if tr.global_batch_size >= per_step > 0:
+        calls = (tr.global_batch_size // per_step) * (1 + (job.model.mtp_num_layers or 0))
+        deferred = calls if tr.wgrad_deferral_limit == 0 else min(tr.wgrad_deferral_limit, calls)
+        if deferred == 1:
+            # utils.drain_embedding_wgrad_compute: drain_idx is only set inside its loop over
+            # the second and later entries (UnboundLocalError at the first pipeline flush).
+            yield ("training.defer_embedding_wgrad_compute with one deferred output-layer call per "
+                   "iteration (wgrad_deferral_limit 1, or one micro-batch) fails in megatron-core "
+                   "0.16.1's drain_embedding_wgrad_compute")
+
+
+def _check_offload(job):
+    """Fine-grained activation offloading: what megatron-core 0.16.1 refuses (TransformerConfig:
+    unknown modules, attn_proj without core_attn) is left to its own checks; these are the set-ups
+    that fail while running."""
+    tr = job.training
+    modules = tr.activation_offload_modules or []
+    if not modules:
+        if tr.min_offloaded_tensor_size != 1024 * 1024:
+            yield "training.min_offloaded_tensor_size needs training.activation_offload_modules"
+        return
+    if tr.min_offloaded_tensor_size < 0:
+        size = tr.min_offloaded_tensor_size
+        yield f"training.min_offloaded_tensor_size = {size} must not be negative"
+    if tr.recompute.granularity == "full":
+        # Checkpointed layers save nothing in forward; their offload groups run again in the
+        # recompute inside backward, where the manager's bookkeeping of which chunk runs
+        # backward breaks with pipelining (on_group_commit_backward asserts), and without it the
+        # groups are offloaded and reloaded at once, saving nothing.
+        yield ("training.activation_offload_modules with full recompute: megatron-core 0.16.1 "
+               "offloads inside backward's recompute, which saves nothing and with pipeline "
+               "parallelism fails ('Chunk mismatch'); use selective recompute or no offloading")
+    # (expert_fc1 under FP8 delayed scaling, which TE's GroupedLinear refuses with
+    # save_original_input, is covered by the refusal of FP8 with experts in _check_moe.)

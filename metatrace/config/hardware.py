@@ -1,0 +1,91 @@
+"""What metatrace knows of each GPU model: compute capability, memory, links, peak FLOP/s,
+memory bandwidth; and the cuBLAS workspaces PyTorch allocates on it."""
+
+from __future__ import annotations
+
+# Compute capability of each GPU model (what Transformer Engine's choices depend on).
+GPU_ARCH = {
+    "a100-40gb": "sm80",
+    "a100": "sm80",
+    "h100": "sm90",
+    "h800": "sm90",
+    "h200": "sm90",
+    "b200": "sm100",
+    "gb200": "sm100",
+    "l40s": "sm89",
+    "mi300x": "gfx942",
+}
+
+# Device memory as `torch.cuda.get_device_properties(0).total_memory` reports it, in GiB,
+# rounded to 0.1 GiB (the advertised "80 GB" of an H100 is 79.1 GiB usable by PyTorch).
+GPU_MEMORY_GIB = {
+    "a100-40gb": 39.4,
+    "a100": 79.3,
+    "h100": 79.1,
+    "h800": 79.1,
+    "h200": 139.8,
+    "b200": 178.4,
+    "gb200": 184.0,
+    "l40s": 44.4,
+    "mi300x": 191.5,
+}
+
+
+# Link bandwidth per GPU and direction, in Gb/s: (inside a node: NVLink or PCIe, across nodes:
+# one NIC per GPU). Class defaults of common systems (e.g. DGX H100: NVLink 4 at 450 GB/s, one
+# 400 Gb/s NDR InfiniBand port per GPU); set cluster.intra_node_gbps / inter_node_gbps for yours.
+GPU_LINKS_GBPS = {
+    "a100-40gb": (2400, 200),  # NVLink 3, 300 GB/s; HDR InfiniBand
+    "a100": (2400, 200),
+    "h100": (3600, 400),  # NVLink 4, 450 GB/s; NDR InfiniBand
+    "h800": (1600, 400),  # NVLink 4 at 200 GB/s
+    "h200": (3600, 400),
+    "b200": (7200, 400),  # NVLink 5, 900 GB/s
+    "gb200": (7200, 400),
+    "l40s": (256, 200),  # PCIe 4.0 x16, 32 GB/s
+    "mi300x": (3584, 400),  # Infinity Fabric, 7 links of 64 GB/s
+}
+
+
+# Peak dense (no sparsity) bf16 tensor-core throughput per GPU, TFLOP/s, from the vendors' data
+# sheets (SXM / OAM parts). The time model (metatrace.analysis.timing) runs every counted FLOP at this
+# peak times cluster.compute_efficiency; FP8 GEMMs run at twice it on GPU_FP8_ARCHS.
+GPU_PEAK_TFLOPS = {
+    "a100-40gb": 312,
+    "a100": 312,
+    "h100": 989,
+    "h800": 989,
+    "h200": 989,
+    "b200": 2250,
+    "gb200": 2500,
+    "l40s": 362,
+    "mi300x": 1307,
+}
+
+# Architectures whose tensor cores run FP8 at twice the bf16 rate (Ada, Hopper, Blackwell).
+GPU_FP8_ARCHS = ("sm89", "sm90", "sm100")
+
+# Device memory bandwidth, TB/s (data sheets): the optimizer step's element-wise update is
+# bound by it (metatrace.analysis.timing).
+GPU_HBM_TBPS = {
+    "a100-40gb": 1.555,
+    "a100": 2.039,
+    "h100": 3.35,
+    "h800": 3.35,
+    "h200": 4.8,
+    "b200": 8.0,
+    "gb200": 8.0,
+    "l40s": 0.864,
+    "mi300x": 5.3,
+}
+
+
+def cublas_workspace_bytes(job) -> int:
+    """Bytes of one PyTorch cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT"
+    pairs), or PyTorch's default for the GPU (":4096:8" on sm90 and sm100, ":4096:2:16:8"
+    otherwise; aten/src/ATen/cuda/CublasHandlePool.cpp)."""
+    spec = job.cluster.cublas_workspace_config
+    if spec is None:
+        spec = ":4096:8" if GPU_ARCH.get(job.cluster.gpu) in ("sm90", "sm100") else ":4096:2:16:8"
+    numbers = [int(n) for n in spec.split(":")[1:]]
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))

@@ -1,0 +1,419 @@
+"""The job: nested keyword-only dataclasses, one per section of a job file (model, parallel,
+training, implementation, cluster), a docstring on every key. metatrace.config.load reads them
+from YAML, metatrace.config.resolve derives what Megatron-LM derives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu", "silu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    preset: str | None = None
+    """Name of a preset in `metatrace.config.presets` (e.g. llama2-7b); explicit keys override it."""
+    hf_config: str | None = None
+    """Path of a Hugging Face config.json (relative to the job file) read into this section by
+    `metatrace.config.hf`; explicit keys override it. Not together with preset."""
+    num_layers: int | None = None
+    """Transformer layers in the decoder."""
+    hidden_size: int | None = None
+    """Model width h."""
+    ffn_hidden_size: int | None = None
+    """MLP width; default 4h, or Megatron-LM's SwiGLU rounding floor(8h/3/64)*64 when gated."""
+    num_attention_heads: int | None = None
+    """Attention heads a."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; omitted means multi-head attention."""
+    kv_channels: int | None = None
+    """Head dimension; default h / a."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary before padding."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times tp, as Megatron-LM does."""
+    max_position_embeddings: int | None = None
+    """Position table size for learned absolute positions; default training.seq_length."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] | None = None
+    """learned_absolute (Megatron-LM's default), rope or none."""
+    rotary_base: int | None = None
+    """RoPE base (10000 unless a preset says otherwise)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that RoPE rotates."""
+    normalization: Literal["LayerNorm", "RMSNorm"] | None = None
+    """LayerNorm (default) or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: Activation | None = None
+    """MLP activation: gelu (default), swiglu, geglu, relu, squared_relu, silu."""
+    add_bias_linear: bool | None = None
+    """Biases in all linear layers (Megatron-LM default: true)."""
+    add_qkv_bias: bool | None = None
+    """Bias in the QKV projection (always on with add_bias_linear, as in Megatron-LM; alone it
+    gives Qwen-style QKV-only biases)."""
+    qk_layernorm: bool | None = None
+    """Normalise queries and keys per head."""
+    untie_embeddings_and_output_weights: bool | None = None
+    """Separate output-layer weight instead of sharing the word embedding."""
+    hidden_dropout: float | None = None
+    """Dropout after attention and MLP (Megatron-LM default 0.1)."""
+    attention_dropout: float | None = None
+    """Dropout on attention probabilities (Megatron-LM default 0.1)."""
+    num_experts: int | None = None
+    """Routed experts per mixture-of-experts layer; omitted means a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of each routed expert's MLP (default ffn_hidden_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Megatron-LM default 2)."""
+    moe_layer_freq: int | list[int] | str = 1
+    """Which layers are MoE layers: every n-th (an integer), a 0/1 list per layer, or Megatron-LM's
+    expression such as "([0]*3+[1]*58)"."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared experts (all shared experts together); omitted means none."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax before the top-k choice instead of after it."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: expert groups (DeepSeek's node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may use."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Scale of the top-k routing weights (DeepSeek-V3: 2.5)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing with a per-expert bias (DeepSeek-V3)."""
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
+    ] = "aux_loss"
+    """Load balancing of the router (Megatron-LM default aux_loss)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the auxiliary load-balancing loss (Megatron-LM default 0)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss; omitted means none."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (megatron-core's MLASelfAttention) instead of
+    (grouped-query) self-attention; the head dimensions below replace kv_channels."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection; omitted means no query compression (one
+    column-parallel query projection), as Megatron-LM's default."""
+    kv_lora_rank: int = 32
+    """MLA: rank of the key/value latent (Megatron-LM's default 32; DeepSeek-V3: 512)."""
+    qk_head_dim: int = 128
+    """MLA: query/key head dimension without the rotary part (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary part of the query/key head (DeepSeek's qk_rope_head_dim); a query/key head
+    is qk_head_dim + qk_pos_emb_head_dim wide."""
+    v_head_dim: int = 128
+    """MLA: value head dimension."""
+    rope_type: Literal["rope", "yarn"] | None = None
+    """MLA: rotary embedding kind; default yarn (megatron-core's MLATransformerConfig). Without
+    MLA only rope."""
+    rotary_scaling_factor: float = 1.0
+    """MLA yarn: context-extension factor (Megatron-LM's default 1.0; DeepSeek-V3: 40)."""
+    original_max_position_embeddings: int = 4096
+    """MLA yarn: the pre-extension context length."""
+    beta_fast: float = 32.0
+    """MLA yarn: fast correction boundary."""
+    beta_slow: float = 1.0
+    """MLA yarn: slow correction boundary."""
+    mscale: float = 1.0
+    """MLA yarn: attention-scale factor."""
+    mscale_all_dim: float = 0.0
+    """MLA yarn: attention-scale factor for all dimensions (Megatron-LM's default 0)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths (DeepSeek-V3: 1), built after the decoder on the last
+    pipeline stage (or where parallel.layout puts 'm'); omitted means none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token-prediction loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages (model chunks) per pipeline rank; omitted means no interleaving."""
+    cp: int = 1
+    """Context-parallel size (splits the sequence)."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts only)."""
+    etp: int | None = None
+    """Expert tensor-parallel size; default tp."""
+    dp: int | None = None
+    """Data-parallel size; derived from cluster.num_gpus when omitted."""
+    sequence_parallel: bool = False
+    """Shard norm and dropout activations along the sequence over the TP group."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (uneven split)."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (uneven split)."""
+    account_for_embedding: bool = False
+    """Count the embedding as one layer in the pipeline split."""
+    account_for_loss: bool = False
+    """Count the loss/output layer as one layer in the pipeline split."""
+    layout: str | None = None
+    """Megatron pipeline layout string, e.g. "Et|(tt|)*3tL" (E embedding, t layer, L loss)."""
+    rank_order: str = "tp-cp-ep-dp-pp"
+    """Order in which ranks are laid out, fastest-varying first (Megatron's default)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How Transformer Engine's attention communicates under context parallelism."""
+    hierarchical_cp_sizes: list[int] | None = None
+    """With cp_comm_type a2a+p2p: the sizes of the all-to-all (inner) and ring (outer) levels,
+    whose product is cp."""
+    microbatch_group_size: int | None = None
+    """Interleaved schedule: micro-batches run together per virtual stage (default pp)."""
+    overlap_p2p_comm: bool | None = None
+    """Interleaved schedule: overlap pipeline sends and receives with compute (Megatron-LM's
+    default; off without virtual stages)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """Interleaved schedule: overlap also in the warm-up and flush phases."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How MoE layers move tokens to their experts: all-gather / reduce-scatter over the TP x EP
+    group (Megatron-LM's default) or all-to-all over the EP group."""
+    moe_shared_expert_overlap: bool = False
+    """Overlap the shared experts' computation with the token dispatch (alltoall)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recompute:
+    granularity: Literal["full", "selective"] | None = None
+    """Activation recompute: full layers or selective submodules; omitted means none."""
+    method: Literal["uniform", "block"] | None = None
+    """Full recompute only: uniform (every chunk of num_layers) or block (first num_layers)."""
+    num_layers: int | None = None
+    """Full recompute only: layers per checkpointed chunk (uniform) or per stage (block)."""
+    modules: list[str] | None = None
+    """Selective recompute only: submodules to recompute (default [core_attn])."""
+    distribute_saved_activations: bool = False
+    """Shard the checkpointed inputs over the TP group (full recompute, no sequence parallel)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    seq_length: int | None = None
+    """Tokens per sample."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch per model replica."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; default micro_batch_size x dp."""
+    precision: Precision = "bf16"
+    """Parameter and compute precision; fp8 is bf16 parameters with Transformer Engine's FP8
+    GEMMs (--fp8-format with --bf16)."""
+    fp8_format: Literal["hybrid", "e4m3"] | None = None
+    """With precision fp8: e4m3 everywhere, or hybrid (default: e4m3 forward, e5m2 gradients)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = None
+    """With precision fp8: the scaling recipe (default delayed, as in Megatron-LM)."""
+    fp8_param_gather: bool = False
+    """With precision fp8: keep parameters in FP8 and gather them in FP8 (needs the
+    distributed optimizer)."""
+    fp8_amax_history_len: int = 1
+    """With the delayed FP8 recipe: how many amax values each quantizer keeps (Megatron-LM's
+    --fp8-amax-history-len, default 1; Transformer Engine's own default would be 1024)."""
+    recompute: Recompute = field(default_factory=Recompute)
+    """Activation recomputation."""
+    activation_offload_modules: list[
+        Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+                "moe_act"]
+    ] | None = None
+    """megatron-core's fine-grained activation offloading (--fine-grained-activation-offloading
+    --offload-modules): what these modules save for backward goes to pinned host memory after
+    their forward and comes back in backward. attn_proj needs core_attn; attn_norm and mlp_norm
+    move nothing in Transformer Engine's dense layers (their norm is fused into the next linear),
+    expert_fc1 only with moe_grouped_gemm. Omitted or empty: off."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """With activation_offload_modules: saved tensors with fewer elements stay on the GPU
+    (--min-offloaded-tensor-size)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel group (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients in buckets during backward."""
+    overlap_param_gather: bool = False
+    """Gather parameters during the next forward (needs the distributed optimizer)."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Start the first parameter all-gather inside the optimizer step (needs
+    overlap_param_gather and virtual pipeline stages); turns DDP's bucketing off."""
+    num_distributed_optimizer_instances: int = 1
+    """Distributed-optimizer replicas: the state is sharded over dp / this many ranks."""
+    grad_reduce_in_fp32: bool | None = None
+    """fp32 main-grad buffers, reduced in fp32 (Megatron-LM's default with bf16 and fp8:
+    --accumulate-allreduce-grads-in-fp32; gradients stay in the parameter dtype otherwise)."""
+    ddp_bucket_size: int | None = None
+    """Gradient bucket size in elements with overlap_grad_reduce (default max(4e7, 1e6 x dp x cp))."""
+    ddp_average_in_collective: bool = False
+    """Average gradients inside the reduction collective instead of scaling beforehand."""
+    ddp_pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad each gradient bucket to a multiple that keeps NCCL's bus bandwidth high
+    (--ddp-pad-buckets-for-high-nccl-busbw): lcm(dp, 128, 2**16) elements with the
+    distributed optimizer."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (Megatron-LM's default) or SGD with momentum."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (0 keeps no momentum buffer)."""
+    use_precision_aware_optimizer: bool = False
+    """Transformer Engine's FusedAdam keeps main params / moments in the dtypes below."""
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Main-gradient dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """Master-parameter dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam first-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """Adam second-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 turns it off)."""
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradients at every step (Megatron-LM's --log-num-zeros-in-grad)."""
+    gradient_accumulation_fusion: bool = True
+    """Weight-gradient GEMMs accumulate straight into DDP's main-grad buffers (Megatron-LM's
+    default; --no-gradient-accumulation-fusion turns it off)."""
+    defer_embedding_wgrad_compute: bool = False
+    """The last stage keeps each micro-batch's output-layer input and logits gradient and runs
+    the output layer's weight-gradient GEMMs after the last backward (--defer-embedding-wgrad-compute;
+    needs pipeline parallelism and gradient_accumulation_fusion)."""
+    wgrad_deferral_limit: int = 0
+    """With defer_embedding_wgrad_compute: how many micro-batches are deferred (0: all)."""
+    calculate_per_token_loss: bool = False
+    """Normalise the loss by the tokens of the whole global batch (--calculate-per-token-loss)."""
+    moe_routing: Literal["balanced", "capacity"] = "balanced"
+    """Token counts per expert, which depend on the data, as metatrace assumes them: balanced
+    (every expert gets tokens x topk / experts; dropless routing) or capacity (each expert's
+    input padded to its capacity, megatron-core's static path; needs moe_expert_capacity_factor)."""
+    moe_expert_capacity_factor: float | None = None
+    """Expert capacity as a multiple of the balanced share. With moe_routing capacity every
+    expert's input is padded to it; with balanced routing tokens beyond it are dropped (which
+    caps moe_hottest_expert_load)."""
+    moe_hottest_expert_load: float = 1.0
+    """With balanced routing: the most loaded expert on each rank gets this multiple of the
+    balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
+    create_attention_mask_in_dataloader: bool = True
+    """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
+    the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Implementation:
+    transformer_impl: Literal["local", "transformer_engine"] = "transformer_engine"
+    """Layer spec family: Transformer Engine (Megatron-LM's default) or megatron-core's local
+    modules."""
+    attention_backend: Literal["auto", "local", "unfused", "flash", "fused"] = "auto"
+    """Attention kernel. auto: what Transformer Engine picks on cluster.gpu (fused cuDNN
+    attention on the GPUs metatrace knows); flash: TE's flash-attn path (needs flash-attn
+    2.1.1-2.8.1 next to TE 2.8); local: megatron-core's own attention (local spec only)."""
+    rope_fusion: bool | None = None
+    """Transformer Engine's fused RoPE kernel (Megatron-LM's default with TE; needs TE, so the
+    local spec defaults to megatron-core's unfused RoPE)."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion)."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """With cross_entropy_loss_fusion: megatron-core's fused kernel, or Transformer Engine's
+    (which overwrites the logits with their gradient)."""
+    bias_activation_fusion: bool = True
+    """Fused bias-GeLU / bias-SwiGLU kernels (Megatron-LM's default; --no-bias-gelu-fusion,
+    --no-bias-swiglu-fusion turn them off). Only GeLU with biases and SwiGLU have one."""
+    bias_dropout_fusion: bool = True
+    """Fused bias-dropout-add (--no-bias-dropout-fusion turns it off)."""
+    masked_softmax_fusion: bool = True
+    """Apex's fused scaled masked softmax in megatron-core's own attention
+    (--no-masked-softmax-fusion turns it off)."""
+    attention_softmax_in_fp32: bool = False
+    """Attention softmax in fp32 in unfused attention (--attention-softmax-in-fp32)."""
+    apply_query_key_layer_scaling: bool = False
+    """Scale attention scores by the layer number (--apply-query-key-layer-scaling); forces
+    the softmax into fp32."""
+    moe_grouped_gemm: bool = False
+    """Experts of a MoE layer as one grouped GEMM (Transformer Engine's GroupedLinear) instead of
+    one MLP per expert."""
+    moe_permute_fusion: bool = False
+    """Transformer Engine's fused token permutation kernels in the MoE dispatchers
+    (--moe-permute-fusion): int32 row-id maps instead of megatron-core's index tensors."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused top-k / aux-loss router kernels (--moe-router-fusion)."""
+    torch_compile: bool = True
+    """megatron-core's fused kernels (@jit_fuser: bias-GeLU, SwiGLU, bias-dropout-add, the fused
+    cross entropy) run compiled by torch.compile, as they do on a GPU; false runs them eagerly
+    (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), which allocates other buffers."""
+    te_op_fuser: bool = False
+    """Dense MLPs run as megatron-core's TEFusedMLP, one Transformer Engine operation-fuser
+    pipeline (te.pytorch.ops.Sequential: norm, fc1, activation, fc2, TP reduction) instead of
+    LayerNormLinear, megatron-core's activation and Linear (--use-transformer-engine-op-fuser,
+    Megatron-LM after core_v0.16.1). Only dense MLPs change: attention, MoE experts and shared
+    experts keep their modules. Saves what the unfused modules save in bf16; under FP8 both MLP
+    weights are quantized again in every forward and kept per micro-batch in flight, instead of
+    one persistent FP8 weight per module."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    num_gpus: int | None = None
+    """GPUs in the job; default tp x pp x cp x dp."""
+    gpus_per_node: int = 8
+    """GPUs per node; ranks are placed on nodes in order (GPU names n{node}_g{gpu})."""
+    gpu: str = "h100"
+    """GPU model: one of GPU_MEMORY_GIB's keys."""
+    gpu_memory_gib: float | None = None
+    """Memory per GPU; default from `gpu`."""
+    reserved_overhead_gib: float = 4.0
+    """Memory a GPU needs beside what PyTorch's caching allocator hands out: the CUDA context,
+    NCCL's communicators and buffers, and allocator fragmentation. Added to the predicted peak
+    for the verdict, never to the peak itself."""
+    intra_node_gbps: float | None = None
+    """Link bandwidth per GPU and direction inside a node, Gb/s (default for `gpu`)."""
+    inter_node_gbps: float | None = None
+    """Network bandwidth per GPU and direction across nodes, Gb/s (default for `gpu`)."""
+    cublas_workspace_config: str | None = None
+    """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
+    workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""
+    compute_efficiency: float = 0.5
+    """An assumption of the time model, not a measurement: the fraction of the GPU's peak dense
+    FLOP/s (GPU_PEAK_TFLOPS) that the counted FLOPs (matrix products and attention) run at,
+    i.e. the model FLOPs utilisation of the steps' compute. 0.5 is typical of well-tuned
+    Megatron-LM runs of large dense models on Hopper (published runs report 0.4 to 0.55);
+    small models and short sequences reach less. Between 0 (exclusive) and 1."""
+
+
+@dataclass(frozen=True)
+class NotModelled:
+    """An option of the run that metatrace does not model: the prediction is made without it."""
+
+    option: str
+    """As the run gives it, e.g. "--moe-router-fusion" or "--optimizer muon"."""
+    feature: str
+    """What is not modelled."""
+    direction: Literal["raises", "lowers", "either", "unknown", "traffic"]
+    """How it could move the predicted peak: raises, lowers, either way, unknown, or not at all
+    (traffic: it changes only the communication)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    model: Model = field(default_factory=Model)
+    parallel: Parallel = field(default_factory=Parallel)
+    training: Training = field(default_factory=Training)
+    implementation: Implementation = field(default_factory=Implementation)
+    cluster: Cluster = field(default_factory=Cluster)
+    source: str = "<config>"
+    """Where the job came from (a file name), for messages."""
+
+    # Derived values; `resolve()` fills them. Read them, do not set them in a file.
+    padded_vocab_size: int = 0
+    num_microbatches: int = 0
+    notes: tuple[str, ...] = ()
+    """What was adjusted the way Megatron-LM adjusts it (e.g. sequence parallel off at tp 1)."""
+    attention_kernel: str = ""
+    """The attention that runs: fused, flash or unfused (Transformer Engine), local."""
+    not_modelled: tuple[NotModelled, ...] = ()
+    """Options of the run metatrace does not model (from Megatron-LM arguments): the prediction
+    leaves them out, and the verdict says so."""
+
+
+SECTIONS = ("model", "parallel", "training", "implementation", "cluster")
+DERIVED = (
+    "source", "padded_vocab_size", "num_microbatches", "notes", "attention_kernel", "not_modelled"
+)

@@ -1,0 +1,749 @@
+"""Megatron-LM `pretrain_gpt.py` arguments -> a metatrace job.
+
+Users may describe a run by the arguments they give Megatron-LM instead of a YAML job. This
+module reads them (a token list, a line or training script, or a `{"--flag": value}` mapping),
+checks every flag against one declarative table (`FLAGS`) and derives the job mapping that
+`metatrace.config.job_from_dict` takes, the way Megatron-LM at tag core_v0.16.1 derives its
+settings (../shared/notes/megatron-args.md, sections 1, 2, 4 and 6).
+
+Every flag is in one class of metatrace.config.megatron.flags (which holds Megatron-LM's own parser
+attributes, so values are read as argparse reads them):
+1. modelled: it sets job keys (directly through `Flag.key`, or in the derivations below);
+2. no effect: accepted silently (logging, data, checkpoints, the learning-rate schedule, ...);
+3. not modelled yet: given with a value other than its default, it is listed in one warning and
+   carried on the Job (`Job.not_modelled`) for the verdict; the job describes the run without it;
+4. refused by Megatron-LM itself: an error with its message.
+Environment variables are classified the same way (`_cluster`). A flag in no parser of the table
+is an error when it is close to one (a misspelling), else reported as not modelled (a newer
+Megatron-LM's flag, its effect unknown).
+
+Known limitations: flags that only Megatron-LM's own training code reads were classified from
+their help and Megatron-Bridge's port of that code; HEAD-only flags from their help alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from metatrace.config.job import NotModelled
+from metatrace.errors import ConfigError
+from metatrace.config.megatron.flags import (
+    ENV_MODELLED,
+    ENV_NO_EFFECT,
+    ENV_NO_EFFECT_PREFIXES,
+    ENV_NOT_MODELLED,
+    FLAGS,
+    GPT2_VOCAB,
+    NEEDS,
+    NVTE_ATTN,
+    NVTE_FOR_BACKEND,
+    UNMODELLED_VALUES,
+    Flag,
+)
+from metatrace.config.megatron.script import args_from_mapping, read_args_file, split_args
+
+__all__ = [
+    "NOT_MODELLED_REASONS",
+    "args_from_mapping",
+    "job_dict_from_args",
+    "job_from_args",
+    "not_modelled",
+    "read_args_file",
+    "split_args",
+]
+
+
+NOT_MODELLED_REASONS: dict[str, str] = {
+    f.name: f.reason for f in FLAGS.values() if f.cls == "not_modelled"
+}
+"""Class-3 flag -> the feature metatrace does not model yet (for a calibration harness)."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Flag -> value as argparse would store it (a switch: what it stores, True or False; lists
+    for several values); the last of a repeated flag wins. And the flags no parser in the table
+    has that are not a misspelling of one: a newer Megatron-LM's, as far as metatrace can tell
+    (a misspelt flag is an error that names the closest one). Every problem is reported in one
+    ConfigError."""
+    values: dict[str, Any] = {}
+    unknown, problems = [], []
+    i, previous = 0, None
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        name, eq, inline = token.partition("=")
+        if not token.startswith("--") and name not in FLAGS:
+            after = f" after {previous}, which takes no value" if previous else ""
+            problems.append(f"unexpected value {token!r}{after}")
+            continue
+        spec = FLAGS.get(name)
+        previous = name
+        if spec is None:
+            unknown.append(name)
+            while i < len(tokens) and not _is_flag(tokens[i]):
+                i += 1  # its values
+            continue
+        given = [inline] if eq else []
+        if not eq and spec.nargs != 0:
+            limit = spec.nargs if isinstance(spec.nargs, int) else len(tokens)
+            limit = 1 if spec.nargs == "?" else limit
+            while i < len(tokens) and not _is_flag(tokens[i]) and len(given) < limit:
+                given.append(tokens[i])
+                i += 1
+        if spec.cls == "refused":
+            problems.append(spec.reason)
+            continue
+        if spec.nargs == 0 or (spec.nargs == "?" and not given):
+            if eq:
+                problems.append(f"{name} takes no value, got {inline!r}")
+            values[name] = spec.const
+            continue
+        previous = None
+        if not given and spec.nargs != "*":
+            problems.append(f"{name} needs a value")
+            continue
+        if isinstance(spec.nargs, int) and spec.nargs > 1 and len(given) != spec.nargs:
+            problems.append(f"{name} takes {spec.nargs} values, got {len(given)}")
+            continue
+        try:
+            converted = [_convert(name, spec, text) for text in given]
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        values[name] = converted[0] if spec.nargs in (1, "?") else converted
+    closest = {f: _closest(f) for f in unknown}
+    misspelt = [f for f in unknown if closest[f] or f == "--"]
+    if misspelt:
+        problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(
+            f"{f} (did you mean {closest[f]}?)" if closest[f] else repr(f) for f in misspelt))
+    if problems:
+        raise ConfigError(problems)
+    return values, [f for f in unknown if f not in misspelt]
+
+
+def _is_flag(token: str) -> bool:
+    return token.startswith("--") or token.partition("=")[0] in FLAGS
+
+
+def _convert(name: str, spec: Flag, text: str):
+    try:
+        value = spec.type(text)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(spec.type, "a value")
+        raise ConfigError(f"{name} expects {kind}, got {text!r}") from None
+    if spec.choices is not None and value not in spec.choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in spec.choices], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"{name} must be one of {', '.join(map(str, spec.choices))}; got {text!r}{hint}"
+        )
+    return value
+
+
+def _closest(flag: str) -> str | None:
+    """The known flag `flag` most likely misspells; never its negation (--x for --no-x)."""
+    base = flag.replace("_", "-")
+    for close in difflib.get_close_matches(base, list(FLAGS), n=3, cutoff=0.75):
+        if close == base or _stem(close) != _stem(base):  # not --x for --no-x
+            return close
+    return None
+
+
+def _stem(flag: str) -> str:
+    return flag.removeprefix("--").removeprefix("no-").removeprefix("disable-")
+
+
+# --------------------------------------------------------------------------- deriving
+
+
+def job_dict_from_args(
+    tokens: list[str] | dict,
+    *,
+    world_size: int,
+    gpu: str | None = None,
+    gpus_per_node: int | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[dict, list[str]]:
+    """The job mapping for `job_from_dict` and notes for the user; the first note is the one
+    warning that lists every given flag metatrace does not model yet."""
+    data, notes, _ = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    return data, notes
+
+
+def _derive(tokens, world_size, gpu, gpus_per_node, env):
+    """(job mapping, notes, what is not modelled) of a Megatron-LM command line."""
+    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    env = {k: str(val) for k, val in (env or {}).items()}
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"the world size must be a whole number >= 1, got {world_size!r}")
+    job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
+    notes: list[str] = []
+    problems: list[str] = []
+    unmodelled = _unmodelled(v, notes) + [(f, NotModelled(f, _STRANGER, "unknown"))
+                                          for f in strangers]
+    skipped = {flag for flag, _ in unmodelled}
+    for flag, value in v.items():
+        spec = FLAGS[flag]
+        if spec.key is not None and flag not in skipped:
+            _put(job, spec.key, spec.const if spec.switch else value)
+    _model(v, job, notes, problems)
+    _vocabulary(v, job, notes, problems)
+    _parallel(v, job, notes, problems, world_size)
+    _training(v, job, notes, problems)
+    _implementation(v, job, notes, problems, gpu, env)
+    missing = [m for _, m in unmodelled]
+    missing += _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
+    if problems:
+        raise ConfigError(problems)
+    newer = sorted(f for f in v if FLAGS[f].versions == "HEAD")
+    if newer:
+        notes.append(f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
+                     f"0.16.1): {', '.join(newer)}")
+    older = sorted(f for f in v if FLAGS[f].versions == "older")
+    if older:
+        notes.append(f"from a Megatron-LM older than core_v0.16.1: {', '.join(older)}")
+    if missing:
+        notes.insert(0, _warning(missing))
+    return {k: s for k, s in job.items() if s}, notes, missing
+
+
+def job_from_args(
+    tokens: list[str] | dict,
+    *,
+    world_size: int,
+    gpu: str | None = None,
+    gpus_per_node: int | None = None,
+    env: dict[str, str] | None = None,
+    source: str = "<megatron-args>",
+):
+    """`job_dict_from_args`, resolved and checked by `job_from_dict`: (Job, notes). The Job
+    carries what is not modelled (`Job.not_modelled`), for the verdict."""
+    import dataclasses
+
+    from metatrace.config.load import job_from_dict
+
+    data, notes, missing = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    job = job_from_dict(data, source=source)
+    return dataclasses.replace(job, not_modelled=tuple(missing)), notes
+
+
+def not_modelled(tokens: list[str] | dict) -> list[str]:
+    """'option: what is not modelled' for every given flag (or value) metatrace does not model
+    yet; empty when the run is fully modelled. Environment variables are not looked at."""
+    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    return [f"{m.option}: {m.feature}" for _, m in _unmodelled(v, [])] + [
+        f"{f}: {_STRANGER}" for f in strangers]
+
+
+def _put(job: dict, key: str, value) -> None:
+    *path, leaf = key.split(".")
+    node = job
+    for part in path:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _is_moe(v) -> bool:
+    return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
+
+
+_STRANGER = ("a flag in neither core_v0.16.1's nor HEAD's parser (an older or newer "
+             "Megatron-LM's?)")
+
+
+def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
+    """(flag, what is not modelled) for what the run gives that metatrace does not model:
+    class-3 flags with a value other than their default, values of flags that are not
+    modelled, and combinations. An option that acts only with another one that is not given
+    changes nothing: it is noted as ignored instead."""
+    out, idle = [], []
+    for flag, value in v.items():
+        spec = FLAGS[flag]
+        if flag in UNMODELLED_VALUES:
+            values, feature, direction = UNMODELLED_VALUES[flag]
+            hit = any(x in values for x in (value if isinstance(value, list) else [value]))
+        else:
+            hit = spec.cls == "not_modelled" and not _is_default(spec, value)
+            feature, direction = spec.reason, spec.direction
+        if not hit:
+            continue
+        if flag in NEEDS and not any(_given(v, parent) for parent in NEEDS[flag]):
+            idle.append((flag, NEEDS[flag]))
+            continue
+        out.append((flag, NotModelled(_show(flag, value), feature, direction)))
+    for flag, parents in idle:
+        notes.append(f"{flag} changes nothing without {' or '.join(parents)}")
+    if "--fp8-format" in v and "--bf16" not in v:
+        out.append(("--fp8-format", NotModelled("--fp8-format without --bf16",
+                                                "FP8 over fp16 or fp32 parameters", "unknown")))
+    if len(set(v.get("--cp-comm-type", ()))) > 1:
+        out.append(("--cp-comm-type", NotModelled(_show("--cp-comm-type", v["--cp-comm-type"]),
+                                                  "a context-parallel communication type per "
+                                                  "layer", "either")))
+    evaluation = v.get("--eval-micro-batch-size")
+    if evaluation is not None and evaluation > v.get("--micro-batch-size", evaluation):
+        # Between iterations, with the optimizer state resident: [s, b, V/t] fp32 logits and
+        # every layer's transients at the larger micro-batch can exceed the training peak.
+        out.append(("--eval-micro-batch-size", NotModelled(
+            _show("--eval-micro-batch-size", evaluation),
+            "evaluation with a larger micro-batch than training (between iterations)",
+            "raises")))
+    return out
+
+
+def _given(v, flag: str) -> bool:
+    """The run gives `flag` with a value that turns something on (not its default, not 0)."""
+    value = v.get(flag)
+    return flag in v and not _is_default(FLAGS[flag], value) and value not in (0, "none", [])
+
+
+def _is_default(spec: Flag, value) -> bool:
+    default = spec.default
+    if isinstance(value, list) and isinstance(default, (list, tuple)):
+        return list(value) == list(default)
+    return value == default
+
+
+def _show(flag: str, value) -> str:
+    if FLAGS[flag].switch or value is True:
+        return flag
+    if isinstance(value, list):
+        return " ".join([flag, *map(str, value)])
+    return f"{flag} {value}"
+
+
+def _warning(missing: list[NotModelled]) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for m in missing:
+        by_reason.setdefault(m.feature, []).append(m.option)
+    parts = [f"{feature} ({', '.join(options)})" for feature, options in by_reason.items()]
+    return (
+        "warning: metatrace does not model these yet, and predicts the run without them: "
+        + "; ".join(parts)
+    )
+
+
+def _model(v, job, notes, problems) -> None:
+    m = job["model"]
+    for flag, alias, key in (
+        ("--num-layers", "--encoder-num-layers", "model.num_layers"),
+        ("--seq-length", "--encoder-seq-length", "training.seq_length"),
+    ):
+        if flag in v and alias in v:
+            problems.append(f"give {flag} or {alias}, not both (Megatron-LM asserts it)")
+        elif alias in v:
+            _put(job, key, v[alias])
+    decoder = v.get("--decoder-seq-length")
+    seq = v.get("--seq-length", v.get("--encoder-seq-length"))
+    if decoder is not None and decoder != seq and v.get("--pipeline-model-parallel-size", 1) > 1:
+        problems.append(f"--decoder-seq-length {decoder} differs from --seq-length {seq}: "
+                        "megatron-core's pipeline schedule sizes its receive buffers from it "
+                        "(sends and receives would disagree)")
+    required = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                "--micro-batch-size")
+    absent = [f for f in required if f not in v and not (
+        f == "--num-layers" and "--encoder-num-layers" in v
+        or f == "--seq-length" and "--encoder-seq-length" in v)]
+    if absent:
+        problems.append("Megatron-LM needs " + ", ".join(absent))
+    if "--max-position-embeddings" not in v:
+        notes.append("Megatron-LM needs --max-position-embeddings; metatrace takes --seq-length")
+    # Grouped-query attention only with --group-query-attention (notes 6.1); its default is 1.
+    if "--group-query-attention" in v:
+        m["num_query_groups"] = v.get("--num-query-groups", 1)
+    elif "--num-query-groups" in v:
+        notes.append(
+            f"--num-query-groups {v['--num-query-groups']} is ignored without "
+            "--group-query-attention: Megatron-LM builds multi-head attention"
+        )
+    position = v.get("--position-embedding-type")
+    if "--use-rotary-position-embeddings" in v:
+        position = "rope"  # deprecated spelling
+    if "--no-position-embedding" in v and position not in ("rope", "mrope"):
+        problems.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless the "
+                        "position embedding is rope); use --position-embedding-type none")
+    if position is not None:
+        # yarn and mrope rotate like rope (no parameters); relative is T5's. All three are
+        # listed as not modelled.
+        m["position_embedding_type"] = {"yarn": "rope", "mrope": "rope", "relative": "none"}.get(
+            position, position
+        )
+    if "--swiglu" in v and "--squared-relu" in v:
+        problems.append("--swiglu and --squared-relu exclude each other (Megatron-LM asserts it)")
+    elif "--swiglu" in v:
+        m["activation"] = "swiglu"
+    elif "--squared-relu" in v:
+        m["activation"] = "squared_relu"
+        if "--disable-bias-linear" not in v and "--no-bias-gelu-fusion" not in v:
+            problems.append(
+                "--squared-relu with linear biases needs --no-bias-gelu-fusion (or "
+                "--disable-bias-linear): Megatron-LM's TransformerConfig refuses the fused "
+                "bias-GeLU kernel for squared ReLU (notes 6.3)"
+            )
+    # validate_args turns the QKV bias on whenever linear biases are (notes 6.4).
+    if "--add-qkv-bias" in v or "--disable-bias-linear" not in v:
+        m["add_qkv_bias"] = True
+    _experts(v, job, notes, problems)
+    _latent_attention(v, job, notes, problems)
+
+
+# Flags only multi-latent attention reads (megatron-core's MLATransformerConfig fields).
+_MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+
+
+def _latent_attention(v, job, notes, problems) -> None:
+    """Multi-latent attention: its flags mean nothing without --multi-latent-attention (the
+    yarn flags then feed HEAD's non-MLA yarn, listed as not modelled)."""
+    if "--multi-latent-attention" in v:
+        if "--group-query-attention" in v:
+            problems.append("--multi-latent-attention and --group-query-attention exclude each "
+                            "other (Megatron-LM asserts it)")
+            job["model"].pop("num_query_groups", None)
+        return
+    given = [f for f in _MLA_FLAGS if f in v]
+    if given:
+        notes.append(f"{', '.join(given)} are ignored without --multi-latent-attention")
+        for flag in given:
+            job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
+    if v.get("--rope-type") == "yarn":
+        problems.append("--rope-type yarn needs --multi-latent-attention (Megatron-LM asserts "
+                        "rope for other attention)")
+
+
+def _experts(v, job, notes, problems) -> None:
+    """Mixture of experts: the flags that need a reading (--num-experts 0 means none)."""
+    if not _is_moe(v):
+        given = [f for f in v if f.startswith("--moe-") and FLAGS[f].cls == "modelled"]
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without --num-experts")
+            for flag in given:
+                if FLAGS[flag].key is not None:
+                    *path, leaf = FLAGS[flag].key.split(".")
+                    job.get(path[0], {}).pop(leaf, None)
+        return
+    m, t = job["model"], job["training"]
+    m["num_experts"] = v["--num-experts"]
+    freq = v.get("--moe-layer-freq")
+    if freq is not None:
+        m["moe_layer_freq"] = int(freq) if freq.strip().isdigit() else freq
+    kinds = v.get("--moe-router-load-balancing-type")
+    if kinds:
+        if len(set(kinds)) > 1:
+            problems.append(f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
+                            "load-balancing losses are not modelled; give one")
+        # quantile_balancing (newer Megatron-LM) is reported as not modelled
+        kind = "none" if kinds[0] == "quantile_balancing" else kinds[0]
+        m["moe_router_load_balancing_type"] = kind
+    coeffs = v.get("--moe-aux-loss-coeff")
+    if coeffs:
+        m["moe_aux_loss_coeff"] = coeffs[0]
+    # A capacity factor pads every expert to capacity only with
+    # --moe-pad-expert-input-to-capacity; alone it drops tokens beyond it.
+    if "--moe-pad-expert-input-to-capacity" in v:
+        if "--moe-expert-capacity-factor" not in v:
+            problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                            "(Megatron-LM asserts it)")
+        t["moe_routing"] = "capacity"
+
+
+def _vocabulary(v, job, notes, problems) -> None:
+    """model.vocab_size from the tokenizer (notes 4.4, Megatron-LM core_v0.16.1)."""
+    m = job["model"]
+    size, tokenizer = v.get("--vocab-size"), v.get("--tokenizer-type")
+    if "--padded-vocab-size" in v:
+        # The final size, unpadded: with a multiple of 1, padding only rounds to tp, which the
+        # vocabulary-parallel embedding needs anyway.
+        m["vocab_size"], m["make_vocab_size_divisible_by"] = v["--padded-vocab-size"], 1
+        return
+    if tokenizer is None:
+        if size is not None and "--vocab-file" not in v:
+            notes.append("no --tokenizer-type: pretrain_gpt.py defaults to GPT2BPETokenizer "
+                         "(which needs --vocab-file); metatrace takes the vocabulary from "
+                         "--vocab-size")
+            m["vocab_size"] = size
+            return
+        if "--vocab-file" not in v:
+            notes.append(f"no --tokenizer-type or --vocab-file: assuming pretrain_gpt.py's "
+                         f"default GPT2BPETokenizer ({GPT2_VOCAB} tokens)")
+        tokenizer = "GPT2BPETokenizer"
+    if tokenizer == "GPT2BPETokenizer":
+        if size is not None:
+            notes.append(f"--vocab-size is ignored by GPT2BPETokenizer ({GPT2_VOCAB} tokens)")
+        m["vocab_size"] = GPT2_VOCAB
+    elif size is None:
+        problems.append(
+            f"metatrace cannot know the vocabulary of --tokenizer-type {tokenizer} (Megatron-LM "
+            "reads it from the tokenizer's files): give its size with --vocab-size"
+        )
+    elif tokenizer == "NullTokenizer":
+        m["vocab_size"] = size + 1  # 0.16.1: the end-of-document id is V, so V + 1 tokens
+    else:
+        m["vocab_size"] = size
+        if tokenizer not in ("TikTokenizer",):
+            notes.append(f"--vocab-size {size} stands for {tokenizer}'s vocabulary "
+                         "(Megatron-LM reads it from the tokenizer's files)")
+
+
+def _parallel(v, job, notes, problems, world_size) -> None:
+    p = job["parallel"]
+    tp = v.get("--tensor-model-parallel-size", 1)
+    pp = v.get("--pipeline-model-parallel-size", 1)
+    cp = v.get("--context-parallel-size", 1)
+    _virtual_pipeline(v, p, problems, pp)
+    layout = v.get("--pipeline-model-parallel-layout")
+    if layout is not None:
+        p["layout"] = layout
+    kinds = v.get("--cp-comm-type")
+    if kinds:
+        layers = v.get("--num-layers")
+        if len(kinds) > 1 and layers is not None and len(kinds) != layers:
+            problems.append(f"--cp-comm-type gives {len(kinds)} values; a value per layer needs "
+                            f"--num-layers = {layers} of them")
+        p["cp_comm_type"] = {"allgather": "all_gather"}.get(kinds[0], kinds[0])
+    # Expert parallelism (notes 2): EP needs experts; ETP alone lays out the expert grid of a
+    # dense model.
+    ep = v.get("--expert-model-parallel-size", 1)
+    etp = v.get("--expert-tensor-parallel-size", tp)
+    if ep > 1 and not _is_moe(v):
+        problems.append(f"--expert-model-parallel-size {ep} needs --num-experts (Megatron-LM "
+                        "asserts it)")
+    if min(ep, etp, tp, pp, cp) < 1:
+        return  # job_from_dict reports degrees below 1
+    if world_size % (etp * ep * pp):
+        problems.append(f"world size {world_size} is not divisible by expert tp x ep x pp = "
+                        f"{etp} x {ep} x {pp} = {etp * ep * pp} (megatron-core's expert grid)")
+    elif ("--use-tp-pp-dp-mapping" in v and pp > 1 and world_size % (tp * pp * cp) == 0
+          and world_size // (etp * ep * pp) != world_size // (tp * pp * cp)):
+        problems.append(
+            f"with --use-tp-pp-dp-mapping the expert data-parallel size (world / (etp x ep x pp) "
+            f"= {world_size // (etp * ep * pp)}) must equal the data-parallel size (world / "
+            f"(tp x pp x cp) = {world_size // (tp * pp * cp)}) (megatron-core asserts it)"
+        )
+    if "--expert-tensor-parallel-size" in v:
+        p["etp"] = etp
+
+
+def _virtual_pipeline(v, p, problems, pp) -> None:
+    """parallel.vpp as validate_args derives it (notes 4.6)."""
+    per_chunk = v.get("--num-layers-per-virtual-pipeline-stage")
+    stages = v.get("--num-virtual-stages-per-pipeline-rank")
+    given = [f for f in ("--num-layers-per-virtual-pipeline-stage",
+                         "--num-virtual-stages-per-pipeline-rank",
+                         "--pipeline-model-parallel-layout") if f in v]
+    if len(given) > 1:
+        problems.append(f"give at most one of {', '.join(given)} (Megatron-LM asserts it)")
+        return
+    if per_chunk is None and stages is None:
+        return
+    overlap = "--no-overlap-p2p-communication" not in v
+    if pp <= (1 if overlap else 2):
+        problems.append(
+            "an interleaved pipeline needs --pipeline-model-parallel-size > "
+            + ("1" if overlap else "2 with --no-overlap-p2p-communication")
+        )
+        return
+    if stages is None:
+        if "--decoder-first-pipeline-num-layers" in v or "--decoder-last-pipeline-num-layers" in v:
+            problems.append("with --decoder-first/last-pipeline-num-layers give the virtual "
+                            "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM "
+                            "asserts it)")
+            return
+        layers = v.get("--num-layers", v.get("--encoder-num-layers"))
+        if layers is None or per_chunk < 1:
+            return
+        layers += ("--account-for-embedding-in-pipeline-split" in v) + (
+            "--account-for-loss-in-pipeline-split" in v)
+        if layers % pp or (layers // pp) % per_chunk:
+            problems.append(f"{layers} layers over --pipeline-model-parallel-size {pp} do not "
+                            "split into chunks of --num-layers-per-virtual-pipeline-stage "
+                            f"{per_chunk}")
+            return
+        stages = layers // pp // per_chunk
+    if stages != 1:
+        p["vpp"] = stages
+
+
+def _training(v, job, notes, problems) -> None:
+    t = job["training"]
+    bf16, fp16 = "--bf16" in v, "--fp16" in v
+    if bf16 and fp16:
+        problems.append("--bf16 and --fp16 exclude each other (Megatron-LM asserts it)")
+    t["precision"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    if "--fp8-format" in v and bf16:
+        t["precision"], t["fp8_format"] = "fp8", v["--fp8-format"]
+        if v.get("--fp8-recipe") not in (None, "custom"):  # custom is listed as not modelled
+            t["fp8_recipe"] = v["--fp8-recipe"]
+        if "--fp8-param-gather" in v:
+            t["fp8_param_gather"] = True
+    elif "--fp8-param-gather" in v and "--fp8-format" not in v:
+        problems.append("--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
+                        "parameters without FP8)")
+    _recompute(v, t, notes)
+    # bf16 accumulates and reduces gradients in fp32 unless asked otherwise (notes 6.10);
+    # config.py derives that default, the flags override it.
+    if "--accumulate-allreduce-grads-in-fp32" in v:
+        t["grad_reduce_in_fp32"] = True
+    elif "--grad-reduce-in-bf16" in v:
+        t["grad_reduce_in_fp32"] = False
+    if v.get("--optimizer") in ("adam", "sgd"):
+        t["optimizer"] = v["--optimizer"]
+    _offloading(v, t, notes, problems)
+
+
+def _offloading(v, t, notes, problems) -> None:
+    """Fine-grained activation offloading: --offload-modules and --min-offloaded-tensor-size
+    act only with --fine-grained-activation-offloading (megatron-core then needs modules)."""
+    given = [f for f in ("--offload-modules", "--min-offloaded-tensor-size") if f in v]
+    if "--fine-grained-activation-offloading" not in v:
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without "
+                         "--fine-grained-activation-offloading")
+        return
+    if not v.get("--offload-modules"):
+        problems.append("--fine-grained-activation-offloading needs --offload-modules "
+                        "(megatron-core asserts it)")
+        return
+    t["activation_offload_modules"] = list(v["--offload-modules"])
+    if "--min-offloaded-tensor-size" in v:
+        t["min_offloaded_tensor_size"] = v["--min-offloaded-tensor-size"]
+
+
+def _recompute(v, t, notes) -> None:
+    granularity = v.get("--recompute-granularity")
+    if "--recompute-activations" in v:
+        granularity = "selective"  # validate_args, whatever --recompute-granularity says
+    options = [f for f in ("--recompute-method", "--recompute-num-layers", "--recompute-modules")
+               if f in v]
+    if granularity is None:
+        if options:
+            notes.append(f"{', '.join(options)} are ignored without --recompute-granularity")
+        return
+    rec = {"granularity": granularity}
+    if "--recompute-method" in v:
+        rec["method"] = v["--recompute-method"]
+    if "--recompute-num-layers" in v:
+        rec["num_layers"] = v["--recompute-num-layers"]
+    modules = v.get("--recompute-modules")
+    if modules is not None:
+        rec["modules"] = list(modules)
+    t["recompute"] = {**t.get("recompute", {}), **rec}
+
+
+def _implementation(v, job, notes, problems, gpu, env) -> None:
+    impl = job["implementation"]
+    kind = v.get("--transformer-impl", "transformer_engine")
+    if kind == "inference_optimized":
+        problems.append("--transformer-impl inference_optimized is an inference layer spec; "
+                        "metatrace models training (local or transformer_engine)")
+    elif "--transformer-impl" in v:
+        impl["transformer_impl"] = kind
+    backend = v.get("--attention-backend")
+    if backend == "local" and "--spec" not in v:
+        problems.append("--attention-backend local needs --spec local in Megatron-LM (notes "
+                        "6.9); for GPT use --transformer-impl local")
+    elif backend is not None:
+        impl["attention_backend"] = backend
+    position = job["model"].get("position_embedding_type", "learned_absolute")
+    if "--no-rope-fusion" in v or position != "rope":
+        impl["rope_fusion"] = False  # validate_args turns it off without rope
+    elif kind == "local":
+        notes.append("RoPE fusion stays on in Megatron-LM with --transformer-impl local and uses "
+                     "Transformer Engine's kernel where TE is installed; metatrace models the "
+                     "local spec's unfused RoPE (pass --no-rope-fusion to match)")
+    # megatron-core's bias_activation_fusion is --bias-swiglu-fusion with --swiglu, else
+    # --bias-gelu-fusion (core_transformer_config_from_args).
+    off = "--no-bias-swiglu-fusion" if "--swiglu" in v else "--no-bias-gelu-fusion"
+    if off in v:
+        impl["bias_activation_fusion"] = False
+    allow = env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    if "--deterministic-mode" in v:
+        for flag in ("--cross-entropy-loss-fusion", "--use-flash-attn"):
+            if flag in v:
+                problems.append(
+                    f"{flag} is refused with --deterministic-mode (Megatron-LM asserts it)"
+                )
+        if kind == "transformer_engine" and allow not in (None, "0"):
+            # megatron-core 0.16.1 TEDotProductAttention.__init__ (Megatron-LM's HEAD sets the
+            # variable itself when it is not set)
+            problems.append(f"--deterministic-mode with NVTE_ALLOW_NONDETERMINISTIC_ALGO={allow}: "
+                            "megatron-core's Transformer Engine attention refuses to run (it "
+                            "needs 0)")
+    # Transformer Engine trains deterministically with --deterministic-mode (Megatron-LM turns
+    # torch's deterministic algorithms on) or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0.
+    if kind == "transformer_engine" and ("--deterministic-mode" in v or allow == "0"):
+        _deterministic_attention(backend, impl, notes, problems, gpu)
+    if env.get("TORCHDYNAMO_DISABLE") == "1" or env.get("TORCH_COMPILE_DISABLE") == "1":
+        impl["torch_compile"] = False  # megatron-core's @jit_fuser kernels run eagerly
+
+
+def _deterministic_attention(backend, impl, notes, problems, gpu) -> None:
+    """Transformer Engine's backend selection for deterministic training (TE 2.8-2.20,
+    attention/dot_product_attention/utils.py, "Filter: Determinism") drops cuDNN's fused
+    attention (its arbitrary-sequence-length backend) before sm90: the auto backend then runs
+    flash-attn (>= 2.4.1 is deterministic), and an explicit fused backend has nothing left."""
+    from metatrace.config.hardware import GPU_ARCH
+
+    arch = GPU_ARCH.get(gpu or "h100", "")
+    if not (arch.startswith("sm") and int(arch[2:]) < 90):
+        return
+    if backend in (None, "auto"):
+        impl["attention_backend"] = "flash"
+        notes.append(f"deterministic training on {gpu}: Transformer Engine has no deterministic "
+                     "fused attention before sm90 and runs flash-attn (metatrace assumes "
+                     "flash-attn >= 2.4.1 is installed, as in NVIDIA's PyTorch containers)")
+    elif backend == "fused":
+        problems.append(f"deterministic training with --attention-backend fused on {gpu}: "
+                        "Transformer Engine has no deterministic fused attention before sm90 "
+                        "and finds no backend to run")
+
+
+def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> list:
+    """The cluster section, and the environment: variables metatrace models are read or
+    checked, those that change nothing are accepted silently, those it knows change memory
+    are returned as not modelled, any other is accepted and named in a note."""
+    c = job["cluster"]
+    c["num_gpus"] = world_size
+    if gpu is not None:
+        c["gpu"] = gpu
+    if gpus_per_node is not None:
+        c["gpus_per_node"] = gpus_per_node
+    missing = [NotModelled(f"{n}={env[n]}", *ENV_NOT_MODELLED[n])
+               for n in env if n in ENV_NOT_MODELLED]
+    other = [n for n in env if n not in ENV_MODELLED and n not in ENV_NOT_MODELLED
+             and n not in ENV_NO_EFFECT and not n.startswith(ENV_NO_EFFECT_PREFIXES)]
+    if other:
+        notes.append(f"environment variables metatrace does not know, taken to change nothing "
+                     f"it predicts: {', '.join(sorted(other))}")
+    if "CUBLAS_WORKSPACE_CONFIG" in env:
+        c["cublas_workspace_config"] = env["CUBLAS_WORKSPACE_CONFIG"]
+    if env.get("WORLD_SIZE", str(world_size)) != str(world_size):
+        problems.append(f"WORLD_SIZE={env['WORLD_SIZE']} in the environment, but the world size "
+                        f"is {world_size}")
+    backend = v.get("--attention-backend", "auto")
+    for name, expected in zip(NVTE_ATTN, NVTE_FOR_BACKEND.get(backend, (1, 1, 1))):
+        if name in env and env[name] != str(expected):
+            problems.append(
+                f"{name}={env[name]} contradicts --attention-backend {backend}, which sets it to "
+                f"{expected}; megatron-core asserts they agree (choose the attention with "
+                "--attention-backend)"
+            )
+    if "PYTORCH_CUDA_ALLOC_CONF" in env:
+        notes.append(f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']} changes reserved "
+                     "memory and fragmentation, not the allocated bytes metatrace predicts "
+                     "(cluster.reserved_overhead_gib stands for them)")
+    from metatrace.config.hardware import GPU_ARCH
+
+    tp, cp = v.get("--tensor-model-parallel-size", 1), v.get("--context-parallel-size", 1)
+    fsdp = "--use-megatron-fsdp" in v or "--use-torch-fsdp2" in v
+    arch = GPU_ARCH.get(gpu or "h100", "")
+    before_blackwell = arch.startswith("sm") and int(arch[2:]) < 100
+    connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if connections not in (None, "1") and (tp > 1 or cp > 1) and not fsdp and before_blackwell:
+        problems.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: Megatron-LM asserts it is 1 "
+                        "with tensor or context parallelism before Blackwell")
+    return missing

@@ -1,0 +1,260 @@
+"""Resolving a job: every default and derived value the way Megatron-LM derives it (ffn size,
+kv channels, padded vocabulary, data-parallel size, micro-batches, attention kernel, ...), then
+the rules Megatron-LM and megatron-core enforce (metatrace.config.checks). megatron-core's own
+TransformerConfig checks run before a trace (metatrace.tracing.checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+
+from metatrace.config.checks import check_job, layout_stages
+from metatrace.config.hardware import GPU_LINKS_GBPS, GPU_MEMORY_GIB
+from metatrace.config.job import GATED_ACTIVATIONS, Job, Model
+from metatrace.errors import ConfigError
+
+def resolve(job: Job) -> Job:
+    """Apply the preset, derive every default the way Megatron-LM does, and check the result."""
+    model = _resolve_model(job.model)
+    training = job.training
+    if training.seq_length is None:
+        raise ConfigError("'training.seq_length' is required")
+    if model.max_position_embeddings is None:
+        model = dataclasses.replace(model, max_position_embeddings=training.seq_length)
+
+    par = job.parallel
+    cl = job.cluster
+    if par.etp is None:
+        par = dataclasses.replace(par, etp=par.tp)
+    if par.vpp == 1:
+        par = dataclasses.replace(par, vpp=None)
+    model_size = par.tp * par.pp * par.cp
+    for name in ("tp", "pp", "cp", "ep", "etp"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"'parallel.{name}' must be at least 1, got {getattr(par, name)}")
+    if par.vpp is not None and par.vpp < 1:
+        raise ConfigError(f"'parallel.vpp' must be at least 1, got {par.vpp}")
+    if par.dp is not None and par.dp < 1:
+        raise ConfigError(f"'parallel.dp' must be at least 1, got {par.dp}")
+    if cl.num_gpus is None:
+        cl = dataclasses.replace(cl, num_gpus=model_size * (par.dp or 1))
+    if cl.num_gpus < 1:
+        raise ConfigError(f"'cluster.num_gpus' must be at least 1, got {cl.num_gpus}")
+    if cl.gpus_per_node < 1:
+        raise ConfigError(f"'cluster.gpus_per_node' must be at least 1, got {cl.gpus_per_node}")
+    if par.dp is None:
+        if cl.num_gpus % model_size:
+            raise ConfigError(
+                f"cluster.num_gpus = {cl.num_gpus} is not divisible by "
+                f"tp x pp x cp = {par.tp} x {par.pp} x {par.cp} = {model_size}"
+            )
+        par = dataclasses.replace(par, dp=cl.num_gpus // model_size)
+    elif model_size * par.dp != cl.num_gpus:
+        raise ConfigError(
+            f"tp x pp x cp x dp = {par.tp} x {par.pp} x {par.cp} x {par.dp} = "
+            f"{model_size * par.dp}, but cluster.num_gpus = {cl.num_gpus}"
+        )
+    if cl.gpu_memory_gib is None:
+        if cl.gpu not in GPU_MEMORY_GIB:
+            close = difflib.get_close_matches(cl.gpu, list(GPU_MEMORY_GIB), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown 'cluster.gpu' {cl.gpu!r}{hint} (known: {', '.join(GPU_MEMORY_GIB)}); "
+                "or give cluster.gpu_memory_gib"
+            )
+        cl = dataclasses.replace(cl, gpu_memory_gib=GPU_MEMORY_GIB[cl.gpu])
+    intra, inter = GPU_LINKS_GBPS.get(cl.gpu, (None, None))
+    if cl.intra_node_gbps is None or cl.inter_node_gbps is None:
+        if intra is None:
+            raise ConfigError(
+                f"no link bandwidths are known for cluster.gpu {cl.gpu!r}; give "
+                "cluster.intra_node_gbps and cluster.inter_node_gbps"
+            )
+        cl = dataclasses.replace(
+            cl,
+            intra_node_gbps=cl.intra_node_gbps if cl.intra_node_gbps is not None else intra,
+            inter_node_gbps=cl.inter_node_gbps if cl.inter_node_gbps is not None else inter,
+        )
+    for name in ("intra_node_gbps", "inter_node_gbps"):
+        if getattr(cl, name) <= 0:
+            raise ConfigError(f"'cluster.{name}' must be positive, got {getattr(cl, name)}")
+
+    if training.global_batch_size is None:
+        training = dataclasses.replace(
+            training, global_batch_size=training.micro_batch_size * par.dp
+        )
+    notes = []
+    if par.etp != par.tp and model.num_experts is None:
+        notes.append(
+            f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
+            "builds them for every model); this model has no experts"
+        )
+    if par.sequence_parallel and par.tp == 1:
+        par = dataclasses.replace(par, sequence_parallel=False)
+        notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
+    if training.grad_reduce_in_fp32 is None:
+        # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
+        # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
+        training = dataclasses.replace(
+            training,
+            grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
+            and training.main_grads_dtype == "fp32",
+        )
+    if par.overlap_p2p_comm is None:
+        par = dataclasses.replace(par, overlap_p2p_comm=par.vpp is not None)
+    if par.microbatch_group_size is None and par.vpp is not None:
+        par = dataclasses.replace(par, microbatch_group_size=par.pp)
+    if par.layout is not None:
+        stages = layout_stages(par.layout, par.pp)
+        vpp = len(stages) // par.pp
+        if par.vpp is not None and par.vpp != vpp:
+            raise ConfigError(
+                f"parallel.vpp = {par.vpp}, but parallel.layout has {len(stages)} stages = "
+                f"pp {par.pp} x {vpp} virtual stages"
+            )
+        par = dataclasses.replace(par, vpp=vpp if vpp > 1 else None)
+        if par.vpp is not None:
+            par = dataclasses.replace(
+                par,
+                overlap_p2p_comm=True if job.parallel.overlap_p2p_comm is None else par.overlap_p2p_comm,
+                microbatch_group_size=par.microbatch_group_size or par.pp,
+            )
+    impl = job.implementation
+    te = impl.transformer_impl == "transformer_engine"
+    if impl.rope_fusion is None:
+        # Megatron-LM's default with Transformer Engine, turned off without RoPE.
+        # megatron-core fuses MLA's RoPE only for yarn (MLATransformerConfig refuses the rest).
+        impl = dataclasses.replace(
+            impl,
+            rope_fusion=te and model.position_embedding_type == "rope"
+            and (not model.multi_latent_attention or model.rope_type == "yarn"),
+        )
+    kernel = impl.attention_backend
+    if kernel == "auto":
+        # Transformer Engine 2.8 prefers cuDNN fused attention on sm90+ and, without a
+        # flash-attn it accepts (2.1.1-2.8.1), on sm80 too; the local spec has one attention.
+        kernel = "fused" if te else "local"
+    if not te and kernel == "unfused":
+        kernel = "local"  # megatron-core's own attention is the unfused one
+    if training.precision == "fp8":
+        training = dataclasses.replace(
+            training,
+            fp8_format=training.fp8_format or "hybrid",
+            fp8_recipe=training.fp8_recipe or "delayed",
+        )
+    rec = training.recompute
+    if rec.granularity == "selective" and rec.modules is None:
+        rec = dataclasses.replace(rec, modules=["core_attn"])
+        training = dataclasses.replace(training, recompute=rec)
+
+    multiple = model.make_vocab_size_divisible_by * par.tp
+    padded = math.ceil(model.vocab_size / multiple) * multiple
+    job = dataclasses.replace(
+        job,
+        model=model,
+        parallel=par,
+        training=training,
+        cluster=cl,
+        implementation=impl,
+        padded_vocab_size=padded,
+        notes=tuple(notes),
+        attention_kernel=kernel,
+    )
+    check_job(job)
+    micro = training.micro_batch_size * par.dp
+    return dataclasses.replace(job, num_microbatches=training.global_batch_size // micro)
+
+
+# Megatron-LM's command-line defaults for the model section when neither a preset nor the
+# file sets them (../shared/notes/megatron-args.md, sections 2 and 4).
+_MODEL_DEFAULTS = {
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "normalization": "LayerNorm",
+    "activation": "gelu",
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+}
+_REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def _resolve_model(model: Model) -> Model:
+    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    for name, value in _MODEL_DEFAULTS.items():
+        if values[name] is None:
+            values[name] = value
+    missing = [n for n in _REQUIRED_MODEL if values[n] is None]
+    if missing:
+        raise ConfigError(
+            "model needs " + ", ".join(f"'model.{n}'" for n in missing)
+            + " (or a model.preset or model.hf_config)"
+        )
+    for name in _REQUIRED_MODEL + ("ffn_hidden_size", "num_query_groups", "kv_channels"):
+        if values[name] is not None and values[name] < 1:
+            raise ConfigError(f"'model.{name}' must be at least 1, got {values[name]}")
+    if values["add_bias_linear"]:
+        values["add_qkv_bias"] = True  # Megatron-LM: linear biases include the QKV bias
+    h = values["hidden_size"]
+    if values["ffn_hidden_size"] is None:
+        # Megatron-LM: 4h, or for SwiGLU floor(8h/3 / 64) * 64 (arguments.py, validate_args).
+        gated = values["activation"] in GATED_ACTIVATIONS
+        values["ffn_hidden_size"] = (4 * h * 2 // 3 // 64) * 64 if gated else 4 * h
+    if values["kv_channels"] is None:
+        if h % values["num_attention_heads"]:
+            raise ConfigError(
+                f"model.hidden_size = {h} is not divisible by model.num_attention_heads = "
+                f"{values['num_attention_heads']}; give model.kv_channels"
+            )
+        values["kv_channels"] = h // values["num_attention_heads"]
+    if values["num_query_groups"] is None:
+        values["num_query_groups"] = values["num_attention_heads"]
+    if values["rope_type"] is None:
+        # megatron-core's MLATransformerConfig defaults to yarn; other attention rotates plainly.
+        values["rope_type"] = "yarn" if values["multi_latent_attention"] else "rope"
+    if values["num_experts"] is not None:
+        if values["num_experts"] < 1:
+            raise ConfigError(f"'model.num_experts' must be at least 1, got {values['num_experts']}")
+        if values["moe_ffn_hidden_size"] is None:
+            values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
+        values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
+    return Model(**values)
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list[int]:
+    """model.moe_layer_freq as a 0/1 list per layer (1: MoE), as Megatron-LM reads it: every
+    n-th layer from the first, a list, or an expression of lists such as "([0]*3+[1]*58)"."""
+    import ast
+
+    where = "'model.moe_layer_freq'"
+    if isinstance(freq, str):
+        def value(node):
+            if isinstance(node, ast.Constant) and type(node.value) is int:
+                return node.value
+            if isinstance(node, ast.List):
+                return [value(e) for e in node.elts]
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+                left, right = value(node.left), value(node.right)
+                return left + right if isinstance(node.op, ast.Add) else left * right
+            raise ValueError
+        try:
+            freq = value(ast.parse(freq.strip(), mode="eval").body)
+        except (SyntaxError, ValueError, TypeError):
+            raise ConfigError(
+                f"{where} {freq!r} is not an integer, a list or an expression such as "
+                "\"([0]*3+[1]*58)\""
+            ) from None
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConfigError(f"{where} must be at least 1, got {freq}")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
+        raise ConfigError(
+            f"{where} must give 0 (dense) or 1 (MoE) for each of the {num_layers} layers, got "
+            f"{len(freq)} values"
+        )
+    return list(freq)

@@ -1,0 +1,281 @@
+"""The JSON report: a documented, versioned view of a traced job (schema in README.md).
+
+`job_report(job_trace)` returns plain data (dicts, lists, numbers, strings); `write_json` writes
+it. Every figure comes from the aggregator; this module only arranges it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from metatrace import __version__
+from metatrace.analysis import aggregate as agg
+from metatrace.analysis.comm import job_comm
+from metatrace.analysis.memory import role_memory, role_offload, verdict
+
+SCHEMA_VERSION = 3
+
+
+def _collective(c) -> dict:
+    out = {
+        "op": c.op,
+        "group": c.group,
+        "ranks": list(c.ranks),
+        "shape": list(c.shape),
+        "dtype": c.dtype,
+        "bytes": c.bytes,
+        "count": c.count,
+        "phase": c.phase,
+        "module": c.module,
+        "aten": c.aten,
+    }
+    if c.peer is not None:
+        out["peer"] = c.peer
+    return out
+
+
+def _modules(trace, chunks) -> list[dict]:
+    out = []
+    for row in agg.walk(agg.module_tree(trace, chunks)):
+        out.append(
+            {
+                "fqn": row.fqn,
+                "type": row.type,
+                "layer": row.layer,
+                "params": row.params,
+                "param_bytes": row.param_bytes,
+                "param_shapes": {name: list(s) for name, s in row.param_shapes},
+                "params_total": row.params_total,
+                "activation_bytes": row.activation_bytes,
+                "activation_bytes_total": row.activation_bytes_total,
+                "peak_bytes": row.peaks,
+            }
+        )
+    return out
+
+
+def _memory(m) -> dict:
+    return {
+        "params_bytes": m.params,
+        "grads_bytes": m.grads,
+        "optimizer_bytes": m.optimizer,
+        "workspace_bytes": m.workspaces,
+        "activations_bytes": m.activations,
+        "temporary_bytes": m.temporary,
+        "peak_bytes": m.peak,
+        "peak_at": {
+            "phase": m.peak_at.phase,
+            "microbatch": m.peak_at.microbatch,
+            "chunk": m.peak_at.chunk,
+            "module": m.peak_at.module,
+        },
+        "inflight_microbatches": m.inflight,
+    }
+
+
+def _totals(t) -> dict:
+    return {
+        "count": t.count,
+        "bytes_sent": t.bytes_sent,
+        "bytes_received": t.bytes_received,
+        "message_bytes": t.message_bytes,
+        "intra_node_bytes": t.intra,
+        "inter_node_bytes": t.inter,
+        "seconds": t.seconds,
+        "exposed_seconds": t.exposed_seconds,
+    }
+
+
+def _comm_item(it) -> dict:
+    return {
+        "dimension": it.dimension,
+        "op": it.op,
+        "group": it.group,
+        "ranks": list(it.ranks),
+        "shape": list(it.shape),
+        "dtype": it.dtype,
+        "message_bytes": it.message,
+        "bytes_sent": it.sent,
+        "bytes_received": it.received,
+        "count": it.count,
+        "per_microbatch": it.per_microbatch,
+        "phase": it.phase,
+        "module": it.module,
+        "layers": it.layers,
+        "crosses_nodes": it.crosses_nodes,
+        "overlapped_with": it.overlapped,
+    }
+
+
+def _verdict(job, v) -> dict:
+    return {
+        "not_modelled": [dataclasses.asdict(n) for n in job.not_modelled],
+        "fits": v.fits,
+        "gpu_memory_bytes": v.capacity,
+        "reserved_overhead_bytes": v.overhead,
+        "highest_peak_bytes": v.worst,
+        "highest_peak_ranks": list(v.worst_ranks),
+        "headroom_bytes": v.headroom,
+        "out_of_memory_ranks": list(v.oom_ranks),
+    }
+
+
+def role_report(rt, world=None, memory=None, comm=None, offload=None) -> dict:
+    trace = rt.trace
+    s = agg.role_summary(trace)
+    out = {
+        "index": rt.role.index,
+        "pp_stage": rt.role.pp_stage,
+        "ranks": list(rt.role.ranks),
+        "traced_rank": trace.rank,
+        "vpp_chunks": len(rt.chunks),
+        "layers": list(s.layers),
+        "params": {"count": s.params, "bytes": s.param_bytes},
+        "activations_per_microbatch_bytes": s.activation_bytes,
+
+        "collectives_per_microbatch": [_collective(c) for c in trace.collectives],
+        "modules": _modules(trace, rt.chunks),
+        "op_counts": dict(sorted(trace.op_counts.items())),
+        "unclassified_ops": dict(sorted(trace.unclassified.items())),
+        "trace_seconds": round(rt.seconds, 3),
+    }
+    if world is not None:
+        out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
+    if rt.iteration is not None:
+        out["memory"] = _memory(memory or role_memory(rt.trace, rt.iteration))
+    if comm is not None:
+        out["comm"] = {d: _totals(t) for d, t in comm.dims.items()}
+        out["comm_collectives"] = [_comm_item(it) for it in comm.items]
+    if offload is not None:
+        out["offload"] = {
+            "d2h_bytes_per_microbatch": offload.d2h_per_microbatch,
+            "d2h_bytes_per_iteration": offload.d2h_per_iteration,
+            "pinned_host_bytes": offload.pinned_host,
+        }
+    return out
+
+
+def job_report(job_trace) -> dict:
+    job = job_trace.job
+    world = job_trace.world
+    par = job.parallel
+    traces = [rt.trace for rt in job_trace.roles]
+    total = agg.model_params(traces, par.tp, par.ep, par.etp)
+    m = job.model
+    share = m.moe_router_topk / m.num_experts if m.num_experts else 1.0
+    model = dataclasses.asdict(m)
+    model.update(
+        padded_vocab_size=job.padded_vocab_size,
+        total_params=total,
+        active_params=agg.model_params(traces, par.tp, par.ep, par.etp, expert_share=share),
+    )
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "metatrace_version": __version__,
+        "source": job.source,
+        "model": model,
+        "parallel": dataclasses.asdict(par),
+        "training": dataclasses.asdict(job.training),
+        "implementation": dataclasses.asdict(job.implementation),
+        "cluster": dataclasses.asdict(job.cluster),
+        "world": {
+            "num_gpus": world.size,
+            "gpus_per_node": world.gpus_per_node,
+            "tp": par.tp,
+            "pp": par.pp,
+            "vpp": par.vpp,
+            "cp": par.cp,
+            "ep": par.ep,
+            "etp": par.etp,
+            "dp": par.dp,
+            "expert_dp": world.expert_dp,
+            "rank_order": par.rank_order,
+            "num_microbatches": job.num_microbatches,
+        },
+        "notes": list(job.notes),
+    }
+    if job.model.num_experts:
+        from metatrace.config.routing import Routing
+
+        report["moe_routing"] = Routing.of_job(job).describe()
+    iterations = all(rt.iteration is not None for rt in job_trace.roles)
+    mems = [role_memory(rt.trace, rt.iteration) if iterations else None for rt in job_trace.roles]
+    comms = [None] * len(mems)
+    if iterations:
+        jc = job_comm(job_trace)
+        comms = [c for _, c in jc.roles]
+        report["cluster"]["comm"] = {d: _totals(t) for d, t in jc.cluster.items()}
+        report["cluster"]["comm"]["total"] = _totals(jc.total)
+    report["groups"] = {kind: world.groups(kind) for kind in world.kinds()}
+    offloads = [role_offload(job, rt) for rt in job_trace.roles]
+    report["roles"] = [
+        role_report(rt, world, m, c, o)
+        for rt, m, c, o in zip(job_trace.roles, mems, comms, offloads)
+    ]
+    if iterations:
+        ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]
+        report["memory_verdict"] = _verdict(job, verdict(job, ranked))
+        _add_timing(report, job_trace)
+    if job_trace.full is not None:
+        full = role_report(job_trace.full)
+        for key in ("ranks", "traced_rank", "index", "pp_stage"):
+            full.pop(key)
+        report["full_model"] = full
+    return report
+
+
+def _add_timing(report: dict, job_trace) -> None:
+    """The time model (metatrace.analysis.timing): a "timing" object per role and for the job."""
+    from metatrace.analysis.timing import cached_timing
+
+    timing = cached_timing(job_trace)
+    if timing is None:  # no peak FLOP/s known for the GPU
+        return
+    stages = {st.stage: st for st in timing.stages}
+    for role, rt in zip(report["roles"], job_trace.roles):
+        st = stages[rt.role.pp_stage]
+        role["timing"] = {
+            "iteration_seconds": st.iteration_seconds,
+            "bubble_fraction": st.bubble_fraction,
+            "busy_seconds": st.busy_seconds,
+            "optimizer_seconds": st.optimizer_seconds,
+            "flops_per_microbatch": sum(w.flops for w in rt.trace.windows if w.chunk is not None),
+        }
+    report["timing"] = {
+        "iteration_seconds": timing.iteration_seconds,
+        "bubble_fraction": timing.bubble_fraction,
+        "pipeline_seconds": timing.pipeline_seconds,
+        "peak_tflops": timing.peak_tflops,
+        "compute_efficiency": timing.efficiency,
+    }
+
+
+def search_report(search) -> dict:
+    return {
+        "best": search.best,
+        "candidates": list(search.candidates),
+        "probes": [
+            {
+                "micro_batch_size": p.micro_batch_size,
+                "num_microbatches": p.num_microbatches,
+                "highest_peak_bytes": p.peak,
+                "headroom_bytes": p.headroom,
+                "fits": p.fits,
+                "highest_peak_ranks": list(p.ranks),
+            }
+            for p in search.probes
+        ],
+    }
+
+
+def write_json(report: dict, path: str) -> None:
+    try:
+        with open(path, "w") as f:
+            # Compact and in one piece: json.dumps uses the C encoder (megabytes on large
+            # clusters), json.dump writing piecewise does not.
+            f.write(json.dumps(report) + "\n")
+    except OSError as e:
+        from metatrace.errors import ConfigError
+
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None

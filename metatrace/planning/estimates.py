@@ -1,0 +1,195 @@
+"""Closed forms of a layout for the planner (metatrace.planning.plan): parameters per layer, a lower
+bound and an estimate of a rank's memory, and an estimate of the iteration time. Pure
+functions of a resolved job; the planner traces the layouts these do not rule out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metatrace.config import GPU_PEAK_TFLOPS
+
+# Extra compute of a training step per recompute kind, in forward passes (forward + backward
+# = 3 forward passes): full recompute runs every layer's forward again; selective recomputes
+# attention's core only.
+_FULL_RECOMPUTE = 1.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameters of one layer and of the embedding, from the model's dimensions."""
+
+    dense: int
+    """A layer's attention, norms and dense MLP (or router and shared experts)."""
+    experts: int
+    """A MoE layer's routed experts, all of them."""
+    moe_layers: int
+    embedding: int
+    """The word embedding (the output layer has as many when untied)."""
+
+
+def shape_of(job) -> Shape:
+    m = job.model
+    h, d = m.hidden_size, m.kv_channels
+    gated = 2 if m.activation in ("swiglu", "geglu") else 1
+    if m.multi_latent_attention:
+        q = (h * m.q_lora_rank + m.q_lora_rank * m.num_attention_heads *
+             (m.qk_head_dim + m.qk_pos_emb_head_dim)) if m.q_lora_rank else (
+            h * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim))
+        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * m.num_attention_heads * (
+            m.qk_head_dim + m.v_head_dim)
+        attention = q + kv + m.num_attention_heads * m.v_head_dim * h
+    else:
+        attention = h * (m.num_attention_heads + 2 * m.num_query_groups) * d + m.num_attention_heads * d * h
+    mlp = (gated + 1) * h * m.ffn_hidden_size
+    moe_layers, experts, dense = 0, 0, m.num_layers * (attention + mlp + 2 * h)
+    if m.num_experts:
+        freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, list) else [1] * m.num_layers
+        moe_layers = sum(freq)
+        expert = (gated + 1) * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
+        shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+        dense -= moe_layers * (mlp - h * m.num_experts - shared)
+        experts = m.num_experts * expert
+    return Shape(dense=dense // m.num_layers, experts=experts, moe_layers=moe_layers,
+                 embedding=job.padded_vocab_size * h)
+
+
+def _in_flight(job) -> int:
+    """Micro-batches whose activations the first stage holds at once under the schedule."""
+    par = job.parallel
+    if par.pp == 1:
+        return 1
+    if par.vpp:  # interleaved: a warm-up of (pp - 1) * 2 + (vpp - 1) * pp chunk steps
+        steps = min(job.num_microbatches * par.vpp, (par.pp - 1) * 2 + (par.vpp - 1) * par.pp + 1)
+        return -(-steps // par.vpp)
+    return min(par.pp, job.num_microbatches)
+
+
+def static_bytes(job) -> int:
+    """Parameters, gradients and optimizer state of a first-stage rank (biases, position
+    embeddings and LayerNorm's second vector left out: a lower bound)."""
+    par, tr, s = job.parallel, job.training, shape_of(job)
+    stage_layers = job.model.num_layers // par.pp
+    dense = stage_layers * s.dense // par.tp + s.embedding // par.tp
+    if par.pp == 1:  # the first stage is also the last: final norm, untied output layer
+        dense += job.model.hidden_size
+        if job.model.untie_embeddings_and_output_weights:
+            dense += s.embedding // par.tp
+    expert = s.experts * s.moe_layers // par.pp // (par.ep * par.etp)
+    grad = 4 if tr.grad_reduce_in_fp32 else 2
+    # The distributed optimizer shards over the dp x cp (expert dp) ranks of one of its
+    # num_distributed_optimizer_instances instances.
+    n = tr.num_distributed_optimizer_instances
+    shard = par.dp * par.cp // n if tr.distributed_optimizer else 1
+    edp = par.dp * par.cp * par.tp // (par.ep * par.etp) // n if tr.distributed_optimizer else 1
+    # bf16 parameter, main gradient, fp32 main parameter and Adam's two moments.
+    return dense * (2 + grad) + 12 * dense // shard + expert * (2 + grad) + 12 * expert // max(1, edp)
+
+
+def _layer_input(job) -> int:
+    par, tr = job.parallel, job.training
+    tokens = tr.seq_length // par.cp * tr.micro_batch_size
+    return tokens * job.model.hidden_size * 2 // (par.tp if par.sequence_parallel else 1)
+
+
+def _fixed_bytes(job) -> int:
+    """Static memory and PyTorch's cuBLAS workspace of the thread running the forward (always
+    allocated)."""
+    from metatrace.config.hardware import cublas_workspace_bytes
+
+    return static_bytes(job) + cublas_workspace_bytes(job)
+
+
+def memory_lower_bound(job) -> int:
+    """What any rank of the first stage holds at least: its fixed memory and every layer's
+    input for the micro-batches in flight."""
+    layers = job.model.num_layers // job.parallel.pp
+    if {"attn_norm", "qkv_linear"} & set(job.training.activation_offload_modules or ()):
+        layers = 0  # activation offloading moves the layer inputs to the host
+    return _fixed_bytes(job) + layers * _layer_input(job) * _in_flight(job)
+
+
+def memory_estimate(job) -> int:
+    """A closed-form estimate (not a bound) to order the layouts: Korthikanti et al.'s 34·sbh/t
+    bytes per layer with sequence parallel and fused attention (10 + 24/t without), the layer
+    input alone with full recompute."""
+    par, tr = job.parallel, job.training
+    layers = job.model.num_layers // par.pp
+    if tr.recompute.granularity == "full":
+        per_layer = _layer_input(job)
+    else:
+        tokens = tr.seq_length // par.cp * tr.micro_batch_size * job.model.hidden_size
+        per_layer = tokens * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
+    return _fixed_bytes(job) + int(layers * per_layer * _in_flight(job))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    compute: float
+    """Seconds of compute per iteration (FLOPs at the assumed efficiency, recompute included)."""
+    bubble: float
+    """Idle fraction of the pipeline schedule: (pp - 1) / (vpp · m + pp - 1)."""
+    comm: float
+    """Exposed communication seconds per iteration (closed form, or traced when known)."""
+    seconds: float
+    """The iteration: compute / (1 - bubble) + comm, or the traced time model's figure."""
+
+
+def _flops(job) -> float:
+    """FLOPs of one iteration over all GPUs: 6 per parameter and token for the layers'
+    matmuls (experts: top-k of them), the causal attention scores, recompute."""
+    m, tr, s = job.model, job.training, shape_of(job)
+    tokens = tr.global_batch_size * tr.seq_length
+    active = m.num_layers * s.dense + s.embedding
+    if m.num_experts:
+        active += s.moe_layers * s.experts * m.moe_router_topk // m.num_experts
+    attention = 2 * 2 * tr.seq_length * m.num_attention_heads * m.kv_channels * m.num_layers / 2
+    forward = 2 * active + attention
+    extra = {"full": _FULL_RECOMPUTE * forward, "selective": attention}.get(
+        tr.recompute.granularity or "none", 0.0)
+    return tokens * (3 * forward + extra)
+
+
+def estimate(job, exposed_comm: float | None = None) -> Estimate:
+    """Closed-form iteration time; `exposed_comm` replaces the communication term."""
+    par, cl = job.parallel, job.cluster
+    compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * cl.compute_efficiency)
+    m = job.num_microbatches
+    bubble = (par.pp - 1) / ((par.vpp or 1) * m + par.pp - 1)
+    if exposed_comm is None:
+        exposed_comm = _comm_seconds(job)
+    return Estimate(compute, bubble, exposed_comm, compute / (1 - bubble) + exposed_comm)
+
+
+def _comm_seconds(job) -> float:
+    """Closed-form communication of a rank per iteration, counted as exposed: tensor parallel
+    (10 collectives of the layer's [s, b, h] per layer and micro-batch, 4 more with full
+    recompute), the context-parallel ring (which Megatron overlaps with attention, but only as
+    far as attention lasts), pipeline boundaries per virtual stage, expert all-to-alls (4 per
+    MoE layer); the data-parallel reduction only without overlap."""
+    par, tr, m = job.parallel, job.training, job.model
+    intra, inter = (x * 1e9 / 8 for x in (job.cluster.intra_node_gbps, job.cluster.inter_node_gbps))
+    node = job.cluster.gpus_per_node
+    layers = m.num_layers // par.pp
+    full = tr.seq_length // par.cp * tr.micro_batch_size * m.hidden_size * 2
+    mbs = job.num_microbatches
+    out = 0.0
+    if par.tp > 1:
+        calls = 10 + (4 if tr.recompute.granularity == "full" else 0)
+        bw = intra if par.tp <= node else inter
+        out += layers * mbs * calls * full * (par.tp - 1) / par.tp / bw
+    if par.cp > 1:  # the ring passes K and V forward, K, V and their gradients backward
+        kv = full // m.hidden_size * 2 * m.num_query_groups * m.kv_channels
+        bw = intra if par.tp * par.cp <= node else inter
+        out += layers * mbs * 3 * kv * (par.cp - 1) / par.tp / bw
+    if par.pp > 1:  # a send and a receive per boundary and micro-batch, each way
+        bw = intra if par.tp * par.cp * par.dp * 2 <= node else inter
+        out += 2 * (par.vpp or 1) * mbs * full / (par.tp if par.sequence_parallel else 1) / bw
+    if m.num_experts and par.ep > 1:
+        moe_layers = shape_of(job).moe_layers // par.pp
+        sent = full * m.moe_router_topk * (par.ep - 1) / par.ep / (par.tp if par.sequence_parallel else 1)
+        out += 4 * moe_layers * mbs * sent / (intra if par.ep * par.tp <= node else inter)
+    if par.dp * par.cp > 1 and not tr.overlap_grad_reduce:
+        grads = static_bytes(job) / 18 * 4  # the gradients' share of the static bytes
+        out += 2 * grads * (par.dp - 1) / par.dp / (intra if par.tp * par.pp == 1 and par.dp <= node else inter)
+    return out

@@ -1,0 +1,322 @@
+"""`metatrace plan`: which parallel layouts of a model fit a cluster, and which is fastest.
+
+1. Enumerate layouts: tp (dividing a node), pp (dividing the layers), vpp, cp, ep (with
+   experts), dp (what is left), sequence parallel (on with tp > 1: the same traffic as without,
+   activations divided by tp), micro-batch size, recompute (none, selective, full) and the
+   distributed optimizer; every one is resolved and checked as a job file would be, and the
+   ones Megatron would refuse are dropped.
+2. Prune with closed forms (metatrace.planning.estimates) that never prune a layout that fits: a lower bound of a rank's
+   memory (parameters, gradients and optimizer state of its largest stage, plus the input of
+   every layer for the micro-batches the schedule keeps in flight: what full recompute keeps);
+   and dominance: without the distributed optimizer a layout moves the same bytes and holds
+   more (so it never ranks above its twin with it), and a recompute variant is traced only when
+   the variant with less recompute does not fit.
+3. Order the rest by a closed-form estimate of the iteration time (compute at the assumed
+   efficiency, the pipeline bubble, exposed communication), layouts whose estimated memory fits
+   first, and trace them in that order (each one a whole `metatrace run` without the full model,
+   its roles in parallel processes) until `top` fit and no untraced layout is estimated faster
+   than the slowest of them, or the trace budget is spent.
+4. Rank the fitting layouts by the estimated iteration time with their traced communication.
+
+Known limitations: the time model is FLOPs at a fixed efficiency plus bandwidth-only
+communication, so a larger micro-batch never helps (kernel efficiency growing with size is not
+modelled) and the planner prefers the smallest one that keeps the bubble down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from metatrace.config import Recompute, resolve
+from metatrace.tracing.checks import check_with_megatron
+from metatrace.errors import ConfigError
+from metatrace.planning.estimates import Estimate, estimate, memory_estimate, memory_lower_bound
+
+GiB = 2**30
+RECOMPUTE = {
+    "none": Recompute(),
+    "selective": Recompute(granularity="selective"),
+    "full": Recompute(granularity="full", method="uniform", num_layers=1),
+}
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int | None
+    cp: int
+    ep: int
+    dp: int
+    sp: bool
+    mbs: int
+    recompute: str
+    distributed_optimizer: bool
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}", f"pp {self.pp}"]
+        if self.vpp:
+            parts.append(f"vpp {self.vpp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
+        parts += [f"dp {self.dp}", f"mbs {self.mbs}"]
+        if self.sp:
+            parts.append("SP")
+        if self.recompute != "none":
+            parts.append(f"{self.recompute} recompute")
+        if self.distributed_optimizer:
+            parts.append("dist-opt")
+        return ", ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(job, num_gpus: int) -> list[Layout]:
+    """Every combination worth resolving (see the module docstring)."""
+    m, tr = job.model, job.training
+    out = []
+    node = job.cluster.gpus_per_node
+    for tp in (d for d in _divisors(node) if num_gpus % d == 0):
+        for pp in (d for d in _divisors(m.num_layers) if num_gpus % (tp * d) == 0):
+            per_stage = m.num_layers // pp
+            vpps = [None] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 else [])
+            for cp in (c for c in (1, 2, 4, 8) if num_gpus % (tp * pp * c) == 0):
+                if cp > 1 and tr.seq_length // cp < 1024:
+                    continue  # context parallelism pays only on long sequences
+                dp = num_gpus // (tp * pp * cp)
+                eps = [e for e in _divisors(m.num_experts) if (dp * cp) % e == 0] if m.num_experts else [1]
+                per_replica = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
+                for vpp in vpps:
+                    for ep in eps:
+                        for mbs in (b for b in _divisors(per_replica) if b <= 16):
+                            for recompute in RECOMPUTE:
+                                for dist in (True, False) if dp * cp > 1 else (False,):
+                                    out.append(Layout(tp, pp, vpp, cp, ep, dp, tp > 1, mbs,
+                                                      recompute, dist))
+    return out
+
+
+def base_job(*, model: str | None, config: str | None, seq: int | None,
+             global_batch: int | None, num_gpus: int | None, cluster: dict):
+    """(job on one GPU with the model, batch and cluster to plan for, GPUs to plan for): from a
+    preset or a Hugging Face config.json (`model`), or a job file (`config`) whose parallel
+    layout is dropped; `cluster` overrides given as not None (a new `gpu` brings its own
+    memory, links and cuBLAS defaults unless `gpu_memory_gib` is given too)."""
+    from metatrace.config import job_from_dict, load_job
+
+    if config:
+        base, source = load_job(config), config
+    else:
+        key = "hf_config" if model.endswith(".json") else "preset"
+        base = job_from_dict({"model": {key: model},
+                              "training": {"seq_length": seq, "global_batch_size": global_batch},
+                              "cluster": {"num_gpus": 1}}, source=model)
+        source = model
+    training = dataclasses.replace(
+        base.training,
+        seq_length=seq or base.training.seq_length,
+        global_batch_size=global_batch or base.training.global_batch_size,
+    )
+    given = {k: v for k, v in cluster.items() if v is not None}
+    if "gpu" in given and "gpu_memory_gib" not in given:
+        given.update(gpu_memory_gib=None, intra_node_gbps=None, inter_node_gbps=None,
+                     cublas_workspace_config=None)
+    fresh = dataclasses.replace(base.cluster, num_gpus=None, **given)
+    parallel = type(base.parallel)(rank_order=base.parallel.rank_order)
+    job = resolve(dataclasses.replace(base, parallel=parallel, training=training, cluster=fresh,
+                                      notes=(), source=source))
+    return job, num_gpus or base.cluster.num_gpus
+
+
+def job_of(job, layout: Layout):
+    """The base job with `layout`, resolved and checked; ConfigError when Megatron refuses it."""
+    par = dataclasses.replace(
+        job.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep,
+        etp=None, dp=layout.dp, sequence_parallel=layout.sp, layout=None,
+        first_stage_layers=None, last_stage_layers=None, overlap_p2p_comm=None,
+    )
+    tr = dataclasses.replace(
+        job.training, micro_batch_size=layout.mbs, recompute=RECOMPUTE[layout.recompute],
+        distributed_optimizer=layout.distributed_optimizer,
+        overlap_grad_reduce=layout.distributed_optimizer,
+        overlap_param_gather=layout.distributed_optimizer,
+        # The base job's optimizer instances where the layout shards (layouts whose dp x cp
+        # they do not divide are refused by the checks, as Megatron refuses them).
+        num_distributed_optimizer_instances=(
+            job.training.num_distributed_optimizer_instances if layout.distributed_optimizer else 1
+        ),
+    )
+    cl = dataclasses.replace(job.cluster, num_gpus=layout.tp * layout.pp * layout.cp * layout.dp)
+    candidate = resolve(dataclasses.replace(job, parallel=par, training=tr, cluster=cl, notes=()))
+    check_with_megatron(candidate)
+    return candidate
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    job: object
+    lower_bound: int
+    estimated_memory: int
+    estimate: Estimate
+
+
+@dataclass
+class Traced:
+    candidate: Candidate
+    peak: int
+    headroom: int
+    fits: bool
+    estimate: Estimate
+    """The closed-form compute and bubble with the traced exposed communication (or the
+    traced time model's figures when the report has them)."""
+    report: dict = field(repr=False, default_factory=dict)
+
+
+@dataclass
+class Plan:
+    layouts: int
+    """Combinations enumerated."""
+    invalid: int
+    """Refused by Megatron's rules (heads by tp, layers by pp, batch by dp, ...)."""
+    pruned_memory: int
+    """Whose memory lower bound exceeds the GPU."""
+    dominated: list = field(default_factory=list)
+    """Candidates not traced because a traced twin dominates them."""
+    traced: list = field(default_factory=list)
+    represented: int = 0
+    """Variants not traced because a variant of the same degrees estimated faster fits (the
+    ranking shows one layout per set of degrees)."""
+    untraced: int = 0
+    """Candidates left when the search stopped (estimated slower, or over the budget)."""
+
+    def ranked(self) -> list[Traced]:
+        return sorted((t for t in self.traced if t.fits), key=lambda t: t.estimate.seconds)
+
+
+def candidates(job, num_gpus: int) -> tuple[list[Candidate], int, int, int]:
+    """(valid candidates after the memory bound, enumerated, invalid, pruned by memory)."""
+    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(job.cluster.reserved_overhead_gib * GiB)
+    every = layouts(job, num_gpus)
+    out, invalid, pruned = [], 0, 0
+    for layout in every:
+        try:
+            variant = job_of(job, layout)
+        except ConfigError:
+            invalid += 1
+            continue
+        bound = memory_lower_bound(variant)
+        if bound > capacity:
+            pruned += 1
+            continue
+        out.append(Candidate(layout, variant, bound, memory_estimate(variant), estimate(variant)))
+    return out, len(every), invalid, pruned
+
+
+def _family(layout: Layout) -> tuple:
+    """The degrees of parallelism; its variants differ in vpp, micro-batch size, recompute and
+    optimizer sharding."""
+    return (layout.tp, layout.pp, layout.cp, layout.ep, layout.dp)
+
+
+def _twin(layout: Layout, **change) -> Layout:
+    return dataclasses.replace(layout, **change)
+
+
+def _dominated_by(layout: Layout) -> list[Layout]:
+    """Layouts that, when they fit, are at least as good as `layout`: its twin with the
+    distributed optimizer, its twins with less recompute."""
+    out = []
+    if not layout.distributed_optimizer and layout.dp * layout.cp > 1:
+        out.append(_twin(layout, distributed_optimizer=True))
+    less = {"full": ("none", "selective"), "selective": ("none",)}.get(layout.recompute, ())
+    out += [_twin(layout, recompute=r) for r in less]
+    return out
+
+
+def plan(job, num_gpus: int, *, trace: Callable, top: int = 3, budget: int = 16,
+         progress: Callable | None = None) -> Plan:
+    """Search the layouts of `job` (its model, batch and cluster) on `num_gpus` GPUs.
+    `trace(job) -> report dict` traces one; `progress(done, total, text)` reports."""
+    found, enumerated, invalid, pruned = candidates(job, num_gpus)
+    result = Plan(layouts=enumerated, invalid=invalid, pruned_memory=pruned)
+    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(job.cluster.reserved_overhead_gib * GiB)
+    order = sorted(found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout))
+    fits: dict[Layout, bool] = {}
+    families: set = set()
+    for i, cand in enumerate(order):
+        better = [t for t in _dominated_by(cand.layout) if fits.get(t)]
+        if better:
+            result.dominated.append((cand, better[0]))
+            continue
+        if _family(cand.layout) in families:
+            result.represented += 1
+            continue
+        ranked = result.ranked()
+        # Closed form against closed form: the traced figures are on another footing.
+        slowest = (max(t.candidate.estimate.seconds for t in ranked[:top])
+                   if len(ranked) >= top else None)
+        if len(result.traced) >= budget or (slowest is not None and cand.estimate.seconds > slowest
+                                            and cand.estimated_memory <= capacity):
+            result.untraced = len(order) - i
+            break
+        if progress:
+            progress(len(result.traced), budget, cand.layout.describe())
+        report = trace(cand.job)
+        traced = _traced(cand, report)
+        fits[cand.layout] = traced.fits
+        if traced.fits:
+            families.add(_family(cand.layout))
+        result.traced.append(traced)
+    return result
+
+
+def _traced(cand: Candidate, report: dict) -> Traced:
+    """The traced figures: the time model's iteration and bubble (metatrace.analysis.timing, from the
+    traced FLOPs and collectives) when the report has them, else the closed form with the
+    traced exposed communication."""
+    v = report["memory_verdict"]
+    exposed = max(sum(d["exposed_seconds"] for d in r["comm"].values()) for r in report["roles"])
+    est = estimate(cand.job, exposed_comm=exposed)
+    timing = report.get("timing")
+    if timing:
+        est = dataclasses.replace(est, bubble=timing["bubble_fraction"],
+                                  seconds=timing["iteration_seconds"])
+    return Traced(cand, v["highest_peak_bytes"], v["headroom_bytes"], v["fits"], est, report)
+
+
+def plan_report(result: Plan, top: int) -> dict:
+    """The plan as JSON data."""
+
+    def entry(t: Traced) -> dict:
+        return {
+            "layout": dataclasses.asdict(t.candidate.layout),
+            "description": t.candidate.layout.describe(),
+            "fits": t.fits,
+            "peak_bytes": t.peak,
+            "headroom_bytes": t.headroom,
+            "memory_lower_bound_bytes": t.candidate.lower_bound,
+            "estimated_memory_bytes": t.candidate.estimated_memory,
+            "estimate": {"compute_seconds": t.estimate.compute, "bubble_fraction": t.estimate.bubble,
+                         "exposed_comm_seconds": t.estimate.comm, "iteration_seconds": t.estimate.seconds},
+        }
+
+    return {
+        "layouts": result.layouts,
+        "invalid": result.invalid,
+        "pruned_memory": result.pruned_memory,
+        "dominated": len(result.dominated),
+        "represented": result.represented,
+        "untraced": result.untraced,
+        "traced": [entry(t) for t in result.traced],
+        "best": [entry(t) for t in result.ranked()[:top]],
+    }

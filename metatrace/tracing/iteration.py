@@ -1,0 +1,458 @@
+"""One training iteration of a rank, under megatron-core's own schedule, its steps replayed.
+
+megatron-core's `get_forward_backward_func()` runs with the job's number of micro-batches, wired
+as Megatron-LM's train()/train_step() wire it (no_sync / grad_sync / param_sync functions,
+finalize_model_grads, the gradient buffers zeroed first, the optimizer step after). Everything
+around the model is megatron-core's own code: the warm-up and chunk order of 1F1B or the
+interleaved schedule, the pipeline sends and receives (P2PCommunicator), the deallocation of
+sent outputs, the DDP gradient synchronisation, the optimizer step.
+
+Only the two functions that run the model are replaced while the schedule runs,
+`schedules.forward_step` and `schedules.backward_step`: each replays what the same step did to
+memory in the traced micro-batch (metatrace.analysis.memory.StepProfile), with placeholder tensors:
+- forward: the output (handed on, then freed by the schedule), the activations the step keeps
+  until its backward (one tensor of that size), and its temporaries (allocated and freed at the
+  highest point the step reached);
+- backward: its temporaries at their highest point, then the activations are freed, the DDP
+  gradient hooks of the chunk's parameters run (they accumulate into the main-grad buffers and,
+  with overlap_grad_reduce, launch the bucket reductions), and the gradient of the input is
+  handed back;
+- with fine-grained activation offloading, beside them, the activations megatron-core's offload
+  manager keeps on the GPU or brings back ahead of a backward step in its steady state (one
+  tensor, memory.offload_slots).
+A step's micro-batches all have the same shapes, so one traced micro-batch stands for all; this
+keeps an iteration of hundreds of micro-batches at the cost of a few operators per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from metatrace.analysis.memory import StepProfile
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a chunk's forward step hands on (the output's shape and dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """--defer-embedding-wgrad-compute, as the traced micro-batch did it on the last stage: what
+    it appended to the output layer's buffers (megatron-core's embedding_activation_buffer and
+    grad_output_buffer), and the bytes it kept until the pipeline flush."""
+
+    activations: tuple[StepShape, ...]
+    grads: tuple[StepShape, ...]
+    kept: int = 0
+
+
+_HELD = "_metatrace_held"  # attribute of a replayed output: (chunk, micro-batch, held tensor)
+
+
+def wire_training_config(job, config, model, optimizer) -> None:
+    """Megatron-LM's train(): the schedule's hooks into DDP and the optimizer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    tr = job.training
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+    if tr.overlap_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        # --align-grad-reduce is on by default.
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if tr.overlap_param_gather and job.parallel.vpp is not None:  # align_param_gather
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+    config.finalize_model_grads_func = _reading_unknown_values(finalize_model_grads)
+
+
+def _reading_unknown_values(func):
+    """`func` run where values read back to the host are 0 (per-token loss branches on the
+    token count)."""
+    from metatrace.hooks.remap import unknown_values
+
+    def run(*args, **kwargs):
+        with unknown_values(_device_of(args)):
+            return func(*args, **kwargs)
+
+    return run
+
+
+def _device_of(args):
+    model = args[0]
+    chunk = model[0] if isinstance(model, list) else model
+    return next(chunk.parameters()).device
+
+
+class _Replay:
+    """What runs the model in megatron-core's schedule, replayed for one rank: the
+    forward_step_func handed to the schedule (batch and model forward; megatron-core's own
+    forward_step around it does the rest), and a replacement for schedules.backward_step."""
+
+    def __init__(self, *, rec, model, profiles, shapes, device, deferred=None, slots=(),
+                 microbatches=0):
+        self.rec = rec
+        self.model = model
+        self.device = device
+        self.profiles = profiles
+        self.shapes = shapes
+        self.chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
+        self.calls = [0] * len(model)
+        # DDP's gradient hooks per chunk, in backward order (last parameter first).
+        self.hooks = [
+            [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
+            for chunk in model
+        ]
+        self.launches = [_launches_reductions(chunk) for chunk in model]
+        # --defer-embedding-wgrad-compute (trace.run_microbatch): the entries one micro-batch
+        # appends to the last chunk's buffers, and the bytes it keeps until the flush.
+        self.deferred: Deferred | None = deferred
+        # Fine-grained activation offloading (memory.offload_slots): the activations the steady
+        # state keeps on the GPU or brings back ahead of a backward step, about one chunk's
+        # last layer, from the first forward step to the last backward step; its size follows
+        # the chunk whose step runs.
+        self.slots = slots
+        self.slot = None
+        self.backward_steps = 0
+        self.last_backward = microbatches * len(model)
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def forward_step_func(self, data_iterator, model):
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_attr_wrapped_model
+
+        from metatrace.tracing.steps import loss_func
+
+        v = self.chunk_of[id(model)]
+        microbatch = self.calls[v]
+        self.calls[v] += 1
+        self.rec.set_step_phase("forward")
+        if microbatch == 0:
+            self._gather_params(model)
+        prof: StepProfile = self.profiles[("forward", v)]
+        shape = self.shapes[v]
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        mask_shape = StepShape((shape.shape[0], shape.shape[-1]), torch.float32)
+        with self.rec.window("forward", v, microbatch) as window:
+            with self.rec.label(prof.module, "forward"):
+                self._hold_slot(v)
+                held_bytes = prof.held
+                acts = self._defers(model, "embedding_activation_buffer") if last else None
+                if acts is not None:
+                    # The output layer's input, kept by the buffer past the backward step.
+                    buffer, room = acts
+                    for entry in self.deferred.activations[:room]:
+                        buffer.append(torch.empty(entry.shape, dtype=entry.dtype, device=self.device))
+                        held_bytes -= _nbytes(entry)
+                held = self._empty(held_bytes) if held_bytes else None
+                # The loss mask Megatron-LM's loss function keeps for backward, and the output
+                # when it is kept too, are views into `held`; an output handed on (or dropped
+                # after the loss) is a tensor of its own.
+                kept = [mask_shape] if last else []
+                if prof.output:
+                    output = torch.empty(shape.shape, dtype=shape.dtype, device=self.device)
+                    extra = prof.excess - prof.held - _nbytes(shape)
+                else:
+                    kept.insert(0, shape)
+                    extra = prof.excess - prof.held
+                views = _carve(held, kept, self._empty)
+                if not prof.output:
+                    output = views.pop(0)
+                if extra > 0:
+                    self._empty(extra)  # the step's temporaries at its highest point
+            window["output"] = output
+            window["held"] = held
+        # The output's autograd graph ends in the input's AccumulateGrad node, which keeps the
+        # received input alive for as long as the schedule holds the output (or the loss).
+        received = get_attr_wrapped_model(model, "decoder").input_tensor
+        tag = (v, microbatch, held, received)
+        setattr(output, _HELD, tag)
+        if not last:
+            return output, None
+
+        def loss(output_tensor, mask=views[0], tag=tag):
+            # The schedule runs backward from the loss: it carries the step's tag.
+            result = loss_func(mask, output_tensor)
+            setattr(result[0], _HELD, tag)
+            return result
+
+        return output, loss
+
+    def _hold_slot(self, v: int) -> None:
+        if not self.slots or self.backward_steps >= self.last_backward:
+            return
+        if self.slot is None or self.slot.numel() != self.slots[v]:
+            self.slot = None  # freed before its successor is allocated, as the GPU reuses it
+            self.slot = self._empty(self.slots[v]) if self.slots[v] else None
+
+    def _defers(self, chunk, name):
+        """(buffer, how many of this step's entries megatron-core appends to it) for the chunk's
+        deferral buffer `name`, or None: each output-layer call appends while
+        wgrad_deferral_limit is 0 or the buffer holds fewer entries than the limit (the limit
+        counts calls, e.g. 1 + mtp_num_layers per micro-batch)."""
+        if self.deferred is None:
+            return None
+        from megatron.core.utils import get_attr_wrapped_model
+
+        gpt = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+        buffer = getattr(gpt, name, None)
+        if buffer is None or not gpt.post_process:
+            return None
+        entries = len(self.deferred.activations)
+        limit = gpt.config.wgrad_deferral_limit
+        room = entries if limit == 0 else max(0, min(entries, limit - len(buffer)))
+        return (buffer, room) if room else None
+
+    def _defer_grads(self, buffer, room, inputs) -> None:
+        """Append the logits gradient(s) of a deferred micro-batch to megatron-core's
+        grad_output_buffer. The output layer's kept input holds its autograd graph, which holds
+        the received pipeline input and its gradient (AccumulateGrad): the first entry keeps
+        references to them, and a storage of its own stands for anything else the traced
+        micro-batch kept until the flush; all of it goes when megatron-core's drain pops it."""
+        d = self.deferred
+        rest = d.kept - sum(_nbytes(e) for e in (*d.activations, *d.grads))
+        rest -= sum(_storage_bytes(x) + _storage_bytes(x.grad) for x in inputs)
+        for i, entry in enumerate(d.grads[:room]):
+            n = _nbytes(entry)
+            if i == 0 and rest > 0:
+                t = _carve(self._empty(n + rest), [entry], self._empty)[0]
+            else:
+                t = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            if i == 0:
+                t._metatrace_kept = inputs
+            buffer.append(t)
+
+    def _gather_params(self, chunk) -> None:
+        """What DDP's forward pre-hooks do in the first forward of an iteration with
+        overlap_param_gather: finish (dispatching where not yet dispatched) the parameter
+        all-gather of every bucket, in the order the forward reaches them."""
+        if not chunk.use_forward_hook:
+            return
+        skip_next = chunk.ddp_config.align_param_gather or chunk.overlap_param_gather_with_optimizer_step
+        seen = set()
+        for param in chunk.module.parameters():
+            group = chunk.param_to_bucket_group.get(param)
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
+    def backward_step(self, input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        self.rec.set_step_phase("backward")
+        out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+        v, microbatch, held, _ = out.__dict__[_HELD]
+        out.__dict__[_HELD] = out.__dict__[_HELD][3:]  # the input stays referenced, as by the graph
+        prof: StepProfile = self.profiles[("backward", v)]
+        unwrap = not isinstance(input_tensor, list)
+        inputs = [input_tensor] if unwrap else input_tensor
+        with self.rec.window("backward", v, microbatch):
+            with self.rec.label(prof.module, "backward"):
+                self._hold_slot(v)
+                if prof.excess:
+                    self._empty(prof.excess)  # the step's temporaries at its highest point
+                del held
+                deferring = self._defers(self.model[v], "grad_output_buffer")
+            zeros = {}
+            # The hooks accumulate into main_grad (in place, nothing allocated) and, with
+            # overlap_grad_reduce, launch a bucket's reduction once every parameter of the last
+            # micro-batch has its gradient: only that micro-batch needs them run.
+            for param, hook in self.hooks[v] if self.launches[v]() else ():
+                if param.requires_grad:
+                    zero = zeros.get(param.dtype)
+                    if zero is None:
+                        zero = zeros[param.dtype] = torch.zeros(
+                            (), dtype=param.dtype, device=self.device
+                        )
+                    param.grad = zero.expand(param.shape)
+                    hook()
+            del zeros
+            grads = []
+            for x in inputs:
+                if x is None:
+                    grads.append(None)
+                    continue
+                x.grad = torch.empty_like(x)
+                grads.append(x.grad)
+            if deferring is not None:
+                self._defer_grads(*deferring, [x for x in inputs if x is not None])
+            self.backward_steps += 1
+            if self.backward_steps == self.last_backward:
+                self.slot = None
+        return grads[0] if unwrap else grads
+
+
+class Unrecorded:
+    """What run_iteration tells a recorder, for an iteration nobody records (one that only
+    brings megatron-core's state to its steady state)."""
+
+    def set_step_phase(self, phase: str) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def window(self, *args, **kwargs):
+        yield {}
+
+    label = window
+
+
+def _steady_state(chunk) -> None:
+    """Make the iteration a steady-state one (the second or later). In its first iteration,
+    megatron-core's DDP (0.13 and later) counts which gradient hooks fire and launches every
+    bucket reduction only when the gradients are finalized; from the second on, a bucket's
+    reduction launches from the hooks in backward, as soon as its gradients are ready. Each hook
+    fires once per parameter in the last micro-batch (as the replay runs them)."""
+    for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+        if hasattr(group, "golden_per_param_grad_ready_counts") and group.is_first_batch:
+            group.golden_per_param_grad_ready_counts = {p: 1 for p in group.params}
+            group.is_first_batch = False
+
+
+def _launches_reductions(chunk):
+    """Whether a backward step of `chunk` now would launch DDP's bucket reductions."""
+    groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
+    overlap = chunk.ddp_config.overlap_grad_reduce
+    return lambda: overlap and any(g.is_last_microbatch for g in groups)
+
+
+def _storage_bytes(t) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _nbytes(shape: StepShape) -> int:
+    n = 1
+    for d in shape.shape:
+        n *= d
+    return n * torch.empty((), dtype=shape.dtype).element_size()
+
+
+def _carve(held, shapes, empty):
+    """Tensors of `shapes` laid one after another in `held`'s storage (views, nothing
+    allocated); a fresh tensor for any that does not fit."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = _nbytes(shape)
+        if held is not None and offset + n <= held.numel():
+            t = held[offset : offset + n]
+        else:
+            t = empty(n)
+        out.append(t.view(shape.dtype).view(shape.shape))
+        offset += n
+    return out
+
+
+def _marked(rec, model, forward_step_func):
+    """`forward_step_func` with each call marked as a forward Window (the real steps)."""
+    chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
+    calls = [0] * len(model)
+
+    def step(data_iterator, chunk):
+        v = chunk_of[id(chunk)]
+        calls[v] += 1
+        with rec.window("forward", v, calls[v] - 1) as window:
+            output, loss = forward_step_func(data_iterator, chunk)
+            window["output"] = output
+        return output, loss
+
+    return step
+
+
+@contextlib.contextmanager
+def _marked_backward(rec):
+    """schedules.backward_step with each call marked as a backward Window (the real steps)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = schedules.backward_step
+
+    def step(*args):
+        with rec.window("backward"):
+            return saved(*args)
+
+    schedules.backward_step = step
+    try:
+        yield
+    finally:
+        schedules.backward_step = saved
+
+
+@contextlib.contextmanager
+def _replaying(replay: _Replay):
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = schedules.backward_step
+    schedules.backward_step = replay.backward_step
+    try:
+        yield
+    finally:
+        schedules.backward_step = saved
+
+
+def run_iteration(
+    job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
+    batches=None, deferred: Deferred | None = None, slots=(),
+) -> None:
+    """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
+
+    With `real_steps` the model itself runs every step (Megatron-LM's forward_step on synthetic
+    batches, or on the iterators `batches()` makes, one per chunk): slow, but the reference the
+    replay is tested against, and what `metatrace measure` runs."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from metatrace.hooks.remap import unknown_values
+    from metatrace.tracing.steps import make_forward_step, reduce_losses, synthetic_batches
+
+    tr = job.training
+    wire_training_config(job, config, model, optimizer)
+    finalize = config.finalize_model_grads_func
+
+    def finalize_in_window(*args, **kwargs):
+        rec.set_step_phase("grad sync")
+        with rec.window("grad sync"):
+            return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_in_window
+    for chunk in model:
+        _steady_state(chunk)
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    rec.set_step_phase("forward")
+    if real_steps:
+        shape = dict(
+            micro_batch_size=tr.micro_batch_size,
+            seq_length=tr.seq_length,
+            attention_mask=tr.create_attention_mask_in_dataloader,
+        )
+        step_func = _marked(rec, model, make_forward_step(**shape))
+        iterators = [(batches or (lambda: synthetic_batches(**shape)))() for _ in model]
+        context = _marked_backward(rec)
+    else:
+        replay = _Replay(
+            rec=rec, model=model, profiles=profiles, shapes=shapes, device=device,
+            deferred=deferred, slots=slots, microbatches=job.num_microbatches,
+        )
+        step_func, iterators = replay.forward_step_func, [None] * len(model)
+        context = _replaying(replay)
+    with context:
+        losses = get_forward_backward_func()(
+            forward_step_func=step_func,
+            data_iterator=iterators,
+            model=model,
+            num_microbatches=job.num_microbatches,
+            seq_length=tr.seq_length,
+            micro_batch_size=tr.micro_batch_size,
+            forward_only=False,
+        )
+    rec.set_step_phase("optimizer")
+    with rec.window("optimizer"), unknown_values(device):
+        optimizer.step()
+        reduce_losses(losses)

@@ -1,0 +1,516 @@
+"""`metatrace measure`: check a prediction against real execution of one rank.
+
+The rank's model and optimizer are built exactly as `trace_role` builds them (megatron-core's
+GPTModel with the job's layer spec, DDP, megatron-core's optimizer) inside the same fake world,
+where only rank R exists and collectives complete without moving data (their buffers are still
+allocated), but on real tensors. Then real training iterations run under megatron-core's own
+schedule (metatrace.tracing.iteration with `real_steps`) on random token ids; the tensors a rank would
+receive from its pipeline neighbours are the buffers P2PCommunicator allocates, left as they are.
+
+Two instruments, both independent of metatrace's recorder:
+- the peak: on the CPU, the PyTorch profiler's allocation events (profile_memory=True), every
+  CPU allocation and free with its exact size, from before the model is built to the end; the
+  running sum's maximum in the steady-state iterations (the second and later) is the peak. On a
+  GPU, torch.cuda.max_memory_allocated() after a reset at the start of the second iteration;
+- the saved activations: `torch.autograd.graph.saved_tensors_hooks` around one micro-batch's
+  forward, counting each storage once (untyped storage data_ptr, nbytes), storages that existed
+  before the micro-batch (parameters) left out.
+
+Known limitations: the GPU path is not exercised by the tests (they run without a GPU); received
+pipeline tensors hold whatever the allocator returned (memory does not depend on values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+from metatrace.errors import ConfigError
+
+BLOCK = 512  # the CUDA caching allocator's block; the prediction counts in these
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a real run of one rank allocated (bytes)."""
+
+    peak: int
+    """Highest bytes allocated at once in the steady-state iterations (exact sizes)."""
+    peak_blocks: int
+    """The same with every allocation rounded up to 512 bytes, as the CUDA caching allocator
+    rounds it (equal to `peak` on a GPU, where the allocator already did)."""
+    saved: int
+    """Bytes of the storages one micro-batch's forward saves for backward."""
+    saved_blocks: int
+    """The same, each storage rounded up to 512 bytes (as the prediction counts them)."""
+    device: str
+    model: int
+    """Live once the model and DDP exist (parameters, DDP's buffers), in blocks on the CPU."""
+    steady: int
+    """Live when the measured iteration starts: the model, the optimizer's state, what earlier
+    steps kept (workspaces, buffers megatron-core reuses)."""
+
+
+@dataclass(frozen=True)
+class Predicted:
+    peak: int
+    saved: int
+    cuda_only: int
+    """Part of `peak` that only a GPU allocates: PyTorch's cuBLAS workspaces."""
+    model: int
+    """Parameters and gradient buffers (role_memory's params + grads)."""
+    steady: int
+    """Static memory and workspaces (cuBLAS included), what exists before the iteration."""
+
+
+def allocation_running(events, block: int = 1) -> list[tuple[int, int]]:
+    """(ns, bytes live after it) for `events` ((ns, bytes, ptr), a free negative) in time
+    order, the sum started at the first event. With `block`, each allocation counts rounded
+    up to a multiple of it (its free the same amount). A free of memory allocated before the
+    log started is not the run's: the garbage collector freeing an earlier model in the same
+    process would otherwise lower the sum by that model's size."""
+    live, out, sizes = 0, [], {}
+    for ns, nbytes, ptr in sorted(events, key=lambda e: e[0]):
+        if nbytes > 0:
+            nbytes = -(-nbytes // block) * block
+            sizes[ptr] = nbytes
+        elif ptr in sizes:
+            nbytes = -sizes.pop(ptr)
+        else:
+            continue
+        live += nbytes
+        out.append((ns, live))
+    return out
+
+
+def allocation_peak(events, since_ns: int, block: int = 1) -> int:
+    """Highest running sum of `events` (see allocation_running) at or after `since_ns`."""
+    return max((live for ns, live in allocation_running(events, block) if ns >= since_ns), default=0)
+
+
+def live_at(running: list[tuple[int, int]], ns: int) -> int:
+    """Bytes live just before time `ns`."""
+    import bisect
+
+    i = bisect.bisect_left(running, (ns, -1))
+    return running[i - 1][1] if i else 0
+
+
+def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
+    """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
+    record_function ranges whose names start with `prefix`, by name."""
+    events, marks = [], {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        elif node.name.startswith(prefix):
+            marks.setdefault(node.name, []).append(node.start_time_ns)
+    return events, {name: sorted(times) for name, times in marks.items()}
+
+
+def random_batches(job, count: int) -> list[dict]:
+    """`count` host-side batches as Megatron's GPTDataset yields them, with random token ids."""
+    import torch
+
+    from metatrace.tracing.steps import synthetic_batches
+
+    tr = job.training
+    template = synthetic_batches(
+        micro_batch_size=tr.micro_batch_size,
+        seq_length=tr.seq_length,
+        attention_mask=tr.create_attention_mask_in_dataloader,
+    )
+    out = []
+    for _ in range(count):
+        batch = dict(next(template))
+        shape = batch["tokens"].shape
+        batch["tokens"] = torch.randint(job.model.vocab_size, shape)
+        batch["labels"] = torch.randint(job.model.vocab_size, shape)
+        out.append(batch)
+    return out
+
+
+class _Probe:
+    """What run_microbatch / run_iteration tell a recorder, kept to the step phase only;
+    `on_backward` runs when the first backward step starts."""
+
+    def __init__(self, on_backward=None):
+        self.phase = "forward"
+        self.on_backward = on_backward
+
+    def set_step_phase(self, phase: str) -> None:
+        if phase == "backward" and self.phase != "backward" and self.on_backward:
+            self.on_backward()
+        self.phase = phase
+
+    @contextlib.contextmanager
+    def window(self, *args):
+        yield {}
+
+    label = window
+
+
+# Factory functions that make a host tensor when called without a device, on a GPU too.
+_FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn")
+
+
+def _host_tensors():
+    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) that keeps
+    weak references to the tensors made by factory functions called without a device: host
+    tensors on a GPU as well (megatron-core's fused softmax saves `torch.tensor([scale])`, 4
+    bytes a layer), which a CPU run cannot otherwise tell from device tensors. Weak: an address
+    freed and reused by a device tensor must not pass for a host one."""
+    import weakref
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    factories = {getattr(torch, name) for name in _FACTORIES}
+
+    class HostTensors(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.made: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in factories and (kwargs or {}).get("device") is None:
+                if isinstance(out, torch.Tensor):
+                    self.made.append(weakref.ref(out))
+            return out
+
+        def ptrs(self) -> set[int]:
+            alive = (ref() for ref in self.made)
+            return {t.untyped_storage().data_ptr() for t in alive if t is not None}
+
+    return HostTensors()
+
+
+class _Held:
+    """What the pack hook returns: autograd keeps it as long as it keeps the saved tensor."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+@contextlib.contextmanager
+def counting_saved(probe: _Probe, existing: set[int]):
+    """{data_ptr: nbytes} of the device storages the micro-batch's forward saved for backward
+    and that autograd still holds when the first backward step starts (a save whose graph is
+    dropped before, e.g. bias-dropout-add's inside a checkpointed layer, is not held; counted
+    while alive, no two storages share an address). Recomputation in backward saves again: not
+    activations a micro-batch holds."""
+    import weakref
+
+    import torch
+
+    saved: dict[int, int] = {}
+    held: list = []
+    host = _host_tensors()
+
+    def count():
+        skip = existing | host.ptrs()
+        for ref in held:
+            h = ref()
+            if h is None or h.tensor.device.type == "meta":
+                continue
+            storage = h.tensor.untyped_storage()
+            if storage.data_ptr() not in skip:
+                saved[storage.data_ptr()] = storage.nbytes()
+
+    def pack(t):
+        if probe.phase != "forward":
+            return t
+        h = _Held(t)
+        held.append(weakref.ref(h))
+        return h
+
+    def unpack(h):
+        return h.tensor if isinstance(h, _Held) else h
+
+    probe.on_backward = count
+    with host, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield saved
+
+
+@contextlib.contextmanager
+def _cuda_like_dropout():
+    """CPU kernels for dropout that allocate what the CUDA kernels do. ATen's CPU dropout
+    multiplies by the bool mask through TensorIterator, which first copies the mask to the
+    input's dtype (a second activation-sized buffer, [b, heads, s, s] for attention dropout),
+    and its backward keeps `grad * mask` alive while `* scale` allocates the result; the CUDA
+    kernels (fused_dropout, masked_scale) allocate only the output and the mask. Kernel
+    scratch is not what the prediction models, so the CPU run is made to allocate like the GPU:
+    output and mask, nothing else (the 0-dim zero is a 512-byte host scalar per call)."""
+    import torch
+
+    def native_dropout(input, p, train):
+        if train is False or p == 0:
+            return input.clone(), torch.ones_like(input, dtype=torch.bool)
+        mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p)
+        out = input.mul(1 / (1 - p)) if p < 1 else torch.zeros_like(input)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out, mask
+
+    def native_dropout_backward(grad_output, mask, scale):
+        out = grad_output.mul(scale)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("native_dropout", native_dropout, "CPU")
+        lib.impl("native_dropout_backward", native_dropout_backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@contextlib.contextmanager
+def _local_broadcasts():
+    """The batch broadcast (Megatron-LM's get_batch_on_this_tp_rank) moves nothing in the fake
+    world: a receiving TP rank would embed uninitialised token ids. Generate what it receives
+    locally instead: zeros (token ids, labels, positions, the mask), ones for float tensors (the
+    loss mask). Memory does not depend on the values."""
+    import torch.distributed as dist
+
+    original = dist.broadcast
+
+    def broadcast(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        if dist.get_rank() != (args[0] if args else kwargs.get("src")):
+            tensor.fill_(1 if tensor.is_floating_point() else 0)
+        return work
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = original
+
+
+def _live_ptrs() -> set[int]:
+    import gc
+
+    import torch
+
+    return {
+        o.untyped_storage().data_ptr()
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.device.type != "meta"
+    }
+
+
+def _live_ptrs_safe(model) -> set[int]:
+    """Storages alive now: every tensor the garbage collector knows, the parameters surely."""
+    ptrs = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    with contextlib.suppress(RuntimeError):
+        ptrs |= _live_ptrs()
+    return ptrs
+
+
+def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") -> Measured:
+    """Build global `rank`'s model and optimizer for real on `device` and run one micro-batch
+    (saved activations counted) and `iterations` training iterations (peak measured).
+
+    The order: the profiler starts before the model is built, so every byte the run holds is
+    an allocation it saw (nothing is assumed about what lives before); the counted micro-batch
+    runs under DDP's no_sync, as the traced one does; iterations after the first are the steady
+    state the prediction describes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from metatrace.hooks.fake_world import fake_world
+    from metatrace.hooks.offload import reset_manager as reset_offload_manager
+    from metatrace.hooks.patches import megatron_patches
+    from metatrace.hooks.remap import remap_cuda
+    from metatrace.tracing.iteration import run_iteration
+    from metatrace.models.build import build_model_chunks, build_optimizer, transformer_config, wrap_ddp
+    from metatrace.models.te_linear import te_process
+    from metatrace.tracing.trace import run_microbatch
+    from metatrace.world import World
+
+    world = World.from_job(job)
+    te = job.implementation.transformer_impl == "transformer_engine"
+    cuda = device == "cuda"
+    pool = random_batches(job, job.num_microbatches)  # host memory, made before anything counts
+    marker = "metatrace.tracing.measure."
+    allocated = {}  # on a GPU: torch.cuda.memory_allocated() at the marks
+    remap = contextlib.nullcontext() if cuda else remap_cuda(device)
+    profiler = (
+        contextlib.nullcontext()
+        if cuda
+        else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    )
+    dropout = contextlib.nullcontext() if cuda else _cuda_like_dropout()
+    patches = megatron_patches(compiled=job.implementation.torch_compile)
+    with profiler as prof, patches, remap, fake_world(world.layout, rank), \
+            te_process(te), _local_broadcasts(), dropout:
+        config = transformer_config(job)
+        model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
+        with record_function(marker + "model"):  # parameters and DDP's buffers exist
+            if cuda:
+                allocated["model"] = torch.cuda.memory_allocated()
+        optimizer = build_optimizer(job, model)
+        probe = _Probe()
+        with contextlib.ExitStack() as stack:
+            saved = stack.enter_context(counting_saved(probe, _live_ptrs_safe(model)))
+            for chunk in model:
+                stack.enter_context(chunk.no_sync())
+            run_microbatch(job, config, model, rec=probe)
+        saved_bytes = sum(saved.values())
+        saved_blocks = sum(-(-n // BLOCK) * BLOCK for n in saved.values())
+        # With activation offloading the counted micro-batch was the offload manager's first:
+        # training starts with a fresh one (its first iteration learns the group order).
+        reset_offload_manager()
+        for i in range(iterations):
+            if cuda and i == min(1, iterations - 1):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                allocated["steady"] = torch.cuda.memory_allocated()
+            with record_function(marker + "iteration"):
+                run_iteration(
+                    job, config, model, optimizer, rec=_Probe(), device=torch.device(device),
+                    real_steps=True, batches=lambda: _cycle(pool),
+                )
+        del model, optimizer
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        return Measured(peak=peak, peak_blocks=peak, saved=saved_bytes, saved_blocks=saved_blocks,
+                        device=device, model=allocated["model"], steady=allocated["steady"])
+    events, marks = _profiler_log(prof, marker)
+    iterations_at = marks[marker + "iteration"]
+    since = iterations_at[min(1, len(iterations_at) - 1)]
+    running = allocation_running(events, BLOCK)
+    return Measured(
+        peak=allocation_peak(events, since),
+        peak_blocks=max(live for ns, live in running if ns >= since),
+        saved=saved_bytes,
+        saved_blocks=saved_blocks,
+        device=device,
+        model=live_at(running, marks[marker + "model"][0]),
+        steady=live_at(running, since),
+    )
+
+
+def _cycle(pool):
+    while True:
+        yield from pool
+
+
+def predict(job, rank: int) -> Predicted:
+    """metatrace's prediction for global `rank` (traced on meta, as `metatrace run` does)."""
+    from metatrace.analysis import aggregate as agg
+    from metatrace.analysis.memory import lifetimes, role_memory
+    from metatrace.config.hardware import cublas_workspace_bytes
+    from metatrace.tracing.trace import trace_role
+    from metatrace.world import World
+
+    world = World.from_job(job)
+    role = next(r for r in world.roles() if rank in r.ranks)
+    rt = trace_role(job, world, role, rank=rank)
+    # The cuBLAS workspaces are the micro-batch's persistent storages of exactly the configured
+    # size (one per thread that ran a GEMM: forward, and the autograd engine's in backward).
+    life = lifetimes(rt.trace.memory)
+    workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
+    cublas = sum(
+        life.bytes[sid] for sid in life.persistent() if workspace and life.bytes[sid] == workspace
+    )
+    memory = role_memory(rt.trace, rt.iteration)
+    return Predicted(
+        peak=memory.peak,
+        saved=agg.role_summary(rt.trace).activation_bytes,
+        cuda_only=cublas,
+        model=memory.params + memory.grads,
+        steady=memory.static,
+    )
+
+
+def check_request(job, rank: int, device: str) -> None:
+    """Refuse what cannot be measured, before anything is built (ConfigError: exit 2)."""
+    import importlib.util
+
+    import torch
+
+    from metatrace.world import World
+
+    size = World.from_job(job).size
+    if not 0 <= rank < size:
+        raise ConfigError(f"--rank {rank} is outside the world of {size} GPUs (0 to {size - 1})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda needs a GPU and none is visible here; use --device cpu")
+    te = job.implementation.transformer_impl == "transformer_engine"
+    if te and (device == "cpu" or importlib.util.find_spec("transformer_engine") is None):
+        raise ConfigError(
+            "the Transformer Engine layer spec cannot run for real "
+            + ("on the CPU" if device == "cpu" else "without transformer_engine installed")
+            + "; measure the local spec instead (implementation.transformer_impl: local)"
+        )
+
+
+def check_fits(predicted: Predicted, device: str) -> None:
+    """Refuse a run the machine cannot hold: the prediction (CUDA-only workspaces aside on the
+    CPU) against the memory available now."""
+    import torch
+
+    need = predicted.peak - (predicted.cuda_only if device == "cpu" else 0)
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = _available_host_memory()
+    if free is not None and need > free:
+        raise ConfigError(
+            f"the rank is predicted to need {need / 2**30:.2f} GiB and this machine has "
+            f"{free / 2**30:.2f} GiB available; measure a smaller model"
+        )
+
+
+def _available_host_memory() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
+def build_comparison(predicted: Predicted, measured: Measured, rank: int):
+    """rich Table: predicted against measured, the difference in bytes and percent."""
+    from rich import box
+    from rich.table import Table
+
+    cpu = measured.device == "cpu"
+    peak = predicted.peak - (predicted.cuda_only if cpu else 0)
+    table = Table(title=f"rank {rank}: predicted against measured on {measured.device}",
+                  box=box.SIMPLE_HEAD)
+    for name in ("", "predicted", "measured", "difference", "%"):
+        table.add_column(name, justify="left" if not name else "right")
+    steady = predicted.steady - (predicted.cuda_only if cpu else 0)
+    rows = [
+        ("peak" + (" (cuBLAS workspaces aside)" if cpu else ""), peak, measured.peak_blocks),
+        ("  parameters, gradient buffers", predicted.model, measured.model),
+        ("  optimizer state, workspaces", steady - predicted.model, measured.steady - measured.model),
+        ("  the iteration's own at the peak", peak - steady, measured.peak_blocks - measured.steady),
+        ("saved activations / micro-batch", predicted.saved, measured.saved_blocks),
+    ]
+    for label, p, m in rows:
+        diff = p - m
+        pct = f"{100 * diff / m:+.2f}" if m else "-"
+        table.add_row(label, f"{p:,}", f"{m:,}", f"{diff:+,}", pct)
+    if cpu:
+        table.caption = (
+            f"bytes; measured in 512-byte blocks as the CUDA allocator counts (exact peak "
+            f"{measured.peak:,}); the GPU prediction {predicted.peak:,} includes "
+            f"{predicted.cuda_only:,} of cuBLAS workspaces a CPU run does not allocate"
+        )
+    return table

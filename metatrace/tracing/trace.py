@@ -1,0 +1,372 @@
+"""Tracing orchestration: for every distinct role, build the rank's model chunks inside the fake
+world, as Megatron-LM builds them for training (DDP around each chunk, megatron-core's
+optimizer), and record two things:
+
+1. one micro-batch, forward and backward, as megatron-core's schedules run it for that rank: for
+   each model chunk in order, receive the input from the previous stage, megatron-core's
+   `forward_step` (with Megatron-LM's batch and loss on the first and last stages), send the
+   output on and free it (`deallocate_output_tensor`); then for each chunk in reverse, receive
+   the output gradient, megatron-core's `backward_step`, send the input gradient back.
+   Point-to-point transfers go through megatron-core's `P2PCommunicator`, so they are recorded
+   as the pipeline issues them. It runs as a micro-batch that is not the last of its iteration
+   (under DDP's no_sync), so its records hold no gradient reduction;
+2. a whole training iteration under megatron-core's own schedule, with every forward and
+   backward step replayed from (1) (metatrace.tracing.iteration), then the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Callable
+
+from metatrace.config.hardware import cublas_workspace_bytes
+from metatrace.records import JobTrace, RoleTrace
+from metatrace.world import Role, World
+
+
+
+def trace_job(
+    job, *, device: str = "meta", full_model: bool = True, progress=None, workers: int | None = None
+) -> JobTrace:
+    """Trace every role of `job` (and the unparallelised model when `full_model`).
+
+    Roles are independent: with `workers` > 1 they are traced in that many forked processes
+    (default: the CPUs available, at most 4)."""
+    from metatrace.models.build import single_gpu_job
+
+    progress = progress or (lambda message: None)
+    start = time.perf_counter()
+    world = World.from_job(job)
+    tasks = [
+        (f"pipeline stage {role.pp_stage} (rank {role.rank})", (job, world, role, device, True))
+        for role in world.roles()
+    ]
+    if full_model:
+        # First: the whole model on one GPU is the longest trace (all layers, all experts),
+        # so it runs beside the roles rather than after them.
+        single = single_gpu_job(job)
+        single_world = World.from_job(single)
+        tasks.insert(
+            0,
+            ("the full model on one GPU", (single, single_world, single_world.roles()[0], device, False)),
+        )
+    if workers is None:
+        workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    workers = max(1, min(workers, len(tasks)))
+    results = _run_tasks(tasks, workers, progress)
+    full = results.pop(0) if full_model else None
+    roles = results
+    return JobTrace(
+        job=job,
+        world=world,
+        roles=tuple(roles),
+        full=full,
+        seconds={"trace": time.perf_counter() - start},
+    )
+
+
+def _trace_task(args):
+    job, world, role, device, iteration = args
+    import torch
+
+    torch.set_num_threads(1)
+    return trace_role(job, world, role, device=device, iteration=iteration)
+
+
+def _run_tasks(tasks, workers: int, progress) -> list:
+    """RoleTraces of `tasks` in order, in this process or in `workers` forked ones."""
+    if workers == 1:
+        out = []
+        for label, args in tasks:
+            progress(f"tracing {label}")
+            out.append(_trace_task(args))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    progress(f"tracing {len(tasks)} roles in {workers} processes")
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_trace_task, args) for _, args in tasks]
+        out = []
+        for (label, _), future in zip(tasks, futures):
+            out.append(future.result())
+            progress(f"traced {label}")
+        return out
+
+
+def trace_role(
+    job,
+    world: World,
+    role: Role,
+    *,
+    device: str = "meta",
+    rank: int | None = None,
+    also_track: tuple[str, ...] = (),
+    iteration: bool = True,
+    real_steps: bool = False,
+):
+    """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
+    and, when `iteration`, a whole iteration.
+
+    `device` is where the model runs (meta, or cpu for real tensors); `also_track` names more
+    device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
+    with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
+    model in every step of the iteration instead of replaying the traced micro-batch (the
+    reference for tests; with activation offloading after an unrecorded first iteration, the
+    offload manager's warm-up).
+    """
+    from metatrace.hooks.fake_world import fake_world, named_groups
+    from metatrace.hooks.offload import OffloadLog, reset_manager
+    from metatrace.hooks.patches import megatron_patches
+    from metatrace.hooks.recorder import Recorder
+    from metatrace.hooks.remap import cublas_workspaces, remap_cuda
+    from metatrace.tracing.iteration import Unrecorded, run_iteration
+    from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
+    from metatrace.models.te_linear import te_process
+    from metatrace.models.build import (
+        build_model_chunks,
+        build_optimizer,
+        static_tensors,
+        transformer_config,
+        unwrap,
+        wrap_ddp,
+    )
+
+    import torch
+
+    rank = role.rank if rank is None else rank
+    start = time.perf_counter()
+    config = transformer_config(job)
+    offloading = config.fine_grained_activation_offloading
+    workspace = cublas_workspace_bytes(job)
+    te = job.implementation.transformer_impl == "transformer_engine"
+    compiled = job.implementation.torch_compile
+    with megatron_patches(compiled=compiled), remap_cuda(device), fake_world(world.layout, rank), \
+            te_process(te):
+        chunks = build_model_chunks(job=job, config=config, device=device)
+        model = wrap_ddp(job, config, chunks)
+        optimizer = build_optimizer(job, model)
+        static = static_tensors(model, optimizer)
+        prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
+        models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
+        devices = (device, *also_track)
+        groups = named_groups()
+        # With overlap_param_gather, DDP's forward pre-hooks all-gather the parameters once per
+        # iteration: not part of a micro-batch (the iteration below issues them).
+        hooked = [chunk for chunk in model if chunk.use_forward_hook]
+        for chunk in hooked:
+            chunk.disable_forward_pre_hook(param_sync=False)
+        with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+            with contextlib.ExitStack() as stack:
+                # The workspaces live on after the recorder stops, as they do on a GPU.
+                workspaces = stack.enter_context(cublas_workspaces(device, workspace))
+                for chunk in model:
+                    stack.enter_context(chunk.no_sync())
+                # What megatron-core's activation offloading moves, in its warm-up mode (every
+                # group offloaded, reloads on demand; memory.offload_slots has the steady state).
+                log = stack.enter_context(OffloadLog(rec)) if offloading else None
+                shapes, deferred = run_microbatch(job, config, model, rec=rec)
+        trace = rec.trace()
+        record = log.record() if log is not None else None
+        reset_manager()  # the iteration starts with a new one, as training does
+        del workspaces
+        steady = None
+        if iteration:
+            last_stage = role.pp_stage == job.parallel.pp - 1
+            slots = offload_slots(trace, record, last_stage=last_stage) if record else ()
+            reloads = record.reloads if record else frozenset()
+            if real_steps:
+                for chunk in hooked:
+                    chunk.enable_forward_pre_hook()
+                if record is not None:
+                    # The offload manager learns the group order in the first iteration and
+                    # runs its steady state from the second on.
+                    run_iteration(job, config, model, optimizer, rec=Unrecorded(),
+                                  device=torch.device(device), real_steps=True)
+                # The model's steps reach tensors the micro-batch left behind (caches,
+                # workspaces): already allocated, not allocations of this iteration.
+                static = {**static, "existing": _live_tensors(devices)}
+            with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+                run_iteration(
+                    job,
+                    config,
+                    model,
+                    optimizer,
+                    rec=rec,
+                    profiles=step_profiles(trace, reloads=reloads),
+                    deferred=deferred and dataclasses.replace(
+                        deferred, kept=deferred_bytes(trace)
+                    ),
+                    shapes=shapes,
+                    device=torch.device(device),
+                    real_steps=real_steps,
+                    slots=() if real_steps else slots,
+                )
+            steady = rec.trace()
+    return RoleTrace(
+        role=role,
+        trace=trace,
+        chunks=tuple(prefixes),
+        seconds=time.perf_counter() - start,
+        iteration=steady,
+        offload=record,
+    )
+
+
+def _live_tensors(devices) -> list:
+    import gc
+
+    import torch
+
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.device.type in devices
+    ]
+
+
+def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable | None = None):
+    """One micro-batch through this rank's chunks, forward then backward (see module docstring).
+
+    With a recorder `rec`, each chunk's forward and backward step is marked as a Window and the
+    steps outside the model are told their phase. Returns each chunk's output shape, and with
+    --defer-embedding-wgrad-compute on the last stage what the output layer deferred (a
+    "deferred" window frees what one deferred micro-batch keeps until the pipeline flush).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_attr_wrapped_model, get_model_type
+
+    from metatrace.tracing.iteration import StepShape
+    from metatrace.tracing.steps import make_forward_step, synthetic_batches
+
+    tr = job.training
+    par = job.parallel
+    if forward_step_func is None:
+        forward_step_func = make_forward_step(
+            micro_batch_size=tr.micro_batch_size,
+            seq_length=tr.seq_length,
+            attention_mask=tr.create_attention_mask_in_dataloader,
+        )
+    data = synthetic_batches(
+        micro_batch_size=tr.micro_batch_size,
+        seq_length=tr.seq_length,
+        attention_mask=tr.create_attention_mask_in_dataloader,
+    )
+    comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
+    seq = tr.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
+    tensor_shape = (seq, tr.micro_batch_size, config.hidden_size)
+    model_type = get_model_type(model[0])
+
+    def window(phase, v):
+        return rec.window(phase, v, 0) if rec is not None else contextlib.nullcontext({})
+
+    def on_phase(phase):
+        if rec is not None:
+            rec.set_step_phase(phase)
+
+    on_phase("forward")
+    stash, shapes = [], []
+    for v, chunk in enumerate(model):
+        vp_stage = v if par.vpp else None
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        input_tensor = comm.recv_forward(tensor_shape, is_first_stage=first)
+
+        def model_step(data_iterator, model, v=v):
+            # The window holds the batch and the model's forward; the loss function and the
+            # schedule's own work around it run outside, as in the replay.
+            with window("forward", v) as marks:
+                output, loss_func = forward_step_func(data_iterator, model)
+                marks["output"] = output
+            shapes.append(StepShape(tuple(output.shape), output.dtype))
+            return output, loss_func
+
+        output_tensor, _ = schedules.forward_step(
+            model_step,
+            data,
+            chunk,
+            job.num_microbatches,
+            input_tensor,
+            [],
+            config,
+            par.cp,
+            is_first_microbatch=True,
+            current_microbatch=0,
+            vp_stage=vp_stage,
+            is_last_stage=last,
+        )
+        last_output = output_tensor  # the backward loop below rebinds output_tensor
+        comm.send_forward(output_tensor, is_last_stage=last)
+        if not last:
+            schedules.deallocate_output_tensor(output_tensor, config.deallocate_pipeline_outputs)
+        stash.append((v, input_tensor, output_tensor, first, last))
+
+    on_phase("backward")
+    for v, input_tensor, output_tensor, first, last in reversed(stash):
+        output_grad = comm.recv_backward(tensor_shape, is_last_stage=last)
+        with window("backward", v):
+            input_grad = schedules.backward_step(
+                input_tensor, output_tensor, output_grad, model_type, config
+            )
+        comm.send_backward(input_grad, is_first_stage=first)
+    # megatron-core's forward_step hands each chunk its input with set_input_tensor, and the
+    # model keeps that reference until the next micro-batch replaces it. Drop it here, so that
+    # the last input (and its gradient) does not look like memory the rank keeps for good; the
+    # replayed iteration sets the inputs again.
+    for chunk in model:
+        get_attr_wrapped_model(chunk, "set_input_tensor")(None)
+    # --defer-embedding-wgrad-compute: the last stage's output layer appended its input (forward)
+    # and the logits gradient (backward) to the model's buffers, and the input's autograd graph
+    # (down to the received pipeline input and its .grad) lives as long as the buffer holds it.
+    # megatron-core computes the deferred weight gradient at the pipeline flush and empties the
+    # buffers (schedules.finish_embedding_wgrad_compute; its drain fails on a single entry in
+    # 0.16.1, so the traced micro-batch releases them itself). The "deferred" window frees
+    # exactly what one deferred micro-batch keeps until the flush.
+    if not (config.defer_embedding_wgrad_compute and stash[-1][4]):
+        return shapes, None
+    v = stash[-1][0]
+    del stash, input_tensor, output_tensor, input_grad, output_grad, last_output
+    with window("deferred", v):
+        deferred = _release_deferred(config, model[-1])
+    return shapes, deferred
+
+
+def _release_deferred(config, chunk):
+    """Empty the last chunk's deferral buffers (what megatron-core's pipeline flush does), and
+    return what they held."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from metatrace.tracing.iteration import Deferred, StepShape
+
+    last_model = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+    acts, grads = last_model.embedding_activation_buffer, last_model.grad_output_buffer
+    deferred = Deferred(
+        activations=tuple(StepShape(tuple(t.shape), t.dtype) for t in acts),
+        grads=tuple(StepShape(tuple(t.shape), t.dtype) for t in grads),
+    )
+    acts.clear()
+    grads.clear()
+    if config.sequence_parallel:
+        _drain_gather_buffers(deferred.activations[0])
+    return deferred
+
+
+def _drain_gather_buffers(shape) -> None:
+    """With sequence parallelism megatron-core's drain (utils.drain_embedding_wgrad_compute)
+    all-gathers each deferred input into two global memory buffers, "mpu_0" and "mpu_1"
+    ([s, b, h] each), which it keeps for good: allocate them here, so that they count among the
+    kept buffers (from the second iteration on they exist before it starts)."""
+    from megatron.core.parallel_state import (
+        get_global_memory_buffer,
+        get_tensor_model_parallel_world_size,
+    )
+
+    dim = [shape.shape[0] * get_tensor_model_parallel_world_size(), *shape.shape[1:]]
+    for name in ("mpu_0", "mpu_1"):
+        get_global_memory_buffer().get_tensor(dim, shape.dtype, name)
