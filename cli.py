@@ -288,9 +288,10 @@ def _warn(notes) -> None:
 
 
 def cmd_run(args, console=None) -> int:
-    from metatrace.render.run import render_run, render_search
+    from metatrace.analysis.analyze import analyze
     from metatrace.export.report import job_report, search_report, write_json
     from metatrace.planning.search import max_micro_batch
+    from metatrace.render.run import render_run, render_search
     from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
@@ -324,16 +325,16 @@ def cmd_run(args, console=None) -> int:
             lambda j: trace_job(j, full_model=False, progress=progress, workers=args.jobs),
             progress,
         )
-        job_trace = search.trace
+        analysis = search.analysis
     else:
-        job_trace = trace_job(
+        analysis = analyze(trace_job(
             job, full_model=not args.no_full_model, progress=progress, workers=args.jobs
-        )
-    render_run(job_trace, console, depth=args.depth, expand=args.expand)
+        ))
+    render_run(analysis, console, depth=args.depth, expand=args.expand)
     if search is not None:
         render_search(job, search, console)
     if args.json or args.html:
-        report = job_report(job_trace)
+        report = job_report(analysis)
         if search is not None:
             report["max_micro_batch"] = search_report(search)
     if args.json:
@@ -342,29 +343,21 @@ def cmd_run(args, console=None) -> int:
     if args.html:
         from metatrace.export.html import role_timelines, write_html
 
-        write_html(report, args.html, role_timelines(job_trace))
+        write_html(report, args.html, role_timelines(analysis))
         console.print(f"\nHTML report written to {args.html}")
     if args.chrome_trace:
         from metatrace.export.chrome import chrome_trace
-        from metatrace.analysis.timing import cached_timing
 
-        write_json(chrome_trace(job_trace, cached_timing(job_trace)), args.chrome_trace)
+        write_json(chrome_trace(analysis), args.chrome_trace)
         console.print(f"\nChrome trace written to {args.chrome_trace}")
     if args.memory_snapshot:
         from metatrace.export.snapshot import write_snapshots
 
-        lines = write_snapshots(job_trace.roles, args.memory_snapshot)
+        lines = write_snapshots(analysis.traced.roles, args.memory_snapshot)
         console.print("\n" + "\n".join(lines), markup=False, soft_wrap=True)
-    if args.fail_on_oom and not _fits(job_trace):
+    if args.fail_on_oom and not analysis.verdict.fits:
         return 1
     return 0
-
-
-def _fits(job_trace) -> bool:
-    from metatrace.analysis.memory import role_memory, verdict
-
-    ranked = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
-    return verdict(job_trace.job, ranked).fits
 
 
 def _check_jobs(args) -> None:
@@ -373,9 +366,10 @@ def _check_jobs(args) -> None:
 
 
 def cmd_comm(args, console=None) -> int:
+    from metatrace.analysis.analyze import analyze
+    from metatrace.render.comm import render_comm
     from metatrace.render.format import section
     from metatrace.render.run import build_summary
-    from metatrace.render.comm import render_comm
     from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
@@ -387,7 +381,7 @@ def cmd_comm(args, console=None) -> int:
     )
     console.print(section("Configuration"))
     console.print(build_summary(job, job_trace.world))
-    render_comm(job_trace, console, dim=args.dim)
+    render_comm(analyze(job_trace), console, dim=args.dim)
     return 0
 
 
@@ -414,6 +408,7 @@ def cmd_groups(args, console=None) -> int:
 
 
 def cmd_tree(args, console=None) -> int:
+    from metatrace.analysis.analyze import analyze
     from metatrace.render.format import section
     from metatrace.render.run import build_role_tree, build_totals_line, role_title
     from metatrace.tracing.trace import JobTrace, trace_role
@@ -427,10 +422,11 @@ def cmd_tree(args, console=None) -> int:
     role = next(r for r in world.roles() if args.rank in r.ranks)
     console = _console(args, console)
     rt = trace_role(job, world, role, rank=args.rank, iteration=False)
-    job_trace = JobTrace(job=job, world=world, roles=(rt,), full=None)
-    console.print(section(role_title(job_trace, [rt])))
-    console.print(build_role_tree(job_trace, [rt], depth=args.depth, expand=args.expand))
-    console.print(build_totals_line(rt.trace))
+    analysis = analyze(JobTrace(job=job, world=world, roles=(rt,), full=None))
+    ra = analysis.roles[0]
+    console.print(section(role_title(analysis, [ra])))
+    console.print(build_role_tree(ra, depth=args.depth, expand=args.expand))
+    console.print(build_totals_line(ra.summary))
     return 0
 
 
@@ -456,6 +452,7 @@ def _side_report(side: str, args, progress) -> dict:
     """The JSON report of one side of `metatrace diff`: read, or traced."""
     import json
 
+    from metatrace.analysis.analyze import analyze
     from metatrace.export.report import job_report
     from metatrace.tracing.trace import trace_job
 
@@ -483,7 +480,7 @@ def _side_report(side: str, args, progress) -> dict:
     job = _load_job(side_args)
     if progress:
         progress(f"tracing {side}")
-    return job_report(trace_job(job, full_model=False, progress=progress, workers=args.jobs))
+    return job_report(analyze(trace_job(job, full_model=False, progress=progress, workers=args.jobs)))
 
 
 def _megatron_file(path: str) -> bool:
@@ -538,9 +535,10 @@ def _plan_base(args):
 
 
 def cmd_plan(args, console=None) -> int:
+    from metatrace.analysis.analyze import analyze
+    from metatrace.export.report import job_report, write_json
     from metatrace.planning.plan import plan, plan_report
     from metatrace.render.plan import render_plan
-    from metatrace.export.report import job_report, write_json
     from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
@@ -562,7 +560,8 @@ def cmd_plan(args, console=None) -> int:
                 bar.update(task, completed=done, description=text)
 
         result = plan(job, num_gpus, top=args.top, budget=args.max_traces, progress=progress,
-                      trace=lambda j: job_report(trace_job(j, full_model=False, workers=args.jobs)))
+                      trace=lambda j: job_report(
+                          analyze(trace_job(j, full_model=False, workers=args.jobs))))
         if bar:
             bar.update(task, completed=args.max_traces, description="done")
     render_plan(job, num_gpus, result, console, top=args.top)

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     print("\n".join(newly_covered(cases, predicted, dict(skipped))))
     if errors:
         errors.sort()
-        p90 = errors[min(len(errors) - 1, int(round(0.9 * (len(errors) - 1))))]
+        p90 = errors[min(len(errors) - 1, round(0.9 * (len(errors) - 1)))]
         print(
             f"\n{len(errors)} dense cases: median |error| {100 * statistics.median(errors):.2f}%, "
             f"90th percentile {100 * p90:.2f}%, max {100 * errors[-1]:.2f}%  "

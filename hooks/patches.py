@@ -1,11 +1,15 @@
 """Every patch of megatron-core (and of its surroundings) metatrace needs, in one place.
 
-- PATCHES: attributes of megatron-core replaced by stand-ins, each saying which versions need
-  it and why; the originals are kept (`_orig`) and put back;
+- PATCHES: attributes of megatron-core replaced by stand-ins, each with the megatron-core releases
+  that need it and why; the originals are kept (`_orig`) and put back;
 - the CUDA extensions megatron-core imports by name, torch.compile switched off, Meta kernels for
   the coalesced c10d operators, and the NVTE_*_ATTN variables megatron-core writes.
 
-`megatron_patches()` applies them all and restores everything on exit, also on error.
+`megatron_patches()` applies them all and restores everything on exit, also on error. On entry it
+checks the installed megatron-core: a release outside MEGATRON_CORE is refused (ConfigError), a
+patch whose `versions` exclude the installed release is not applied, and a target that does not
+exist is an error naming the patch (PatchError), unless the patch declares that it `creates` it.
+hooks/training.py has the patches applied around a training iteration.
 
 Measured with megatron-core 0.16.1 and torch 2.13.0 (../shared/notes/megatron-on-meta.md).
 """
@@ -22,6 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+from metatrace.hooks import meta_kernels
+from metatrace.hooks.guards import PatchError, Versions, check_megatron_core, installed_release
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -30,11 +37,24 @@ class Patch:
     """Attribute path inside the module, e.g. "CudaRNGStatesTracker.fork"."""
     make: Callable[[Any], Any]
     """Builds the replacement from the original."""
-    versions: str
+    versions: Versions
+    """The megatron-core releases that need it; on others it is not applied."""
     why: str
+    creates: bool = False
+    """The target may not exist (megatron-core binds it only when Transformer Engine or Apex
+    imports; `why` says so): the patch then creates it and deletes it on exit. Any other missing
+    target is a PatchError."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.target}"
 
 
 def _null_fork(orig):
+    """fork's check of the name, without the CUDA state swap. Restates
+    megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork (source sha256: a9e307b04fe7).
+    """
+
     def fork(self, name="model-parallel-rng"):
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
@@ -73,7 +93,7 @@ PATCHES = (
         "megatron.core.tensor_parallel.random",
         "CudaRNGStatesTracker.fork",
         _null_fork,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "fork swaps the CUDA generator's state (torch.cuda.default_generators), which does not "
         "exist without CUDA; random numbers do not matter on meta.",
     ),
@@ -81,21 +101,21 @@ PATCHES = (
         "megatron.core.tensor_parallel.random",
         "_get_cuda_rng_state",
         _rng_state,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "activation checkpointing saves the CUDA RNG state before a checkpointed forward.",
     ),
     Patch(
         "megatron.core.tensor_parallel.random",
         "_set_cuda_rng_state",
         _no_op,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "activation checkpointing restores the CUDA RNG state before recomputing.",
     ),
     Patch(
         "megatron.core.tensor_parallel.random",
         "CheckpointWithoutOutput.__init__",
         _fixed_checkpoint_init,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "bug: `self.fp8 = fp8 is not None` is True for fp8=False, which then reaches Transformer "
         "Engine's FP8GlobalStateManager (a NameError without TE); force bool(fp8).",
     ),
@@ -103,7 +123,7 @@ PATCHES = (
         "megatron.core.models.common.embeddings.rope_utils",
         "fused_apply_rotary_pos_emb",
         _standin("metatrace.models.fusions", "fused_apply_rotary_pos_emb"),
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "bound from Transformer Engine at import (None without it); RoPE fusion, on by default "
         "in Megatron-LM, calls it.",
     ),
@@ -111,7 +131,7 @@ PATCHES = (
         "megatron.core.models.common.language_module.language_module",
         "te_parallel_cross_entropy",
         _standin("metatrace.models.fusions", "te_parallel_cross_entropy"),
-        "0.14-0.16",
+        Versions((0, 14), (0, 16)),
         "bound from Transformer Engine at import (None without it); used with "
         "cross_entropy_fusion_impl='te'.",
     ),
@@ -119,7 +139,7 @@ PATCHES = (
         "megatron.core.extensions.transformer_engine",
         "TEFusedMLP",
         _standin("metatrace.models.te_fused_mlp", "TEFusedMLP"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "TransformerLayer imports TEFusedMLP from here to hand the MLP its tp_group; without TE "
         "it is None, and the op fuser's stand-in is an 'Unknown MLP type' (a warning per layer).",
     ),
@@ -133,7 +153,7 @@ PATCHES += (
         "megatron.core.optimizer",
         "Adam",
         _standin("metatrace.models.te_optim", "FusedAdam"),
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "bound at import to TE's FusedAdam on a GPU; torch's AdamW keeps the same states but its "
         "step allocates temporaries the fused kernel does not.",
     ),
@@ -141,7 +161,7 @@ PATCHES += (
         "megatron.core.optimizer.distrib_optimizer",
         "Adam",
         _standin("metatrace.models.te_optim", "FusedAdam"),
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "bound at import like megatron.core.optimizer.Adam; the distributed optimizer asserts "
         "that its optimizer is one.",
     ),
@@ -149,14 +169,14 @@ PATCHES += (
         "megatron.core.optimizer",
         "SGD",
         _standin("metatrace.models.te_optim", "FusedSGD"),
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "bound at import to TE's FusedSGD on a GPU.",
     ),
     Patch(
         "megatron.core.optimizer",
         "USING_PYTORCH_OPTIMIZER",
         lambda orig: False,
-        "0.14-0.16",
+        Versions((0, 14), (0, 16)),
         "True after the torch.optim fallback; it switches the Adam class and its arguments.",
     ),
 )
@@ -173,7 +193,7 @@ for _module, _names in (
                     "metatrace.models.te_optim",
                     {"l2_norm_impl": "multi_tensor_l2norm", "multi_tensor_scale_impl": "multi_tensor_scale"}.get(_name, _name),
                 ),
-                "0.12-0.16",
+                Versions((0, 12), (0, 16)),
                 "bound at import to TE's (or Apex's) multi-tensor kernels; the local fallback "
                 "copies every gradient (src * scale) and reads norms back to the host.",
             ),
@@ -190,30 +210,34 @@ PATCHES += (
         "megatron.core.tensor_parallel.layers",
         "fused_weight_gradient_mlp_cuda",
         _wgrad_extension,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "Apex's extension for gradient-accumulation fusion (Megatron-LM's default), imported at "
-        "module import; without it the linear layers refuse the fusion.",
+        "module import (no attribute without Apex, unless the module was first imported inside "
+        "_extension_modules: created); without it the linear layers refuse the fusion.",
+        creates=True,
     ),
     Patch(
         "megatron.core.tensor_parallel.layers",
         "_grad_accum_fusion_available",
         lambda orig: True,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "set at import from whether the extension above imported.",
     ),
     Patch(
         "megatron.core.tensor_parallel.layers",
         "get_dummy_wgrad",
-        _standin("metatrace.models.te_linear", "get_dummy_wgrad"),
-        "0.15-0.16",
-        "imported from TE at import; with gradient-accumulation fusion the linear layers return "
-        "it as the weight gradient (the stand-in also covers runs without TE).",
+        _standin("metatrace.models.te_runtime", "get_dummy_wgrad"),
+        Versions((0, 15), (0, 16)),
+        "imported from TE at import (no attribute without TE: created); with "
+        "gradient-accumulation fusion the linear layers return it as the weight gradient (the "
+        "stand-in also covers runs without TE).",
+        creates=True,
     ),
     Patch(
         "megatron.core.tensor_parallel.layers",
         "HAVE_TE",
         lambda orig: True,
-        "0.15-0.16",
+        Versions((0, 15), (0, 16)),
         "selects get_dummy_wgrad above; whether the run has TE is the stand-in's to say.",
     ),
 )
@@ -261,14 +285,14 @@ PATCHES += (
         "megatron.core.parallel_state",
         "create_group",
         _member_groups_only,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "speed only: the simulated rank gets the same groups; the others are not created.",
     ),
     Patch(
         "megatron.core.parallel_state",
         "generate_masked_orthogonal_rank_groups",
         _cached_rank_groups,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "speed only: the same groups, computed once per world shape instead of once per role.",
     ),
 )
@@ -281,7 +305,7 @@ for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transforme
             _module,
             "get_fp8_context",
             _standin("metatrace.models.te_fp8", "get_fp8_context"),
-            "0.13-0.16",
+            Versions((0, 13), (0, 16)),
             "without Transformer Engine it returns a null context, so FP8 would never start.",
         ),
     )
@@ -291,7 +315,7 @@ for _module in ("megatron.core.transformer.transformer_block", "megatron.core.ex
             _module,
             "te_checkpoint",
             _standin("metatrace.models.te_fp8", "checkpoint"),
-            "0.13-0.16",
+            Versions((0, 13), (0, 16)),
             "recompute under FP8 goes through TE's checkpoint, None or raising without TE.",
         ),
     )
@@ -304,7 +328,7 @@ def _counted_permute(orig):
     def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
                 drop_and_pad=False):
         count = int(num_out_tokens) if num_out_tokens is not None else routing_map.size(0)
-        with _moe().selecting(count):
+        with meta_kernels.selecting(count):
             return orig(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
                         fused=fused, drop_and_pad=drop_and_pad)
 
@@ -314,7 +338,7 @@ def _counted_permute(orig):
 def _counted_unpermute(orig):
     def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
                   fused=False, drop_and_pad=False):
-        with _moe().selecting(sorted_indices.size(0)):
+        with meta_kernels.selecting(sorted_indices.size(0)):
             return orig(permuted_tokens, sorted_indices, restore_shape, probs=probs,
                         routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
 
@@ -333,7 +357,9 @@ def _alltoall_preprocess(orig):
 def _allgather_dispatch_postprocess(orig):
     def dispatch_postprocess(self, hidden_states, probs):
         # megatron-core 0.16.1's body, with the host copy of the local map's column sums
-        # replaced by the routing assumption's counts.
+        # replaced by the routing assumption's counts. Copied from
+        # megatron.core.transformer.moe.token_dispatcher.MoEAllGatherTokenDispatcher.dispatch_postprocess
+        # (source sha256: 99773af53a46).
         from megatron.core.transformer.moe import token_dispatcher as td
 
         self.hidden_shape_before_permute = hidden_states.shape
@@ -346,7 +372,7 @@ def _allgather_dispatch_postprocess(orig):
             hidden_states, self.local_map, num_out_tokens=total,
             fused=self.config.moe_permute_fusion,
         )
-        with _moe().selecting(total):
+        with meta_kernels.selecting(total):
             self.local_probs = self.local_probs.T.contiguous().masked_select(
                 self.local_map.T.contiguous()
             )
@@ -376,7 +402,7 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "permute",
         _counted_permute,
-        "0.14-0.16",
+        Versions((0, 14), (0, 16)),
         "masked_select by the routing map selects as many tokens as the map has True entries, "
         "which meta tensors do not hold: the dispatcher's num_out_tokens says how many.",
     ),
@@ -384,14 +410,14 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "unpermute",
         _counted_unpermute,
-        "0.14-0.16",
+        Versions((0, 14), (0, 16)),
         "as permute: the probabilities selected by the routing map number the permuted tokens.",
     ),
     Patch(
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAlltoAllTokenDispatcher.preprocess",
         _alltoall_preprocess,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "dropless routing reads the tokens per expert and the all-to-all splits on the host "
         "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py).",
     ),
@@ -399,7 +425,7 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAllGatherTokenDispatcher.dispatch_postprocess",
         _allgather_dispatch_postprocess,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "reads the tokens per local expert on the host (.cpu()); they come from the routing "
         "assumption.",
     ),
@@ -407,7 +433,7 @@ PATCHES += (
         "megatron.core.transformer.moe.router",
         "TopKRouter.routing",
         _balanced_routing,
-        "0.15-0.16",
+        Versions((0, 15), (0, 16)),
         "on real tensors (the CPU check of a meta trace) the routing map is made the balanced "
         "one metatrace assumes; on meta it holds no values and is left alone.",
     ),
@@ -415,22 +441,23 @@ PATCHES += (
         "megatron.core.transformer.moe.router",
         "sinkhorn",
         _standin("metatrace.models.moe", "sinkhorn"),
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "iterates until the values converge, which meta tensors cannot tell.",
     ),
     Patch(
         "megatron.core.transformer.moe.moe_utils",
         "te_general_gemm",
         _standin("metatrace.models.moe", "te_general_gemm"),
-        "0.16.1",
-        "bound from Transformer Engine at import, and referenced without it (a NameError); the "
-        "router's gating GEMM calls it.",
+        Versions((0, 16, 1)),
+        "bound from Transformer Engine at import, and referenced without it (a NameError: "
+        "created); the router's gating GEMM calls it.",
+        creates=True,
     ),
     Patch(
         "megatron.core.transformer.moe.moe_utils",
         "MoEAuxLossAutoScaler.main_loss_backward_scale",
         lambda orig: None,
-        "0.12-0.16",
+        Versions((0, 12), (0, 16)),
         "a class attribute megatron-core creates on the device of the first backward (or "
         "set_loss_scale) and keeps: a trace on another device then mixes devices (a real CPU run "
         "after a meta trace fails in backward, metatrace measure with an aux loss).",
@@ -451,9 +478,10 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.moe_utils",
         name,
         _standin("metatrace.models.te_moe", name),
-        "0.15-0.16",
+        Versions((0, 15), (0, 16)),
         "bound from Transformer Engine at import (missing without it); called with "
         "moe_permute_fusion / moe_router_fusion, and looked up by TransformerConfig's checks.",
+        creates=True,
     )
     for name in _TE_MOE
 ) + (
@@ -461,7 +489,7 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.moe_utils",
         "HAVE_TE",
         lambda orig: True,
-        "0.15-0.16",
+        Versions((0, 15), (0, 16)),
         "gates only the fused_* calls above (moe_utils.py:118, 322, 330, 414, 491, 498, 653, "
         "772); each is also gated by its config flag.",
     ),
@@ -471,7 +499,7 @@ PATCHES += tuple(
 # torch.compile: megatron.core.jit.jit_fuser is torch.compile (inductor) on a GPU, and traces run
 # the functions it decorates eagerly (_dynamo_disabled below). Where the compiled kernel allocates
 # other buffers than the eager ops, a stand-in allocates what the kernel does (models/compiled.py;
-# measured against inductor on CPU tensors by tests/test_compiled.py). Applied unless the job runs
+# measured against inductor on CPU tensors by tests/tracing/test_compiled.py). Applied unless the job runs
 # them eagerly (implementation.torch_compile false).
 COMPILED_PATCHES: tuple[Patch, ...] = ()
 for _module, _name, _standin_name, _why in (
@@ -515,8 +543,8 @@ for _module, _name, _standin_name, _why in (
     ),
 ):
     COMPILED_PATCHES += (
-        Patch(_module, _name, _standin("metatrace.models.compiled", _standin_name), "0.13-0.16",
-              _why),
+        Patch(_module, _name, _standin("metatrace.models.compiled", _standin_name),
+              Versions((0, 13), (0, 16)), _why),
     )
 
 
@@ -543,7 +571,7 @@ PATCHES += (
         "megatron.core.transformer.multi_latent_attention",
         "TELinear",
         _standin("metatrace.models.te_linear", "TELinear"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "imported from megatron.core.extensions.transformer_engine, whose classes without TE "
         "are MagicMock instances: `isinstance(linear_proj, TELinear)` raises TypeError, and the "
         "down-projections' `in [TELinear]` test never matches the stand-in.",
@@ -552,14 +580,14 @@ PATCHES += (
         "megatron.core.transformer.multi_latent_attention",
         "TEColumnParallelLinear",
         _standin("metatrace.models.te_linear", "TEColumnParallelLinear"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "as TELinear: the down-projections' class test.",
     ),
     Patch(
         "megatron.core.transformer.dot_product_attention",
         "DotProductAttention.__init__",
         _kv_channels_per_tensor,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "MLA builds its core attention with k_channels / v_channels (TEDotProductAttention's "
         "signature); the local DotProductAttention takes neither (TypeError) and sizes its "
         "output by kv_channels. Accept both; the output is v_channels per head.",
@@ -572,7 +600,7 @@ for _name in ("rotary_fwd_q_kernel", "rotary_bwd_q_kernel", "rotary_fwd_kv_kerne
             "megatron.core.fusions.fused_mla_yarn_rope_apply",
             _name,
             _no_kernel,
-            "0.15-0.16",
+            Versions((0, 15), (0, 16)),
             "a Triton kernel (MLA's fused yarn RoPE, on by default with TE); without Triton the "
             "module imports with a mocked triton and `kernel[grid](...)` raises TypeError.",
         ),
@@ -594,7 +622,7 @@ PATCHES += (
         _FGO,
         "ChunkOffloadHandler.offload",
         _offload_standin("offload"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "copies into a pinned host buffer: no pinned memory without an accelerator, and no copy "
         "out of a meta tensor; a HostCopy record stands for the buffer.",
     ),
@@ -602,14 +630,14 @@ PATCHES += (
         _FGO,
         "ChunkOffloadHandler.reload",
         _offload_standin("reload"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "copies the host buffer back: the GPU allocation is made, the copy is not.",
     ),
     Patch(
         _FGO,
         "PipelineOffloadManager.__enter__",
         _offload_standin("manager_enter"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "pushes its saved-tensor hooks over metatrace's, which torch then no longer calls: note "
         "the hooks it hides.",
     ),
@@ -617,14 +645,14 @@ PATCHES += (
         _FGO,
         "PipelineOffloadManager.__exit__",
         _offload_standin("manager_exit"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "pops them again.",
     ),
     Patch(
         _FGO,
         "PipelineOffloadManager.on_save_for_backward",
         _offload_standin("on_save"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "calls the hidden pack hook first (the recorder's, measure's), so that tensors saved "
         "inside an offload group are still seen.",
     ),
@@ -632,21 +660,21 @@ PATCHES += (
         _FGO,
         "OffloadTensorGroup.push_tensor",
         _offload_standin("push_tensor"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "drops what the hidden pack hook returned once the tensor is offloaded.",
     ),
     Patch(
         _FGO,
         "OffloadTensorGroup.pop_tensor",
         _offload_standin("pop_tensor"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "drops it when autograd takes the tensor back.",
     ),
     Patch(
         _FGO,
         "print_offload_summary_table",
         _no_op,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "all_gather_object and a barrier over the world at the end of the first iteration, for "
         "a printed table.",
     ),
@@ -654,7 +682,7 @@ PATCHES += (
         "megatron.core.extensions.transformer_engine",
         "cpu_offload",
         _offload_standin("cpu_offload"),
-        "0.16.1",
+        Versions((0, 16, 1)),
         "TE's cpu_offload module, None without TE: the offload manager raises 'TE CPU offload "
         "is not available' even with the local spec.",
     ),
@@ -662,7 +690,7 @@ PATCHES += (
         "torch.cuda.nvtx",
         "range_push",
         _no_op,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "the offload handler marks its copies with NVTX ranges; a CPU build of torch raises "
         "'NVTX functions not installed'. Profiling markers only.",
     ),
@@ -670,23 +698,38 @@ PATCHES += (
         "torch.cuda.nvtx",
         "range_pop",
         _no_op,
-        "0.16.1",
+        Versions((0, 16, 1)),
         "as range_push.",
     ),
 )
 
-_MISSING = object()
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def _resolve(patch: Patch):
-    owner = importlib.import_module(patch.module)
+    """(owner, attribute name) of the patch's target; PatchError when its module or any
+    attribute on the way is missing (the last one too, unless the patch `creates` it)."""
+    try:
+        owner = importlib.import_module(patch.module)
+    except ImportError as e:
+        raise _missing(patch, f"module {patch.module} does not import ({e})") from e
     *path, attr = patch.target.split(".")
-    for name in path:
+    for i, name in enumerate(path):
+        if not hasattr(owner, name):
+            raise _missing(patch, f"{patch.module} has no {'.'.join(path[: i + 1])}")
         owner = getattr(owner, name)
+    if not patch.creates and not hasattr(owner, attr):
+        raise _missing(patch, f"{patch.module} has no {patch.target}")
     return owner, attr
 
 
+def _missing(patch: Patch, what: str) -> PatchError:
+    version, _ = installed_release()
+    return PatchError(
+        f"patch {patch.name} (megatron-core {patch.versions}): {what} in megatron-core "
+        f"{version}; patching it would add an attribute nothing reads (renamed or removed? "
+        f"update the patch). Why it is patched: {patch.why}"
+    )
 
 
 # Globals megatron-core 0.16.1's destroy_model_parallel() leaves set, so that the next
@@ -717,24 +760,28 @@ def clear_parallel_state_leftovers() -> None:
 
 
 @contextlib.contextmanager
-def _patched_attributes(compiled: bool = True):
+def patched(patches, release: tuple[int, ...] | None = None):
+    """`patches` applied, those whose versions include `release` (by default the installed
+    megatron-core's), and restored in reverse on exit, also on error: an attribute a patch
+    created (or one it found on a base class) is deleted, any other gets its original back."""
+    release = installed_release()[1] if release is None else release
     applied = []
     try:
-        for patch in PATCHES + (COMPILED_PATCHES if compiled else ()):
+        for patch in patches:
+            if release not in patch.versions:
+                continue
             owner, attr = _resolve(patch)
-            if attr in owner.__dict__:
-                _orig = owner.__dict__[attr]
-            else:
-                _orig = getattr(owner, attr, _MISSING)  # e.g. an extension that failed to import
+            owned = attr in owner.__dict__
+            _orig = owner.__dict__[attr] if owned else getattr(owner, attr, None)
             setattr(owner, attr, patch.make(_orig))
-            applied.append((owner, attr, _orig))
+            applied.append((owner, attr, owned, _orig))
         yield
     finally:
-        for owner, attr, _orig in reversed(applied):
-            if _orig is _MISSING:
-                delattr(owner, attr)
-            else:
+        for owner, attr, owned, _orig in reversed(applied):
+            if owned:
                 setattr(owner, attr, _orig)
+            else:
+                delattr(owner, attr)
 
 
 @contextlib.contextmanager
@@ -798,7 +845,7 @@ def _meta_kernels():
         lib = torch.library.Library("c10d", "IMPL")
         for op in _COALESCED:
             lib.impl(op, lambda *args: create_fakework(args, return_first_arg=False), "Meta")
-        libs = [lib, _moe().masked_select_meta_library()]
+        libs = [lib, meta_kernels.masked_select_meta_library()]
     _META_DEPTH[0] += 1
     try:
         yield
@@ -833,15 +880,18 @@ def _fresh_offload_manager():
 
 @contextlib.contextmanager
 def megatron_patches(*, compiled: bool = True):
-    """Everything above, applied together and restored on exit (also on error); `compiled`:
-    megatron-core's torch.compile'd kernels allocate as compiled (COMPILED_PATCHES)."""
+    """Everything above, applied together and restored on exit (also on error), once the
+    installed megatron-core is checked (check_megatron_core); `compiled`: megatron-core's
+    torch.compile'd kernels allocate as compiled (COMPILED_PATCHES)."""
+    release = check_megatron_core()
+    attributes = PATCHES + (COMPILED_PATCHES if compiled else ())
     with contextlib.ExitStack() as stack:
         for instrument in (
             _nvte_env_isolated,
             _meta_kernels,
             _extension_modules,
             _dynamo_disabled,
-            functools.partial(_patched_attributes, compiled),
+            functools.partial(patched, attributes, release),
             _fresh_offload_manager,
         ):
             stack.enter_context(instrument())

@@ -6,14 +6,24 @@ virtual-pipeline chunks; the GPTModel itself is "" or `chunk{v}`, and STEP is th
 around the model: batch loading, loss function, pipeline transfers), tensors are described by
 shape, dtype and bytes. `seq` orders all events of one trace.
 
-Phases: "forward", "backward", and "recompute" (a forward run again inside backward by
-activation checkpointing).
+Phases (`Phase`): "forward", "backward", and "recompute" (a forward run again inside backward
+by activation checkpointing) inside a micro-batch's steps; "grad sync", "optimizer" and
+"deferred" (the deferred embedding weight gradients) are steps of the iteration.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+Phase = Literal["forward", "backward", "recompute", "grad sync", "optimizer", "deferred"]
+"""Where an event happened (see the module docstring)."""
+
+OpKind = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
+    "scatter", "send", "recv", "barrier",
+]
+"""A collective's normalised kind (hooks/collectives.py maps the dispatched operators to it)."""
 
 STEP = "(step)"
 """Module name of work done outside the model (batch, loss function, pipeline transfers)."""
@@ -51,8 +61,7 @@ class ModuleInfo:
 @dataclass(frozen=True, slots=True)
 class Collective:
     seq: int
-    op: str
-    """Normalised kind: all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, ..."""
+    op: OpKind
     aten: str
     """The dispatched operator, e.g. c10d._allgather_base_.default."""
     group: str
@@ -66,7 +75,7 @@ class Collective:
     """Message size in bytes (sum over the tensors of a coalesced call)."""
     count: int
     """Tensors in the call (more than one for coalesced collectives)."""
-    phase: str
+    phase: Phase
     module: str
     peer: int | None = None
     """Global rank of the other side of a send or recv."""
@@ -85,7 +94,7 @@ class Saved:
     shape: tuple[int, ...]
     dtype: str
     module: str
-    phase: str
+    phase: Phase
     static: bool
     """The storage existed before this micro-batch (parameters, buffers): not an activation."""
 
@@ -98,7 +107,7 @@ class MemEvent:
     live: int
     """Bytes live on the device after the event (including static storages)."""
     module: str
-    phase: str
+    phase: Phase
     storage: int = -1
     """Id of the storage allocated or freed (as in Saved.storage)."""
 
@@ -108,8 +117,8 @@ class Window:
     """A stretch of one trace that the schedule driver marked: one model chunk's forward or
     backward step for one micro-batch, or a step of the iteration (e.g. the optimizer)."""
 
-    phase: str
-    """forward, backward, or the iteration step ("optimizer")."""
+    phase: Phase
+    """forward or backward (a model chunk's step), or a step of the iteration."""
     chunk: int | None
     """Model chunk (virtual stage) index on this rank; None outside the model."""
     microbatch: int | None

@@ -48,7 +48,9 @@ def orthogonal_groups(sizes, mask) -> tuple[tuple[int, ...], ...]:
     """megatron-core's generate_masked_orthogonal_rank_groups, vectorised (its loops take
     seconds on 16k GPUs; a test checks the two agree). Rank = sum of index_k x stride_k over
     the dimensions in `sizes` (the first varies fastest); a group varies the masked
-    dimensions, and groups and their members are numbered first dimension fastest."""
+    dimensions, and groups and their members are numbered first dimension fastest. Restates
+    megatron.core.parallel_state.generate_masked_orthogonal_rank_groups
+    (source sha256: 46ca2a9b4dff)."""
     import numpy as np
 
     n = len(sizes)
@@ -80,8 +82,9 @@ class Layout:
 class _Grid:
     """megatron-core 0.16.1's RankGenerator (parallel_state.py), restated: the sizes in the
     order's order (a dimension the order leaves out, of size 1, goes last) and, for a token
-    such as "tp-dp", the groups that vary those dimensions (hooks/guards.py keeps the hash of
-    the original; a test compares the groups with megatron-core's)."""
+    such as "tp-dp", the groups that vary those dimensions (a test compares the groups with
+    megatron-core's). Restates megatron.core.parallel_state.RankGenerator
+    (source sha256: c67b689c9866)."""
 
     def __init__(self, sizes: dict[str, int], order: str):
         names = order.lower().split("-")
@@ -110,10 +113,25 @@ class Role:
     """Every global rank the role stands for."""
 
 
+def _per_world(method):
+    """Memoise a World method per instance (functools.lru_cache on a method would keep every
+    World it saw alive in one module-level cache)."""
+
+    @functools.wraps(method)
+    def memoised(self, *args):
+        key = (method.__name__, *args)
+        if key not in self._memo:
+            self._memo[key] = method(self, *args)
+        return self._memo[key]
+
+    return memoised
+
+
 class World:
     """Ranks, groups and roles of a parallel layout (`World.from_job(job)` for a job)."""
 
     def __init__(self, layout: Layout, gpus_per_node: int = 8):
+        self._memo: dict[tuple, object] = {}
         self.layout = layout
         self.size = layout.world_size
         self.gpus_per_node = gpus_per_node
@@ -165,7 +183,7 @@ class World:
         return (name in GROUP_TOKENS or name in ("embedding", "position_embedding")
                 or (name in INSTANCE_KINDS and self.instances > 1))
 
-    @functools.lru_cache(maxsize=None)
+    @_per_world
     def _groups(self, name: str) -> tuple[tuple[int, ...], ...]:
         if name == "embedding":
             # megatron-core's default_embedding_ranks: first and last stage of each pp group.
@@ -197,7 +215,7 @@ class World:
         return tuple(tuple(sorted(itertools.chain.from_iterable(mp[i:i + k])))
                      for i in range(0, len(mp), k))
 
-    @functools.lru_cache(maxsize=None)
+    @_per_world
     def _index(self, name: str) -> dict[int, tuple[int, ...]]:
         return {r: g for g in self._groups(name) for r in g}
 
@@ -205,7 +223,7 @@ class World:
         first = ranks[0] // self.gpus_per_node
         return any(r // self.gpus_per_node != first for r in ranks)
 
-    @functools.lru_cache(maxsize=None)
+    @_per_world
     def _group_crosses(self, group: tuple[int, ...]) -> bool:
         return self.crosses_nodes(group)
 

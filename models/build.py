@@ -180,11 +180,11 @@ def transformer_config(job):
 
     from metatrace.config import GPU_ARCH
 
-    try:
-        with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
+    with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
+        try:
             config = config_class(**fields)
-    except (ValueError, AssertionError, TypeError) as e:
-        raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
+        except (ValueError, AssertionError, TypeError) as e:
+            raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")

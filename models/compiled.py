@@ -2,7 +2,7 @@
 
 megatron.core.jit.jit_fuser is torch.compile (torch >= 2.2); metatrace runs megatron-core with
 dynamo disabled (hooks/patches.py `_dynamo_disabled`), i.e. these functions eagerly, which is not
-what a GPU run allocates (measured with torch 2.13 inductor on CPU tensors; tests/test_compiled.py keeps it so):
+what a GPU run allocates (measured with torch 2.13 inductor on CPU tensors; tests/tracing/test_compiled.py keeps it so):
 
 - fused_cross_entropy.calculate_gradients allocates MORE when compiled: its
   `grad_2d[arange, target] -= update` is a functional index_put on a view of the saved softmax
@@ -43,11 +43,14 @@ def _chunked(out: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
 # megatron/core/fusions/fused_bias_gelu.py ----------------------------------------------------
 
 def _bias_gelu(bias, y):
+    """Copied from megatron.core.fusions.fused_bias_gelu.bias_gelu (source sha256: 11c2736a603c)."""
     x = bias + y
     return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
 
 
 def _bias_gelu_back(g, bias, y):
+    """Copied from megatron.core.fusions.fused_bias_gelu.bias_gelu_back
+    (source sha256: 045b7d08a5f6)."""
     x = bias + y
     tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
     ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (
@@ -72,11 +75,14 @@ def bias_gelu_back(g, bias, y):
 # megatron/core/fusions/fused_bias_swiglu.py ---------------------------------------------------
 
 def _swiglu(y):
+    """Copied from megatron.core.fusions.fused_bias_swiglu.swiglu (source sha256: 10565780d26b)."""
     y_1, y_2 = torch.chunk(y, 2, -1)
     return torch.nn.functional.silu(y_1) * y_2
 
 
 def _swiglu_back(g, y):
+    """megatron-core's, with sigmoid(y_1) computed once. Restates
+    megatron.core.fusions.fused_bias_swiglu.swiglu_back (source sha256: 510af73ef1db)."""
     y_1, y_2 = torch.chunk(y, 2, -1)
     sig = torch.sigmoid(y_1)
     return torch.cat((g * sig * (1 + y_1 * (1 - sig)) * y_2, g * y_1 * sig), -1)
@@ -89,7 +95,8 @@ def swiglu(y):
 
 
 def bias_swiglu(y, bias):
-    """fused_bias_swiglu.bias_swiglu compiled: one output, none of eager's y + bias."""
+    """fused_bias_swiglu.bias_swiglu compiled: one output, none of eager's y + bias. Restates
+    megatron.core.fusions.fused_bias_swiglu.bias_swiglu (source sha256: 1b02560ab57f)."""
     dtype = torch.promote_types(y.dtype, bias.dtype)
     out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=dtype, device=y.device)
     return _chunked(out, lambda yy: _swiglu(yy + bias), y)
@@ -102,7 +109,8 @@ def swiglu_back(g, y):
 
 
 def bias_swiglu_back(g, y, bias):
-    """fused_bias_swiglu.bias_swiglu_back compiled: one output of y's shape."""
+    """fused_bias_swiglu.bias_swiglu_back compiled: one output of y's shape. Restates
+    megatron.core.fusions.fused_bias_swiglu.bias_swiglu_back (source sha256: f40b40b4cda8)."""
     dtype = torch.promote_types(torch.promote_types(g.dtype, y.dtype), bias.dtype)
     out = torch.empty(y.shape, dtype=dtype, device=y.device)
     return _chunked(out, lambda gg, yy: _swiglu_back(gg, yy + bias), g, y)
@@ -116,7 +124,13 @@ def fused_ce_calculate_gradients(softmax, grad_output, target_mask, masked_targe
         buf2 = empty(bf16 [s, b, V/t])                      (the returned gradient)
         kernel: buf0[rows, target] -= 1 - mask; buf2 = bf16(buf0 * grad_output); softmax = buf0 * grad_output
         return buf2                      (buf0 freed on return)
-    The write-back into the saved softmax (an input mutation) allocates nothing."""
+    The write-back into the saved softmax (an input mutation) allocates nothing.
+    Restates megatron.core.fusions.fused_cross_entropy.calculate_gradients
+    (source sha256: b3a030da2d15), and the two functions it calls: Restates
+    megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.prepare_gradient_calculation_operands
+    (source sha256: 608f96aabf20). Restates
+    megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_gradients
+    (source sha256: 65c51cede5b3)."""
     work = softmax.clone()
     grad_2d = work.view(-1, softmax.size()[-1])
     arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
@@ -135,7 +149,11 @@ class _BiasDropoutAdd(torch.autograd.Function):
     residual + dropout(x + bias) saves only the bool keep-mask (1 byte an element, as CUDA's
     native_dropout); forward allocates the output and the mask, none of eager's x + bias and
     dropout(x + bias) temporaries; backward allocates the input gradient (and the bias'), the
-    residual's gradient is the incoming one."""
+    residual's gradient is the incoming one. Restates
+    megatron.core.fusions.fused_bias_dropout.bias_dropout_add_fused_train
+    (source sha256: ab126512fde9) and what it calls: Restates
+    megatron.core.fusions.fused_bias_dropout._bias_dropout_add_func
+    (source sha256: 6de7c86aa6ac)."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, prob):

@@ -17,15 +17,12 @@ routing map's values. metatrace supplies the counts from a stated assumption
   depends on the data, and none of this module's substitutions are used.
 
 `metatrace.hooks.patches` puts these into megatron-core's dispatchers (the version-specific
-part); this module holds the arithmetic and the meta kernel of `aten::masked_select`, which
-sizes its output from the count of the routing map being selected by (`selecting`).
+part); this module holds the arithmetic. `masked_select` is sized by metatrace.hooks.meta_kernels.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,36 +30,7 @@ import torch
 from metatrace.config.routing import Routing
 
 from metatrace.hooks import flops
-
-_SELECTED: list[int] = []  # True entries of the masks that masked_select sees, innermost last
-
-
-@contextlib.contextmanager
-def selecting(count: int):
-    """masked_select calls inside select `count` elements (the mask's True entries)."""
-    _SELECTED.append(int(count))
-    try:
-        yield
-    finally:
-        _SELECTED.pop()
-
-
-def _masked_select_meta(x, mask):
-    if not _SELECTED:
-        raise NotImplementedError(
-            "aten::masked_select on meta tensors: the number of selected elements depends on the "
-            "data (metatrace supplies it only for MoE routing maps)"
-        )
-    return x.new_empty((_SELECTED[-1],))
-
-
-def masked_select_meta_library() -> torch.library.Library:
-    """A library registering the Meta kernel of aten::masked_select (torch has none); the
-    kernel is gone once the caller destroys it."""
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("masked_select", _masked_select_meta, "Meta")
-    return lib
-
+from metatrace.models.te_runtime import te_installed
 
 def balanced_split(total: int, parts: int) -> list[int]:
     """`total` spread over `parts` as evenly as integers allow (the first ones get the rest)."""
@@ -104,7 +72,9 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     """megatron-core's MoEAlltoAllTokenDispatcher.preprocess for dropless routing, with the
     token counts of `Routing` on the host where megatron-core has them after its device-to-host
     copies. Allocations and the all-gather of the counts over the TP x EP group stay as in
-    megatron-core (their values are not read)."""
+    megatron-core (their values are not read). Restates
+    megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess
+    (source sha256: 3d97a9f12969)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     d = dispatcher
@@ -149,8 +119,6 @@ def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False, **kwarg
     (the bias in its epilogue), no cast copies of the operands. layout "TN": B @ A^T,
     "NN": B @ A, "NT": B^T @ A. Where the simulated run has no Transformer Engine, the
     torch.mm path megatron-core then takes, with its casts."""
-    from metatrace.models.te_linear import te_installed
-
     if not te_installed():
         if layout == "TN":
             x, w = B.to(out_dtype), A.to(out_dtype).t()
@@ -168,7 +136,8 @@ def te_general_gemm(A, B, out_dtype, layout="TN", bias=None, grad=False, **kwarg
 def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
     """megatron-core's Sinkhorn normalisation with one iteration: its loop runs until the
     values converge, which meta tensors cannot tell; every iteration allocates the same
-    temporaries, and only the result leaves the function."""
+    temporaries, and only the result leaves the function. Restates
+    megatron.core.transformer.moe.moe_utils.sinkhorn (source sha256: 47691087d4c7)."""
     cost = torch.exp(cost)
     d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
     d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)

@@ -56,7 +56,11 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
     """megatron-core 0.16.1's MLASelfAttention spec, as get_gpt_layer_with_transformer_engine_spec
     (a provider that fuses norms: down-projections replicated (TELinear), the latent norms fused
     into the up-projections) and get_gpt_layer_local_spec (column-parallel projections, separate
-    latent norms) build it with multi_latent_attention=True."""
+    latent norms) build it with multi_latent_attention=True. Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
+    (source sha256: 15eb8848f25b). Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
+    (source sha256: d2c4230163a4)."""
     if provider.fuse_layernorm_and_linear():
         up = provider.column_parallel_layer_norm_linear() if qk_layernorm else (
             provider.column_parallel_linear()
@@ -92,7 +96,11 @@ def gpt_layer_spec(
     module of its own, as the MoE layer cannot fuse it); with `multi_latent_attention` its
     attention is MLA (`mla_attention_spec`), whose input norm is never fused. With
     `te_op_fuser` a dense layer's MLP is TEFusedMLP (MoE layers ignore it, as megatron-core's
-    get_mlp_module_spec_for_backend does)."""
+    get_mlp_module_spec_for_backend does). Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
+    (source sha256: 15eb8848f25b). Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
+    (source sha256: d2c4230163a4)."""
     fused = provider.fuse_layernorm_and_linear()
     norm = provider.layer_norm()
     if num_experts is not None:
@@ -156,7 +164,11 @@ def gpt_layer_spec(
 def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     """The layer specs of the decoder layers one model chunk builds, as megatron-core's
     get_gpt_decoder_block_spec selects them: dense or MoE per layer from
-    config.moe_layer_freq, sliced by the pipeline layout or the chunk's layer offset."""
+    config.moe_layer_freq, sliced by the pipeline layout or the chunk's layer offset. Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec
+    (source sha256: 0fa0e2d15e04). Restates
+    megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_layer_specs
+    (source sha256: 3a05e1158089)."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -226,7 +238,9 @@ class MetaTESpecProvider(BackendSpecProvider):
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
         """TESpecProvider's choice with TE >= 1.7: TEGroupedMLP over grouped linears, or one
-        MLP of TE linears per expert (SequentialMLP)."""
+        MLP of TE linears per expert (SequentialMLP). Restates
+        megatron.core.extensions.transformer_engine_spec_provider.TESpecProvider.grouped_mlp_modules
+        (source sha256: 6ee0db2a2177)."""
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 

@@ -37,15 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from metatrace.hooks import flops
-
-def cu_seqlens(config, batch: int, seqlen: int, device) -> torch.Tensor:
-    """TE's get_full_cu_seqlens: one cached int32 [b + 1] per (b, s), shared by all layers.
-    TE caches it per process; here per model config, so that each traced rank has its own."""
-    cache = config.__dict__.setdefault("_metatrace_cu_seqlens", {})
-    key = (batch, seqlen, str(device))
-    if key not in cache:
-        cache[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
-    return cache[key]
+from metatrace.models.te_attention_kernel import cu_seqlens, sbhd_flops
+from metatrace.models.te_cp import context_parallel_attention
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -72,17 +65,6 @@ def qkv_layout(q, k, v):
     if is_sbh3d(q, k, v):
         return q, k, v, "sbh3d"
     return q.contiguous(), k.contiguous(), v.contiguous(), "sbhd_sbhd_sbhd"
-
-
-def sbhd_flops(ctx, q_shape, v_shape, causal: bool) -> None:
-    """Report a fused / flash attention kernel's forward FLOPs for sbhd q and v shapes
-    (hooks/flops.py says what is counted: causal masks halve them) and keep its backward's on
-    `ctx`."""
-    sq, b, h, d = q_shape
-    sk, _, h_kv, dv = v_shape
-    shape = (b, h, sq, sk, d, dv, h_kv)
-    flops.report(flops.attention(*shape, causal=causal, backward=False))
-    ctx.backward_flops = flops.attention(*shape, causal=causal, backward=True)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -271,8 +253,6 @@ class TEDotProductAttention(torch.nn.Module):
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences (thd) are not modelled")
         if self.cp_size > 1:
-            from metatrace.models.te_cp import context_parallel_attention
-
             return context_parallel_attention(self, query, key, value)
         if self.backend == "unfused":
             return unfused_attention(query, key, value, self.softmax_scale,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from metatrace.hooks import flops
-from metatrace.models.te_attention import cu_seqlens, sbhd_flops
+from metatrace.models.te_attention_kernel import cu_seqlens, sbhd_flops
 
 
 def _cp_flops(ctx, q, v, cp: int) -> None:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from metatrace.hooks import flops
 from metatrace.models.norm import norm_backward, norm_forward
-from metatrace.models.te_linear import te_wgrad
 from metatrace.models.te_fp8 import F32, U8, module_state, quantize, reduce_amax, register, weight_workspace
+from metatrace.models.te_runtime import te_wgrad
 
 
 def _coalesced_gather(pairs, mode, device):

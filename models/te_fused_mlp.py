@@ -69,10 +69,8 @@ from metatrace.models.te_linear import (
     TERowParallelLinear,
     _gather,
     _reduce_scatter,
-    fuses_wgrad,
-    te_wgrad,
-    te_workspace,
 )
+from metatrace.models.te_runtime import fuses_wgrad, te_wgrad, te_workspace
 
 # (activation_func, gated_linear_unit) -> the Transformer Engine op TEFusedMLP builds
 # (_make_activation_op; anything else raises NotImplementedError). All of them save their input
@@ -270,11 +268,12 @@ def _submodule_hooks(mlp) -> tuple[list, list]:
     if any(inspect.getmodule(hook) is not distributed_data_parallel for _, hook in pre):
         warnings.warn("TEFusedMLP module has a submodule with a pre-forward hook. TEFusedMLP "
                       "module does not expose intermediate tensors, so the hook may have "
-                      "incorrect behavior if it attempts to access the input tensor.")
+                      "incorrect behavior if it attempts to access the input tensor.", stacklevel=2)
     if post:
         warnings.warn("TEFusedMLP module has a submodule with a post-forward hook. TEFusedMLP "
                       "module does not expose intermediate tensors, so the hook may have "
-                      "incorrect behavior if it attempts to access the input or output tensors.")
+                      "incorrect behavior if it attempts to access the input or output tensors.",
+                      stacklevel=2)
     return pre, post
 
 

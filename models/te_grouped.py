@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
-from metatrace.models import te_linear
+from metatrace.models import te_runtime
 
 _STREAMS = 4  # TE 2.8's get_num_compute_streams()
 
 
 def _multi_stream_workspaces(module, device) -> None:
-    process = te_linear._PROCESS
+    process = te_runtime._PROCESS
     if getattr(process, "multi_stream_workspaces", None) is not None:
         return
     arch = getattr(getattr(module, "config", None), "metatrace_gpu_arch", "sm90")
@@ -84,7 +84,7 @@ def _wgrad(module, weight, dy):
     """A fresh [out, in] gradient per expert; with gradient-accumulation fusion the GEMM writes
     main_grad and TE still returns a new uninitialised tensor of its shape (not the cached
     dummy of Linear)."""
-    if te_linear.fuses_wgrad(module, weight):
+    if te_runtime.fuses_wgrad(module, weight):
         weight.grad_added_to_main_grad = True
         return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=dy.device)
     return torch.empty(weight.shape, dtype=weight.dtype, device=dy.device)

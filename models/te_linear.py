@@ -18,7 +18,7 @@ partition_stride, sequence_parallel) and the ones megatron-core sets (allreduce)
   gradient is all-gathered in backward; a row bias is added after the reduction (a new tensor),
   or returned to the caller (megatron's skip_bias_add);
 - a column bias is fused into the GEMM; a weight gradient [out, in] is allocated per backward,
-  or with gradient-accumulation fusion written into DDP's main_grad (`te_wgrad`).
+  or with gradient-accumulation fusion written into DDP's main_grad (`te_runtime.te_wgrad`).
 
 Under FP8 (an fp8_autocast region is active) the quantized path of
 `metatrace.models.te_fp8_linear` runs instead.
@@ -29,7 +29,6 @@ modelled.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,8 @@ import torch.distributed as dist
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models.norm import NormBase, norm_backward, norm_forward
+from metatrace.models.te_fp8_linear import fp8_backward, fp8_forward
+from metatrace.models.te_runtime import fuses_wgrad, te_wgrad, te_workspace
 
 
 @dataclass(frozen=True)
@@ -69,87 +70,6 @@ def _output_view(out, x):
     return out.view(out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
 
 
-class _Process:
-    """What Transformer Engine keeps in module globals for the life of a process (module/base.py):
-    the cuBLAS workspace and the dummy weight gradients. One per traced rank (`te_process`)."""
-
-    installed = True
-    workspace: torch.Tensor | None = None
-    dummy_wgrads: dict = {}
-
-
-_PROCESS = _Process()
-
-
-@contextlib.contextmanager
-def te_process(installed: bool = True):
-    """A fresh TE process state while active; `installed` says whether the simulated run has
-    Transformer Engine (megatron-core's own layers then take TE's dummy weight gradients)."""
-    global _PROCESS
-    saved, _PROCESS = _PROCESS, _Process()
-    _PROCESS.installed = installed
-    _PROCESS.dummy_wgrads = {}
-    try:
-        yield _PROCESS
-    finally:
-        _PROCESS = saved
-
-
-def te_installed() -> bool:
-    """Whether the simulated run has Transformer Engine (see te_process)."""
-    return _PROCESS.installed
-
-
-def te_workspace(module, device) -> None:
-    """Transformer Engine's cuBLAS workspace (get_workspace): allocated by the first TE GEMM and
-    kept: 32 MiB + 1 KiB on sm90 and later, 4 MiB before (TE 2.8)."""
-    if _PROCESS.workspace is not None:
-        return
-    config = getattr(module, "config", None)
-    arch = getattr(config, "metatrace_gpu_arch", "sm90")
-    hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
-    nbytes = 32 * 1024 * 1024 + 1024 if hopper_or_later else 4_194_304
-    _PROCESS.workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def get_dummy_wgrad(shape: list, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-    """TE's get_dummy_wgrad: one [out, in] tensor per shape and dtype, allocated once and kept.
-    Without TE (`te_process(installed=False)`), megatron-core allocates a new one per call."""
-    if not _PROCESS.installed:
-        make = torch.zeros if zero else torch.empty
-        return make(tuple(shape), dtype=dtype, device=torch.cuda.current_device())
-    key = (*shape, dtype)
-    if key not in _PROCESS.dummy_wgrads:
-        _PROCESS.dummy_wgrads[key] = torch.empty(
-            tuple(shape), dtype=dtype, device=torch.cuda.current_device()
-        )
-    return _PROCESS.dummy_wgrads[key].detach()
-
-
-def te_wgrad(module, weight, compute, *args, **kwargs):
-    """The weight gradient TE's backward returns. With gradient-accumulation fusion
-    (fuse_wgrad_accumulation, on when megatron-core's DDP gives the weight a main_grad) the
-    wgrad GEMM accumulates into main_grad in place and TE returns get_dummy_wgrad's tensor;
-    megatron-core's DDP hook then skips its own accumulation (grad_added_to_main_grad).
-    Otherwise `compute(*args, **kwargs)` makes the gradient."""
-    if not fuses_wgrad(module, weight):
-        return compute(*args, **kwargs)
-    weight.grad_added_to_main_grad = True
-    return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype)
-
-
-def fuses_wgrad(module, weight) -> bool:
-    """Whether TE accumulates `weight`'s gradient straight into DDP's main_grad
-    (fuse_wgrad_accumulation, with megatron-core's DDP having given the weight one)."""
-    config = getattr(module, "config", None)
-    return (
-        config is not None
-        and config.gradient_accumulation_fusion
-        and hasattr(weight, "main_grad")
-        and hasattr(weight, "grad_added_to_main_grad")
-    )
-
-
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ln_weight, ln_bias, mode: _Mode, module=None):
@@ -168,8 +88,6 @@ class _LinearFunction(torch.autograd.Function):
         x2 = x.contiguous().view(-1, in_features)  # [Ns, in], TE's prepare_forward
         ctx.mode, ctx.x_shape, ctx.module = mode, x.shape, module
         if mode.fp8 is not None:
-            from metatrace.models.te_fp8_linear import fp8_forward
-
             return _output_view(fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias), x)
         mu = rsigma = ln_out = None
         if mode.norm is not None:
@@ -196,8 +114,6 @@ class _LinearFunction(torch.autograd.Function):
     def _backward(ctx, grad):
         mode = ctx.mode
         if mode.fp8 is not None:
-            from metatrace.models.te_fp8_linear import fp8_backward
-
             return (*fp8_backward(ctx, grad), None, None)
         x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma = ctx.saved_tensors
         dy = grad.contiguous().view(-1, grad.shape[-1])

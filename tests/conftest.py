@@ -1,16 +1,24 @@
-"""Shared fixtures. Golden files live in tests/golden; regenerate them with --regen-golden."""
+"""Fixtures for both tiers; helpers (paths, small_job, ...) are in tests/helpers.py.
+
+    python -m pytest tests/unit    # the fast tier: no megatron-core, under a minute
+    python -m pytest               # everything: tests/unit and tests/tracing
+
+Golden files live in tests/golden; regenerate them with --regen-golden.
+
+Warnings: pyproject.toml filters only what importing megatron-core emits without CUDA, Transformer
+Engine and Apex. Everything else stays in the summary: megatron-core's deprecations at run time
+and torch's deprecations of calls we make are ours to act on, not to hide.
+"""
 
 import os
-import warnings
 
 import pytest
 
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-warnings.filterwarnings("ignore")
+pytest.register_assert_rewrite("tests.helpers")  # its assertions explain themselves too
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-GOLDEN = os.path.join(ROOT, "tests", "golden")
+from tests.helpers import GOLDEN  # noqa: E402
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def pytest_addoption(parser):
@@ -36,25 +44,3 @@ def golden(request):
         assert text == expected, f"output differs from {path} (pytest --regen-golden rewrites it)"
 
     return check
-
-
-def small_job(**sections):
-    """A resolved job on the debug preset with `sections` merged in (tests' building block)."""
-    from metatrace.config import job_from_dict
-
-    data = {
-        "model": {"preset": "debug"},
-        "training": {"seq_length": 64, "micro_batch_size": 2},
-    }
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return job_from_dict(data)
-
-
-@pytest.fixture(scope="session")
-def debug_trace():
-    """The traced examples/debug.yaml job (tp 2, pp 2 on 4 GPUs), full model included."""
-    from metatrace.config import load_job
-    from metatrace.tracing.trace import trace_job
-
-    return trace_job(load_job(os.path.join(EXAMPLES, "debug.yaml")))

@@ -79,7 +79,7 @@ def module_peaks(trace: Trace) -> dict[str, dict[str, int]]:
     """{module: {phase: highest live bytes while it or a descendant was running}}."""
     out: dict[str, dict[str, int]] = {}
     for e in trace.memory:
-        fqn = e.module
+        fqn: str | None = e.module
         while fqn is not None:
             phases = out.setdefault(fqn, {})
             if e.live > phases.get(e.phase, -1):
@@ -273,10 +273,11 @@ def model_params(
     return total
 
 
-def role_signature(trace: Trace):
+def role_signature(trace: Trace, rows=None):
     """Equal for roles that hold the same structure and do the same work (layer numbers and
-    group members aside), so they can be shown once."""
-    rows = module_tree(trace)
+    group members aside), so they can be shown once. `rows`: the trace's module_tree, if at
+    hand."""
+    rows = module_tree(trace) if rows is None else rows
     return (
         tuple(signature(r) for r in rows),
         tuple((c.op, c.group, c.shape, c.dtype, c.phase, c.module) for c in trace.collectives),

@@ -253,7 +253,7 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
         if item.peer not in traced_group:
             return len(role.ranks) if item.crosses_nodes else 0
         step = traced_group.index(item.peer) - traced_group.index(traced)
-        key = ("peer", kind, step)
+        key: tuple = ("peer", kind, step)
         if key not in cache:
             crossing = 0
             for r in role.ranks:
@@ -270,24 +270,15 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
     return cache[key]
 
 
-_last: list = [None, None]  # (job trace, its JobComm): the report and the tables share one
-
-
 def job_comm(job_trace) -> JobComm:
     """Every role's communication per iteration and the cluster's (needs iteration traces)."""
-    if _last[0] is job_trace:
-        return _last[1]
-    _last[:] = [job_trace, _job_comm(job_trace)]
-    return _last[1]
-
-
-def _job_comm(job_trace) -> JobComm:
     job, world = job_trace.job, job_trace.world
     roles, cluster = [], {d: Totals() for d in DIMENSIONS}
     for rt in job_trace.roles:
         comm = role_comm(job, world, rt.trace, rt.iteration, rank=rt.trace.rank)
         roles.append((rt, comm))
-        n, cache = len(rt.role.ranks), {}
+        n = len(rt.role.ranks)
+        cache: dict[tuple, int] = {}
         for it in comm.items:
             t = cluster[it.dimension]
             _add_calls(t, it, n)

@@ -24,6 +24,7 @@ may appear in several pairs.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import TypeGuard
 
 from metatrace.analysis.comm import module_pattern
 
@@ -170,6 +171,10 @@ def _value(path: str, value):
     return value
 
 
+def _number(value) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def figure_row(a: dict, b: dict, path: str, label: str, better, figure: str | None = None):
     """A row comparing `path` in two reports; None when neither report has the figure."""
     va, vb = _get(a, path), _get(b, path)
@@ -179,8 +184,7 @@ def figure_row(a: dict, b: dict, path: str, label: str, better, figure: str | No
     vb = None if vb is _MISSING else _value(path, vb)
     row = {"figure": figure or path, "label": label, "a": va, "b": vb, "better": better,
            "changed": va != vb}
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
-    if numbers:
+    if _number(va) and _number(vb):
         row["delta"] = vb - va
         row["percent"] = (vb - va) / va * 100 if va else None
     return row
@@ -233,7 +237,7 @@ def pair_roles(roles_a: list[dict], roles_b: list[dict]) -> list[tuple[int, int]
         layers = set(role["layers"])
         position = i / max(1, len(many) - 1)
 
-        def score(j, role=role, layers=layers, position=position):
+        def score(j, i=i, layers=layers, position=position):
             other = few[j]
             ends = (i == 0) == (j == 0) and (i == len(many) - 1) == (j == len(few) - 1)
             near = -abs(position - j / max(1, len(few) - 1))

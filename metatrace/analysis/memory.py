@@ -113,7 +113,7 @@ def step_profiles(
         for w in trace.windows
         if w.chunk is not None and w.phase in ("forward", "backward")
     }
-    profiles = {}
+    profiles: dict[tuple[str, int], StepProfile] = {}
     for (phase, chunk), w in windows.items():
         left_out = persistent | reloads if phase == "backward" else persistent
         excess, module = _window_excess(trace, w, left_out)
@@ -183,7 +183,8 @@ def offload_slots(trace: Trace, record: "OffloadRecord", *, last_stage: bool) ->
         last = _last_groups(names)
         moved = [m for m in record.moved if m.chunk == chunk and m.group in last]
         start = backward.get(chunk, 1 << 62)
-        freed = {m.source for m in moved if life.freed.get(m.source, start) < start}
+        freed = {m.source for m in moved
+                 if m.source is not None and life.freed.get(m.source, start) < start}
         kept.append(sum(life.bytes[sid] for sid in freed))
         reload.append(sum(_blocks(m.bytes) for m in moved))
     if not reload:

@@ -156,7 +156,7 @@ def simulate(orders, seconds, *, pp: int, vpp: int | None = None, p2p=None):
     last = pp * chunks - 1
     p2p = p2p or (lambda stage, phase: 0.0)
     finish: dict[tuple[str, int, int], float] = {}
-    out = [[] for _ in orders]
+    out: list[list[tuple]] = [[] for _ in orders]
     clock = [0.0] * len(orders)
     cursor = [0] * len(orders)
     remaining = sum(len(o) for o in orders)
@@ -244,7 +244,7 @@ def _peaks(iteration: Trace, extra: int) -> dict:
     """{(phase, chunk, microbatch): highest live bytes (+ `extra`)} of the iteration's steps."""
     events = iteration.memory
     seqs = [e.seq for e in events]
-    out = {}
+    out: dict[tuple, int] = {}
     for w in iteration.windows:
         i = bisect.bisect_left(seqs, w.first)
         j = bisect.bisect_right(seqs, w.last)
@@ -373,12 +373,3 @@ def _transfers(s, phase, chunk, mb, end, sends, pp, vpp):
         return ()
     sec, nbytes = sends[phase]
     return (Transfer(end, end + sec, phase, mb, (s, chunk), (k % pp, k // pp), nbytes),)
-
-
-_last: list = [None, None]  # (job trace, its Timing): the output, the report and the trace share it
-
-
-def cached_timing(job_trace) -> Timing | None:
-    if _last[0] is not job_trace:
-        _last[:] = [job_trace, job_timing(job_trace)]
-    return _last[1]

@@ -20,7 +20,9 @@ MLA_RECOMPUTE_MODULES = ("mla_up_proj",)
 
 
 # megatron-core 0.16.1 PipelineParallelLayerLayout.parse_str_to_list, restated without its
-# LayerType enum (hooks/guards.py keeps the hash of the original: a test fails when it changes).
+# LayerType enum (hooks/guards.py checks the hash against the installed megatron-core). Restates
+# megatron.core.transformer.pipeline_parallel_layer_layout.PipelineParallelLayerLayout.parse_str_to_list
+# (source sha256: 03460d910c79).
 _LAYER_TYPES = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
 
 
@@ -451,7 +453,7 @@ def _check_recompute(job, split_ok: bool):
             # megatron-core 0.16.1 checkpoints the MLP, which returns its fc2 bias parameter
             # alongside the output; autograd then makes the checkpoint's backward that
             # parameter's grad_fn, and backward re-enters it without end (reproduced with real
-            # CPU tensors, tests/test_trace.py).
+            # CPU tensors, tests/tracing/test_trace.py).
             yield (
                 "selective recompute of 'mlp' with model.add_bias_linear: megatron-core 0.16.1's "
                 "backward recurses without end in this combination; drop 'mlp' from "

@@ -4,7 +4,7 @@
 for the user; `model.hf_config` in a job file merges them under the file's explicit keys, the
 way `model.preset` merges a preset. One `Family` per supported `model_type` says which HF field
 becomes which key. The presets in `models/presets.py` were written from the same published
-files, so they are the reference for the mapping (tests/test_hf.py checks that both agree).
+files, so they are the reference for the mapping (tests/unit/test_hf.py checks that both agree).
 
 Every field of a file is accounted for: mapped (a rename or a rule), declared as changing
 nothing metatrace measures (`IGNORED`), or named in one warning note. A value metatrace cannot

@@ -3,7 +3,7 @@
 Dimensions are those of the published Hugging Face `config.json` of each model (or the paper
 for GPT-3), written as Megatron-LM arguments: Llama uses RMSNorm, SwiGLU, RoPE, no biases, no
 dropout and untied output weights. `model.hf_config` (models/hf.py) reads such files directly;
-tests/test_hf.py checks that it gives these presets from the published files.
+tests/unit/test_hf.py checks that it gives these presets from the published files.
 """
 
 from __future__ import annotations

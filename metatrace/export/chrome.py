@@ -1,5 +1,5 @@
-"""The time model of an iteration as a Chrome / Perfetto trace (pure: job trace and timing in,
-a JSON-ready dict out; open it in https://ui.perfetto.dev or chrome://tracing).
+"""The time model of an iteration as a Chrome / Perfetto trace (pure: an Analysis with its
+timing in, a JSON-ready dict out; open it in https://ui.perfetto.dev or chrome://tracing).
 
 One process per pipeline stage ("stage s (ranks ...)"), with threads:
 - compute: a complete event per step ("F m3 c1": forward of micro-batch 3, model chunk 1;
@@ -37,9 +37,11 @@ def step_name(span) -> str:
     return f"{span.phase[0].upper()} m{span.microbatch} c{span.chunk}"
 
 
-def chrome_trace(job_trace, timing) -> dict:
-    """{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}."""
-    ranks = {rt.role.pp_stage: rt.role.ranks for rt in job_trace.roles}
+def chrome_trace(analysis) -> dict:
+    """{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}} of an Analysis
+    (metatrace.analysis.analyze) whose `timing` is known."""
+    timing = analysis.timing
+    ranks = {ra.role.pp_stage: ra.role.ranks for ra in analysis.roles}
     events: list[dict] = []
     for st in timing.stages:
         pid = st.stage
@@ -83,7 +85,7 @@ def chrome_trace(job_trace, timing) -> dict:
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {
-            "source": job_trace.job.source,
+            "source": analysis.job.source,
             "iteration_seconds": timing.iteration_seconds,
             "bubble_fraction": timing.bubble_fraction,
             "peak_tflops": timing.peak_tflops,

@@ -468,13 +468,12 @@ def page(report: dict, timelines=None) -> str:
             + "\n".join(part for part in body if part) + "\n</body></html>\n")
 
 
-def role_timelines(job_trace) -> list | None:
-    """Every role's RoleMemory.timeline (None when an iteration is missing)."""
-    from metatrace.analysis.memory import role_memory
-
-    if not all(rt.iteration is not None for rt in job_trace.roles):
+def role_timelines(analysis) -> list | None:
+    """Every role's RoleMemory.timeline from an Analysis (None when an iteration is missing):
+    the one figure the page needs that the JSON report does not hold."""
+    if not analysis.iterations:
         return None
-    return [role_memory(rt.trace, rt.iteration).timeline for rt in job_trace.roles]
+    return [ra.memory.timeline for ra in analysis.roles]
 
 
 def write_html(report: dict, path: str, timelines=None) -> None:

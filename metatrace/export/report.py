@@ -1,7 +1,8 @@
-"""The JSON report: a documented, versioned view of a traced job (schema in README.md).
+"""The JSON report: a documented, versioned view of an analysed job (schema in
+report.schema.json).
 
-`job_report(job_trace)` returns plain data (dicts, lists, numbers, strings); `write_json` writes
-it. Every figure comes from the aggregator; this module only arranges it.
+`job_report(analysis)` returns plain data (dicts, lists, numbers, strings); `write_json` writes
+it. Every figure comes from metatrace.analysis.analyze; this module only arranges it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import json
 
 from metatrace import __version__
 from metatrace.analysis import aggregate as agg
-from metatrace.analysis.comm import job_comm
-from metatrace.analysis.memory import role_memory, role_offload, verdict
 
 SCHEMA_VERSION = 3
 
@@ -35,9 +34,9 @@ def _collective(c) -> dict:
     return out
 
 
-def _modules(trace, chunks) -> list[dict]:
+def _modules(tree) -> list[dict]:
     out = []
-    for row in agg.walk(agg.module_tree(trace, chunks)):
+    for row in agg.walk(tree):
         out.append(
             {
                 "fqn": row.fqn,
@@ -121,9 +120,9 @@ def _verdict(job, v) -> dict:
     }
 
 
-def role_report(rt, world=None, memory=None, comm=None, offload=None) -> dict:
-    trace = rt.trace
-    s = agg.role_summary(trace)
+def role_report(ra, world=None) -> dict:
+    """One role of the report; `ra`: a metatrace.analysis.analyze.RoleAnalysis."""
+    rt, trace, s = ra.traced, ra.trace, ra.summary
     out = {
         "index": rt.role.index,
         "pp_stage": rt.role.pp_stage,
@@ -135,40 +134,36 @@ def role_report(rt, world=None, memory=None, comm=None, offload=None) -> dict:
         "activations_per_microbatch_bytes": s.activation_bytes,
 
         "collectives_per_microbatch": [_collective(c) for c in trace.collectives],
-        "modules": _modules(trace, rt.chunks),
+        "modules": _modules(ra.tree),
         "op_counts": dict(sorted(trace.op_counts.items())),
         "unclassified_ops": dict(sorted(trace.unclassified.items())),
         "trace_seconds": round(rt.seconds, 3),
     }
     if world is not None:
         out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
-    if rt.iteration is not None:
-        out["memory"] = _memory(memory or role_memory(rt.trace, rt.iteration))
-    if comm is not None:
-        out["comm"] = {d: _totals(t) for d, t in comm.dims.items()}
-        out["comm_collectives"] = [_comm_item(it) for it in comm.items]
-    if offload is not None:
+    if ra.memory is not None:
+        out["memory"] = _memory(ra.memory)
+    if ra.comm is not None:
+        out["comm"] = {d: _totals(t) for d, t in ra.comm.dims.items()}
+        out["comm_collectives"] = [_comm_item(it) for it in ra.comm.items]
+    if ra.offload is not None:
         out["offload"] = {
-            "d2h_bytes_per_microbatch": offload.d2h_per_microbatch,
-            "d2h_bytes_per_iteration": offload.d2h_per_iteration,
-            "pinned_host_bytes": offload.pinned_host,
+            "d2h_bytes_per_microbatch": ra.offload.d2h_per_microbatch,
+            "d2h_bytes_per_iteration": ra.offload.d2h_per_iteration,
+            "pinned_host_bytes": ra.offload.pinned_host,
         }
     return out
 
 
-def job_report(job_trace) -> dict:
-    job = job_trace.job
-    world = job_trace.world
+def job_report(analysis) -> dict:
+    """The report of a metatrace.analysis.analyze.Analysis."""
+    job, world = analysis.job, analysis.world
     par = job.parallel
-    traces = [rt.trace for rt in job_trace.roles]
-    total = agg.model_params(traces, par.tp, par.ep, par.etp)
-    m = job.model
-    share = m.moe_router_topk / m.num_experts if m.num_experts else 1.0
-    model = dataclasses.asdict(m)
+    model = dataclasses.asdict(job.model)
     model.update(
         padded_vocab_size=job.padded_vocab_size,
-        total_params=total,
-        active_params=agg.model_params(traces, par.tp, par.ep, par.etp, expert_share=share),
+        total_params=analysis.total_params,
+        active_params=analysis.active_params,
     )
     report = {
         "schema_version": SCHEMA_VERSION,
@@ -199,41 +194,30 @@ def job_report(job_trace) -> dict:
         from metatrace.config.routing import Routing
 
         report["moe_routing"] = Routing.of_job(job).describe()
-    iterations = all(rt.iteration is not None for rt in job_trace.roles)
-    mems = [role_memory(rt.trace, rt.iteration) if iterations else None for rt in job_trace.roles]
-    comms = [None] * len(mems)
-    if iterations:
-        jc = job_comm(job_trace)
-        comms = [c for _, c in jc.roles]
+    jc = analysis.comm
+    if jc is not None:
         report["cluster"]["comm"] = {d: _totals(t) for d, t in jc.cluster.items()}
         report["cluster"]["comm"]["total"] = _totals(jc.total)
     report["groups"] = {kind: world.groups(kind) for kind in world.kinds()}
-    offloads = [role_offload(job, rt) for rt in job_trace.roles]
-    report["roles"] = [
-        role_report(rt, world, m, c, o)
-        for rt, m, c, o in zip(job_trace.roles, mems, comms, offloads)
-    ]
-    if iterations:
-        ranked = [(rt.role.ranks, m) for rt, m in zip(job_trace.roles, mems)]
-        report["memory_verdict"] = _verdict(job, verdict(job, ranked))
-        _add_timing(report, job_trace)
-    if job_trace.full is not None:
-        full = role_report(job_trace.full)
+    report["roles"] = [role_report(ra, world) for ra in analysis.roles]
+    if analysis.verdict is not None:
+        report["memory_verdict"] = _verdict(job, analysis.verdict)
+        _add_timing(report, analysis)
+    if analysis.full is not None:
+        full = role_report(analysis.full)
         for key in ("ranks", "traced_rank", "index", "pp_stage"):
             full.pop(key)
         report["full_model"] = full
     return report
 
 
-def _add_timing(report: dict, job_trace) -> None:
+def _add_timing(report: dict, analysis) -> None:
     """The time model (metatrace.analysis.timing): a "timing" object per role and for the job."""
-    from metatrace.analysis.timing import cached_timing
-
-    timing = cached_timing(job_trace)
+    timing = analysis.timing
     if timing is None:  # no peak FLOP/s known for the GPU
         return
     stages = {st.stage: st for st in timing.stages}
-    for role, rt in zip(report["roles"], job_trace.roles):
+    for role, rt in zip(report["roles"], analysis.traced.roles):
         st = stages[rt.role.pp_stage]
         role["timing"] = {
             "iteration_seconds": st.iteration_seconds,

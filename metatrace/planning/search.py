@@ -16,7 +16,7 @@ from typing import Callable
 from metatrace.config import resolve
 from metatrace.tracing.checks import check_with_megatron
 from metatrace.errors import ConfigError
-from metatrace.analysis.memory import role_memory, verdict
+from metatrace.analysis.analyze import Analysis, analyze
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class Search:
     """In the order they were traced."""
     best: int | None
     """The largest micro-batch size that fits; None when even the smallest does not."""
-    trace: object
-    """The JobTrace of `best` (of the smallest candidate when nothing fits)."""
+    analysis: Analysis
+    """The analysed trace of `best` (of the smallest candidate when nothing fits)."""
 
 
 def candidates(job) -> list[tuple[int, object]]:
@@ -76,17 +76,16 @@ def max_micro_batch(job, trace: Callable, progress=None) -> Search:
     """Binary search for the largest fitting micro-batch size; `trace(job)` -> JobTrace."""
     progress = progress or (lambda message: None)
     options = candidates(job)
-    probes, traces = [], {}
+    probes, analyses = [], {}
 
     def probe(i: int) -> Probe:
         mbs, candidate = options[i]
         progress(f"micro-batch size {mbs}")
-        jt = trace(candidate)
-        mems = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in jt.roles]
-        v = verdict(candidate, mems)
+        analysis = analyze(trace(candidate))
+        v = analysis.verdict
         p = Probe(mbs, candidate.num_microbatches, v.worst, v.headroom, v.worst_ranks)
         probes.append(p)
-        traces[i] = jt
+        analyses[i] = analysis
         return p
 
     lo, hi = 0, len(options) - 1  # the answer is the last fitting index in [lo - 1, hi]
@@ -97,12 +96,12 @@ def max_micro_batch(job, trace: Callable, progress=None) -> Search:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
-    if best is None and 0 not in traces:
+    if best is None and 0 not in analyses:
         probe(0)
     shown = best if best is not None else 0
     return Search(
         candidates=tuple(m for m, _ in options),
         probes=tuple(probes),
         best=options[best][0] if best is not None else None,
-        trace=traces[shown],
+        analysis=analyses[shown],
     )

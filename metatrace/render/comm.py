@@ -1,5 +1,6 @@
 """Rendering of communication: the cluster summary, one section per parallel dimension, and the
-rank-group tables (`metatrace groups`). Figures come from metatrace.analysis.comm; formatting only.
+rank-group tables (`metatrace groups`). Figures come from the Analysis
+(metatrace.analysis.analyze); formatting only.
 """
 
 from __future__ import annotations
@@ -80,14 +81,12 @@ def build_comm_summary(job, jc) -> Group:
     return Group(table, assumptions)
 
 
-def build_timing_line(job_trace) -> Text | None:
+def build_timing_line(analysis) -> Text | None:
     """One line of the time model (metatrace.analysis.timing): the iteration and the pipeline bubble."""
-    from metatrace.analysis.timing import cached_timing
-
-    t = cached_timing(job_trace)
+    t = analysis.timing
     if t is None:
         return None
-    par = job_trace.job.parallel
+    par = analysis.job.parallel
     schedule = f"interleaved 1F1B, vpp {par.vpp}" if par.vpp else "1F1B"
     if par.pp == 1:
         schedule = "no pipeline"
@@ -102,25 +101,24 @@ def build_timing_line(job_trace) -> Text | None:
 # ----------------------------------------------------------------------------- pipeline
 
 
-def build_pp_section(job_trace, jc) -> Group | None:
-    world = job_trace.world
+def build_pp_section(analysis) -> Group | None:
+    world, jc = analysis.world, analysis.comm
     if world.layout.pp == 1:
         return None
-    from metatrace.analysis import aggregate as agg
-
     table = _table("Stage", "GPUs", "Layers", "Boundary tensor", "Sends", "Receives",
                    "Sent/GPU", "Across nodes")
     embedding = []
-    for rt, comm in jc.roles:
+    for ra in analysis.roles:
+        comm = ra.comm
         p2p = [it for it in comm.items if it.dimension == "pp" and it.peer is not None]
         embedding += [it for it in comm.items if it.dimension == "pp" and it.peer is None]
         shapes = sorted({message(it) for it in p2p})
         crossing = sum(it.count for it in p2p if it.crosses_nodes)
         total = sum(it.count for it in p2p)
         table.add_row(
-            str(rt.role.pp_stage),
-            gpu_span(world, rt.role.ranks),
-            layer_span(agg.role_summary(rt.trace).layers),
+            str(ra.role.pp_stage),
+            gpu_span(world, ra.role.ranks),
+            layer_span(ra.summary.layers),
             Text("\n".join(shapes)),
             f"{sum(it.count for it in p2p if it.op == 'send'):,}",
             f"{sum(it.count for it in p2p if it.op == 'recv'):,}",
@@ -138,13 +136,13 @@ def build_pp_section(job_trace, jc) -> Group | None:
             f"Tied embedding: first and last stage all-reduce the word-embedding gradient "
             f"({message(it)}) once per iteration; groups {groups_line(world, world.groups('embedding'), 2)}"
         ))
-    schedule = "interleaved 1F1B" if job_trace.job.parallel.vpp else "1F1B"
+    schedule = "interleaved 1F1B" if analysis.job.parallel.vpp else "1F1B"
     lines.append(Text(
         f"Per iteration, all GPUs: {t.count:,} "
         f"{'sends, receives and embedding all-reduces' if embedding else 'sends and receives'}, "
         f"{volume(t.bytes_sent)} sent. "
         f"Counted as megatron-core's {schedule} schedule issues them; "
-        + ("overlapped with compute (overlap_p2p_comm)." if job_trace.job.parallel.overlap_p2p_comm
+        + ("overlapped with compute (overlap_p2p_comm)." if analysis.job.parallel.overlap_p2p_comm
            else "not overlapped with compute."),
         style="dim",
     ))
@@ -158,12 +156,13 @@ _WHEN = {"forward": "first forward", "backward": "backward", "grad sync": "gradi
          "optimizer": "optimizer step"}
 
 
-def build_dp_section(job_trace, jc) -> Group | None:
+def build_dp_section(analysis) -> Group | None:
     """The once-per-iteration collectives (data parallel and the small statistics), per stage;
     consecutive stages with the same rows are shown once."""
-    world = job_trace.world
+    world, jc = analysis.world, analysis.comm
     blocks = []
-    for rt, comm in jc.roles:
+    for ra in analysis.roles:
+        comm = ra.comm
         merged: dict[tuple, list] = {}
         for it in comm.items:
             if it.dimension in ("dp", "other"):
@@ -177,9 +176,9 @@ def build_dp_section(job_trace, jc) -> Group | None:
             for (name, group, n, dtype, phase, overlapped), items in merged.items()
         )
         if blocks and blocks[-1][1] == rows:
-            blocks[-1][0].append(rt.role.pp_stage)
+            blocks[-1][0].append(ra.role.pp_stage)
         elif rows:
-            blocks.append(([rt.role.pp_stage], rows))
+            blocks.append(([ra.role.pp_stage], rows))
     if not blocks:
         return None
     table = _table("Stages", "Collective", "Group", "Calls", "Message", "Sent/GPU", "When",
@@ -226,26 +225,26 @@ def _layer_rows(items):
     )
 
 
-def build_model_dim_section(job_trace, jc, dim: str) -> Group | None:
+def build_model_dim_section(analysis, dim: str) -> Group | None:
     """Collectives issued inside the model steps (TP/SP, CP or EP), per module, per layer and
     per micro-batch; roles with the same rows are shown once."""
-    job, world = job_trace.job, job_trace.world
+    job, world, jc = analysis.job, analysis.world, analysis.comm
     mb = job.num_microbatches
     blocks, prev = [], None
-    for rt, comm in jc.roles:
-        items = [it for it in comm.items if it.dimension == dim and it.per_microbatch]
+    for ra in analysis.roles:
+        items = [it for it in ra.comm.items if it.dimension == dim and it.per_microbatch]
         if not items:
             continue
         rows = _layer_rows(items)
         if prev is not None and prev[0] == rows:
-            prev[1].append(rt.role.pp_stage)
+            prev[1].append(ra.role.pp_stage)
             continue
-        prev = (rows, [rt.role.pp_stage], items)
+        prev = (rows, [ra.role.pp_stage], items)
         blocks.append(prev)
     if not blocks:
         return None
     parts = []
-    for rows, stages, items in blocks:
+    for _rows, stages, items in blocks:
         title = f"stage {stages[0]}" if len(stages) == 1 else f"stages {layer_span(stages)} (identical)"
         table = _table("Module", "Phase", "Collective", "Message", "Per layer", "Per µb",
                        "Sent/µb")
@@ -275,11 +274,11 @@ def build_model_dim_section(job_trace, jc, dim: str) -> Group | None:
             table,
         ]
     once = {}
-    for rt, comm in jc.roles:
-        for it in comm.items:
+    for ra in analysis.roles:
+        for it in ra.comm.items:
             if it.dimension == dim and not it.per_microbatch:
                 once.setdefault((it.op, it.group, len(it.ranks), PHASE_SHORT.get(it.phase, it.phase)),
-                                []).append((rt.role.pp_stage, it))
+                                []).append((ra.role.pp_stage, it))
     for (name, group, n, phase), found in once.items():
         stages = sorted({s for s, _ in found})
         calls = sorted({it.count for _, it in found})
@@ -321,24 +320,22 @@ def dimension_title(job, dim: str) -> str:
     return f"Pipeline parallel (pp {par.pp}{f', vpp {par.vpp}' if par.vpp else ''}), per iteration"
 
 
-def render_comm(job_trace, console, *, dim: str | None = None) -> None:
-    from metatrace.analysis.comm import job_comm
-
-    job = job_trace.job
-    jc = job_comm(job_trace)
+def render_comm(analysis, console, *, dim: str | None = None) -> None:
+    """The communication sections of an Analysis whose iterations were traced."""
+    job = analysis.job
     console.print(section(
         f"Communication per iteration ({job.num_microbatches} micro-batches, "
-        f"{job_trace.world.size:,} GPUs)"))
-    console.print(build_comm_summary(job, jc))
-    timing_line = build_timing_line(job_trace)
+        f"{analysis.world.size:,} GPUs)"))
+    console.print(build_comm_summary(job, analysis.comm))
+    timing_line = build_timing_line(analysis)
     if timing_line is not None:
         console.print(timing_line)
     builders = {
-        "tp": lambda: build_model_dim_section(job_trace, jc, "tp"),
-        "cp": lambda: build_model_dim_section(job_trace, jc, "cp"),
-        "ep": lambda: build_model_dim_section(job_trace, jc, "ep"),
-        "pp": lambda: build_pp_section(job_trace, jc),
-        "dp": lambda: build_dp_section(job_trace, jc),
+        "tp": lambda: build_model_dim_section(analysis, "tp"),
+        "cp": lambda: build_model_dim_section(analysis, "cp"),
+        "ep": lambda: build_model_dim_section(analysis, "ep"),
+        "pp": lambda: build_pp_section(analysis),
+        "dp": lambda: build_dp_section(analysis),
     }
     for name in ([dim] if dim else ["tp", "cp", "ep", "pp", "dp"]):
         body = builders[name]()

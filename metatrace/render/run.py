@@ -1,7 +1,7 @@
-"""Rendering: tables and trees built from aggregated rows; the caller prints them.
+"""The terminal report of `metatrace run`: tables and trees built from an Analysis
+(metatrace.analysis.analyze); the caller prints them.
 
-`build_*()` functions return rich renderables; nothing here computes a figure that the
-aggregator did not (formatting only).
+`build_*()` functions return rich renderables; nothing here computes a figure (formatting only).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rich.text import Text
 
 from metatrace.analysis import aggregate as agg
 from metatrace.records import STEP
+from metatrace.render.comm import render_comm
 from metatrace.render.format import (
     GiB, MiB, PARAM_SHORT, TP_GROUPS, compact, gpu_span, layer_span, mib, peak_at, rank_span,
     section, shape, size,
@@ -232,12 +233,13 @@ def _tp_cell(collectives) -> str:
 # ----------------------------------------------------------------------------- roles
 
 
-def role_title(job_trace, group) -> str:
-    world = job_trace.world
+def role_title(analysis, group) -> str:
+    """`group`: RoleAnalysis of roles shown as one."""
+    world = analysis.world
     first = group[0]
-    ranks = sorted(r for rt in group for r in rt.role.ranks)
-    stages = [rt.role.pp_stage for rt in group]
-    summary = agg.role_summary(first.trace)
+    ranks = sorted(r for ra in group for r in ra.role.ranks)
+    stages = [ra.role.pp_stage for ra in group]
+    summary = first.summary
     which = (
         f"Pipeline stage {stages[0]}"
         if len(stages) == 1
@@ -248,29 +250,27 @@ def role_title(job_trace, group) -> str:
     return f"{which} · ranks {rank_span(ranks)} ({gpus}){layers} · traced rank {first.trace.rank}"
 
 
-def group_roles(job_trace, expand: bool = False):
+def group_roles(analysis, expand: bool = False):
     """Consecutive roles with the same signature, grouped (each alone with `expand`)."""
     groups = []
     prev_sig = None
-    for rt in job_trace.roles:
-        sig = None if expand else agg.role_signature(rt.trace)
+    for ra in analysis.roles:
+        sig = None if expand else ra.signature
         if groups and sig is not None and sig == prev_sig:
-            groups[-1].append(rt)
+            groups[-1].append(ra)
         else:
-            groups.append([rt])
+            groups.append([ra])
         prev_sig = sig
     return groups
 
 
-def build_role_tree(job_trace, group, *, depth=None, expand=False):
-    rt = group[0]
-    roots = agg.module_tree(rt.trace, rt.chunks)
-    step = [c for c in rt.trace.collectives if c.module == STEP]
-    return build_module_table(roots, tp_columns=True, depth=depth, expand=expand, step=step)
+def build_role_tree(ra, *, depth=None, expand=False):
+    """The module tree of a role (a RoleAnalysis) with its TP communication."""
+    step = [c for c in ra.trace.collectives if c.module == STEP]
+    return build_module_table(list(ra.tree), tp_columns=True, depth=depth, expand=expand, step=step)
 
 
-def build_totals_line(trace) -> Text:
-    s = agg.role_summary(trace)
+def build_totals_line(s: agg.RoleSummary) -> Text:
     return Text(
         f"{s.params:,} parameters ({size(s.param_bytes)}) · activations "
         f"{size(s.activation_bytes)} saved per micro-batch",
@@ -278,7 +278,7 @@ def build_totals_line(trace) -> Text:
     )
 
 
-def build_roles_table(job_trace) -> Table:
+def build_roles_table(analysis) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (
         ("Stage", "right"),
@@ -290,11 +290,11 @@ def build_roles_table(job_trace) -> Table:
         ("Collectives/µb", "right"),
     ):
         table.add_column(col, justify=just)
-    for rt in job_trace.roles:
-        s = agg.role_summary(rt.trace)
+    for ra in analysis.roles:
+        s = ra.summary
         table.add_row(
-            str(rt.role.pp_stage),
-            rank_span(rt.role.ranks),
+            str(ra.role.pp_stage),
+            rank_span(ra.role.ranks),
             layer_span(s.layers),
             f"{s.params:,}",
             mib(s.param_bytes),
@@ -316,17 +316,10 @@ def _amount(nbytes: int, unit: int) -> str:
     return f"{value:,.2f}" if unit == GiB else f"{value:,.1f}"
 
 
-def role_memories(job_trace) -> list:
-    """(RoleTrace, RoleMemory) of every role (computed once, rendered several times)."""
-    from metatrace.analysis.memory import role_memory
-
-    return [(rt, role_memory(rt.trace, rt.iteration)) for rt in job_trace.roles]
-
-
-def build_memory_table(mems) -> Group:
+def build_memory_table(roles) -> Group:
     """Every role's memory over one iteration, in parts that add up to its peak, and where each
-    role peaks."""
-    name, unit = _unit(max(m.peak for _, m in mems))
+    role peaks. `roles`: RoleAnalysis with their memory."""
+    name, unit = _unit(max(ra.memory.peak for ra in roles))
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (
         ("Stage", "right"),
@@ -344,10 +337,11 @@ def build_memory_table(mems) -> Group:
     where = Table.grid(padding=(0, 1))
     where.add_column(justify="right", style="dim", no_wrap=True)
     where.add_column(style="dim")
-    for rt, m in mems:
+    for ra in roles:
+        m = ra.memory
         table.add_row(
-            str(rt.role.pp_stage),
-            rank_span(rt.role.ranks),
+            str(ra.role.pp_stage),
+            rank_span(ra.role.ranks),
             _amount(m.params, unit),
             _amount(m.grads, unit),
             _amount(m.optimizer, unit),
@@ -357,7 +351,7 @@ def build_memory_table(mems) -> Group:
             _amount(m.temporary, unit),
             Text(_amount(m.peak, unit), style="bold"),
         )
-        where.add_row(f"stage {rt.role.pp_stage} peaks in", peak_at(m.peak_at, len(rt.chunks)))
+        where.add_row(f"stage {ra.role.pp_stage} peaks in", peak_at(m.peak_at, len(ra.traced.chunks)))
     legend = Text(
         f"{name} per GPU. Params: parameters and module buffers; Grads: DDP's main-grad buffers; "
         "Optim: main parameters and optimizer state; Wkspc: kernel workspaces and buffers kept "
@@ -368,18 +362,16 @@ def build_memory_table(mems) -> Group:
     return Group(table, where, legend)
 
 
-def build_offload_lines(job_trace) -> list[Text]:
+def build_offload_lines(analysis) -> list[Text]:
     """One line on fine-grained activation offloading's PCIe traffic and pinned host memory per
     stage (none when the job does not offload)."""
-    from metatrace.analysis.memory import role_offload
-
-    job = job_trace.job
+    job = analysis.job
     parts = []
-    for rt in job_trace.roles:
-        o = role_offload(job, rt)
+    for ra in analysis.roles:
+        o = ra.offload
         if o is not None:
             parts.append(
-                f"stage {rt.role.pp_stage} {size(o.d2h_per_microbatch)} per micro-batch, "
+                f"stage {ra.role.pp_stage} {size(o.d2h_per_microbatch)} per micro-batch, "
                 f"{size(o.d2h_per_iteration)} per iteration, {size(o.pinned_host)} pinned"
             )
     if not parts:
@@ -392,10 +384,10 @@ def build_offload_lines(job_trace) -> list[Text]:
     )]
 
 
-def build_verdict(job, mems) -> Text:
-    from metatrace.analysis.memory import not_modelled_text, verdict
+def build_verdict(analysis) -> Text:
+    from metatrace.analysis.memory import not_modelled_text
 
-    v = verdict(job, [(rt.role.ranks, m) for rt, m in mems])
+    job, v = analysis.job, analysis.verdict
     gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
     overhead = f"{job.cluster.reserved_overhead_gib:g} GiB reserved overhead"
     if v.fits:
@@ -420,17 +412,19 @@ _BARS = " ▁▂▃▄▅▆▇█"
 _MARK = {"forward": "F", "backward": "B", "grad sync": "G", "optimizer": "O"}
 
 
-def build_timeline(mems, columns: int = 64) -> Group:
+def build_timeline(roles, columns: int = 64) -> Group:
     """Memory over the iteration per stage: one column per group of consecutive steps (its
-    highest level), on a common scale; F/B/O below say what the steps were."""
-    top = max(m.peak for _, m in mems)
-    floor = min(level for _, m in mems for _, level in m.timeline)
+    highest level), on a common scale; F/B/O below say what the steps were. `roles`:
+    RoleAnalysis with their memory."""
+    top = max(ra.memory.peak for ra in roles)
+    floor = min(level for ra in roles for _, level in ra.memory.timeline)
     span = max(1, top - floor)
     table = Table.grid(padding=(0, 1))
     table.add_column(justify="right", style="bold")
     table.add_column(no_wrap=True)
     table.add_column(justify="right")
-    for rt, m in mems:
+    for ra in roles:
+        m = ra.memory
         steps = m.timeline
         n = max(1, -(-len(steps) // columns))
         bars, marks = [], []
@@ -440,7 +434,7 @@ def build_timeline(mems, columns: int = 64) -> Group:
             bars.append(_BARS[min(8, max(1, 1 + round(7 * (level - floor) / span)))])
             kinds = {_MARK.get(p, "·") for p, _ in group}
             marks.append(kinds.pop() if len(kinds) == 1 else "·")
-        table.add_row(f"stage {rt.role.pp_stage}", "".join(bars), size(m.peak))
+        table.add_row(f"stage {ra.role.pp_stage}", "".join(bars), size(m.peak))
         table.add_row("", Text("".join(marks), style="dim"), "")
     return Group(
         table,
@@ -449,12 +443,11 @@ def build_timeline(mems, columns: int = 64) -> Group:
     )
 
 
-def build_full_model(job_trace, *, depth=None, expand=False):
-    full = job_trace.full
-    roots = agg.module_tree(full.trace, full.chunks)
-    s = agg.role_summary(full.trace)
+def build_full_model(full, *, depth=None, expand=False):
+    """The whole model on one GPU (the Analysis' `full`)."""
+    s = full.summary
     return Group(
-        build_module_table(roots, tp_columns=False, depth=depth, expand=expand),
+        build_module_table(list(full.tree), tp_columns=False, depth=depth, expand=expand),
         Text(
             f"{s.params:,} parameters ({size(s.param_bytes)}) · activations "
             f"{size(s.activation_bytes)} per micro-batch on one GPU",
@@ -463,37 +456,34 @@ def build_full_model(job_trace, *, depth=None, expand=False):
     )
 
 
-def render_run(job_trace, console, *, depth=None, expand=False) -> None:
-    job = job_trace.job
+def render_run(analysis, console, *, depth=None, expand=False) -> None:
+    job = analysis.job
     console.print(section("Configuration"))
-    console.print(build_summary(job, job_trace.world))
-    if job_trace.full is not None:
+    console.print(build_summary(job, analysis.world))
+    if analysis.full is not None:
         console.print(section("Full model without parallelism (one GPU, one micro-batch)"))
-        console.print(build_full_model(job_trace, depth=depth, expand=expand))
-    for group in group_roles(job_trace, expand):
-        console.print(section(role_title(job_trace, group)))
-        console.print(build_role_tree(job_trace, group, depth=depth, expand=expand))
-        console.print(build_totals_line(group[0].trace))
+        console.print(build_full_model(analysis.full, depth=depth, expand=expand))
+    for group in group_roles(analysis, expand):
+        console.print(section(role_title(analysis, group)))
+        console.print(build_role_tree(group[0], depth=depth, expand=expand))
+        console.print(build_totals_line(group[0].summary))
     console.print(section("Per pipeline stage (one micro-batch)"))
-    console.print(build_roles_table(job_trace))
-    if all(rt.iteration is not None for rt in job_trace.roles):
-        from metatrace.render.comm import render_comm
-
-        render_comm(job_trace, console)
+    console.print(build_roles_table(analysis))
+    if analysis.iterations:
+        render_comm(analysis, console)
         console.print(
             section(
                 f"Memory per GPU over one training iteration ({job.num_microbatches} "
                 "micro-batches and the optimizer step)"
             )
         )
-        mems = role_memories(job_trace)
-        console.print(build_memory_table(mems))
-        for line in build_offload_lines(job_trace):  # fine-grained activation offloading
+        console.print(build_memory_table(analysis.roles))
+        for line in build_offload_lines(analysis):  # fine-grained activation offloading
             console.print(line)
         console.print(section("Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"))
-        console.print(build_timeline(mems))
+        console.print(build_timeline(analysis.roles))
         console.print()
-        console.print(build_verdict(job, mems))
+        console.print(build_verdict(analysis))
 
 
 def render_search(job, search, console) -> None:

@@ -8,7 +8,7 @@ interleaved schedule, the pipeline sends and receives (P2PCommunicator), the dea
 sent outputs, the DDP gradient synchronisation, the optimizer step.
 
 Only the two functions that run the model are replaced while the schedule runs,
-`schedules.forward_step` and `schedules.backward_step`: each replays what the same step did to
+`schedules.forward_step` and `schedules.backward_step` (hooks/training.py): each replays what the same step did to
 memory in the traced micro-batch (metatrace.analysis.memory.StepProfile), with placeholder tensors:
 - forward: the output (handed on, then freed by the schedule), the activations the step keeps
   until its backward (one tensor of that size), and its temporaries (allocated and freed at the
@@ -367,36 +367,6 @@ def _marked(rec, model, forward_step_func):
     return step
 
 
-@contextlib.contextmanager
-def _marked_backward(rec):
-    """schedules.backward_step with each call marked as a backward Window (the real steps)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    saved = schedules.backward_step
-
-    def step(*args):
-        with rec.window("backward"):
-            return saved(*args)
-
-    schedules.backward_step = step
-    try:
-        yield
-    finally:
-        schedules.backward_step = saved
-
-
-@contextlib.contextmanager
-def _replaying(replay: _Replay):
-    from megatron.core.pipeline_parallel import schedules
-
-    saved = schedules.backward_step
-    schedules.backward_step = replay.backward_step
-    try:
-        yield
-    finally:
-        schedules.backward_step = saved
-
-
 def run_iteration(
     job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
     batches=None, deferred: Deferred | None = None, slots=(),
@@ -409,6 +379,7 @@ def run_iteration(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
+    from metatrace.hooks.training import marked_backward, replayed_backward
     from metatrace.tracing.steps import make_forward_step, reduce_losses, synthetic_batches
 
     tr = job.training
@@ -434,14 +405,14 @@ def run_iteration(
         )
         step_func = _marked(rec, model, make_forward_step(**shape))
         iterators = [(batches or (lambda: synthetic_batches(**shape)))() for _ in model]
-        context = _marked_backward(rec)
+        context = marked_backward(rec)
     else:
         replay = _Replay(
             rec=rec, model=model, profiles=profiles, shapes=shapes, device=device,
             deferred=deferred, slots=slots, microbatches=job.num_microbatches,
         )
         step_func, iterators = replay.forward_step_func, [None] * len(model)
-        context = _replaying(replay)
+        context = replayed_backward(replay.backward_step)
     with context:
         losses = get_forward_backward_func()(
             forward_step_func=step_func,

@@ -6,6 +6,8 @@ where only rank R exists and collectives complete without moving data (their buf
 allocated), but on real tensors. Then real training iterations run under megatron-core's own
 schedule (metatrace.tracing.iteration with `real_steps`) on random token ids; the tensors a rank would
 receive from its pipeline neighbours are the buffers P2PCommunicator allocates, left as they are.
+On the CPU the batch broadcast is made local and dropout allocates as CUDA's kernels do
+(hooks/training.py).
 
 Two instruments, both independent of metatrace's recorder:
 - the peak: on the CPU, the PyTorch profiler's allocation events (profile_memory=True), every
@@ -23,7 +25,6 @@ pipeline tensors hold whatever the allocator returned (memory does not depend on
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 from metatrace.errors import ConfigError
@@ -241,64 +242,6 @@ def counting_saved(probe: _Probe, existing: set[int]):
         yield saved
 
 
-@contextlib.contextmanager
-def _cuda_like_dropout():
-    """CPU kernels for dropout that allocate what the CUDA kernels do. ATen's CPU dropout
-    multiplies by the bool mask through TensorIterator, which first copies the mask to the
-    input's dtype (a second activation-sized buffer, [b, heads, s, s] for attention dropout),
-    and its backward keeps `grad * mask` alive while `* scale` allocates the result; the CUDA
-    kernels (fused_dropout, masked_scale) allocate only the output and the mask. Kernel
-    scratch is not what the prediction models, so the CPU run is made to allocate like the GPU:
-    output and mask, nothing else (the 0-dim zero is a 512-byte host scalar per call)."""
-    import torch
-
-    def native_dropout(input, p, train):
-        if train is False or p == 0:
-            return input.clone(), torch.ones_like(input, dtype=torch.bool)
-        mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p)
-        out = input.mul(1 / (1 - p)) if p < 1 else torch.zeros_like(input)
-        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
-        return out, mask
-
-    def native_dropout_backward(grad_output, mask, scale):
-        out = grad_output.mul(scale)
-        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
-        return out
-
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-        lib.impl("native_dropout", native_dropout, "CPU")
-        lib.impl("native_dropout_backward", native_dropout_backward, "CPU")
-    try:
-        yield
-    finally:
-        lib._destroy()
-
-
-@contextlib.contextmanager
-def _local_broadcasts():
-    """The batch broadcast (Megatron-LM's get_batch_on_this_tp_rank) moves nothing in the fake
-    world: a receiving TP rank would embed uninitialised token ids. Generate what it receives
-    locally instead: zeros (token ids, labels, positions, the mask), ones for float tensors (the
-    loss mask). Memory does not depend on the values."""
-    import torch.distributed as dist
-
-    original = dist.broadcast
-
-    def broadcast(tensor, *args, **kwargs):
-        work = original(tensor, *args, **kwargs)
-        if dist.get_rank() != (args[0] if args else kwargs.get("src")):
-            tensor.fill_(1 if tensor.is_floating_point() else 0)
-        return work
-
-    dist.broadcast = broadcast
-    try:
-        yield
-    finally:
-        dist.broadcast = original
-
-
 def _live_ptrs() -> set[int]:
     import gc
 
@@ -307,7 +250,7 @@ def _live_ptrs() -> set[int]:
     return {
         o.untyped_storage().data_ptr()
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.device.type != "meta"
+        if issubclass(type(o), torch.Tensor) and o.device.type != "meta"  # see trace._live_tensors
     }
 
 
@@ -334,9 +277,10 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     from metatrace.hooks.offload import reset_manager as reset_offload_manager
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.remap import remap_cuda
+    from metatrace.hooks.training import cuda_like_dropout, local_broadcasts
     from metatrace.tracing.iteration import run_iteration
     from metatrace.models.build import build_model_chunks, build_optimizer, transformer_config, wrap_ddp
-    from metatrace.models.te_linear import te_process
+    from metatrace.models.te_runtime import te_process
     from metatrace.tracing.trace import run_microbatch
     from metatrace.world import World
 
@@ -352,10 +296,10 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         if cuda
         else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     )
-    dropout = contextlib.nullcontext() if cuda else _cuda_like_dropout()
+    dropout = contextlib.nullcontext() if cuda else cuda_like_dropout()
     patches = megatron_patches(compiled=job.implementation.torch_compile)
     with profiler as prof, patches, remap, fake_world(world.layout, rank), \
-            te_process(te), _local_broadcasts(), dropout:
+            te_process(te), local_broadcasts(), dropout:
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
         with record_function(marker + "model"):  # parameters and DDP's buffers exist

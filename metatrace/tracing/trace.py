@@ -126,7 +126,7 @@ def trace_role(
     from metatrace.hooks.remap import cublas_workspaces, remap_cuda
     from metatrace.tracing.iteration import Unrecorded, run_iteration
     from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
-    from metatrace.models.te_linear import te_process
+    from metatrace.models.te_runtime import te_process
     from metatrace.models.build import (
         build_model_chunks,
         build_optimizer,
@@ -225,7 +225,9 @@ def _live_tensors(devices) -> list:
     return [
         o
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.device.type in devices
+        # type(), not isinstance(): isinstance reads __class__, which deprecated objects such
+        # as torch.distributed.reduce_op answer with a FutureWarning.
+        if issubclass(type(o), torch.Tensor) and o.device.type in devices
     ]
 
 

@@ -1,0 +1,185 @@
+"""The installed megatron-core, checked: its release, and metatrace's copies of its source.
+
+- Releases: MEGATRON_CORE is what metatrace was measured with; `check_megatron_core()` (on entry
+  to hooks/patches.py's `megatron_patches`) refuses any other installed release, and each patch
+  names the releases that need it (`Versions`).
+- Copies: where metatrace restates megatron-core code (a parser, a rank generator, a layer spec,
+  the math of a compiled kernel), a mark in the copy's docstring or comment names the original
+  and the hash of its source when the copy was made, one mark per original:
+
+      Restates megatron.core.<module>.<name> (source sha256: <first 12 hex digits>).
+
+  ("Copied from" in place of "Restates" for a copy; a mark may wrap between its words.) A mark
+  is plain text, so modules that import neither megatron-core nor hooks carry one too
+  (metatrace.config, metatrace.world). `copies()` finds the marks in metatrace's source,
+  `stale()` names each copy whose original changed since: a megatron-core upgrade that changes
+  copied code fails tests/tracing/test_patch_guard.py until the copy is reviewed and its mark
+  given the new hash (`source_hash`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from metatrace.errors import ConfigError
+
+
+# --- releases -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Versions:
+    """megatron-core releases, `since` to `until` inclusive. A bound of two numbers is a series:
+    (0, 16) is every 0.16.x. `until` None: `since` alone."""
+
+    since: tuple[int, ...]
+    until: tuple[int, ...] | None = None
+
+    def __contains__(self, release: tuple[int, ...]) -> bool:
+        until = self.since if self.until is None else self.until
+        return self.since <= release[: len(self.since)] and release[: len(until)] <= until
+
+    def __str__(self) -> str:
+        if self.until is None:
+            return _dotted(self.since)
+        return f"{_dotted(self.since)} to {_dotted(self.until)}"
+
+
+def _dotted(release: tuple[int, ...]) -> str:
+    """(0, 16, 1) -> "0.16.1", a series (0, 16) -> "0.16.x"."""
+    return ".".join(map(str, release)) + (".x" if len(release) < 3 else "")
+
+
+MEGATRON_CORE = Versions((0, 16, 1))
+"""The megatron-core releases metatrace was measured with and its patches checked against."""
+
+
+def parse_release(version: str) -> tuple[int, ...]:
+    """(0, 16, 1) from "0.16.1", also from "0.16.1rc0" or "0.16.1.dev0+g0abc" (a pre-release
+    counts as its release); at least three numbers ("0.16" is 0.16.0)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"not a release number: {version!r}")
+    numbers = tuple(int(n) for n in match.group().split("."))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+def installed_release() -> tuple[str, tuple[int, ...]]:
+    """The installed megatron-core's version string and release numbers."""
+    from megatron.core import package_info
+
+    return package_info.__version__, parse_release(package_info.__version__)
+
+
+def check_megatron_core() -> tuple[int, ...]:
+    """The installed megatron-core release; ConfigError when it is not one of MEGATRON_CORE."""
+    version, release = installed_release()
+    if release not in MEGATRON_CORE:
+        raise ConfigError(
+            f"megatron-core {version} is installed; metatrace supports megatron-core "
+            f"{MEGATRON_CORE}, the releases its patches of megatron-core were checked against"
+        )
+    return release
+
+
+class PatchError(RuntimeError):
+    """A patch's target is not in the installed megatron-core (renamed or removed): metatrace
+    needs updating for that release."""
+
+
+# --- copies ---------------------------------------------------------------------------------
+
+_GAP = r"\s+(?:#\s*)?"  # a mark may wrap, in a docstring or from comment line to comment line
+MARK = re.compile(
+    rf"(?:Restates|Copied{_GAP}from){_GAP}(megatron\.core(?:\.\w+)+){_GAP}"
+    rf"\(source{_GAP}sha256:{_GAP}([0-9a-f]{{12}})\)"
+)
+# The packages whose source may hold copies (models/ and hooks/ are installed under metatrace).
+PACKAGES = ("metatrace", "metatrace.models", "metatrace.hooks")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One mark: where it is and what it says."""
+
+    where: str
+    """file:line, the file relative to the directory metatrace/ is in (metatrace/world.py:81;
+    models/specs.py:56 in a checkout)."""
+    original: str
+    """Dotted name of the megatron-core object, e.g. megatron.core.parallel_state.RankGenerator."""
+    sha: str
+
+
+def source_hash(obj) -> str:
+    """First 12 hex digits of the sha256 of `obj`'s source (inspect.getsource, decorators
+    included), dedented and each line's trailing whitespace stripped: an indentation change of
+    the whole block does not count, any other change (comments and docstrings too) does."""
+    text = textwrap.dedent(inspect.getsource(obj))
+    text = "\n".join(line.rstrip() for line in text.splitlines())
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def resolve(dotted: str):
+    """The object a dotted name denotes: its longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no module of {dotted} imports")
+
+
+def _locations(package: str) -> list[Path]:
+    return [Path(p).resolve() for p in importlib.util.find_spec(package).submodule_search_locations]
+
+
+def _files() -> list[Path]:
+    """The .py files of PACKAGES, each once (installed, models/ and hooks/ lie in metatrace/)."""
+    seen: dict[Path, None] = {}
+    for package in PACKAGES:
+        for location in _locations(package):
+            for path in sorted(location.rglob("*.py")):
+                seen.setdefault(path.resolve())
+    return list(seen)
+
+
+def copies() -> list[Copy]:
+    """Every mark in the source of metatrace, metatrace.models and metatrace.hooks."""
+    base = _locations("metatrace")[0].parent
+    found = []
+    for path in _files():
+        where = path.relative_to(base) if path.is_relative_to(base) else path
+        text = path.read_text()
+        for m in MARK.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(Copy(f"{where}:{line}", m.group(1), m.group(2)))
+    return found
+
+
+def stale(marks: list[Copy] | None = None) -> list[str]:
+    """One line per copy whose original's source hash is not the one its mark records (or whose
+    original no longer exists), naming the copy, the original and both hashes."""
+    problems = []
+    for mark in copies() if marks is None else marks:
+        try:
+            now = source_hash(resolve(mark.original))
+        except (ImportError, AttributeError, OSError, TypeError) as e:
+            problems.append(f"{mark.where}: {mark.original} cannot be read ({e})")
+            continue
+        if now != mark.sha:
+            problems.append(
+                f"{mark.where}: {mark.original} changed (source sha256 {mark.sha} in the mark, "
+                f"{now} installed): review the copy, then record the new hash"
+            )
+    return problems

@@ -1,0 +1,107 @@
+"""Patches applied around a training iteration (metatrace.tracing.iteration, .measure).
+
+- megatron-core's `schedules.backward_step`, replaced by the replay's backward step or wrapped to
+  mark each real one; through hooks/patches.py's `patched`, so its target is checked as every
+  patch's is;
+- for `metatrace measure` on the CPU: the batch broadcast made local, and CPU dropout kernels
+  that allocate what the CUDA kernels do.
+
+Each restores what it replaced on exit, also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from metatrace.hooks.guards import Versions
+from metatrace.hooks.patches import Patch, patched
+
+
+def _backward_step(make) -> Patch:
+    return Patch(
+        "megatron.core.pipeline_parallel.schedules",
+        "backward_step",
+        make,
+        Versions((0, 12), (0, 16)),
+        "the schedules call the module's backward_step for each micro-batch's backward: the "
+        "replay stands in for it, or each real call is marked.",
+    )
+
+
+def replayed_backward(step):
+    """schedules.backward_step replaced by `step` (the replay's, same signature) while active."""
+    return patched((_backward_step(lambda orig: step),))
+
+
+def marked_backward(rec):
+    """schedules.backward_step with each call inside a backward Window of `rec` (the real
+    steps)."""
+
+    def make(_orig_backward_step):
+        def step(*args):
+            with rec.window("backward"):
+                return _orig_backward_step(*args)
+
+        return step
+
+    return patched((_backward_step(make),))
+
+
+@contextlib.contextmanager
+def local_broadcasts():
+    """The batch broadcast (Megatron-LM's get_batch_on_this_tp_rank) moves nothing in the fake
+    world: a receiving TP rank would embed uninitialised token ids. Generate what it receives
+    locally instead: zeros (token ids, labels, positions, the mask), ones for float tensors (the
+    loss mask). Memory does not depend on the values."""
+    import torch.distributed as dist
+
+    _orig_broadcast = dist.broadcast
+
+    def broadcast(tensor, *args, **kwargs):
+        work = _orig_broadcast(tensor, *args, **kwargs)
+        if dist.get_rank() != (args[0] if args else kwargs.get("src")):
+            tensor.fill_(1 if tensor.is_floating_point() else 0)
+        return work
+
+    dist.broadcast = broadcast
+    try:
+        yield
+    finally:
+        dist.broadcast = _orig_broadcast
+
+
+@contextlib.contextmanager
+def cuda_like_dropout():
+    """CPU kernels for dropout that allocate what the CUDA kernels do. ATen's CPU dropout
+    multiplies by the bool mask through TensorIterator, which first copies the mask to the
+    input's dtype (a second activation-sized buffer, [b, heads, s, s] for attention dropout),
+    and its backward keeps `grad * mask` alive while `* scale` allocates the result; the CUDA
+    kernels (fused_dropout, masked_scale) allocate only the output and the mask. Kernel
+    scratch is not what the prediction models, so the CPU run is made to allocate like the GPU:
+    output and mask, nothing else (the 0-dim zero is a 512-byte host scalar per call)."""
+
+    def native_dropout(input, p, train):
+        if train is False or p == 0:
+            return input.clone(), torch.ones_like(input, dtype=torch.bool)
+        mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p)
+        out = input.mul(1 / (1 - p)) if p < 1 else torch.zeros_like(input)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out, mask
+
+    def native_dropout_backward(grad_output, mask, scale):
+        out = grad_output.mul(scale)
+        torch.where(mask, out, torch.zeros((), dtype=out.dtype), out=out)
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("native_dropout", native_dropout, "CPU")
+        lib.impl("native_dropout_backward", native_dropout_backward, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()

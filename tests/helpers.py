@@ -1,0 +1,158 @@
+"""Helpers shared by both tiers (tests/unit, tests/tracing): paths, model sections and jobs
+(small, from Hugging Face configs), the command line in a subprocess, the report's schema, and
+checkers of traces (meta against real tensors) and of memory snapshots.
+
+Importing this module imports nothing of metatrace's: each helper imports what it needs when
+called, so the fast tier can use it without megatron-core.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+DEBUG = os.path.join(EXAMPLES, "debug.yaml")
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+DATA = os.path.join(ROOT, "tests", "data")
+HF = os.path.join(DATA, "hf")
+
+
+# Model sections on the debug preset (h 64, 4 heads, ffn 128). MLA: every dimension distinct, so
+# that a swapped one changes a count. MOE: 4 experts, top-2 routing.
+MLA = {
+    "multi_latent_attention": True, "num_query_groups": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+    "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "qk_layernorm": True,
+}
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96}
+
+# A Megatron-LM command line of a small GPT job (tp 2, pp 2, sequence parallel) on 8 GPUs.
+GPT_ARGS = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 "
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+    "--bf16 --use-distributed-optimizer --vocab-file vocab.json --merge-file merges.txt "
+    "--lr 1e-4 --train-iters 10 --no-gradient-accumulation-fusion"
+)
+
+
+def small_job(**sections):
+    """A resolved job on the debug preset with `sections` merged in (tests' building block)."""
+    from metatrace.config import job_from_dict
+
+    data = {
+        "model": {"preset": "debug"},
+        "training": {"seq_length": 64, "micro_batch_size": 2},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return job_from_dict(data)
+
+
+def hf_path(repo: str) -> str:
+    """tests/data/hf/<repo>/config.json: the published config.json of that Hugging Face repo."""
+    return os.path.join(HF, repo, "config.json")
+
+
+def hf_job(repo_or_path: str, model=None, training=None, **sections):
+    """A resolved job whose model section is a Hugging Face config (a repo under tests/data/hf,
+    or a path), with `model` overrides and the other sections merged in."""
+    from metatrace.config import job_from_dict
+
+    path = repo_or_path if os.sep in repo_or_path else hf_path(repo_or_path)
+    return job_from_dict({
+        "model": {"hf_config": path, **(model or {})},
+        "training": {"seq_length": 64, "micro_batch_size": 1, **(training or {})},
+        **sections,
+    })
+
+
+def metatrace(*args, cwd=None):
+    """`python -m metatrace *args` as a user runs it: the completed process, output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "metatrace", *args],
+        capture_output=True, text=True, cwd=cwd or ROOT, timeout=300,
+    )
+
+
+def write_job(tmp_path, text):
+    """Write `text` to tmp_path/job.yaml; returns its path."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def report_validator():
+    """A JSON Schema validator of the report schema shipped in the package."""
+    import json
+    from importlib import resources
+
+    import jsonschema
+
+    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def collective_rows(trace):
+    return [
+        [c.op, c.group, list(c.shape), c.dtype, c.bytes, c.phase, c.module]
+        for c in trace.collectives
+    ]
+
+
+def assert_meta_matches_real(job, world, role):
+    """`role` traced on meta and on real CPU tensors: the same tensors saved for backward, the
+    same collectives, the same activation bytes."""
+    from metatrace.analysis import aggregate as agg
+    from metatrace.tracing.trace import trace_role
+
+    meta = trace_role(job, world, role, device="meta", also_track=("cpu",)).trace
+    real = trace_role(job, world, role, device="cpu").trace
+    saved = lambda t: [(s.module, s.shape, s.dtype, s.bytes, s.phase, s.static) for s in t.saved]  # noqa: E731
+    assert saved(meta) == saved(real)
+    assert collective_rows(meta) == collective_rows(real)
+    assert agg.activation_bytes(meta) == agg.activation_bytes(real) > 0
+
+
+# ------------------------------------------------------------------------ memory snapshots
+
+
+def allocated_over_time(snap) -> list[int]:
+    """Bytes allocated after every entry of the device trace, recomputed from the entries."""
+    live, out = 0, []
+    for e in snap["device_traces"][0]:
+        if e["action"] == "alloc":
+            live += e["size"]
+        elif e["action"] == "free_completed":
+            live -= e["size"]
+        out.append(live)
+    return out
+
+
+def replay(snap) -> dict[int, tuple[int, list]]:
+    """Replay the trace as an allocator would, checking every step; the blocks left at the end."""
+    from metatrace.export.snapshot import BASE
+
+    entries = snap["device_traces"][0]
+    first = entries[0]
+    assert first["action"] == "segment_alloc" and first["addr"] == BASE
+    end = BASE + first["size"]
+    live: dict[int, tuple[int, list]] = {}
+    requested = None
+    for e in entries[1:]:
+        addr, size = e["addr"], e["size"]
+        if e["action"] == "alloc":
+            assert requested is None
+            assert BASE <= addr and addr + size <= end and size > 0 and addr % 512 == 0
+            assert all(addr + size <= a or a + s <= addr for a, (s, _) in live.items()), e
+            live[addr] = (size, e["frames"])
+        elif e["action"] == "free_requested":
+            assert requested is None and live[addr][0] == size, e
+            requested = addr
+        else:
+            assert e["action"] == "free_completed" and requested == addr, e
+            del live[addr]
+            requested = None
+    assert requested is None
+    return live

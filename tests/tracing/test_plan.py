@@ -1,0 +1,137 @@
+"""`metatrace plan` on a small case where every layout is traced: the layouts it recommends fit,
+and none it left out (by the memory bound, by dominance, or as slower) would have ranked
+first; megatron's bubble in the estimate and layouts that keep the model and the batch (each
+candidate job is checked by megatron-core)."""
+
+import dataclasses
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from metatrace.analysis.analyze import analyze
+from metatrace.planning import estimates as E
+from metatrace.planning import plan as P
+from metatrace.cli import main
+from metatrace.config import job_from_dict
+from metatrace.errors import ConfigError
+from metatrace.export.report import job_report
+from metatrace.tracing.trace import trace_job
+
+GPUS = 4
+# 102 MiB: 54 of the 93 valid layouts of this model fit (traced peaks 98.3 to 114.5 MiB, of
+# which two cuBLAS workspaces of 32 MiB and TE's of 32 MiB + 1 KiB are in every one).
+MEMORY_GIB = 0.1
+
+
+def _base():
+    return job_from_dict({
+        "model": {"preset": "debug", "num_layers": 4},
+        "training": {"seq_length": 256, "global_batch_size": 8},
+        "cluster": {"num_gpus": 1, "gpu_memory_gib": MEMORY_GIB, "reserved_overhead_gib": 0},
+    }, source="debug")
+
+
+def _trace(job):
+    return job_report(analyze(trace_job(job, full_model=False, workers=1)))
+
+
+@pytest.fixture(scope="module")
+def searched():
+    base = _base()
+    traced = {}
+
+    def trace(job):
+        report = _trace(job)
+        traced[job] = report
+        return report
+
+    result = P.plan(base, GPUS, trace=trace, top=2, budget=4)
+    return base, result
+
+
+def test_recommended_layouts_fit_and_rank_by_estimate(searched):
+    base, result = searched
+    ranked = result.ranked()
+    assert ranked and len(ranked) <= 2
+    assert all(t.fits and t.headroom >= 0 for t in ranked)
+    seconds = [t.estimate.seconds for t in ranked]
+    assert seconds == sorted(seconds)
+    # One layout per set of degrees.
+    assert len({P._family(t.candidate.layout) for t in ranked}) == len(ranked)
+    assert result.layouts == result.invalid + result.pruned_memory + len(result.traced) + len(
+        result.dominated) + result.represented + result.untraced
+
+
+def test_nothing_left_out_would_have_ranked_first(searched):
+    base, result = searched
+    best = result.ranked()[0]
+    capacity = round(MEMORY_GIB * 2**30)
+    traced = {t.candidate.layout for t in result.traced}
+    checked = fit_elsewhere = 0
+    for layout in P.layouts(base, GPUS):
+        try:
+            job = P.job_of(base, layout)
+        except ConfigError:
+            continue
+        if layout in traced:
+            continue
+        report = _trace(job)
+        peak = report["memory_verdict"]["highest_peak_bytes"]
+        checked += 1
+        # The memory bound is a bound.
+        assert E.memory_lower_bound(job) <= peak, layout
+        if peak > capacity:
+            continue
+        fit_elsewhere += 1
+        cand = P.Candidate(layout, job, 0, 0, E.estimate(job))
+        assert P._traced(cand, report).estimate.seconds >= best.estimate.seconds, layout
+    assert checked > 10 and fit_elsewhere > 0
+
+
+def test_bound_below_every_traced_peak(searched):
+    _, result = searched
+    for t in result.traced:
+        assert t.candidate.lower_bound <= t.peak
+
+
+def test_closed_form_static_memory_is_exact_for_a_plain_layout():
+    """Without padding effects (one stage, tp 1), parameters + fp32 gradients + fp32 main
+    parameters and two Adam moments: 18 bytes per parameter."""
+    base = _base()
+    job = P.job_of(base, P.Layout(1, 1, None, 1, 1, 1, False, 1, "none", False))
+    params = json.loads(json.dumps(_trace(job)))["model"]["total_params"]
+    assert E.static_bytes(job) == 18 * params
+
+
+def test_cli_plan_prints_and_writes_json(tmp_path):
+    out = io.StringIO()
+    path = tmp_path / "plan.json"
+    code = main(["plan", "--model", "debug", "--num-gpus", "2", "--seq", "128",
+                 "--global-batch", "4", "--max-traces", "2", "--top", "1", "--quiet",
+                 "--json", str(path)], Console(file=out, width=120, color_system=None))
+    assert code == 0
+    data = json.loads(path.read_text())
+    assert len(data["best"]) == 1 and data["best"][0]["fits"]
+    assert data["best"][0]["description"] in out.getvalue()
+
+
+def test_bubble_is_megatrons_closed_form():
+    base = _base()
+    job = P.job_of(base, P.Layout(1, 2, None, 1, 1, 2, False, 1, "none", False))
+    m = job.num_microbatches
+    assert E.estimate(job).bubble == pytest.approx(1 / (m + 1))
+    job = P.job_of(base, P.Layout(1, 2, 2, 1, 1, 2, False, 1, "none", False))
+    assert E.estimate(job).bubble == pytest.approx(1 / (2 * m + 1))
+
+
+def test_layout_keeps_model_and_batch():
+    base = _base()
+    job = P.job_of(base, P.Layout(2, 2, None, 1, 1, 1, True, 2, "full", False))
+    assert job.model == base.model
+    assert (job.parallel.tp, job.parallel.pp, job.training.micro_batch_size) == (2, 2, 2)
+    assert job.training.recompute.granularity == "full"
+    assert dataclasses.replace(job.training, micro_batch_size=1, recompute=base.training.recompute,
+                               distributed_optimizer=False, overlap_grad_reduce=False,
+                               overlap_param_gather=False) == base.training

@@ -1,0 +1,206 @@
+"""Loading, presets, derived values and the checks that run before any model is built."""
+
+import pytest
+
+from metatrace.config import job_from_dict, load_job
+from metatrace.errors import ConfigError
+from metatrace.config.presets import PRESETS
+
+from tests.helpers import small_job
+
+
+def problems(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        job_from_dict(data)
+    return str(info.value)
+
+
+def test_every_preset_resolves_with_its_own_keys():
+    for name in PRESETS:
+        job = job_from_dict({"model": {"preset": name}, "training": {"seq_length": 128}})
+        assert job.model.preset == name
+
+
+def test_explicit_keys_override_the_preset():
+    job = small_job(model={"num_layers": 5, "hidden_size": 128})
+    assert (job.model.num_layers, job.model.hidden_size) == (5, 128)
+    assert job.model.ffn_hidden_size == PRESETS["debug"].dims["ffn_hidden_size"]
+
+
+def test_megatron_lm_derivations():
+    # SwiGLU ffn: floor(8h/3 / 64) * 64 -> 10880 for h = 4096 (Megatron-LM, not Llama's 11008).
+    job = job_from_dict(
+        {
+            "model": {"num_layers": 2, "hidden_size": 4096, "num_attention_heads": 32,
+                      "vocab_size": 50257, "activation": "swiglu"},
+            "parallel": {"tp": 4, "pp": 2},
+            "training": {"seq_length": 2048, "micro_batch_size": 2, "global_batch_size": 64},
+            "cluster": {"num_gpus": 32},
+        }
+    )
+    assert job.model.ffn_hidden_size == 10880
+    assert job.model.kv_channels == 128
+    assert job.model.num_query_groups == 32  # multi-head unless given
+    assert job.padded_vocab_size == 50688  # ceil(50257 / (128 * 4)) * 512
+    assert job.parallel.dp == 4  # 32 / (4 * 2 * 1)
+    assert job.num_microbatches == 8  # 64 / (2 * 4)
+    assert job.model.max_position_embeddings == 2048
+    assert job.model.position_embedding_type == "learned_absolute"
+
+
+def test_num_gpus_defaults_to_the_product_of_degrees():
+    job = small_job(parallel={"tp": 2, "pp": 2, "dp": 3})
+    assert job.cluster.num_gpus == 12
+    assert job.training.global_batch_size == 2 * 3
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_a_note():
+    job = small_job(parallel={"sequence_parallel": True})
+    assert job.parallel.sequence_parallel is False
+    assert any("sequence_parallel" in n for n in job.notes)
+
+
+def test_unknown_key_names_full_path_and_suggests():
+    msg = problems({"model": {"preset": "debug", "hiden_size": 3}, "training": {"seq_length": 8}})
+    assert "unknown key 'model.hiden_size'" in msg and "model.hidden_size" in msg
+    msg = problems({"model": {"preset": "debug", "tp": 2}, "training": {"seq_length": 8}})
+    assert "unknown key 'model.tp'" in msg and "'parallel.tp'" in msg
+    msg = problems({"training": {"seq_length": 8, "recompute": {"granularty": "full"}}})
+    assert "unknown key 'training.recompute.granularty'" in msg and "granularity" in msg
+    assert "unknown key 'paralel'" in problems({"paralel": {}})
+
+
+def test_types_are_checked():
+    assert "'parallel.tp' must be a whole number" in problems(
+        {"model": {"preset": "debug"}, "parallel": {"tp": "2"}, "training": {"seq_length": 8}}
+    )
+    assert "'parallel.sequence_parallel' must be true or false" in problems(
+        {"model": {"preset": "debug"}, "parallel": {"sequence_parallel": 1},
+         "training": {"seq_length": 8}}
+    )
+    assert "one of bf16, fp16, fp32, fp8" in problems(
+        {"model": {"preset": "debug"}, "training": {"seq_length": 8, "precision": "bf61"}}
+    )
+
+
+def test_degrees_that_do_not_multiply_out_print_every_factor():
+    msg = problems(
+        {"model": {"preset": "debug"}, "parallel": {"tp": 2, "pp": 2, "dp": 3},
+         "training": {"seq_length": 64}, "cluster": {"num_gpus": 16}}
+    )
+    assert "tp x pp x cp x dp = 2 x 2 x 1 x 3 = 12, but cluster.num_gpus = 16" in msg
+    msg = problems(
+        {"model": {"preset": "debug"}, "parallel": {"tp": 2, "cp": 3},
+         "training": {"seq_length": 64}, "cluster": {"num_gpus": 16}}
+    )
+    assert "cluster.num_gpus = 16 is not divisible by tp x pp x cp = 2 x 1 x 3 = 6" in msg
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"parallel": {"tp": 8}}, "num_attention_heads = 4 is not divisible by parallel.tp = 8"),
+        ({"parallel": {"tp": 4}}, "num_query_groups = 2 is not divisible by parallel.tp = 4"),
+        ({"model": {"num_query_groups": 3}}, "num_attention_heads = 4 is not divisible by model.num_query_groups = 3"),
+        ({"model": {"num_layers": 3}, "parallel": {"pp": 2}}, "model.num_layers = 3 is not divisible by parallel.pp = 2"),
+        ({"model": {"num_layers": 4}, "parallel": {"pp": 2, "vpp": 3}, "training": {"global_batch_size": 12}},
+         "layers per pipeline rank are not divisible by parallel.vpp = 3"),
+        ({"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 2}, "training": {"global_batch_size": 3}},
+         "to be a multiple of parallel.microbatch_group_size = 2, or to leave at least parallel.pp = 2 over"),
+        ({"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 2, "microbatch_group_size": 4},
+          "training": {"global_batch_size": 3}},
+         "parallel.microbatch_group_size = 4, which must be at least parallel.pp = 2 and at most the number of micro-batches, 3"),
+        ({"parallel": {"cp": 2}, "training": {"seq_length": 66}}, "not divisible by 2 x parallel.cp = 4"),
+        ({"parallel": {"dp": 2}, "training": {"global_batch_size": 5}},
+         "global_batch_size = 5 is not a multiple of micro_batch_size x dp = 1 x 2 = 2"),
+        ({"parallel": {"tp": 2, "sequence_parallel": True}, "training": {"seq_length": 63}},
+         "which does not divide it"),
+        ({"model": {"position_embedding_type": "learned_absolute", "max_position_embeddings": 32}},
+         "max_position_embeddings = 32 is smaller than training.seq_length = 64"),
+        ({"parallel": {"ep": 2}}, "needs a mixture-of-experts model (model.num_experts)"),
+        ({"implementation": {"transformer_impl": "local", "attention_backend": "flash"}},
+         "local spec has only its own unfused attention"),
+        ({"implementation": {"attention_backend": "local"}}, "Transformer Engine then refuses to run"),
+        ({"parallel": {"cp": 2}, "implementation": {"transformer_impl": "local"}},
+         "megatron-core's local attention refuses context parallelism"),
+        ({"parallel": {"cp": 2}, "implementation": {"attention_backend": "unfused"}},
+         "unfused has no context-parallel path"),
+        ({"parallel": {"cp": 4, "cp_comm_type": "a2a"}},
+         "key/value heads per TP rank (2) must both be divisible by it"),
+        ({"parallel": {"cp": 4, "cp_comm_type": "a2a+p2p", "hierarchical_cp_sizes": [2, 3]}},
+         "whose product is parallel.cp = 4"),
+        ({"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 1]}}, "applies to parallel.cp_comm_type a2a+p2p only"),
+        ({"training": {"precision": "fp8"}, "cluster": {"gpu": "a100"}}, "a100 has none"),
+        ({"training": {"precision": "fp8", "fp8_recipe": "mxfp8"}}, "mxfp8 needs a Blackwell GPU"),
+        ({"training": {"precision": "fp8", "fp8_param_gather": True}}, "fp8_param_gather needs training.distributed_optimizer"),
+        ({"training": {"fp8_recipe": "delayed"}}, "applies with training.precision: fp8 only"),
+        ({"training": {"precision": "fp8"}, "implementation": {"transformer_impl": "local"}},
+         "fp8 needs implementation.transformer_impl: transformer_engine"),
+        ({"training": {"recompute": {"granularity": "full"}}}, "full recompute needs"),
+        ({"training": {"recompute": {"granularity": "selective", "modules": ["attn"]}}}, "unknown module 'attn'"),
+        ({"training": {"overlap_param_gather": True}}, "needs training.distributed_optimizer"),
+        ({"training": {"num_distributed_optimizer_instances": 2}, "cluster": {"num_gpus": 2}},
+         "num_distributed_optimizer_instances > 1 needs training.distributed_optimizer"),
+        ({"training": {"distributed_optimizer": True, "num_distributed_optimizer_instances": 2},
+          "cluster": {"num_gpus": 3}}, "dp x cp = 3 x 1 = 3 is not divisible by"),
+        ({"model": {"num_experts": 4}, "parallel": {"ep": 2},
+          "training": {"distributed_optimizer": True, "num_distributed_optimizer_instances": 4},
+          "cluster": {"num_gpus": 4}},
+         "expert dp = num_gpus / (etp x ep x pp) = 2 is not divisible by"),
+        ({"parallel": {"pp": 4, "first_stage_layers": 1, "last_stage_layers": 2},
+          "model": {"num_layers": 6}}, "3 middle layers do not split evenly over 2 middle"),
+        ({"parallel": {"pp": 2, "layout": "Et|tL"}, "model": {"num_layers": 3}},
+         "parallel.layout places 2 decoder layers, but model.num_layers = 3"),
+        ({"parallel": {"rank_order": "tp-pp-dp"}}, "must order each of tp, cp, ep, dp, pp"),
+        ({"cluster": {"gpu": "h1000"}}, "did you mean 'h100'?"),
+        ({"model": {"preset": "llama2-7"}}, "did you mean 'llama2-7b'?"),
+    ],
+)
+def test_rules_megatron_enforces(sections, expected):
+    data = {"model": {"preset": "debug"}, "training": {"seq_length": 64, "micro_batch_size": 1}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    assert expected in problems(data)
+
+
+def test_several_problems_are_reported_together():
+    with pytest.raises(ConfigError) as info:
+        small_job(parallel={"tp": 8, "pp": 3})
+    assert len(info.value.problems) >= 2
+
+
+def test_load_job_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_job(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_job(scalar)
+
+
+def test_uniform_recompute_groups_must_divide_every_chunk():
+    # 6 layers on pp 2 with the embedding and loss counted: chunks of 3 and 3... here 2 and 3.
+    msg = problems(
+        {"model": {"preset": "debug", "num_layers": 5},
+         "parallel": {"pp": 2, "account_for_embedding": True},
+         "training": {"seq_length": 64,
+                      "recompute": {"granularity": "full", "method": "uniform", "num_layers": 3}}}
+    )
+    assert "groups of training.recompute.num_layers = 3 layers" in msg and "(2 on some)" in msg
+
+
+def test_chunk_layer_counts_follow_megatron_core():
+    from metatrace.config.checks import chunk_layer_counts
+
+    assert chunk_layer_counts(small_job(model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2},
+                                        training={"global_batch_size": 4})) == [2, 2, 2, 2]
+    assert chunk_layer_counts(small_job(model={"num_layers": 6}, parallel={
+        "pp": 4, "account_for_embedding": True, "account_for_loss": True})) == [1, 2, 2, 1]
+    assert chunk_layer_counts(small_job(model={"num_layers": 7}, parallel={
+        "pp": 3, "first_stage_layers": 1, "last_stage_layers": 2})) == [1, 4, 2]
+    assert chunk_layer_counts(small_job(model={"num_layers": 3}, parallel={
+        "pp": 2, "layout": "Et|t|t|L"}, training={"global_batch_size": 4})) == [1, 1, 1, 0]

@@ -1,0 +1,45 @@
+"""The compute-time model without a trace: transfers in the pipeline simulation, the compute rate
+and its checks, a refused Chrome trace path (traced jobs are in tests/tracing/test_timing.py)."""
+
+import pytest
+
+from metatrace.cli import main
+from metatrace.errors import ConfigError
+from metatrace.analysis.timing import compute_seconds, peak_flops, simulate
+
+from tests.helpers import DEBUG, small_job
+
+
+def test_transfers_delay_the_receiver_by_their_time():
+    # Two stages, one micro-batch: F0, F1, B1, B0 in a chain, each waiting for the transfer.
+    orders = [[("forward", 0, 0), ("backward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
+    sim = simulate(orders, lambda s, phase, c: 1.0 if phase == "forward" else 2.0, pp=2,
+                   p2p=lambda s, phase: 0.25)
+    assert [(start, end) for start, end, *_ in sim[1]] == [(1.25, 2.25), (2.25, 4.25)]
+    assert [(start, end) for start, end, *_ in sim[0]] == [(0.0, 1.0), (4.5, 6.5)]
+
+
+def test_compute_rate_follows_the_gpu_the_precision_and_the_efficiency():
+    h100 = small_job(cluster={"gpu": "h100", "compute_efficiency": 0.25})
+    a100 = small_job(cluster={"gpu": "a100"})
+    assert peak_flops(h100) == (989e12, 2 * 989e12)  # FP8 at twice the bf16 rate on Hopper
+    assert peak_flops(a100) == (312e12, 312e12)  # no FP8 tensor cores on Ampere
+    # 1 TFLOP of bf16 and 1 TFLOP of FP8 at a quarter of the H100's peak.
+    seconds = compute_seconds(2 * 10**12, 10**12, peak_flops(h100), 0.25)
+    assert seconds == pytest.approx((1 / 989 + 1 / 1978) * 4)
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5])
+def test_compute_efficiency_outside_0_1_is_refused(value):
+    with pytest.raises(ConfigError, match=r"cluster\.compute_efficiency"):
+        small_job(cluster={"compute_efficiency": value})
+
+
+def test_cli_refuses_a_bad_chrome_trace_path_before_tracing(tmp_path, capsys, monkeypatch):
+    import metatrace.tracing.trace
+
+    monkeypatch.setattr(metatrace.tracing.trace, "trace_job", lambda *a, **k: pytest.fail("traced"))
+    missing = tmp_path / "nowhere" / "trace.json"
+    assert main(["run", "--config", DEBUG,
+                 "--chrome-trace", str(missing)]) == 2
+    assert "--chrome-trace" in capsys.readouterr().err
