@@ -26,7 +26,10 @@ def _parser() -> argparse.ArgumentParser:
 
     def megatron_options(group):
         group.add_argument(
-            "--world-size", type=int, metavar="N", help="GPUs of the run (with Megatron-LM arguments)"
+            "--world-size",
+            type=int,
+            metavar="N",
+            help="GPUs of the run (with Megatron-LM arguments)",
         )
         group.add_argument(
             "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
@@ -65,9 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.set_defaults(depth=None)
         p.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
-        p.add_argument(
-            "--quiet", "-q", action="store_true", help="no progress messages on stderr"
-        )
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
 
     run = sub.add_parser("run", help="trace every rank role and print the report")
     common(run)
@@ -97,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
         help="find the largest micro-batch size that fits (the global batch stays)",
     )
     run.add_argument(
-        "--jobs", type=int, metavar="N", help="processes tracing roles in parallel (default: CPUs, at most 4)"
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="processes tracing roles in parallel (default: CPUs, at most 4)",
     )
     run.add_argument(
         "--fail-on-oom",
@@ -114,9 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--jobs", type=int, metavar="N", help="as for run")
     comm.set_defaults(func=cmd_comm)
 
-    groups = sub.add_parser(
-        "groups", help="print the rank groups megatron-core forms (no tracing)"
-    )
+    groups = sub.add_parser("groups", help="print the rank groups megatron-core forms (no tracing)")
     common(groups, tree=False)
     which = groups.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, metavar="R", help="only the groups of global rank R")
@@ -157,9 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("--jobs", type=int, metavar="N", help="as for run")
     diff.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
-    diff.add_argument(
-        "--quiet", "-q", action="store_true", help="no progress messages on stderr"
-    )
+    diff.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
     diff.set_defaults(func=cmd_diff, depth=None)
 
     plan = sub.add_parser(
@@ -169,21 +169,31 @@ def _parser() -> argparse.ArgumentParser:
         "bounds, trace the promising ones and rank those that fit.",
     )
     what = plan.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", metavar="NAME", help="a preset (e.g. llama2-70b) or a Hugging "
-                      "Face config.json")
-    what.add_argument("--config", metavar="FILE", help="a job file: its model, training and "
-                      "cluster settings (its parallel layout is replaced)")
+    what.add_argument(
+        "--model", metavar="NAME", help="a preset (e.g. llama2-70b) or a Hugging Face config.json"
+    )
+    what.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a job file: its model, training and "
+        "cluster settings (its parallel layout is replaced)",
+    )
     plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs of the cluster")
     plan.add_argument("--gpu", metavar="NAME", help="GPU model (default h100)")
     plan.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="memory per GPU")
     plan.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
-    plan.add_argument("--reserved-overhead-gib", type=float, metavar="GIB",
-                      help="memory a GPU needs beside the allocator's (default 4)")
+    plan.add_argument(
+        "--reserved-overhead-gib",
+        type=float,
+        metavar="GIB",
+        help="memory a GPU needs beside the allocator's (default 4)",
+    )
     plan.add_argument("--seq", type=int, metavar="S", help="sequence length")
     plan.add_argument("--global-batch", type=int, metavar="B", help="samples per iteration")
     plan.add_argument("--top", type=int, default=3, metavar="K", help="layouts shown (default 3)")
-    plan.add_argument("--max-traces", type=int, default=16, metavar="N",
-                      help="most layouts traced (default 16)")
+    plan.add_argument(
+        "--max-traces", type=int, default=16, metavar="N", help="most layouts traced (default 16)"
+    )
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     plan.add_argument("--jobs", type=int, metavar="N", help="as for run")
     plan.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
@@ -327,9 +337,9 @@ def cmd_run(args, console=None) -> int:
         )
         analysis = search.analysis
     else:
-        analysis = analyze(trace_job(
-            job, full_model=not args.no_full_model, progress=progress, workers=args.jobs
-        ))
+        analysis = analyze(
+            trace_job(job, full_model=not args.no_full_model, progress=progress, workers=args.jobs)
+        )
     render_run(analysis, console, depth=args.depth, expand=args.expand)
     if search is not None:
         render_search(job, search, console)
@@ -386,9 +396,9 @@ def cmd_comm(args, console=None) -> int:
 
 
 def cmd_groups(args, console=None) -> int:
+    from metatrace.render.comm import build_groups
     from metatrace.render.format import section
     from metatrace.render.run import build_summary
-    from metatrace.render.comm import build_groups
     from metatrace.world import World
 
     _check_depth(args)
@@ -400,9 +410,12 @@ def cmd_groups(args, console=None) -> int:
     console.print(section("Configuration"))
     console.print(build_summary(job, world))
     whose = f" of rank {args.rank} ({world.gpu(args.rank)})" if args.rank is not None else ""
-    console.print(section(
-        f"Rank groups{whose}, as megatron-core forms them (rank order {job.parallel.rank_order}; "
-        f"GPU n{{node}}_g{{gpu}}, {world.gpus_per_node} GPUs per node)"))
+    console.print(
+        section(
+            f"Rank groups{whose}, as megatron-core forms them (rank order {job.parallel.rank_order}; "
+            f"GPU n{{node}}_g{{gpu}}, {world.gpus_per_node} GPUs per node)"
+        )
+    )
     console.print(build_groups(world, rank=args.rank, limit=None if args.all else 16))
     return 0
 
@@ -431,7 +444,13 @@ def cmd_tree(args, console=None) -> int:
 
 
 def cmd_measure(args, console=None) -> int:
-    from metatrace.tracing.measure import build_comparison, check_fits, check_request, measure_rank, predict
+    from metatrace.tracing.measure import (
+        build_comparison,
+        check_fits,
+        check_request,
+        measure_rank,
+        predict,
+    )
 
     job = _load_job(args)
     if args.iterations < 1:
@@ -471,8 +490,9 @@ def _side_report(side: str, args, progress) -> dict:
     elif side.lstrip().startswith("--"):
         given["megatron_args"] = side
     else:
-        raise ConfigError(f"{side}: no such file (a side is a job file, a JSON report, "
-                          "or Megatron-LM arguments)")
+        raise ConfigError(
+            f"{side}: no such file (a side is a job file, a JSON report, or Megatron-LM arguments)"
+        )
     side_args = argparse.Namespace(**vars(args))
     vars(side_args).update(given)
     if given["config"]:
@@ -480,7 +500,9 @@ def _side_report(side: str, args, progress) -> dict:
     job = _load_job(side_args)
     if progress:
         progress(f"tracing {side}")
-    return job_report(analyze(trace_job(job, full_model=False, progress=progress, workers=args.jobs)))
+    return job_report(
+        analyze(trace_job(job, full_model=False, progress=progress, workers=args.jobs))
+    )
 
 
 def _megatron_file(path: str) -> bool:
@@ -500,8 +522,8 @@ def _megatron_file(path: str) -> bool:
 
 def cmd_diff(args, console=None) -> int:
     from metatrace.analysis.diff import diff_reports
-    from metatrace.render.diff import render_diff
     from metatrace.export.report import write_json
+    from metatrace.render.diff import render_diff
 
     _check_depth(args)
     _check_jobs(args)
@@ -524,14 +546,29 @@ def _plan_base(args):
     from metatrace.planning.plan import base_job
 
     if args.model:
-        missing = [f for f, v in (("--num-gpus", args.num_gpus), ("--seq", args.seq),
-                                  ("--global-batch", args.global_batch)) if v is None]
+        missing = [
+            f
+            for f, v in (
+                ("--num-gpus", args.num_gpus),
+                ("--seq", args.seq),
+                ("--global-batch", args.global_batch),
+            )
+            if v is None
+        ]
         if missing:
             raise ConfigError(f"plan --model needs {', '.join(missing)}")
-    cluster = {key: getattr(args, key) for key in
-               ("gpu", "gpus_per_node", "gpu_memory_gib", "reserved_overhead_gib")}
-    return base_job(model=args.model, config=args.config, seq=args.seq,
-                    global_batch=args.global_batch, num_gpus=args.num_gpus, cluster=cluster)
+    cluster = {
+        key: getattr(args, key)
+        for key in ("gpu", "gpus_per_node", "gpu_memory_gib", "reserved_overhead_gib")
+    }
+    return base_job(
+        model=args.model,
+        config=args.config,
+        seq=args.seq,
+        global_batch=args.global_batch,
+        num_gpus=args.num_gpus,
+        cluster=cluster,
+    )
 
 
 def cmd_plan(args, console=None) -> int:
@@ -559,9 +596,14 @@ def cmd_plan(args, console=None) -> int:
             if bar:
                 bar.update(task, completed=done, description=text)
 
-        result = plan(job, num_gpus, top=args.top, budget=args.max_traces, progress=progress,
-                      trace=lambda j: job_report(
-                          analyze(trace_job(j, full_model=False, workers=args.jobs))))
+        result = plan(
+            job,
+            num_gpus,
+            top=args.top,
+            budget=args.max_traces,
+            progress=progress,
+            trace=lambda j: job_report(analyze(trace_job(j, full_model=False, workers=args.jobs))),
+        )
         if bar:
             bar.update(task, completed=args.max_traces, description="done")
     render_plan(job, num_gpus, result, console, top=args.top)
@@ -578,8 +620,14 @@ def _progress_bar(args):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def main(argv=None, console=None) -> int:

@@ -83,7 +83,10 @@ def third_party_cases(path):
             row = json.loads(line)
             spec = THIRD_PARTY.get(row["id"])
             if spec is None:
-                yield {"name": row["id"], "skip": THIRD_PARTY_SKIPPED.get(row["id"], "no complete configuration")}
+                yield {
+                    "name": row["id"],
+                    "skip": THIRD_PARTY_SKIPPED.get(row["id"], "no complete configuration"),
+                }
                 continue
             for rank, measured in spec["measured"].items():
                 yield {
@@ -101,8 +104,8 @@ def third_party_cases(path):
 
 def predict(case):
     """(predicted peak bytes, RoleMemory) or raises NotModelled / ConfigError."""
-    from metatrace.config.megatron.args import job_from_args, not_modelled, split_args
     from metatrace.analysis.memory import role_memory
+    from metatrace.config.megatron.args import job_from_args, not_modelled, split_args
     from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
@@ -132,13 +135,20 @@ def newly_covered(cases, predicted: dict, skipped: dict) -> list[str]:
 
     lines = []
     for flag in NEWLY_COVERED:
-        using = [c["name"][:72] for c in cases if isinstance(c.get("args"), dict)
-                 and c["args"].get(flag) not in (None, False)]
-        shown = [f"{n} {predicted[n]}" if n in predicted
-                 else f"{n} (not modelled: {skipped[n][:90]}...)" for n in using]
-        lines.append(f"  {flag}: {len(using)} cases" + (": " + "; ".join(shown[:4]) if shown
-                                                        else "")
-                     + (f"; ... {len(shown) - 4} more" if len(shown) > 4 else ""))
+        using = [
+            c["name"][:72]
+            for c in cases
+            if isinstance(c.get("args"), dict) and c["args"].get(flag) not in (None, False)
+        ]
+        shown = [
+            f"{n} {predicted[n]}" if n in predicted else f"{n} (not modelled: {skipped[n][:90]}...)"
+            for n in using
+        ]
+        lines.append(
+            f"  {flag}: {len(using)} cases"
+            + (": " + "; ".join(shown[:4]) if shown else "")
+            + (f"; ... {len(shown) - 4} more" if len(shown) > 4 else "")
+        )
     return lines
 
 
@@ -191,10 +201,14 @@ def main(argv=None) -> int:
                 f"at {m.peak_at.phase} µb {m.peak_at.microbatch} {m.peak_at.module}"
             )
     if inconsistent:
-        print("\nleft out of the figures below, the configuration as stated cannot be what was measured:")
+        print(
+            "\nleft out of the figures below, the configuration as stated cannot be what was measured:"
+        )
         for name, static in inconsistent:
-            print(f"  {name}: parameters, gradients and optimizer state alone need "
-                  f"{static / MiB:.0f} MiB")
+            print(
+                f"  {name}: parameters, gradients and optimizer state alone need "
+                f"{static / MiB:.0f} MiB"
+            )
     if skipped:
         print("\nnot modelled:")
         for name, reason in skipped:

@@ -41,16 +41,19 @@ def main(argv=None) -> int:
     for f in flags:
         by_version[f.versions][f.cls] += 1
     versions = ("both", "core_v0.16.1", "HEAD", "older")
-    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10} "
-          f"{'older':>6}")
+    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10} {'older':>6}")
     for cls in (*CLASSES, None):
-        row = [sum(c.values()) if cls is None else c[cls]
-               for c in (by_class, *(by_version[v] for v in versions))]
+        row = [
+            sum(c.values()) if cls is None else c[cls]
+            for c in (by_class, *(by_version[v] for v in versions))
+        ]
         print(f"{cls or 'total':14} {row[0]:5} {row[1]:6} {row[2]:12} {row[3]:10} {row[4]:6}")
 
     directions = Counter(f.direction for f in flags if f.cls == "not_modelled")
-    print("\nnot modelled, by how they could move the peak: "
-          + ", ".join(f"{d} {n}" for d, n in directions.most_common()))
+    print(
+        "\nnot modelled, by how they could move the peak: "
+        + ", ".join(f"{d} {n}" for d, n in directions.most_common())
+    )
     features = Counter((f.reason, f.direction) for f in flags if f.cls == "not_modelled")
     print(f"{len(features)} features not modelled:")
     for (feature, direction), n in sorted(features.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -59,13 +62,19 @@ def main(argv=None) -> int:
     print(f"\nno effect, {len(reasons)} reasons:")
     for reason, n in reasons.most_common():
         print(f"  {n:3} {reason}")
-    print(f"\nvalues of modelled flags not modelled: "
-          + ", ".join(f"{flag} {'/'.join(map(str, vals))}"
-                      for flag, (vals, _, _) in mf.UNMODELLED_VALUES.items()))
-    print(f"environment: {len(mf.ENV_MODELLED)} read or checked, {len(mf.ENV_NOT_MODELLED)} "
-          f"known not modelled ({', '.join(mf.ENV_NOT_MODELLED)}), {len(mf.ENV_NO_EFFECT)} names "
-          f"and {len(mf.ENV_NO_EFFECT_PREFIXES)} prefixes with no effect; any other is accepted "
-          "and named in a note")
+    print(
+        "\nvalues of modelled flags not modelled: "
+        + ", ".join(
+            f"{flag} {'/'.join(map(str, vals))}"
+            for flag, (vals, _, _) in mf.UNMODELLED_VALUES.items()
+        )
+    )
+    print(
+        f"environment: {len(mf.ENV_MODELLED)} read or checked, {len(mf.ENV_NOT_MODELLED)} "
+        f"known not modelled ({', '.join(mf.ENV_NOT_MODELLED)}), {len(mf.ENV_NO_EFFECT)} names "
+        f"and {len(mf.ENV_NO_EFFECT_PREFIXES)} prefixes with no effect; any other is accepted "
+        "and named in a note"
+    )
     return 0
 
 

@@ -25,9 +25,16 @@ import time
 import warnings
 
 BASE = {
-    "--num-layers": 4, "--hidden-size": 256, "--num-attention-heads": 8, "--seq-length": 512,
-    "--max-position-embeddings": 512, "--micro-batch-size": 2, "--global-batch-size": 8,
-    "--bf16": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": 4000,
+    "--num-layers": 4,
+    "--hidden-size": 256,
+    "--num-attention-heads": 8,
+    "--seq-length": 512,
+    "--max-position-embeddings": 512,
+    "--micro-batch-size": 2,
+    "--global-batch-size": 8,
+    "--bf16": True,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": 4000,
     "--transformer-impl": "local",
 }
 TE = {"--transformer-impl": "transformer_engine"}
@@ -37,8 +44,15 @@ CASES = {
     "tp2 (one rank)": ({"--tensor-model-parallel-size": 2}, 2, False),
     "tp2 sp": ({"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, 2, False),
     "pp2 last stage": ({"--pipeline-model-parallel-size": 2}, 2, False),
-    "full recompute": ({"--recompute-granularity": "full", "--recompute-method": "uniform",
-                        "--recompute-num-layers": 1}, 1, False),
+    "full recompute": (
+        {
+            "--recompute-granularity": "full",
+            "--recompute-method": "uniform",
+            "--recompute-num-layers": 1,
+        },
+        1,
+        False,
+    ),
     "selective recompute": ({"--recompute-granularity": "selective"}, 1, False),
     "dist-opt dp2": ({"--use-distributed-optimizer": True}, 2, False),
     "te fused attention": ({**TE, "--attention-backend": "fused"}, 1, True),
@@ -55,8 +69,8 @@ def _tokens(args: dict) -> list[str]:
 
 
 def run_case(name: str, extra: dict, world: int, device: str, gpu: str) -> dict:
-    from metatrace.tracing.measure import measure_rank, predict
     from metatrace.config.megatron.args import job_from_args
+    from metatrace.tracing.measure import measure_rank, predict
 
     args = {**BASE, **extra}
     job, _ = job_from_args(_tokens(args), world_size=world, gpu=gpu, source=name)
@@ -78,7 +92,8 @@ def run_case(name: str, extra: dict, world: int, device: str, gpu: str) -> dict:
         "notes": (
             "metatrace measure on real CPU tensors, the last rank; peaks in 512-byte blocks, "
             f"without the {predicted.cuda_only:,} bytes of cuBLAS workspaces a GPU allocates"
-            if cpu else "metatrace measure on the GPU: torch.cuda.max_memory_allocated(), the "
+            if cpu
+            else "metatrace measure on the GPU: torch.cuda.max_memory_allocated(), the "
             "last rank, iterations 2 and 3"
         ),
     }
@@ -109,14 +124,24 @@ def main() -> int:
         row = run_case(name, extra, world, opts.device, opts.gpu)
         rows.append(row)
         p, m = row["predicted_peak_bytes"], row["measured_peak_bytes"]
-        same = row["predicted_saved_bytes_per_microbatch"] == row["measured_saved_bytes_per_microbatch"]
-        print(f"{name:<22} {p:>12,} {m:>12,} {(p - m) / m:>+8.2%}   "
-              f"{row['predicted_saved_bytes_per_microbatch']:,} {'=' if same else '!='} "
-              f"{row['measured_saved_bytes_per_microbatch']:,}  ({time.perf_counter() - start:.1f} s)")
+        same = (
+            row["predicted_saved_bytes_per_microbatch"]
+            == row["measured_saved_bytes_per_microbatch"]
+        )
+        print(
+            f"{name:<22} {p:>12,} {m:>12,} {(p - m) / m:>+8.2%}   "
+            f"{row['predicted_saved_bytes_per_microbatch']:,} {'=' if same else '!='} "
+            f"{row['measured_saved_bytes_per_microbatch']:,}  ({time.perf_counter() - start:.1f} s)"
+        )
     if rows:
-        errors = sorted(abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"] for r in rows)
-        print(f"{len(rows)} cases: largest peak error {errors[-1]:.2%}, "
-              f"saved activations equal in {sum(r['predicted_saved_bytes_per_microbatch'] == r['measured_saved_bytes_per_microbatch'] for r in rows)}")
+        errors = sorted(
+            abs(r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"]
+            for r in rows
+        )
+        print(
+            f"{len(rows)} cases: largest peak error {errors[-1]:.2%}, "
+            f"saved activations equal in {sum(r['predicted_saved_bytes_per_microbatch'] == r['measured_saved_bytes_per_microbatch'] for r in rows)}"
+        )
     if opts.out:
         with open(opts.out, "w") as f:
             for row in rows:

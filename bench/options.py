@@ -27,48 +27,86 @@ BASE = (
     "--merge-file m"
 )
 FP8 = " --fp8-format hybrid --fp8-recipe delayed"
-MOE = (" --num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --sequence-parallel "
-       "--disable-bias-linear --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2")
+MOE = (
+    " --num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --sequence-parallel "
+    "--disable-bias-linear --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2"
+)
 DISTOPT = " --use-distributed-optimizer"
 
 # Megatron-LM options modelled since issue 14 (bench/calibration.py lists the cases using them).
 NEWLY_COVERED = (
-    "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--defer-embedding-wgrad-compute",
-    "--wgrad-deferral-limit", "--num-distributed-optimizer-instances", "--moe-permute-fusion",
-    "--moe-router-fusion", "--use-transformer-engine-op-fuser",
-    "--fine-grained-activation-offloading", "--offload-modules", "--min-offloaded-tensor-size",
-    "--fp8-amax-history-len", "--ddp-pad-buckets-for-high-nccl-busbw", "--deterministic-mode",
+    "--cross-entropy-loss-fusion",
+    "--cross-entropy-fusion-impl",
+    "--defer-embedding-wgrad-compute",
+    "--wgrad-deferral-limit",
+    "--num-distributed-optimizer-instances",
+    "--moe-permute-fusion",
+    "--moe-router-fusion",
+    "--use-transformer-engine-op-fuser",
+    "--fine-grained-activation-offloading",
+    "--offload-modules",
+    "--min-offloaded-tensor-size",
+    "--fp8-amax-history-len",
+    "--ddp-pad-buckets-for-high-nccl-busbw",
+    "--deterministic-mode",
 )
 
 # (name, base extra, option extra, gpu)
 CASES = (
     ("fused cross entropy (native, compiled)", "", " --cross-entropy-loss-fusion", "h100"),
-    ("fused cross entropy (Transformer Engine)", "",
-     " --cross-entropy-loss-fusion --cross-entropy-fusion-impl te", "h100"),
-    ("deferred embedding wgrad (all micro-batches)", "", " --defer-embedding-wgrad-compute",
-     "h100"),
-    ("deferred embedding wgrad (limit 2)", "",
-     " --defer-embedding-wgrad-compute --wgrad-deferral-limit 2", "h100"),
-    ("2 distributed-optimizer instances", DISTOPT, " --num-distributed-optimizer-instances 2",
-     "h100"),
+    (
+        "fused cross entropy (Transformer Engine)",
+        "",
+        " --cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
+        "h100",
+    ),
+    (
+        "deferred embedding wgrad (all micro-batches)",
+        "",
+        " --defer-embedding-wgrad-compute",
+        "h100",
+    ),
+    (
+        "deferred embedding wgrad (limit 2)",
+        "",
+        " --defer-embedding-wgrad-compute --wgrad-deferral-limit 2",
+        "h100",
+    ),
+    (
+        "2 distributed-optimizer instances",
+        DISTOPT,
+        " --num-distributed-optimizer-instances 2",
+        "h100",
+    ),
     ("padded DDP buckets", DISTOPT, " --ddp-pad-buckets-for-high-nccl-busbw", "h100"),
-    ("TE op fuser, bf16", " --swiglu --disable-bias-linear",
-     " --use-transformer-engine-op-fuser", "h100"),
-    ("TE op fuser, FP8 delayed", " --swiglu --disable-bias-linear" + FP8,
-     " --use-transformer-engine-op-fuser", "h100"),
+    (
+        "TE op fuser, bf16",
+        " --swiglu --disable-bias-linear",
+        " --use-transformer-engine-op-fuser",
+        "h100",
+    ),
+    (
+        "TE op fuser, FP8 delayed",
+        " --swiglu --disable-bias-linear" + FP8,
+        " --use-transformer-engine-op-fuser",
+        "h100",
+    ),
     ("FP8 amax history 1024", FP8, " --fp8-amax-history-len 1024", "h100"),
-    ("activation offloading (core_attn, attn_proj)", "",
-     " --fine-grained-activation-offloading --offload-modules core_attn attn_proj", "h100"),
-    ("MoE permutation and router fusion", MOE, " --moe-permute-fusion --moe-router-fusion",
-     "h100"),
+    (
+        "activation offloading (core_attn, attn_proj)",
+        "",
+        " --fine-grained-activation-offloading --offload-modules core_attn attn_proj",
+        "h100",
+    ),
+    ("MoE permutation and router fusion", MOE, " --moe-permute-fusion --moe-router-fusion", "h100"),
     ("deterministic mode on A100 (flash attention)", "", " --deterministic-mode", "a100"),
 )
 
 
-@functools.lru_cache(maxsize=None)  # the base runs repeat between cases
+@functools.cache  # the base runs repeat between cases
 def run(args: str, gpu: str):
-    from metatrace.config.megatron.args import job_from_args, split_args
     from metatrace.analysis.memory import role_memory, role_offload
+    from metatrace.config.megatron.args import job_from_args, split_args
     from metatrace.tracing.trace import trace_job
 
     job, _ = job_from_args(split_args(args), world_size=8, gpu=gpu)
@@ -90,14 +128,18 @@ def main(argv=None) -> int:
         print(f"{name}: {option.strip()}")
         for (rt, a, _), (_, b, off) in zip(before, after):
             change = 100 * (b.peak - a.peak) / a.peak
-            print(f"  stage {rt.role.pp_stage}: {a.peak / MiB:8.1f} -> {b.peak / MiB:8.1f} MiB "
-                  f"({change:+.2f} %), peak at {b.peak_at.phase} {b.peak_at.module or '(step)'}"
-                  f"; optimizer {a.optimizer / MiB:.1f} -> {b.optimizer / MiB:.1f}, "
-                  f"grads {a.grads / MiB:.1f} -> {b.grads / MiB:.1f} MiB")
+            print(
+                f"  stage {rt.role.pp_stage}: {a.peak / MiB:8.1f} -> {b.peak / MiB:8.1f} MiB "
+                f"({change:+.2f} %), peak at {b.peak_at.phase} {b.peak_at.module or '(step)'}"
+                f"; optimizer {a.optimizer / MiB:.1f} -> {b.optimizer / MiB:.1f}, "
+                f"grads {a.grads / MiB:.1f} -> {b.grads / MiB:.1f} MiB"
+            )
             if off is not None:
-                print(f"           PCIe {off.d2h_per_microbatch / MiB:.1f} MiB each way "
-                      f"per micro-batch, {off.d2h_per_iteration / MiB:.1f} per iteration; "
-                      f"pinned host {off.pinned_host / MiB:.1f} MiB")
+                print(
+                    f"           PCIe {off.d2h_per_microbatch / MiB:.1f} MiB each way "
+                    f"per micro-batch, {off.d2h_per_iteration / MiB:.1f} per iteration; "
+                    f"pinned host {off.pinned_host / MiB:.1f} MiB"
+                )
     return 0
 
 

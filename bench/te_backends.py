@@ -57,22 +57,37 @@ def main():
     print()
     print("bytes kept for backward by one middle layer, per micro-batch (llama2-7b, tp 2, sp)")
     print(f"  {'backend':28s} {'MiB':>9s}   core_attention  linear_qkv  linear_fc1  rest")
-    cases = [(f"{b}, mbs {m}", {"micro_batch_size": m}) for m in (1, 2)
-             for b in ("fused", "flash", "unfused")]
-    cases += [(f"fused, fp8 {r}", {"precision": "fp8", "fp8_recipe": r})
-              for r in ("delayed", "tensorwise", "blockwise")]
+    cases = [
+        (f"{b}, mbs {m}", {"micro_batch_size": m})
+        for m in (1, 2)
+        for b in ("fused", "flash", "unfused")
+    ]
+    cases += [
+        (f"fused, fp8 {r}", {"precision": "fp8", "fp8_recipe": r})
+        for r in ("delayed", "tensorwise", "blockwise")
+    ]
     for name, training in cases:
         backend = name.split(",")[0]
         _, jt = timed(job(implementation={"attention_backend": backend}, training=training), runs=1)
         total, row = layer_bytes(jt)
-        sub = {r.fqn.rsplit(".", 2)[-2] + "." + r.name: r.activation_bytes_total for r in agg.walk([row])}
+        sub = {
+            r.fqn.rsplit(".", 2)[-2] + "." + r.name: r.activation_bytes_total
+            for r in agg.walk([row])
+        }
         core = sub.get("self_attention.core_attention", 0)
         qkv = sub.get("self_attention.linear_qkv", 0)
         fc1 = sub.get("mlp.linear_fc1", 0)
-        mlp_rest = row.activation_bytes_total - core - qkv - fc1 - sum(
-            r.activation_bytes for r in agg.walk([row]) if r.fqn.endswith("self_attention"))
-        print(f"  {name:28s} {total / MiB:9.1f}   {core / MiB:14.1f}  {qkv / MiB:10.1f}  "
-              f"{fc1 / MiB:10.1f}  {mlp_rest / MiB:7.1f}")
+        mlp_rest = (
+            row.activation_bytes_total
+            - core
+            - qkv
+            - fc1
+            - sum(r.activation_bytes for r in agg.walk([row]) if r.fqn.endswith("self_attention"))
+        )
+        print(
+            f"  {name:28s} {total / MiB:9.1f}   {core / MiB:14.1f}  {qkv / MiB:10.1f}  "
+            f"{fc1 / MiB:10.1f}  {mlp_rest / MiB:7.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [
     ("llama2-70b tp8 pp4, 32 GPUs", os.path.join(ROOT, "examples", "llama2-70b-tp8-pp4.yaml"), []),
-    ("llama2-70b tp8 pp4 dp2, 64 GPUs", os.path.join(ROOT, "examples", "llama2-70b-64gpu.yaml"), []),
+    (
+        "llama2-70b tp8 pp4 dp2, 64 GPUs",
+        os.path.join(ROOT, "examples", "llama2-70b-64gpu.yaml"),
+        [],
+    ),
     (
         "llama3.1-405b tp8 pp16 vpp8 cp2, 16,384 GPUs",
         os.path.join(ROOT, "examples", "llama3.1-405b-16k.yaml"),
@@ -45,7 +49,9 @@ def timed(args):
 
 def main():
     env_python = sys.executable
-    imports = [timed([env_python, "-W", "ignore", "-c", "import megatron.core"]) for _ in range(RUNS)]
+    imports = [
+        timed([env_python, "-W", "ignore", "-c", "import megatron.core"]) for _ in range(RUNS)
+    ]
     base = statistics.median(imports)
     print(f"python -c 'import megatron.core': {base:.2f} s (median of {RUNS})")
     for name, config, extra in CASES:
@@ -53,8 +59,10 @@ def main():
         cmd = [env_python, "-m", "metatrace", "run", "--config", config, "--json", out, *extra]
         run = statistics.median(timed(cmd) for _ in range(RUNS))
         target = " (target <= 3)" if config == CASES[0][1] else ""
-        print(f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f}"
-              + target)
+        print(
+            f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f}"
+            + target
+        )
         if config == CASES[0][1]:
             first = out
     rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -95,7 +95,7 @@ def message_tensors(spec: CollectiveSpec, args, outputs) -> list[torch.Tensor]:
     return flat
 
 
-def resolve_group(handle) -> "dist.ProcessGroup | None":
+def resolve_group(handle) -> dist.ProcessGroup | None:
     """The ProcessGroup behind a dispatched argument (a script object or a group name)."""
     if isinstance(handle, str):
         try:

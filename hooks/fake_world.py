@@ -9,6 +9,7 @@ On exit it destroys both, so the next rank can be simulated in the same process.
 from __future__ import annotations
 
 import contextlib
+
 import torch.distributed as dist
 
 from metatrace.world import Layout
@@ -47,13 +48,18 @@ def _group_getters():
         # num_distributed_optimizer_instances > 1 (with one instance the first three are
         # dp_cp, edp and none, the last the whole world):
         # DDP's reduce-scatter and parameter all-gather of dense and expert buckets,
-        ("intra_dp_cp", lambda: ps.get_data_parallel_group(
-            with_context_parallel=True, partial_data_parallel=True)),
-        ("intra_edp", lambda: ps.get_expert_data_parallel_group(
-            partial_expert_data_parallel=True)),
+        (
+            "intra_dp_cp",
+            lambda: ps.get_data_parallel_group(
+                with_context_parallel=True, partial_data_parallel=True
+            ),
+        ),
+        ("intra_edp", lambda: ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
         # the all-reduce of each shard across the instances (dense and expert buckets alike),
-        ("inter_dist_opt", lambda: ps.get_inter_distributed_optimizer_instance_group(
-            check_initialized=False)),
+        (
+            "inter_dist_opt",
+            lambda: ps.get_inter_distributed_optimizer_instance_group(check_initialized=False),
+        ),
         # and every GPU of an instance: the optimizer's gradient-norm statistics.
         ("dist_opt", lambda: ps.get_intra_distributed_optimizer_instance_group()),
         ("world", lambda: dist.group.WORLD),

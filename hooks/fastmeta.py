@@ -16,8 +16,17 @@ from __future__ import annotations
 
 import torch
 
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-            torch.memory_format)
+_SCALARS = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 _MISS = object()
 
 

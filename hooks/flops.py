@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 class FlopCount:
     """A running count: all FLOPs, and of them those of FP8 GEMMs."""
 
-    __slots__ = ("total", "fp8")
+    __slots__ = ("fp8", "total")
 
     def __init__(self):
         self.total = 0
@@ -80,8 +80,18 @@ def gemm(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
-def attention(b: int, heads: int, q_len: int, kv_len: int, head_dim: int, v_dim: int,
-              kv_heads: int | None = None, *, causal: bool, backward: bool) -> int:
+def attention(
+    b: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    v_dim: int,
+    kv_heads: int | None = None,
+    *,
+    causal: bool,
+    backward: bool,
+) -> int:
     """FLOPs of a flash / cuDNN fused attention kernel: flop_counter's formulas for
     _scaled_dot_product_flash_attention (forward: Q K^T and P V; backward: the scores again,
     dV, dP, dQ, dK, 2.5 times the forward), halved under a causal mask, whose fully masked tiles

@@ -30,7 +30,6 @@ from pathlib import Path
 
 from metatrace.errors import ConfigError
 
-
 # --- releases -------------------------------------------------------------------------------
 
 

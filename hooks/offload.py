@@ -43,7 +43,7 @@ class HostCopy:
     dtype: torch.dtype
 
 
-_LOGS: list["OffloadLog"] = []
+_LOGS: list[OffloadLog] = []
 
 
 class OffloadLog:
@@ -56,7 +56,7 @@ class OffloadLog:
         self.reloads: set[int] = set()
         self.groups: tuple[tuple[str, ...], ...] = ()
 
-    def __enter__(self) -> "OffloadLog":
+    def __enter__(self) -> OffloadLog:
         _LOGS.append(self)
         return self
 

@@ -21,8 +21,9 @@ import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -181,7 +182,10 @@ PATCHES += (
     ),
 )
 for _module, _names in (
-    ("megatron.core.optimizer.clip_grads", ("multi_tensor_applier", "l2_norm_impl", "multi_tensor_scale_impl")),
+    (
+        "megatron.core.optimizer.clip_grads",
+        ("multi_tensor_applier", "l2_norm_impl", "multi_tensor_scale_impl"),
+    ),
     ("megatron.core.optimizer.optimizer", ("multi_tensor_applier", "multi_tensor_scale_impl")),
 ):
     for _name in _names:
@@ -191,13 +195,17 @@ for _module, _names in (
                 _name,
                 _standin(
                     "metatrace.models.te_optim",
-                    {"l2_norm_impl": "multi_tensor_l2norm", "multi_tensor_scale_impl": "multi_tensor_scale"}.get(_name, _name),
+                    {
+                        "l2_norm_impl": "multi_tensor_l2norm",
+                        "multi_tensor_scale_impl": "multi_tensor_scale",
+                    }.get(_name, _name),
                 ),
                 Versions((0, 12), (0, 16)),
                 "bound at import to TE's (or Apex's) multi-tensor kernels; the local fallback "
                 "copies every gradient (src * scale) and reads norms back to the host.",
             ),
         )
+
 
 def _wgrad_extension(orig):
     from metatrace.models.standins import FusedWeightGradient
@@ -241,6 +249,7 @@ PATCHES += (
         "selects get_dummy_wgrad above; whether the run has TE is the stand-in's to say.",
     ),
 )
+
 
 def _member_groups_only(orig):
     """megatron-core creates every group of every rank (each rank must call new_group for all
@@ -309,7 +318,10 @@ for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transforme
             "without Transformer Engine it returns a null context, so FP8 would never start.",
         ),
     )
-for _module in ("megatron.core.transformer.transformer_block", "megatron.core.extensions.transformer_engine"):
+for _module in (
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.extensions.transformer_engine",
+):
     PATCHES += (
         Patch(
             _module,
@@ -321,26 +333,46 @@ for _module in ("megatron.core.transformer.transformer_block", "megatron.core.ex
     )
 
 
-
 # Mixture of experts (metatrace.models.moe): token counts per expert come from the routing
 # assumption where megatron-core reads them from the device.
 def _counted_permute(orig):
-    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
-                drop_and_pad=False):
+    def permute(
+        tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False
+    ):
         count = int(num_out_tokens) if num_out_tokens is not None else routing_map.size(0)
         with meta_kernels.selecting(count):
-            return orig(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
-                        fused=fused, drop_and_pad=drop_and_pad)
+            return orig(
+                tokens,
+                routing_map,
+                probs=probs,
+                num_out_tokens=num_out_tokens,
+                fused=fused,
+                drop_and_pad=drop_and_pad,
+            )
 
     return permute
 
 
 def _counted_unpermute(orig):
-    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
-                  fused=False, drop_and_pad=False):
+    def unpermute(
+        permuted_tokens,
+        sorted_indices,
+        restore_shape,
+        probs=None,
+        routing_map=None,
+        fused=False,
+        drop_and_pad=False,
+    ):
         with meta_kernels.selecting(sorted_indices.size(0)):
-            return orig(permuted_tokens, sorted_indices, restore_shape, probs=probs,
-                        routing_map=routing_map, fused=fused, drop_and_pad=drop_and_pad)
+            return orig(
+                permuted_tokens,
+                sorted_indices,
+                restore_shape,
+                probs=probs,
+                routing_map=routing_map,
+                fused=fused,
+                drop_and_pad=drop_and_pad,
+            )
 
     return unpermute
 
@@ -369,7 +401,9 @@ def _allgather_dispatch_postprocess(orig):
         tokens_per_expert = _moe().allgather_local_counts(self, hidden_states.shape[0])
         total = int(tokens_per_expert.sum())
         permuted, _, self.reversed_local_input_permutation_mapping = td.permute(
-            hidden_states, self.local_map, num_out_tokens=total,
+            hidden_states,
+            self.local_map,
+            num_out_tokens=total,
             fused=self.config.moe_permute_fusion,
         )
         with meta_kernels.selecting(total):
@@ -468,9 +502,13 @@ PATCHES += (
 # metatrace.models.te_moe): moe_utils binds them from TE at import, and only when TE imports
 # (no attribute at all without it), and checks HAVE_TE before calling them.
 _TE_MOE = (
-    "fused_permute", "fused_permute_with_probs", "fused_unpermute",
-    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-    "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_unpermute",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_compute_score_for_moe_aux_loss",
     "fused_moe_aux_loss",
 )
 PATCHES += tuple(
@@ -504,47 +542,66 @@ PATCHES += tuple(
 COMPILED_PATCHES: tuple[Patch, ...] = ()
 for _module, _name, _standin_name, _why in (
     (
-        "megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
+        "megatron.core.fusions.fused_cross_entropy",
+        "calculate_gradients",
         "fused_ce_calculate_gradients",
         "compiled, the functional index_put on the saved softmax lowers to clone + scatter: an fp32 "
         "[s, b, V/t] copy lives with the bf16 gradient (+4*s*b*V/t bytes over eager).",
     ),
     (
-        "megatron.core.fusions.fused_bias_gelu", "bias_gelu", "bias_gelu",
+        "megatron.core.fusions.fused_bias_gelu",
+        "bias_gelu",
+        "bias_gelu",
         "compiled, one kernel writes the output; eager allocates 4 more output-sized temporaries.",
     ),
     (
-        "megatron.core.fusions.fused_bias_gelu", "bias_gelu_back", "bias_gelu_back",
+        "megatron.core.fusions.fused_bias_gelu",
+        "bias_gelu_back",
+        "bias_gelu_back",
         "compiled, one kernel writes the input gradient; eager allocates 5 more output-sized "
         "temporaries.",
     ),
     (
-        "megatron.core.fusions.fused_bias_swiglu", "swiglu", "swiglu",
+        "megatron.core.fusions.fused_bias_swiglu",
+        "swiglu",
+        "swiglu",
         "compiled, one kernel writes the output; eager allocates silu(y1) too.",
     ),
     (
-        "megatron.core.fusions.fused_bias_swiglu", "bias_swiglu", "bias_swiglu",
+        "megatron.core.fusions.fused_bias_swiglu",
+        "bias_swiglu",
+        "bias_swiglu",
         "compiled, one kernel writes the output; eager allocates y + bias and silu(y1) too.",
     ),
     (
-        "megatron.core.fusions.fused_bias_swiglu", "swiglu_back", "swiglu_back",
+        "megatron.core.fusions.fused_bias_swiglu",
+        "swiglu_back",
+        "swiglu_back",
         "compiled, one kernel writes the input gradient; eager allocates every factor and both "
         "halves before the cat.",
     ),
     (
-        "megatron.core.fusions.fused_bias_swiglu", "bias_swiglu_back", "bias_swiglu_back",
+        "megatron.core.fusions.fused_bias_swiglu",
+        "bias_swiglu_back",
+        "bias_swiglu_back",
         "compiled, one kernel writes the input gradient; eager allocates y + bias and the factors.",
     ),
     (
-        "megatron.core.fusions.fused_bias_dropout", "bias_dropout_add_fused_train",
+        "megatron.core.fusions.fused_bias_dropout",
+        "bias_dropout_add_fused_train",
         "bias_dropout_add_fused_train",
         "compiled, forward allocates the output and the bool mask only (eager: x + bias and the "
         "dropout output too); the same mask is saved.",
     ),
 ):
     COMPILED_PATCHES += (
-        Patch(_module, _name, _standin("metatrace.models.compiled", _standin_name),
-              Versions((0, 13), (0, 16)), _why),
+        Patch(
+            _module,
+            _name,
+            _standin("metatrace.models.compiled", _standin_name),
+            Versions((0, 13), (0, 16)),
+            _why,
+        ),
     )
 
 
@@ -593,8 +650,12 @@ PATCHES += (
         "output by kv_channels. Accept both; the output is v_channels per head.",
     ),
 )
-for _name in ("rotary_fwd_q_kernel", "rotary_bwd_q_kernel", "rotary_fwd_kv_kernel",
-              "rotary_bwd_kv_kernel"):
+for _name in (
+    "rotary_fwd_q_kernel",
+    "rotary_bwd_q_kernel",
+    "rotary_fwd_kv_kernel",
+    "rotary_bwd_kv_kernel",
+):
     PATCHES += (
         Patch(
             "megatron.core.fusions.fused_mla_yarn_rope_apply",
@@ -794,7 +855,10 @@ def _extension_modules():
     _orig_modules = {}
     # megatron.core.utils.drain_embedding_wgrad_compute (--defer-embedding-wgrad-compute)
     # imports Apex's extension by name at call time.
-    modules = {**FusedSoftmaxKernels.modules(), "fused_weight_gradient_mlp_cuda": FusedWeightGradient.module()}
+    modules = {
+        **FusedSoftmaxKernels.modules(),
+        "fused_weight_gradient_mlp_cuda": FusedWeightGradient.module(),
+    }
     try:
         for name, module in modules.items():
             _orig_modules[name] = sys.modules.get(name)

@@ -22,8 +22,8 @@ caching allocator's tracked tensors and are not modelled.
 
 from __future__ import annotations
 
-import weakref
 import contextlib
+import weakref
 from collections import Counter
 from functools import partial
 
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from metatrace.hooks import flops as _flops
 from metatrace.hooks.collectives import (
     COLLECTIVE_NAMESPACES,
     COLLECTIVES,
@@ -41,7 +42,6 @@ from metatrace.hooks.collectives import (
     op_key,
     resolve_group,
 )
-from metatrace.hooks import flops as _flops
 from metatrace.hooks.fastmeta import MetaMemo
 from metatrace.records import (
     STEP,
@@ -171,7 +171,7 @@ class _Storages:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, recorder: "Recorder"):
+    def __init__(self, recorder: Recorder):
         super().__init__()
         self.rec = recorder
 
@@ -183,7 +183,7 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _DataSwaps(TorchFunctionMode):
-    def __init__(self, recorder: "Recorder"):
+    def __init__(self, recorder: Recorder):
         super().__init__()
         self.rec = recorder
 
@@ -286,7 +286,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ install / remove
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         params = [t for root in self.chunks.values() for t in (*root.parameters(), *root.buffers())]
         for part, tensors in {"params": params, **self._static_tensors}.items():
             before = self._live
@@ -384,12 +384,22 @@ class Recorder:
         finally:
             self._window_flops.pop()
             sids = {
-                key: self.storages.see(info[key]) if isinstance(info.get(key), torch.Tensor) else None
+                key: self.storages.see(info[key])
+                if isinstance(info.get(key), torch.Tensor)
+                else None
                 for key in ("output", "held")
             }
             self._windows.append(
-                Window(phase, chunk, microbatch, first, self._seq, **sids,
-                       flops=count.total - total, fp8_flops=count.fp8 - fp8)
+                Window(
+                    phase,
+                    chunk,
+                    microbatch,
+                    first,
+                    self._seq,
+                    **sids,
+                    flops=count.total - total,
+                    fp8_flops=count.fp8 - fp8,
+                )
             )
 
     @contextlib.contextmanager
@@ -559,7 +569,7 @@ class _StorageResizes:
     CheckpointWithoutOutput (selective recompute of layernorm, moe_act, mla_up_proj) frees its
     outputs with `untyped_storage().resize_(0)` and regrows them in backward. Seen here."""
 
-    def __init__(self, recorder: "Recorder"):
+    def __init__(self, recorder: Recorder):
         self.storages = recorder.storages
         self._orig = None
 
@@ -586,7 +596,13 @@ _BASE_SAVED_TENSORS = torch._C._FunctionBase.__dict__["saved_tensors"]
 
 
 def _saved_key(t: torch.Tensor):
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (
+        t.untyped_storage()._cdata,
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
 
 
 class _SavedIdentity:

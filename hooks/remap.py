@@ -231,8 +231,18 @@ def unknown_values(device: str | torch.device = "meta"):
 # ATen operators that run on PyTorch's cuBLAS (or cuBLASLt) handle on a GPU.
 _CUBLAS_OPS = frozenset(
     {
-        "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
-        "_addmm_activation", "_scaled_mm", "_int_mm",
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_scaled_mm",
+        "_int_mm",
     }
 )
 

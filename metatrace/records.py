@@ -20,8 +20,17 @@ Phase = Literal["forward", "backward", "recompute", "grad sync", "optimizer", "d
 """Where an event happened (see the module docstring)."""
 
 OpKind = Literal[
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
-    "scatter", "send", "recv", "barrier",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
 ]
 """A collective's normalised kind (hooks/collectives.py maps the dispatched operators to it)."""
 

@@ -9,11 +9,10 @@ GPUs are named `n{node}_g{gpu}`, ranks filling nodes in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
 import itertools
+from dataclasses import dataclass
 from functools import cached_property
-
 
 # Group name -> (grid, token for RankGenerator.get_ranks).
 GROUP_TOKENS = {
@@ -139,7 +138,7 @@ class World:
         self.expert_dp = self.size // ((layout.etp or layout.tp) * layout.ep * layout.pp)
 
     @classmethod
-    def from_job(cls, job) -> "World":
+    def from_job(cls, job) -> World:
         par = job.parallel
         layout = Layout(
             world_size=job.cluster.num_gpus,
@@ -158,12 +157,13 @@ class World:
         return cls(layout, job.cluster.gpus_per_node)
 
     @cached_property
-    def _grids(self) -> dict[str, "_Grid"]:
+    def _grids(self) -> dict[str, _Grid]:
         lay = self.layout
         return {
             "dense": _Grid(dict(tp=lay.tp, ep=1, dp=self.dp, pp=lay.pp, cp=lay.cp), lay.order),
-            "expert": _Grid(dict(tp=lay.etp or lay.tp, ep=lay.ep, dp=self.expert_dp, pp=lay.pp,
-                                 cp=1), lay.order),
+            "expert": _Grid(
+                dict(tp=lay.etp or lay.tp, ep=lay.ep, dp=self.expert_dp, pp=lay.pp, cp=1), lay.order
+            ),
         }
 
     def groups(self, name: str) -> list[list[int]]:
@@ -180,8 +180,11 @@ class World:
         return GROUP_KINDS + (INSTANCE_KINDS if self.instances > 1 else ())
 
     def knows(self, name: str) -> bool:
-        return (name in GROUP_TOKENS or name in ("embedding", "position_embedding")
-                or (name in INSTANCE_KINDS and self.instances > 1))
+        return (
+            name in GROUP_TOKENS
+            or name in ("embedding", "position_embedding")
+            or (name in INSTANCE_KINDS and self.instances > 1)
+        )
 
     @_per_world
     def _groups(self, name: str) -> tuple[tuple[int, ...], ...]:
@@ -204,16 +207,21 @@ class World:
         tp-ep-pp groups of the expert grid."""
         n = self.instances
         if name == "intra_dp_cp":
-            return tuple(g[i * (len(g) // n):(i + 1) * (len(g) // n)]
-                         for g in self._groups("dp_cp") for i in range(n))
+            return tuple(
+                g[i * (len(g) // n) : (i + 1) * (len(g) // n)]
+                for g in self._groups("dp_cp")
+                for i in range(n)
+            )
         k = self.expert_dp // n
         if name == "intra_edp":
-            return tuple(g[i * k:(i + 1) * k] for g in self._groups("edp") for i in range(n))
+            return tuple(g[i * k : (i + 1) * k] for g in self._groups("edp") for i in range(n))
         if name == "inter_dist_opt":
             return tuple(g[j::k] for g in self._groups("edp") for j in range(k))
         mp = self._groups("tp_ep_pp")  # (torch's new_group sorts a group's ranks)
-        return tuple(tuple(sorted(itertools.chain.from_iterable(mp[i:i + k])))
-                     for i in range(0, len(mp), k))
+        return tuple(
+            tuple(sorted(itertools.chain.from_iterable(mp[i : i + k])))
+            for i in range(0, len(mp), k)
+        )
 
     @_per_world
     def _index(self, name: str) -> dict[int, tuple[int, ...]]:

@@ -176,9 +176,8 @@ def transformer_config(job):
             mscale=m.mscale,
             mscale_all_dim=m.mscale_all_dim,
         )
-    from metatrace.hooks.patches import megatron_patches
-
     from metatrace.config import GPU_ARCH
+    from metatrace.hooks.patches import megatron_patches
 
     with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
         try:
@@ -387,7 +386,9 @@ def build_optimizer(job, model):
             continue
         if inner.init_state_fn is not None:
             inner.init_state_fn(inner.optimizer, inner.config)
-        elif hasattr(inner.optimizer, "initialize_state"):  # SGD: megatron-core has no init_state_fn
+        elif hasattr(
+            inner.optimizer, "initialize_state"
+        ):  # SGD: megatron-core has no init_state_fn
             for group in inner.optimizer.param_groups:
                 for p in group["params"]:
                     inner.optimizer.initialize_state(p)

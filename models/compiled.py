@@ -42,6 +42,7 @@ def _chunked(out: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
 
 # megatron/core/fusions/fused_bias_gelu.py ----------------------------------------------------
 
+
 def _bias_gelu(bias, y):
     """Copied from megatron.core.fusions.fused_bias_gelu.bias_gelu (source sha256: 11c2736a603c)."""
     x = bias + y
@@ -73,6 +74,7 @@ def bias_gelu_back(g, bias, y):
 
 
 # megatron/core/fusions/fused_bias_swiglu.py ---------------------------------------------------
+
 
 def _swiglu(y):
     """Copied from megatron.core.fusions.fused_bias_swiglu.swiglu (source sha256: 10565780d26b)."""
@@ -118,6 +120,7 @@ def bias_swiglu_back(g, y, bias):
 
 # megatron/core/fusions/fused_cross_entropy.py -------------------------------------------------
 
+
 def fused_ce_calculate_gradients(softmax, grad_output, target_mask, masked_target_1d):
     """fused_cross_entropy.calculate_gradients compiled (inductor's graph, torch 2.13):
         buf0 = clone(softmax)            fp32 [s, b, V/t]   <- the buffer eager does not allocate
@@ -143,6 +146,7 @@ def fused_ce_calculate_gradients(softmax, grad_output, target_mask, masked_targe
 
 
 # megatron/core/fusions/fused_bias_dropout.py --------------------------------------------------
+
 
 class _BiasDropoutAdd(torch.autograd.Function):
     """bias_dropout_add_fused_train compiled: AOT autograd's partition of

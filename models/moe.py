@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from metatrace.config.routing import Routing
-
 from metatrace.hooks import flops
 from metatrace.models.te_runtime import te_installed
+
 
 def balanced_split(total: int, parts: int) -> list[int]:
     """`total` spread over `parts` as evenly as integers allow (the first ones get the rest)."""
@@ -89,8 +89,10 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     if d.ep_size > 1 or d.tp_size > 1:
         gather_from_sequence_parallel_region(num_local_tokens_per_expert, group=d.tp_ep_group)
         d.input_splits = np.array(
-            [sum(sent[r * d.num_local_experts : (r + 1) * d.num_local_experts])
-             for r in range(d.ep_size)],
+            [
+                sum(sent[r * d.num_local_experts : (r + 1) * d.num_local_experts])
+                for r in range(d.ep_size)
+            ],
             dtype=np.int64,
         )
         d.output_splits = np.full(d.ep_size, sum(per_source), dtype=np.int64)

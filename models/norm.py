@@ -106,7 +106,7 @@ class NormBase(torch.nn.Module):
             )
         )
         for p in self.parameters():
-            setattr(p, "sequence_parallel", sequence_parallel)
+            p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return NormFunction.apply(x, self.weight, self.bias, self.eps, self.rms)

@@ -62,8 +62,10 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
     (source sha256: d2c4230163a4)."""
     if provider.fuse_layernorm_and_linear():
-        up = provider.column_parallel_layer_norm_linear() if qk_layernorm else (
-            provider.column_parallel_linear()
+        up = (
+            provider.column_parallel_layer_norm_linear()
+            if qk_layernorm
+            else (provider.column_parallel_linear())
         )
         down, latent_norm = provider.linear(), IdentityOp
     else:
@@ -87,8 +89,12 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
 
 
 def gpt_layer_spec(
-    provider, *, qk_layernorm: bool = False, num_experts: int | None = None,
-    moe_grouped_gemm: bool = False, multi_latent_attention: bool = False,
+    provider,
+    *,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    multi_latent_attention: bool = False,
     te_op_fuser: bool = False,
 ) -> ModuleSpec:
     """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
@@ -105,7 +111,9 @@ def gpt_layer_spec(
     norm = provider.layer_norm()
     if num_experts is not None:
         mlp = get_moe_module_spec_for_backend(
-            backend=provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+            backend=provider,
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
             moe_use_legacy_grouped_gemm=False,
         )
     else:
@@ -127,8 +135,10 @@ def gpt_layer_spec(
             ),
         )
     qk_norm = provider.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
-    linear_qkv = provider.column_parallel_layer_norm_linear() if fused else (
-        provider.column_parallel_linear()
+    linear_qkv = (
+        provider.column_parallel_layer_norm_linear()
+        if fused
+        else (provider.column_parallel_linear())
     )
     return ModuleSpec(
         module=TransformerLayer,
@@ -188,7 +198,8 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
 def _layer_spec(config, provider, *, moe: bool) -> ModuleSpec:
     """The model's dense or MoE layer spec."""
     return gpt_layer_spec(
-        provider, qk_layernorm=config.qk_layernorm,
+        provider,
+        qk_layernorm=config.qk_layernorm,
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm,
         multi_latent_attention=config.multi_latent_attention,
@@ -254,7 +265,9 @@ class MetaTESpecProvider(BackendSpecProvider):
                 linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
             )
         if moe_use_grouped_gemm:
-            raise NotImplementedError("the legacy GroupedMLP (grouped_gemm package) is not modelled")
+            raise NotImplementedError(
+                "the legacy GroupedMLP (grouped_gemm package) is not modelled"
+            )
         return SequentialMLP, MLPSubmodules(
             linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear
         )

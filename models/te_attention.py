@@ -118,7 +118,9 @@ class _FlashAttnFunc(torch.autograd.Function):
         # Kernel temporaries (flash_api.cpp mha_bwd): softmax_d, dq_accum, GQA expansions.
         scratch = [
             torch.empty((b, h, _round(s, 128)), dtype=torch.float32, device=q.device),
-            torch.empty((b, _round(s, 128), h, _round(d, 32)), dtype=torch.float32, device=q.device),
+            torch.empty(
+                (b, _round(s, 128), h, _round(d, 32)), dtype=torch.float32, device=q.device
+            ),
         ]
         if k.shape[2] != h:
             for _ in range(2):  # dk_expanded, dv_expanded
@@ -183,10 +185,9 @@ def unfused_attention(q, k, v, scale: float, dropout: float, training: bool):
     sq, b, np_, hn = q.shape
     sk, ng = k.shape[0], k.shape[2]
     # get_full_mask: arange difference and the boolean causal mask [1, 1, sq, sk].
-    diff = (
-        torch.arange(sk, dtype=torch.int32, device=q.device).view(1, 1, 1, sk)
-        - torch.arange(sq, dtype=torch.int32, device=q.device).view(1, 1, sq, 1)
-    )
+    diff = torch.arange(sk, dtype=torch.int32, device=q.device).view(1, 1, 1, sk) - torch.arange(
+        sq, dtype=torch.int32, device=q.device
+    ).view(1, 1, sq, 1)
     mask = diff > (sk - sq)
     del diff
     if ng != np_:
@@ -217,9 +218,20 @@ class TEDotProductAttention(torch.nn.Module):
 
     cp_stream = None
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
-                 num_splits=None, cp_comm_type="p2p", pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        num_splits=None,
+        cp_comm_type="p2p",
+        pg_collection=None,
+    ):
         super().__init__()
         from megatron.core import parallel_state as ps
 
@@ -244,19 +256,30 @@ class TEDotProductAttention(torch.nn.Module):
                 self.cp_group = ps.get_hierarchical_context_parallel_groups()
             else:
                 self.cp_group = (
-                    pg_collection.cp if pg_collection is not None
+                    pg_collection.cp
+                    if pg_collection is not None
                     else ps.get_context_parallel_group()
                 )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, num_splits=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        num_splits=None,
+    ):
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences (thd) are not modelled")
         if self.cp_size > 1:
             return context_parallel_attention(self, query, key, value)
         if self.backend == "unfused":
-            return unfused_attention(query, key, value, self.softmax_scale,
-                                     self.attention_dropout, self.training)
+            return unfused_attention(
+                query, key, value, self.softmax_scale, self.attention_dropout, self.training
+            )
         q, k, v, layout = qkv_layout(query, key, value)
         causal = "causal" in getattr(attn_mask_type, "name", self.attn_mask_type)
         if self.backend == "flash":

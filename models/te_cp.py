@@ -48,11 +48,17 @@ def _cp_flops(ctx, q, v, cp: int) -> None:
 def _ring_exchange(send, recv, group, send_to: int, recv_from: int, batched: bool) -> None:
     """flash_attn_p2p_communicate: one send and one receive of equal size on the CP group."""
     if batched:
-        ops = [dist.P2POp(dist.isend, send, send_to, group), dist.P2POp(dist.irecv, recv, recv_from, group)]
+        ops = [
+            dist.P2POp(dist.isend, send, send_to, group),
+            dist.P2POp(dist.irecv, recv, recv_from, group),
+        ]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     else:
-        for req in (dist.isend(send, send_to, group=group), dist.irecv(recv, recv_from, group=group)):
+        for req in (
+            dist.isend(send, send_to, group=group),
+            dist.irecv(recv, recv_from, group=group),
+        ):
             req.wait()
 
 
@@ -89,15 +95,16 @@ def _p2p_forward(q, k, v, ring: _Ring, config):
     for i in range(c):
         if i < c - 1:
             buffers.append(torch.empty_like(kv))
-            _ring_exchange(buffers[i], buffers[i + 1], ring.group, ring.next, ring.prev,
-                           ring.batched)
+            _ring_exchange(
+                buffers[i], buffers[i + 1], ring.group, ring.next, ring.prev, ring.batched
+            )
         if i == 0:  # diagonal: own KV, causal
             q_len, temps = L, ()
         elif i <= r:  # lower triangle: the first half of the remote K and V
             half = k.shape[0] // 2
             temps, q_len = (k[:half].contiguous(), v[:half].contiguous()), L
         else:  # upper triangle: the second half of q against the remote K and V
-            temps, q_len = (q[L // 2:].contiguous(),), L // 2
+            temps, q_len = (q[L // 2 :].contiguous(),), L // 2
         out_i, lse_i, rng_i = _step_outputs(q_len, b, h_q, d, q.dtype, q.device)
         steps.append((out_i, lse_i))
         rngs.append(rng_i)
@@ -114,7 +121,7 @@ def _p2p_backward(q, kv, lse, dout, ring: _Ring, kv_shapes):
     c, r = ring.size, ring.rank
     L = q.shape[0]
     dout = dout.contiguous()
-    lse_half = lse[..., L // 2:].contiguous() if r < c - 1 else None
+    lse_half = lse[..., L // 2 :].contiguous() if r < c - 1 else None
     dq = torch.empty_like(q)
     bufs = [torch.empty((2, kv.numel()), dtype=kv.dtype, device=kv.device) for _ in range(2)]
     bufs[0][0].copy_(kv)

@@ -72,11 +72,20 @@ class Quantized:
         return [*self.rowwise, *self.columnwise, *self.shared]
 
 
-def quantize(shape, recipe: str, arch: str, *, rowwise: bool, columnwise: bool, device,
-             weight: bool = False, compact: bool = False) -> Quantized:
+def quantize(
+    shape,
+    recipe: str,
+    arch: str,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    device,
+    weight: bool = False,
+    compact: bool = False,
+) -> Quantized:
     """Allocate what TE's quantizer allocates for a [M, K] tensor."""
     m, k = shape
-    empty = lambda *s, dtype=U8: torch.empty(s, dtype=dtype, device=device)  # noqa: E731
+    empty = lambda *s, dtype=U8: torch.empty(s, dtype=dtype, device=device)
     q = Quantized()
     if recipe in ("delayed", "tensorwise"):
         if arch == "sm100":  # one [M, K] buffer serves both usages
@@ -177,8 +186,10 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
         group = ps.get_amax_reduction_group(
             with_context_parallel=True, tp_only_amax_red=config.tp_only_amax_red
         )
-    return fp8_autocast(str(config.fp8_recipe.value if hasattr(config.fp8_recipe, "value")
-                            else config.fp8_recipe), group)
+    return fp8_autocast(
+        str(config.fp8_recipe.value if hasattr(config.fp8_recipe, "value") else config.fp8_recipe),
+        group,
+    )
 
 
 def module_state(module, recipe: str, device) -> None:
@@ -199,14 +210,22 @@ def weight_workspace(module, weight, recipe: str, arch: str) -> Quantized:
     """The FP8 weight the module keeps between micro-batches (TE's _fp8_workspaces["weight"])."""
     cached = getattr(module, "_fp8_weight", None)
     if cached is None or getattr(module, "_fp8_weight_recipe", None) != recipe:
-        cached = quantize(tuple(weight.shape), recipe, arch, rowwise=True, columnwise=True,
-                          device=weight.device, weight=True)
+        cached = quantize(
+            tuple(weight.shape),
+            recipe,
+            arch,
+            rowwise=True,
+            columnwise=True,
+            device=weight.device,
+            weight=True,
+        )
         module._fp8_weight, module._fp8_weight_recipe = cached, recipe
     return cached
 
 
-def checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group,
-               *args, **kwargs):
+def checkpoint(
+    function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args, **kwargs
+):
     """megatron-core's te_checkpoint (used for recompute under FP8) with megatron-core's own
     activation checkpointing, which saves the same inputs."""
     from functools import partial

@@ -22,7 +22,15 @@ import torch.distributed as dist
 
 from metatrace.hooks import flops
 from metatrace.models.norm import norm_backward, norm_forward
-from metatrace.models.te_fp8 import F32, U8, module_state, quantize, reduce_amax, register, weight_workspace
+from metatrace.models.te_fp8 import (
+    F32,
+    U8,
+    module_state,
+    quantize,
+    reduce_amax,
+    register,
+    weight_workspace,
+)
 from metatrace.models.te_runtime import te_wgrad
 
 
@@ -48,13 +56,23 @@ def _gather_rowwise(q, local_shape, mode, recipe, arch, device):
         data = torch.empty(full, dtype=U8, device=device)
         dist.all_gather_into_tensor(data, q.row_data(), group=mode.group)
         return [data]
-    gathered = quantize(full, recipe, arch, rowwise=True, columnwise=False, device=device,
-                        compact=recipe == "blockwise")
+    gathered = quantize(
+        full,
+        recipe,
+        arch,
+        rowwise=True,
+        columnwise=False,
+        device=device,
+        compact=recipe == "blockwise",
+    )
     data, scale = gathered.rowwise
     # TE strips the scale padding before gathering: the local scale's gathered copy.
     local_scale = q.rowwise[1]
-    scale_out = torch.empty((local_scale.shape[0] * mode.tp, *local_scale.shape[1:]),
-                            dtype=local_scale.dtype, device=device)
+    scale_out = torch.empty(
+        (local_scale.shape[0] * mode.tp, *local_scale.shape[1:]),
+        dtype=local_scale.dtype,
+        device=device,
+    )
     _coalesced_gather([(scale_out, local_scale), (data, q.rowwise[0])], mode, device)
     return [data, scale, scale_out]
 
@@ -70,8 +88,12 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     # Float8 cannot gather transposes: under SP only the row-wise copy is made and kept.
     columnwise = needs_wgrad and not (float8 and column_sp)
     shape = tuple(x2.shape)
-    usage = dict(rowwise=True, columnwise=columnwise, device=device,
-                 compact=column_sp and recipe == "blockwise")
+    usage = dict(
+        rowwise=True,
+        columnwise=columnwise,
+        device=device,
+        compact=column_sp and recipe == "blockwise",
+    )
     mu = rsigma = None
     if mode.norm is not None:
         rms = mode.norm == "RMSNorm"
@@ -119,8 +141,9 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
     """The output gradient in FP8 (gathered for row parallel + SP); returns its buffers."""
     device = dy.device
     if not (mode.parallel == "row" and mode.sequence_parallel):
-        return quantize(tuple(dy.shape), recipe, arch, rowwise=True, columnwise=needs_wgrad,
-                        device=device).tensors()
+        return quantize(
+            tuple(dy.shape), recipe, arch, rowwise=True, columnwise=needs_wgrad, device=device
+        ).tensors()
     local_shape = tuple(dy.shape)
     full = (local_shape[0] * mode.tp, local_shape[1])
     if recipe in ("delayed", "tensorwise"):
@@ -132,16 +155,19 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
         dist.all_gather_into_tensor(gathered.row_data(), local.row_data(), group=mode.group)
         return [*local.tensors(), *gathered.tensors()]
     compact = recipe == "blockwise"
-    local = quantize(local_shape, recipe, arch, rowwise=True, columnwise=True, device=device,
-                     compact=compact)
-    gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device,
-                        compact=compact)
+    local = quantize(
+        local_shape, recipe, arch, rowwise=True, columnwise=True, device=device, compact=compact
+    )
+    gathered = quantize(
+        full, recipe, arch, rowwise=True, columnwise=True, device=device, compact=compact
+    )
     pairs = []
     for usage in ("rowwise", "columnwise"):
         for out, inp in zip(getattr(gathered, usage)[::-1], getattr(local, usage)[::-1]):
             if out.shape[0] != inp.shape[0] * mode.tp:  # scales are gathered unpadded
-                out = torch.empty((inp.shape[0] * mode.tp, *inp.shape[1:]), dtype=inp.dtype,
-                                  device=device)
+                out = torch.empty(
+                    (inp.shape[0] * mode.tp, *inp.shape[1:]), dtype=inp.dtype, device=device
+                )
             pairs.append((out, inp))
     _coalesced_gather(pairs, mode, device)
     extra = []
@@ -156,19 +182,28 @@ def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
     if recipe in ("delayed", "tensorwise"):
         data = torch.empty(full, dtype=U8, device=device)
         dist.all_gather_into_tensor(data, kept[0], group=mode.group)
-        return [data] + ([torch.empty(full[::-1], dtype=U8, device=device)] if arch != "sm100" else [])
+        return [data] + (
+            [torch.empty(full[::-1], dtype=U8, device=device)] if arch != "sm100" else []
+        )
     if recipe == "mxfp8":  # make_empty allocates the row-wise buffers too
         gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device)
         col_data, col_scale = kept[0], kept[1]
-        scale_out = torch.empty((col_scale.shape[0] * mode.tp, *col_scale.shape[1:]),
-                                dtype=col_scale.dtype, device=device)
-        _coalesced_gather([(scale_out, col_scale), (gathered.columnwise[0], col_data)], mode, device)
+        scale_out = torch.empty(
+            (col_scale.shape[0] * mode.tp, *col_scale.shape[1:]),
+            dtype=col_scale.dtype,
+            device=device,
+        )
+        _coalesced_gather(
+            [(scale_out, col_scale), (gathered.columnwise[0], col_data)], mode, device
+        )
         return [*gathered.tensors(), scale_out]
-    gathered = quantize(full, recipe, arch, rowwise=False, columnwise=True, device=device,
-                        compact=True)
+    gathered = quantize(
+        full, recipe, arch, rowwise=False, columnwise=True, device=device, compact=True
+    )
     col_data, col_scale = kept[0], kept[1]
-    scale_out = torch.empty((col_scale.shape[0] * mode.tp, *col_scale.shape[1:]),
-                            dtype=col_scale.dtype, device=device)
+    scale_out = torch.empty(
+        (col_scale.shape[0] * mode.tp, *col_scale.shape[1:]), dtype=col_scale.dtype, device=device
+    )
     _coalesced_gather([(scale_out, col_scale), (gathered.columnwise[0], col_data)], mode, device)
     transposed = torch.empty(full[::-1], dtype=U8, device=device)  # the GEMM-ready layout
     return [*gathered.tensors(), scale_out, transposed]

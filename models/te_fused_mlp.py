@@ -188,8 +188,9 @@ def _backward(ctx, grad):
     del total, dh1
     _clear(y)
     # Norm op backward, then its statistics are cleared.
-    dx, dlw, dlb = norm_backward(dtotal, x2, fc1.layer_norm_weight, fc1.layer_norm_bias, mean,
-                                 rstd, mode.norm == "RMSNorm")
+    dx, dlw, dlb = norm_backward(
+        dtotal, x2, fc1.layer_norm_weight, fc1.layer_norm_bias, mean, rstd, mode.norm == "RMSNorm"
+    )
     _clear(rstd, mean)
     return dx, dlw, dlb, g1, db1, g2
 
@@ -210,11 +211,15 @@ class TEFusedMLP(MLP):
         two BasicLinear ops."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if not isinstance(fc1, TELayerNormColumnParallelLinear):
-            raise ValueError(f"{type(self).__name__} expects FC1 to be Transformer Engine "
-                             f"LayerNormLinear, but found {type(fc1).__name__}.")
+            raise ValueError(
+                f"{type(self).__name__} expects FC1 to be Transformer Engine "
+                f"LayerNormLinear, but found {type(fc1).__name__}."
+            )
         if not isinstance(fc2, TERowParallelLinear):
-            raise ValueError(f"{type(self).__name__} expects FC2 to be Transformer Engine "
-                             f"Linear, but found {type(fc2).__name__}.")
+            raise ValueError(
+                f"{type(self).__name__} expects FC2 to be Transformer Engine "
+                f"Linear, but found {type(fc2).__name__}."
+            )
         if fc1.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"Unsupported normalization ({fc1.normalization})")
         key = (self.activation_func, self.config.gated_linear_unit)
@@ -231,16 +236,28 @@ class TEFusedMLP(MLP):
         pre, post = self._fused_impl[0]
         for submodule, hook in pre:  # megatron-core calls them without the input
             if hook(submodule, None) is not None:
-                raise RuntimeError("TEFusedMLP module does not expose intermediate tensors, but "
-                                   "submodule has pre-forward hook that modifies input tensor.")
+                raise RuntimeError(
+                    "TEFusedMLP module does not expose intermediate tensors, but "
+                    "submodule has pre-forward hook that modifies input tensor."
+                )
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         b1 = fc1.bias if fc1.use_bias and fc1.bias.numel() else None
-        out = _FusedMLPFunction.apply(hidden_states, fc1.layer_norm_weight, fc1.layer_norm_bias,
-                                      fc1.weight, b1, fc2.weight, self, torch.is_grad_enabled())
+        out = _FusedMLPFunction.apply(
+            hidden_states,
+            fc1.layer_norm_weight,
+            fc1.layer_norm_bias,
+            fc1.weight,
+            b1,
+            fc2.weight,
+            self,
+            torch.is_grad_enabled(),
+        )
         for submodule, hook in post:
             if hook(submodule, None, None) is not None:
-                raise RuntimeError("TEFusedMLP module does not expose intermediate tensors, but "
-                                   "submodule has post-forward hook that modifies output tensor.")
+                raise RuntimeError(
+                    "TEFusedMLP module does not expose intermediate tensors, but "
+                    "submodule has post-forward hook that modifies output tensor."
+                )
         # megatron-core builds fc2 with skip_bias_add: its bias goes to the bias-dropout-add
         # (otherwise TEFusedMLP appends a Bias op after the reduction).
         if fc2.te_return_bias:
@@ -258,22 +275,30 @@ def _submodule_hooks(mlp) -> tuple[list, list]:
     for submodule in mlp.modules():
         pre += [(submodule, hook) for hook in submodule._forward_pre_hooks.values()]
         post += [(submodule, hook) for hook in submodule._forward_hooks.values()]
-        for kind, hooks in (("pre", submodule._backward_pre_hooks),
-                            ("post", submodule._backward_hooks)):
+        for kind, hooks in (
+            ("pre", submodule._backward_pre_hooks),
+            ("post", submodule._backward_hooks),
+        ):
             if hooks:
-                raise RuntimeError("TEFusedMLP module does not support submodules with "
-                                   f"{kind}-backward hooks")
+                raise RuntimeError(
+                    f"TEFusedMLP module does not support submodules with {kind}-backward hooks"
+                )
     from megatron.core.distributed import distributed_data_parallel
 
     if any(inspect.getmodule(hook) is not distributed_data_parallel for _, hook in pre):
-        warnings.warn("TEFusedMLP module has a submodule with a pre-forward hook. TEFusedMLP "
-                      "module does not expose intermediate tensors, so the hook may have "
-                      "incorrect behavior if it attempts to access the input tensor.", stacklevel=2)
+        warnings.warn(
+            "TEFusedMLP module has a submodule with a pre-forward hook. TEFusedMLP "
+            "module does not expose intermediate tensors, so the hook may have "
+            "incorrect behavior if it attempts to access the input tensor.",
+            stacklevel=2,
+        )
     if post:
-        warnings.warn("TEFusedMLP module has a submodule with a post-forward hook. TEFusedMLP "
-                      "module does not expose intermediate tensors, so the hook may have "
-                      "incorrect behavior if it attempts to access the input or output tensors.",
-                      stacklevel=2)
+        warnings.warn(
+            "TEFusedMLP module has a submodule with a post-forward hook. TEFusedMLP "
+            "module does not expose intermediate tensors, so the hook may have "
+            "incorrect behavior if it attempts to access the input or output tensors.",
+            stacklevel=2,
+        )
     return pre, post
 
 
@@ -311,8 +336,15 @@ def _quantized_weight(weight, recipe, arch, columnwise):
     is_first_microbatch cache); an FP8 parameter is used as it is (None)."""
     if weight.element_size() == 1:
         return None
-    return quantize(tuple(weight.shape), recipe, arch, rowwise=True, columnwise=columnwise,
-                    device=weight.device, weight=True)
+    return quantize(
+        tuple(weight.shape),
+        recipe,
+        arch,
+        rowwise=True,
+        columnwise=columnwise,
+        device=weight.device,
+        weight=True,
+    )
 
 
 def _quantized_norm(x2, ln_w, ln_b, mode, columnwise):
@@ -394,7 +426,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
 def _split(tensors, sizes) -> list:
     out, start = [], 0
     for n in sizes:
-        out.append(list(tensors[start:start + n]))
+        out.append(list(tensors[start : start + n]))
         start += n
     return out
 
@@ -412,8 +444,9 @@ def _fp8_backward(ctx, grad):
     if sp:
         dy = _gather(dy, mode)  # the ReduceScatter op's backward gathers in bf16: [N, h]
     # fc2 backward (no TP mode): the whole output gradient is quantized here.
-    dyq = quantize(tuple(dy.shape), recipe, arch, rowwise=True, columnwise=w2.requires_grad,
-                   device=device)
+    dyq = quantize(
+        tuple(dy.shape), recipe, arch, rowwise=True, columnwise=w2.requires_grad, device=device
+    )
     del dy
     dact = torch.zeros((rows, w2.shape[1]), dtype=dtype, device=device)  # [N, f/t] bf16
     flops.report(flops.gemm(rows, w2.shape[0], w2.shape[1]) * 2, fp8=True)  # dgrad, wgrad
@@ -436,8 +469,9 @@ def _fp8_backward(ctx, grad):
     g1 = te_wgrad(fc1, w1, torch.zeros, w1.shape, dtype=dtype, device=device)
     del dh1, inputs, dgrad
     _clear(*q1)
-    dx, dlw, dlb = norm_backward(dinput, x2, fc1.layer_norm_weight, fc1.layer_norm_bias, mean,
-                                 rstd, mode.norm == "RMSNorm")
+    dx, dlw, dlb = norm_backward(
+        dinput, x2, fc1.layer_norm_weight, fc1.layer_norm_bias, mean, rstd, mode.norm == "RMSNorm"
+    )
     _clear(rstd, mean)
     if recipe == "delayed" and ctx.first_in_region:
         reduce_amax(ctx.region, 2, device)  # the fuser's backward of a region's first module

@@ -70,9 +70,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         weights, biases = saved[k : k + n], saved[k + n :]
         with library_kernel():
             dy = grad.contiguous().view(-1, grad.shape[-1])
-            dgrad = torch.empty(
-                (dy.shape[0], module.in_features), dtype=dy.dtype, device=dy.device
-            )
+            dgrad = torch.empty((dy.shape[0], module.in_features), dtype=dy.dtype, device=dy.device)
             wgrads = [_wgrad(module, w, dy) for w in weights]
             gemm = flops.gemm(dy.shape[0], module.out_features, module.in_features)
             flops.report(gemm * (2 if any(w.requires_grad for w in weights) else 1))  # dgrad, wgrad
@@ -93,9 +91,21 @@ def _wgrad(module, weight, dy):
 class TEGroupedLinear(torch.nn.Module):
     """megatron-core's TEGroupedLinear with TE's GroupedLinear inside, on meta."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, parallel_mode, config,
-                 init_method, bias, skip_bias_add, is_expert=False, tp_comm_buffer_name=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        num_gemms,
+        input_size,
+        output_size,
+        *,
+        parallel_mode,
+        config,
+        init_method,
+        bias,
+        skip_bias_add,
+        is_expert=False,
+        tp_comm_buffer_name=None,
+        pg_collection=None,
+    ):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -176,12 +186,33 @@ class _ParallelGroupedLinear(TEGroupedLinear):
 
     parallel_mode = "column"
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode=self.parallel_mode,
-                         config=config, init_method=init_method, bias=bias,
-                         skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+    def __init__(
+        self,
+        num_gemms,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        bias,
+        skip_bias_add,
+        is_expert,
+        tp_comm_buffer_name=None,
+        pg_collection=None,
+    ):
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            parallel_mode=self.parallel_mode,
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            pg_collection=pg_collection,
+        )
 
 
 class TEColumnParallelGroupedLinear(_ParallelGroupedLinear):

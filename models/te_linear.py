@@ -158,8 +158,19 @@ def _tp_group(tp_group, is_expert=False):
 class _TELinearBase(torch.nn.Module):
     """Parameters and forward shared by the linear stand-ins."""
 
-    def _setup(self, config, in_features, out_features, *, parallel_mode, tp_group, bias,
-               skip_bias_add, init_method, stride=1):
+    def _setup(
+        self,
+        config,
+        in_features,
+        out_features,
+        *,
+        parallel_mode,
+        tp_group,
+        bias,
+        skip_bias_add,
+        init_method,
+        stride=1,
+    ):
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         self.config = config
@@ -216,8 +227,9 @@ class _TELinearBase(torch.nn.Module):
         for p in self.parameters():
             p.allreduce = True
 
-    def _setup_parallel(self, config, in_features, out_features, *, parallel_mode, tp_group,
-                        is_expert, **kwargs):
+    def _setup_parallel(
+        self, config, in_features, out_features, *, parallel_mode, tp_group, is_expert, **kwargs
+    ):
         """megatron-core's wrappers around `_setup`: an expert linear under expert tensor or
         expert parallelism leaves communication to the MoE dispatcher, so TE gets its shard and
         no parallel mode; expert parameters reduce their gradients over the expert
@@ -229,12 +241,19 @@ class _TELinearBase(torch.nn.Module):
                 out_features //= tp
             elif parallel_mode == "row":
                 in_features //= tp
-            self._setup(config, in_features, out_features, parallel_mode=None, tp_group=None,
-                        **kwargs)
+            self._setup(
+                config, in_features, out_features, parallel_mode=None, tp_group=None, **kwargs
+            )
             self._tp_group = tp_group
         else:
-            self._setup(config, in_features, out_features, parallel_mode=parallel_mode,
-                        tp_group=tp_group, **kwargs)
+            self._setup(
+                config,
+                in_features,
+                out_features,
+                parallel_mode=parallel_mode,
+                tp_group=tp_group,
+                **kwargs,
+            )
         if is_expert:
             for p in self.parameters():
                 p.allreduce = not expert_parallel
@@ -247,10 +266,17 @@ class _TELinearBase(torch.nn.Module):
 
         recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
         arch = getattr(config, "metatrace_gpu_arch", "sm90")
-        q = quantize((out_features, in_features), recipe, arch, rowwise=True, columnwise=True,
-                     device=device, weight=True)
+        q = quantize(
+            (out_features, in_features),
+            recipe,
+            arch,
+            rowwise=True,
+            columnwise=True,
+            device=device,
+            weight=True,
+        )
         # The row-wise data is the parameter itself (sm100 Float8: the one shared buffer).
-        rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0):]
+        rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0) :]
         for i, t in enumerate(rest + q.shared):
             self.register_buffer(f"_fp8_param_buffer{i}", t, persistent=False)
 
@@ -300,59 +326,140 @@ class _TELinearBase(torch.nn.Module):
 
 
 class TELinear(_TELinearBase):
-    def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias,
-                 skip_bias_add, skip_weight_param_allocation, tp_comm_buffer_name=None,
-                 is_expert=False, symmetric_ar_type=None, tp_group=None):
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        parallel_mode,
+        config,
+        init_method,
+        bias,
+        skip_bias_add,
+        skip_weight_param_allocation,
+        tp_comm_buffer_name=None,
+        is_expert=False,
+        symmetric_ar_type=None,
+        tp_group=None,
+    ):
         super().__init__()
         if skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation")
+            raise ValueError(
+                "Transformer Engine linear layers do not support skip_weight_param_allocation"
+            )
         if parallel_mode == "duplicated":
             group, te_mode = None, None
         else:
             group, te_mode = _tp_group(tp_group, is_expert), parallel_mode
-        self._setup_parallel(config, input_size, output_size, parallel_mode=te_mode,
-                             tp_group=group, is_expert=is_expert, bias=bias,
-                             skip_bias_add=skip_bias_add, init_method=init_method)
+        self._setup_parallel(
+            config,
+            input_size,
+            output_size,
+            parallel_mode=te_mode,
+            tp_group=group,
+            is_expert=is_expert,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            init_method=init_method,
+        )
         if parallel_mode == "duplicated":
             for p in self.parameters():
                 p.sequence_parallel = config.sequence_parallel
 
 
 class TEColumnParallelLinear(_TELinearBase):
-    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias,
-                 skip_bias_add, is_expert, skip_weight_param_allocation=False,
-                 tp_comm_buffer_name=None, tp_group=None, stride=1):
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        gather_output,
+        bias,
+        skip_bias_add,
+        is_expert,
+        skip_weight_param_allocation=False,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+        stride=1,
+    ):
         super().__init__()
         if gather_output:
             raise ValueError("Transformer Engine linear layers do not support gather_output = True")
-        self._setup_parallel(config, input_size, output_size, parallel_mode="column",
-                             tp_group=_tp_group(tp_group, is_expert), is_expert=is_expert,
-                             bias=bias, skip_bias_add=skip_bias_add, init_method=init_method,
-                             stride=stride)
+        self._setup_parallel(
+            config,
+            input_size,
+            output_size,
+            parallel_mode="column",
+            tp_group=_tp_group(tp_group, is_expert),
+            is_expert=is_expert,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            init_method=init_method,
+            stride=stride,
+        )
 
 
 class TERowParallelLinear(_TELinearBase):
-    def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel,
-                 skip_bias_add, is_expert, tp_comm_buffer_name=None, tp_group=None):
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        bias,
+        input_is_parallel,
+        skip_bias_add,
+        is_expert,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+    ):
         super().__init__()
         if not input_is_parallel:
-            raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
-        self._setup_parallel(config, input_size, output_size, parallel_mode="row",
-                             tp_group=_tp_group(tp_group, is_expert), is_expert=is_expert,
-                             bias=bias, skip_bias_add=skip_bias_add, init_method=init_method)
+            raise ValueError(
+                "Transformer Engine linear layers do not support input_is_parallel = False"
+            )
+        self._setup_parallel(
+            config,
+            input_size,
+            output_size,
+            parallel_mode="row",
+            tp_group=_tp_group(tp_group, is_expert),
+            is_expert=is_expert,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            init_method=init_method,
+        )
 
 
 class TELayerNormColumnParallelLinear(_TELinearBase):
     """LayerNorm (or RMSNorm) fused into a column-parallel linear: parameters layer_norm_weight,
     layer_norm_bias (LayerNorm only), weight, bias."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias,
-                 skip_bias_add, is_expert, skip_weight_param_allocation=False,
-                 tp_comm_buffer_name=None, tp_group=None, stride=1):
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        gather_output,
+        bias,
+        skip_bias_add,
+        is_expert,
+        skip_weight_param_allocation=False,
+        tp_comm_buffer_name=None,
+        tp_group=None,
+        stride=1,
+    ):
         super().__init__()
         if gather_output or is_expert or skip_weight_param_allocation:
-            raise ValueError("TELayerNormColumnParallelLinear supports none of gather_output, "
-                             "is_expert, skip_weight_param_allocation")
+            raise ValueError(
+                "TELayerNormColumnParallelLinear supports none of gather_output, "
+                "is_expert, skip_weight_param_allocation"
+            )
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
         device = torch.cuda.current_device()
@@ -367,31 +474,43 @@ class TELayerNormColumnParallelLinear(_TELinearBase):
             self.layer_norm_bias = torch.nn.Parameter(
                 torch.zeros(input_size, dtype=dtype, device=device)
             )
-        self._setup(config, input_size, output_size, parallel_mode="column",
-                    tp_group=_tp_group(tp_group), bias=bias, skip_bias_add=skip_bias_add,
-                    init_method=init_method, stride=stride)
+        self._setup(
+            config,
+            input_size,
+            output_size,
+            parallel_mode="column",
+            tp_group=_tp_group(tp_group),
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            init_method=init_method,
+            stride=stride,
+        )
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             if p is not None:
                 p.sequence_parallel = self.sequence_parallel
 
     def forward(self, x):
-        return self._run(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+        return self._run(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps
+        )
 
 
 class LayerNorm(NormBase):
     """transformer_engine.pytorch.LayerNorm, as megatron-core's TENorm builds it."""
 
     def __init__(self, config, hidden_size, eps):
-        super().__init__(config, hidden_size, eps, rms=False,
-                         sequence_parallel=config.sequence_parallel)
+        super().__init__(
+            config, hidden_size, eps, rms=False, sequence_parallel=config.sequence_parallel
+        )
 
 
 class RMSNorm(NormBase):
     """transformer_engine.pytorch.RMSNorm, as megatron-core's TENorm builds it."""
 
     def __init__(self, config, hidden_size, eps):
-        super().__init__(config, hidden_size, eps, rms=True,
-                         sequence_parallel=config.sequence_parallel)
+        super().__init__(
+            config, hidden_size, eps, rms=True, sequence_parallel=config.sequence_parallel
+        )
 
 
 class TENorm:

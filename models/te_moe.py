@@ -43,7 +43,6 @@ fused_moe_aux_loss (FusedAuxLoss):
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -78,15 +77,17 @@ class _PermuteMaskMap(torch.autograd.Function):
             row_id_map = torch.empty((0, 2 * num_experts + 1), dtype=torch.int32, device=inp.device)
             ctx.mark_non_differentiable(row_id_map)
             ctx.save_for_backward(row_id_map)
-            pp = torch.empty(0, dtype=probs.dtype if probs is not None else torch.float32,
-                             device=inp.device)
+            pp = torch.empty(
+                0, dtype=probs.dtype if probs is not None else torch.float32, device=inp.device
+            )
             return inp.clone(), row_id_map, pp
         if num_out_tokens <= 0:
             raise ValueError("moe_permute (mask map) requires num_out_tokens > 0")
         # make_row_id_map: the map and a per-(expert, 1024-token block) workspace.
         row_id_map = _new((num_tokens, 2 * num_experts + 1), torch.int32, inp.device)
-        workspace = torch.empty((num_experts, math.ceil(num_tokens / 1024)), dtype=torch.int32,
-                                device=inp.device)
+        workspace = torch.empty(
+            (num_experts, math.ceil(num_tokens / 1024)), dtype=torch.int32, device=inp.device
+        )
         del workspace
         output = _new((num_out_tokens, hidden), inp.dtype, inp.device)
         if probs is not None:
@@ -103,15 +104,17 @@ class _PermuteMaskMap(torch.autograd.Function):
         if ctx.num_tokens == 0:
             probs_grad = None
             if ctx.needs_probs_grad:
-                probs_grad = torch.zeros((0, ctx.num_experts), dtype=grad_permuted_probs.dtype,
-                                         device=grad_output.device)
+                probs_grad = torch.zeros(
+                    (0, ctx.num_experts), dtype=grad_permuted_probs.dtype, device=grad_output.device
+                )
             return grad_output, None, None, probs_grad
         # permute_mask_map_bwd -> unpermute_with_mask_map(grad, row_id_map, None, probs_grad)
         act_grad = _new((ctx.num_tokens, ctx.hidden), grad_output.dtype, grad_output.device)
         probs_grad = None
         if grad_permuted_probs is not None and grad_permuted_probs.numel() > 0:
-            probs_grad = _new((ctx.num_tokens, ctx.num_experts), grad_permuted_probs.dtype,
-                              grad_output.device)
+            probs_grad = _new(
+                (ctx.num_tokens, ctx.num_experts), grad_permuted_probs.dtype, grad_output.device
+            )
         if not ctx.needs_probs_grad:
             probs_grad = None
         return act_grad, None, None, probs_grad
@@ -145,8 +148,7 @@ class _UnpermuteMaskMap(torch.autograd.Function):
         probs_grad = None
         if ctx.with_probs:
             merging_probs = ctx.saved_tensors[2]
-            probs_grad = _new((ctx.num_tokens, ctx.num_experts), merging_probs.dtype,
-                              grad.device)
+            probs_grad = _new((ctx.num_tokens, ctx.num_experts), merging_probs.dtype, grad.device)
         if not ctx.needs_probs_grad:
             probs_grad = None
         return act_grad, None, probs_grad, None, None, None
@@ -201,8 +203,15 @@ def moe_permute_with_probs(inp, probs, routing_map, num_out_tokens):
     return output, permuted_probs, row_id_map
 
 
-def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask",
-                  probs=None, pad_offsets=None):
+def moe_unpermute(
+    inp,
+    row_id_map,
+    merging_probs=None,
+    restore_shape=None,
+    map_type="mask",
+    probs=None,
+    pad_offsets=None,
+):
     """TE moe_unpermute (mask map)."""
     if probs is not None:
         merging_probs = probs
@@ -212,8 +221,7 @@ def moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_t
         restore_shape = inp.shape
     num_tokens, hidden = restore_shape
     num_experts = (row_id_map.size(1) - 1) // 2 if row_id_map.dim() > 1 else 0
-    return _UnpermuteMaskMap.apply(inp, row_id_map, merging_probs, num_tokens, num_experts,
-                                   hidden)
+    return _UnpermuteMaskMap.apply(inp, row_id_map, merging_probs, num_tokens, num_experts, hidden)
 
 
 def moe_sort_chunks_by_index(inp, split_sizes, sorted_index):
@@ -248,9 +256,19 @@ class _FusedTopkScoreFunction(torch.autograd.Function):
         return _new(grad_probs.shape, grad_probs.dtype, grad_probs.device), None
 
 
-def fused_topk_with_score_function(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                   scaling_factor, score_function, expert_bias,
-                                   routing_map_format=None, topk_indices=None, **qb):
+def fused_topk_with_score_function(
+    logits,
+    topk,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    score_function,
+    expert_bias,
+    routing_map_format=None,
+    topk_indices=None,
+    **qb,
+):
     """TE fused_topk_with_score_function, as megatron-core 0.16.1 calls it (bool routing map)."""
     if logits.dtype == torch.float64:
         raise ValueError("Current TE does not support float64 router type.")

@@ -118,7 +118,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._initialize_state(param, "exp_avg_sq", zero_buffer=True)
         if self.master_weights:
             self._initialize_state(
-                param, "master_param", zero_buffer=False, store_param_remainders=store_param_remainders
+                param,
+                "master_param",
+                zero_buffer=False,
+                store_param_remainders=store_param_remainders,
             )
             if not store_param_remainders:
                 self.state[param]["master_param"].copy_(param.detach())
@@ -174,7 +177,10 @@ class FusedSGD(torch.optim.Optimizer):
         set_grad_none=False,
     ):
         defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
             nesterov=nesterov,
         )
         super().__init__(params, defaults)

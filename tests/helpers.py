@@ -21,8 +21,14 @@ HF = os.path.join(DATA, "hf")
 # Model sections on the debug preset (h 64, 4 heads, ffn 128). MLA: every dimension distinct, so
 # that a swapped one changes a count. MOE: 4 experts, top-2 routing.
 MLA = {
-    "multi_latent_attention": True, "num_query_groups": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
-    "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "qk_layernorm": True,
+    "multi_latent_attention": True,
+    "num_query_groups": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 16,
+    "qk_pos_emb_head_dim": 8,
+    "v_head_dim": 12,
+    "qk_layernorm": True,
 }
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96}
 
@@ -60,18 +66,23 @@ def hf_job(repo_or_path: str, model=None, training=None, **sections):
     from metatrace.config import job_from_dict
 
     path = repo_or_path if os.sep in repo_or_path else hf_path(repo_or_path)
-    return job_from_dict({
-        "model": {"hf_config": path, **(model or {})},
-        "training": {"seq_length": 64, "micro_batch_size": 1, **(training or {})},
-        **sections,
-    })
+    return job_from_dict(
+        {
+            "model": {"hf_config": path, **(model or {})},
+            "training": {"seq_length": 64, "micro_batch_size": 1, **(training or {})},
+            **sections,
+        }
+    )
 
 
 def metatrace(*args, cwd=None):
     """`python -m metatrace *args` as a user runs it: the completed process, output as text."""
     return subprocess.run(
         [sys.executable, "-m", "metatrace", *args],
-        capture_output=True, text=True, cwd=cwd or ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=300,
     )
 
 
@@ -89,7 +100,9 @@ def report_validator():
 
     import jsonschema
 
-    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
+    schema = json.loads(
+        resources.files("metatrace.export").joinpath("report.schema.json").read_text()
+    )
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -109,7 +122,7 @@ def assert_meta_matches_real(job, world, role):
 
     meta = trace_role(job, world, role, device="meta", also_track=("cpu",)).trace
     real = trace_role(job, world, role, device="cpu").trace
-    saved = lambda t: [(s.module, s.shape, s.dtype, s.bytes, s.phase, s.static) for s in t.saved]  # noqa: E731
+    saved = lambda t: [(s.module, s.shape, s.dtype, s.bytes, s.phase, s.static) for s in t.saved]
     assert saved(meta) == saved(real)
     assert collective_rows(meta) == collective_rows(real)
     assert agg.activation_bytes(meta) == agg.activation_bytes(real) > 0

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from metatrace.records import STEP, Collective, ModuleInfo, Trace
 from metatrace.analysis.memory import lifetimes
+from metatrace.records import STEP, Collective, ModuleInfo, Trace
 
 PHASES = ("forward", "backward", "recompute")
 
 
 def parent_of(fqn: str) -> str | None:
     """FQN of the parent module; None for a chunk root ("" or "chunk{v}")."""
-    if fqn == "" or "." not in fqn and fqn.startswith("chunk"):
+    if fqn == "" or ("." not in fqn and fqn.startswith("chunk")):
         return None
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
@@ -105,7 +105,7 @@ class ModuleRow:
     params_total: int = 0
     param_bytes_total: int = 0
     activation_bytes_total: int = 0
-    children: list["ModuleRow"] = field(default_factory=list)
+    children: list[ModuleRow] = field(default_factory=list)
 
     @property
     def name(self) -> str:

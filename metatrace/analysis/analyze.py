@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 from metatrace.analysis import aggregate as agg
 from metatrace.analysis.comm import JobComm, RoleComm, job_comm
-from metatrace.analysis.memory import OffloadSummary, RoleMemory, Verdict, role_memory, role_offload, verdict
+from metatrace.analysis.memory import (
+    OffloadSummary,
+    RoleMemory,
+    Verdict,
+    role_memory,
+    role_offload,
+    verdict,
+)
 from metatrace.analysis.timing import Timing, job_timing
 from metatrace.records import JobTrace, RoleTrace
 

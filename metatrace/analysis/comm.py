@@ -197,12 +197,26 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
         dimension = GROUP_DIMENSION.get(c.group) or ("pp" if c.peer is not None else "other")
         ranks = tuple(sorted({rank, c.peer})) if c.peer is not None else c.ranks
         module, layer = module_pattern(c.module)
-        key = (dimension, c.op, c.group, ranks, c.peer, c.shape, c.dtype, c.bytes,
-               c.output_bytes, per_microbatch, c.phase, module)
+        key = (
+            dimension,
+            c.op,
+            c.group,
+            ranks,
+            c.peer,
+            c.shape,
+            c.dtype,
+            c.bytes,
+            c.output_bytes,
+            per_microbatch,
+            c.phase,
+            module,
+        )
         grouped.setdefault(key, []).append((c, layer))
     items = []
     for key, calls in grouped.items():
-        dimension, op, group, ranks, peer, shape, dtype, message, arrived, per_mb, phase, module = key
+        dimension, op, group, ranks, peer, shape, dtype, message, arrived, per_mb, phase, module = (
+            key
+        )
         n = len(calls[0][0].ranks) if peer is None else 2
         sent, received = ring_bytes(op, message, n)
         if arrived is not None:  # all-to-all: what arrives from the other ranks
@@ -210,9 +224,25 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
         count = len(calls) * (job.num_microbatches if per_mb else 1)
         layers = len({layer for _, layer in calls if layer is not None})
         items.append(
-            Item(dimension, op, group, ranks, peer, shape, dtype, message, sent, received,
-                 count, per_mb, phase, module, layers, world.crosses_nodes(ranks),
-                 _overlap(job, calls[0][0], dimension))
+            Item(
+                dimension,
+                op,
+                group,
+                ranks,
+                peer,
+                shape,
+                dtype,
+                message,
+                sent,
+                received,
+                count,
+                per_mb,
+                phase,
+                module,
+                layers,
+                world.crosses_nodes(ranks),
+                _overlap(job, calls[0][0], dimension),
+            )
         )
     out = RoleComm(items=items, dims={d: Totals() for d in DIMENSIONS})
     for it in items:

@@ -77,16 +77,16 @@ def diff_reports(a: dict, b: dict) -> dict:
     """The difference b - a of two JSON reports (see the module docstring)."""
     config = config_changes(a, b)
     cluster = cluster_rows(a, b)
-    roles = [
-        role_diff(a["roles"][i], b["roles"][j]) for i, j in pair_roles(a["roles"], b["roles"])
-    ]
+    roles = [role_diff(a["roles"][i], b["roles"][j]) for i, j in pair_roles(a["roles"], b["roles"])]
     changes = [{"path": f"config.{c['key']}", "a": c["a"], "b": c["b"]} for c in config]
     changes += [_change("cluster", row) for row in cluster if row["changed"]]
     for pair in roles:
         where = f"roles[{pair['label']}]"
         changes += [_change(where, row) for row in pair["figures"] if row["changed"]]
         for mod in pair["modules"]:
-            changes.append({"path": f"{where}.modules.{mod['module']}", "a": mod["a"], "b": mod["b"]})
+            changes.append(
+                {"path": f"{where}.modules.{mod['module']}", "a": mod["a"], "b": mod["b"]}
+            )
     return {
         "diff_schema_version": DIFF_SCHEMA_VERSION,
         "a": _side(a),
@@ -132,7 +132,8 @@ def config_changes(a: dict, b: dict) -> list[dict]:
         flat_b: dict = {}
         for report, flat in ((a, flat_a), (b, flat_b)):
             values = {
-                k: v for k, v in report.get(section, {}).items()
+                k: v
+                for k, v in report.get(section, {}).items()
                 if (section, k) not in _NOT_CONFIG
                 # world repeats parallel's and cluster's sizes; only its derived ones count
                 and not (section == "world" and (k in report["parallel"] or k in report["cluster"]))
@@ -182,8 +183,14 @@ def figure_row(a: dict, b: dict, path: str, label: str, better, figure: str | No
         return None
     va = None if va is _MISSING else _value(path, va)
     vb = None if vb is _MISSING else _value(path, vb)
-    row = {"figure": figure or path, "label": label, "a": va, "b": vb, "better": better,
-           "changed": va != vb}
+    row = {
+        "figure": figure or path,
+        "label": label,
+        "a": va,
+        "b": vb,
+        "better": better,
+        "changed": va != vb,
+    }
     if _number(va) and _number(vb):
         row["delta"] = vb - va
         row["percent"] = (vb - va) / va * 100 if va else None
@@ -254,9 +261,11 @@ def role_label(a: dict, b: dict) -> str:
 
 
 def role_diff(a: dict, b: dict) -> dict:
-    figures = [
-        figure_row(a, b, "layers", "layers", None)
-    ] + _rows(a, b, ROLE_FIGURES) + comm_rows(a, b, "comm.")
+    figures = (
+        [figure_row(a, b, "layers", "layers", None)]
+        + _rows(a, b, ROLE_FIGURES)
+        + comm_rows(a, b, "comm.")
+    )
     return {
         "label": role_label(a, b),
         "a": {k: a[k] for k in ("index", "pp_stage", "ranks", "layers")},
@@ -285,9 +294,7 @@ def module_summary(role: dict) -> dict[str, dict]:
         dims = ",".join(str(d) for d in c["shape"])
         calls[pattern][f"{c['phase']} {c['op']} {c['group']} [{dims}] {c['dtype']}"] += 1
     for pattern, counter in calls.items():
-        entry = seen.setdefault(
-            pattern, {"type": "", "param_shapes": {}, "activation_bytes": {0}}
-        )
+        entry = seen.setdefault(pattern, {"type": "", "param_shapes": {}, "activation_bytes": {0}})
         n = max(1, occurrences[pattern])
         entry["collectives"] = {k: v / n if v % n else v // n for k, v in sorted(counter.items())}
     for entry in seen.values():

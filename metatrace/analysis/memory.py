@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from metatrace.records import STEP, MemEvent, OffloadRecord, Trace, Window
-
 
 
 @dataclass(frozen=True)
@@ -166,7 +164,7 @@ def _last_groups(names: tuple[str, ...]) -> set[int]:
     return {max(i for i, n in enumerate(names) if n == name) for name in set(names)}
 
 
-def offload_slots(trace: Trace, record: "OffloadRecord", *, last_stage: bool) -> tuple[int, ...]:
+def offload_slots(trace: Trace, record: OffloadRecord, *, last_stage: bool) -> tuple[int, ...]:
     """Per chunk, the bytes the steady state holds on the GPU while a step of the chunk runs,
     beyond what the traced micro-batch keeps: the last group of each name of one chunk.
 
@@ -183,8 +181,11 @@ def offload_slots(trace: Trace, record: "OffloadRecord", *, last_stage: bool) ->
         last = _last_groups(names)
         moved = [m for m in record.moved if m.chunk == chunk and m.group in last]
         start = backward.get(chunk, 1 << 62)
-        freed = {m.source for m in moved
-                 if m.source is not None and life.freed.get(m.source, start) < start}
+        freed = {
+            m.source
+            for m in moved
+            if m.source is not None and life.freed.get(m.source, start) < start
+        }
         kept.append(sum(life.bytes[sid] for sid in freed))
         reload.append(sum(_blocks(m.bytes) for m in moved))
     if not reload:
@@ -211,7 +212,7 @@ class OffloadSummary:
 
 
 def offload_summary(
-    record: "OffloadRecord", iteration: Trace, *, microbatches: int, last_stage: bool
+    record: OffloadRecord, iteration: Trace, *, microbatches: int, last_stage: bool
 ) -> OffloadSummary:
     """PCIe traffic and pinned host memory from the offload record of the traced micro-batch and
     the replayed iteration (its forward and backward windows say what is in flight).
@@ -227,8 +228,10 @@ def offload_summary(
     kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
     per_microbatch = sum(moved) - (kept if last_stage else 0)
     per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
-    host = [sum(1 << max(0, m.bytes - 1).bit_length() for m in record.moved if m.chunk == v)
-            for v in range(chunks)]
+    host = [
+        sum(1 << max(0, m.bytes - 1).bit_length() for m in record.moved if m.chunk == v)
+        for v in range(chunks)
+    ]
     changes = []
     for w in iteration.windows:
         if w.chunk is not None and w.chunk < chunks and w.phase in ("forward", "backward"):
@@ -247,7 +250,9 @@ def role_offload(job, rt) -> OffloadSummary | None:
     if rt.offload is None or rt.iteration is None:
         return None
     return offload_summary(
-        rt.offload, rt.iteration, microbatches=job.num_microbatches,
+        rt.offload,
+        rt.iteration,
+        microbatches=job.num_microbatches,
         last_stage=rt.role.pp_stage == job.parallel.pp - 1,
     )
 

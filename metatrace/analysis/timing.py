@@ -133,8 +133,9 @@ def peak_flops(job) -> tuple[float, float] | None:
     return tflops * 1e12, fp8 * tflops * 1e12
 
 
-def compute_seconds(flops: int, fp8_flops: int, peak: tuple[float, float],
-                    efficiency: float) -> float:
+def compute_seconds(
+    flops: int, fp8_flops: int, peak: tuple[float, float], efficiency: float
+) -> float:
     bf16, fp8 = peak
     return ((flops - fp8_flops) / bf16 + fp8_flops / fp8) / efficiency
 
@@ -224,7 +225,8 @@ def _step_calls(job, world, micro: Trace, rank: int):
         if sec == 0.0:
             continue
         out.setdefault((w.phase, w.chunk), []).append(
-            (micro.collective_flops.get(c.seq, 0), c, dim, sec, over))
+            (micro.collective_flops.get(c.seq, 0), c, dim, sec, over)
+        )
     return out
 
 
@@ -285,8 +287,10 @@ def _optimizer(job, world, iteration: Trace, rank: int):
     tbps = GPU_HBM_TBPS.get(job.cluster.gpu)
     update = traffic / (tbps * 1e12) if tbps else 0.0
     # The update runs before the distributed optimizer's parameter all-gather.
-    gather = next((i for i, (c, _, _) in enumerate(calls)
-                   if c.op == "all_gather" and c.phase == "optimizer"), len(calls))
+    gather = next(
+        (i for i, (c, _, _) in enumerate(calls) if c.op == "all_gather" and c.phase == "optimizer"),
+        len(calls),
+    )
     placed, t = [], 0.0
     for i, (c, dim, sec) in enumerate(calls):
         if i == gather:
@@ -322,16 +326,18 @@ def job_timing(job_trace) -> Timing | None:
                 exposed = sum(sec for *_, sec, over in mine if over is None)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
         sends[s] = _p2p(job, world, micro, micro.rank)
-        orders.append([(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows
-                       if w.chunk is not None])
+        orders.append(
+            [(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows if w.chunk is not None]
+        )
     none = (0, 0.0, 0.0, ())
 
     def duration(s, phase, chunk):
         _, comp, exposed, _ = kinds.get((s, phase, chunk), none)
         return comp + exposed
 
-    simulated = simulate(orders, duration, pp=pp, vpp=vpp,
-                         p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0])
+    simulated = simulate(
+        orders, duration, pp=pp, vpp=vpp, p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0]
+    )
     pipeline = max((end for stage in simulated for _, end, *_ in stage), default=0.0)
     stages, transfers = [], []
     for rt, stage in zip(roles, simulated):
@@ -340,18 +346,44 @@ def job_timing(job_trace) -> Timing | None:
         spans = []
         for start, end, phase, chunk, mb in stage:
             flops, comp, exposed, placed = kinds.get((s, phase, chunk), none)
-            spans.append(Span(start, end, phase, mb, chunk, flops, comp, exposed,
-                              peaks.get((phase, chunk, mb), 0), placed))
+            spans.append(
+                Span(
+                    start,
+                    end,
+                    phase,
+                    mb,
+                    chunk,
+                    flops,
+                    comp,
+                    exposed,
+                    peaks.get((phase, chunk, mb), 0),
+                    placed,
+                )
+            )
             transfers.extend(_transfers(s, phase, chunk, mb, end, sends[s], pp, vpp))
         opt_seconds, update, opt_calls = _optimizer(job, world, rt.iteration, rt.trace.rank)
-        opt_peak = max((v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")),
-                       default=0)
-        spans.append(Span(pipeline, pipeline + opt_seconds, "optimizer", None, None,
-                          compute_seconds=update, comm_seconds=opt_seconds - update,
-                          peak_bytes=opt_peak, calls=opt_calls))
+        opt_peak = max(
+            (v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")), default=0
+        )
+        spans.append(
+            Span(
+                pipeline,
+                pipeline + opt_seconds,
+                "optimizer",
+                None,
+                None,
+                compute_seconds=update,
+                comm_seconds=opt_seconds - update,
+                peak_bytes=opt_peak,
+                calls=opt_calls,
+            )
+        )
         busy = sum(end - start for start, end, *_ in stage)
-        stages.append(StageTiming(s, tuple(spans), busy, opt_seconds, pipeline + opt_seconds,
-                                  bubble(stage, pipeline)))
+        stages.append(
+            StageTiming(
+                s, tuple(spans), busy, opt_seconds, pipeline + opt_seconds, bubble(stage, pipeline)
+            )
+        )
     idle = sum(pipeline - st.busy_seconds for st in stages)
     return Timing(
         stages=tuple(stages),

@@ -56,8 +56,15 @@ def layout_stages(layout: str, pp: int) -> list[list[str]]:
 
 def check_job(job) -> None:
     problems = []
-    for check in (_check_model, _check_parallel, _check_impl, _check_moe, _check_mla, _check_mtp,
-                  _check_cluster):
+    for check in (
+        _check_model,
+        _check_parallel,
+        _check_impl,
+        _check_moe,
+        _check_mla,
+        _check_mtp,
+        _check_cluster,
+    ):
         problems.extend(check(job))
     split = list(_check_pipeline(job))
     problems += split
@@ -505,32 +512,45 @@ def _check_te_op_fuser(job):
     if not impl.te_op_fuser:
         return
     if impl.transformer_impl != "transformer_engine":
-        yield ("implementation.te_op_fuser needs implementation.transformer_impl: "
-               "transformer_engine (TEFusedMLP runs Transformer Engine's operation fuser over TE's "
-               "LayerNormLinear and Linear, and raises ValueError on the local spec's linears)")
+        yield (
+            "implementation.te_op_fuser needs implementation.transformer_impl: "
+            "transformer_engine (TEFusedMLP runs Transformer Engine's operation fuser over TE's "
+            "LayerNormLinear and Linear, and raises ValueError on the local spec's linears)"
+        )
     if job.model.activation not in TE_OP_FUSER_ACTIVATIONS:
-        yield (f"implementation.te_op_fuser does not support model.activation "
-               f"{job.model.activation}: TEFusedMLP has Transformer Engine ops for "
-               f"{', '.join(TE_OP_FUSER_ACTIVATIONS)} only (NotImplementedError)")
+        yield (
+            f"implementation.te_op_fuser does not support model.activation "
+            f"{job.model.activation}: TEFusedMLP has Transformer Engine ops for "
+            f"{', '.join(TE_OP_FUSER_ACTIVATIONS)} only (NotImplementedError)"
+        )
     blockwise = tr.precision == "fp8" and tr.fp8_recipe == "blockwise"
     if blockwise and par.tp > 1 and par.sequence_parallel:
         # TE 2.8: the norm op quantizes with fc1's input quantizer, whose all_gather_usage
         # BasicLinear never sets (GEMM-ready layout); _all_gather_fp8_blockwise then raises.
-        yield ("implementation.te_op_fuser with training.fp8_recipe blockwise and "
-               "parallel.sequence_parallel fails in Transformer Engine 2.8: the fuser's FP8 "
-               "all-gather of fc1's input needs block scales in the compact layout, which its "
-               "norm op does not write (RuntimeError); use another recipe or no sequence parallel")
+        yield (
+            "implementation.te_op_fuser with training.fp8_recipe blockwise and "
+            "parallel.sequence_parallel fails in Transformer Engine 2.8: the fuser's FP8 "
+            "all-gather of fc1's input needs block scales in the compact layout, which its "
+            "norm op does not write (RuntimeError); use another recipe or no sequence parallel"
+        )
 
 
 # Keys that only mixture-of-experts layers read.
 _MOE_KEYS = (
-    "model.moe_shared_expert_intermediate_size", "model.moe_ffn_hidden_size",
-    "model.moe_router_num_groups", "model.moe_router_group_topk",
-    "model.moe_router_topk_scaling_factor", "model.moe_router_enable_expert_bias",
-    "implementation.moe_grouped_gemm", "implementation.moe_permute_fusion",
-    "implementation.moe_router_fusion", "training.moe_routing",
-    "training.moe_expert_capacity_factor", "training.moe_hottest_expert_load",
-    "parallel.moe_token_dispatcher_type", "parallel.moe_shared_expert_overlap",
+    "model.moe_shared_expert_intermediate_size",
+    "model.moe_ffn_hidden_size",
+    "model.moe_router_num_groups",
+    "model.moe_router_group_topk",
+    "model.moe_router_topk_scaling_factor",
+    "model.moe_router_enable_expert_bias",
+    "implementation.moe_grouped_gemm",
+    "implementation.moe_permute_fusion",
+    "implementation.moe_router_fusion",
+    "training.moe_routing",
+    "training.moe_expert_capacity_factor",
+    "training.moe_hottest_expert_load",
+    "parallel.moe_token_dispatcher_type",
+    "parallel.moe_shared_expert_overlap",
 )
 
 
@@ -557,20 +577,28 @@ def _check_moe(job):
         return
     if par.tp > 1 and not par.sequence_parallel:
         # megatron-core's MoELayer.forward raises this in training.
-        yield ("mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel "
-               "(megatron-core refuses to train without it)")
+        yield (
+            "mixture-of-experts layers with parallel.tp > 1 need parallel.sequence_parallel "
+            "(megatron-core refuses to train without it)"
+        )
     if m.num_experts % par.ep:
         yield f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {par.ep}"
     if not 1 <= m.moe_router_topk <= m.num_experts:
-        yield (f"model.moe_router_topk = {m.moe_router_topk} must be between 1 and "
-               f"model.num_experts = {m.num_experts}")
+        yield (
+            f"model.moe_router_topk = {m.moe_router_topk} must be between 1 and "
+            f"model.num_experts = {m.num_experts}"
+        )
     if par.moe_token_dispatcher_type == "flex":
-        yield ("parallel.moe_token_dispatcher_type: flex (DeepEP / HybridEP kernels) is not "
-               "modelled; use alltoall or allgather")
+        yield (
+            "parallel.moe_token_dispatcher_type: flex (DeepEP / HybridEP kernels) is not "
+            "modelled; use alltoall or allgather"
+        )
     if impl.moe_grouped_gemm and impl.transformer_impl == "local":
-        yield ("implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
-               "legacy GroupedMLP (the grouped_gemm package), which is not modelled; use "
-               "transformer_impl: transformer_engine")
+        yield (
+            "implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
+            "legacy GroupedMLP (the grouped_gemm package), which is not modelled; use "
+            "transformer_impl: transformer_engine"
+        )
     if tr.precision == "fp8":
         yield "training.precision fp8 with mixture-of-experts layers is not modelled yet"
     factor = tr.moe_expert_capacity_factor
@@ -579,25 +607,42 @@ def _check_moe(job):
     if tr.moe_routing == "capacity" and factor is None:
         yield "training.moe_routing: capacity needs training.moe_expert_capacity_factor"
     if tr.moe_hottest_expert_load < 1:
-        yield (f"training.moe_hottest_expert_load = {tr.moe_hottest_expert_load:g} must be at "
-               "least 1 (the hottest expert's multiple of the balanced share)")
+        yield (
+            f"training.moe_hottest_expert_load = {tr.moe_hottest_expert_load:g} must be at "
+            "least 1 (the hottest expert's multiple of the balanced share)"
+        )
     elif tr.moe_hottest_expert_load != 1 and tr.moe_routing == "capacity":
-        yield ("training.moe_hottest_expert_load applies to balanced routing; with "
-               "moe_routing: capacity every expert's input is padded to its capacity")
+        yield (
+            "training.moe_hottest_expert_load applies to balanced routing; with "
+            "moe_routing: capacity every expert's input is padded to its capacity"
+        )
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
     if impl.moe_router_fusion and tr.moe_router_dtype == "fp64":
         # transformer_engine/pytorch/router.py, fused_topk_with_score_function
-        yield ("implementation.moe_router_fusion with training.moe_router_dtype: fp64 is refused "
-               "by Transformer Engine's fused router (no float64 kernel)")
+        yield (
+            "implementation.moe_router_fusion with training.moe_router_dtype: fp64 is refused "
+            "by Transformer Engine's fused router (no float64 kernel)"
+        )
 
 
 # Model keys that only multi-latent attention reads.
-_MLA_KEYS = tuple(f"model.{k}" for k in (
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-    "mscale", "mscale_all_dim",
-))
+_MLA_KEYS = tuple(
+    f"model.{k}"
+    for k in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "rotary_scaling_factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    )
+)
 
 
 def _check_mla(job):
@@ -607,12 +652,16 @@ def _check_mla(job):
         if given:
             yield f"{', '.join(given)} need model.multi_latent_attention"
         if m.rope_type == "yarn":
-            yield ("model.rope_type yarn is modelled with model.multi_latent_attention only "
-                   "(megatron-core 0.16.1 asserts rope for other attention)")
+            yield (
+                "model.rope_type yarn is modelled with model.multi_latent_attention only "
+                "(megatron-core 0.16.1 asserts rope for other attention)"
+            )
         return
     if m.num_query_groups != m.num_attention_heads:
-        yield (f"model.num_query_groups = {m.num_query_groups} with multi-latent attention: MLA "
-               "has no grouped-query attention (Megatron-LM refuses the combination)")
+        yield (
+            f"model.num_query_groups = {m.num_query_groups} with multi-latent attention: MLA "
+            "has no grouped-query attention (Megatron-LM refuses the combination)"
+        )
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         if getattr(m, name) < 1:
             yield f"model.{name} = {getattr(m, name)} must be at least 1"
@@ -621,12 +670,16 @@ def _check_mla(job):
     if par.cp > 1:
         # Transformer Engine's context-parallel attention exchanges K and V of different head
         # dimensions separately for MLA; models/te_cp.py models equal head dimensions only.
-        yield ("parallel.cp > 1 with multi-latent attention is not modelled (Transformer "
-               "Engine's context-parallel MLA exchanges K and V of different head sizes)")
+        yield (
+            "parallel.cp > 1 with multi-latent attention is not modelled (Transformer "
+            "Engine's context-parallel MLA exchanges K and V of different head sizes)"
+        )
     if job.attention_kernel == "flash":
-        yield ("implementation.attention_backend: flash with multi-latent attention: Transformer "
-               "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
-               "use fused or unfused")
+        yield (
+            "implementation.attention_backend: flash with multi-latent attention: Transformer "
+            "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
+            "use fused or unfused"
+        )
     if job.training.precision == "fp8":
         yield "training.precision fp8 with multi-latent attention is not modelled yet"
 
@@ -639,8 +692,10 @@ def _check_mtp(job):
     if n < 1:
         yield f"model.mtp_num_layers = {n} must be at least 1 (or omitted)"
     if m.position_embedding_type not in ("rope", "none"):
-        yield ("multi-token prediction needs model.position_embedding_type rope or none "
-               "(Megatron-LM asserts it)")
+        yield (
+            "multi-token prediction needs model.position_embedding_type rope or none "
+            "(Megatron-LM asserts it)"
+        )
 
 
 def _check_mtp_layout(job, stages):
@@ -650,11 +705,14 @@ def _check_mtp_layout(job, stages):
     n = job.model.mtp_num_layers or 0
     placed = sum(stage.count("mtp") for stage in stages)
     if placed != n:
-        yield (f"parallel.layout places {placed} MTP layers (m), but model.mtp_num_layers = "
-               f"{job.model.mtp_num_layers}")
+        yield (
+            f"parallel.layout places {placed} MTP layers (m), but model.mtp_num_layers = "
+            f"{job.model.mtp_num_layers}"
+        )
     elif n and not any("mtp" in stage and "loss" in stage for stage in stages):
-        yield ("parallel.layout must put the MTP layers (m) in the stage of the loss (L), e.g. "
-               "...|tmL")
+        yield (
+            "parallel.layout must put the MTP layers (m) in the stage of the loss (L), e.g. ...|tmL"
+        )
 
 
 def _check_deferred_wgrad(job, per_step):
@@ -668,18 +726,22 @@ def _check_deferred_wgrad(job, per_step):
         # tensor_parallel/layers.py:1003: every ColumnParallelLinear (the local spec's
         # linear_qkv and linear_fc1 too) appends to its embedding_activation_buffer, which only
         # the output layer has (None elsewhere): AttributeError in the first forward.
-        yield ("training.defer_embedding_wgrad_compute needs implementation.transformer_impl: "
-               "transformer_engine (with the local spec megatron-core 0.16.1 fails in the first "
-               "forward: its linear layers have no embedding_activation_buffer)")
+        yield (
+            "training.defer_embedding_wgrad_compute needs implementation.transformer_impl: "
+            "transformer_engine (with the local spec megatron-core 0.16.1 fails in the first "
+            "forward: its linear layers have no embedding_activation_buffer)"
+        )
     if tr.global_batch_size >= per_step > 0:
         calls = (tr.global_batch_size // per_step) * (1 + (job.model.mtp_num_layers or 0))
         deferred = calls if tr.wgrad_deferral_limit == 0 else min(tr.wgrad_deferral_limit, calls)
         if deferred == 1:
             # utils.drain_embedding_wgrad_compute: drain_idx is only set inside its loop over
             # the second and later entries (UnboundLocalError at the first pipeline flush).
-            yield ("training.defer_embedding_wgrad_compute with one deferred output-layer call per "
-                   "iteration (wgrad_deferral_limit 1, or one micro-batch) fails in megatron-core "
-                   "0.16.1's drain_embedding_wgrad_compute")
+            yield (
+                "training.defer_embedding_wgrad_compute with one deferred output-layer call per "
+                "iteration (wgrad_deferral_limit 1, or one micro-batch) fails in megatron-core "
+                "0.16.1's drain_embedding_wgrad_compute"
+            )
 
 
 def _check_offload(job):
@@ -700,8 +762,10 @@ def _check_offload(job):
         # recompute inside backward, where the manager's bookkeeping of which chunk runs
         # backward breaks with pipelining (on_group_commit_backward asserts), and without it the
         # groups are offloaded and reloaded at once, saving nothing.
-        yield ("training.activation_offload_modules with full recompute: megatron-core 0.16.1 "
-               "offloads inside backward's recompute, which saves nothing and with pipeline "
-               "parallelism fails ('Chunk mismatch'); use selective recompute or no offloading")
+        yield (
+            "training.activation_offload_modules with full recompute: megatron-core 0.16.1 "
+            "offloads inside backward's recompute, which saves nothing and with pipeline "
+            "parallelism fails ('Chunk mismatch'); use selective recompute or no offloading"
+        )
     # (expert_fc1 under FP8 delayed scaling, which TE's GroupedLinear refuses with
     # save_original_input, is covered by the refusal of FP8 with experts in _check_moe.)

@@ -20,9 +20,10 @@ supported families, not every variant saved by other tools.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from metatrace.errors import ConfigError
 
@@ -104,7 +105,9 @@ IGNORED = {
     "architectures": "the HF class name; model_type names the family",
     "_name_or_path": "where the file came from",
     "auto_map": "remote-code class names",
-    "bos_token_id": "token id", "eos_token_id": "token id", "pad_token_id": "token id",
+    "bos_token_id": "token id",
+    "eos_token_id": "token id",
+    "pad_token_id": "token id",
     "torch_dtype": "checkpoint dtype; training.precision sets the training dtypes",
     "dtype": "checkpoint dtype (newer transformers); training.precision sets them",
     "transformers_version": "the writer's version",
@@ -119,8 +122,13 @@ IGNORED = {
 
 # Dimensions without which the file describes no model (transformers would silently fill them
 # with its class defaults, which describe some other model).
-REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-            "vocab_size")
+REQUIRED = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+)
 
 _RENAMES = {
     "num_hidden_layers": ("num_layers", int),
@@ -137,8 +145,13 @@ _RENAMES = {
 _FIXED = {"normalization": "RMSNorm", "position_embedding_type": "rope", "hidden_dropout": 0.0}
 
 # HF's gated MLP is down(act(gate(x)) * up(x)): megatron-core's gated activations.
-ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
-               "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+ACTIVATIONS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu": "geglu",
+    "gelu_pytorch_tanh": "geglu",
+    "gelu_new": "geglu",
+}
 
 # rope_scaling kinds that only change the rotary frequencies, as Megatron-LM's
 # --use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) do: nothing
@@ -146,14 +159,21 @@ ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
 FREQUENCY_ONLY_ROPE = ("default", "linear", "llama3")
 
 # DeepSeek's yarn fields -> model keys; omitted ones keep Megatron-LM's defaults.
-YARN = {"factor": "rotary_scaling_factor",
-        "original_max_position_embeddings": "original_max_position_embeddings",
-        "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
-        "mscale_all_dim": "mscale_all_dim"}
+YARN = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
 
 # DeepSeek's topk_method -> (per-expert bias for aux-loss-free balancing, group-limited routing).
-TOPK_METHODS = {"noaux_tc": (True, True), "group_limited_greedy": (False, True),
-                "greedy": (False, False)}
+TOPK_METHODS = {
+    "noaux_tc": (True, True),
+    "group_limited_greedy": (False, True),
+    "greedy": (False, False),
+}
 
 
 # ----------------------------------------------------------------------------- rules
@@ -189,8 +209,11 @@ def _bias_keys(src: _Source, attention: bool, mlp: bool, field: str) -> dict:
     (add_qkv_bias); HF's attention_bias also biases the output projection, so it maps only
     together with mlp_bias."""
     if attention != mlp:
-        raise src.error(field, "biases on the attention projections (output included) but not "
-                        "on the MLP (or the reverse): megatron-core has no such switch")
+        raise src.error(
+            field,
+            "biases on the attention projections (output included) but not "
+            "on the MLP (or the reverse): megatron-core has no such switch",
+        )
     return {"add_bias_linear": attention, "add_qkv_bias": attention}
 
 
@@ -210,8 +233,11 @@ def _rope_scaling(src: _Source) -> dict:
         return {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in FREQUENCY_ONLY_ROPE:
-        raise src.error("rope_scaling", f"type {kind!r} is not modelled (supported: none, "
-                        f"{', '.join(FREQUENCY_ONLY_ROPE)}; yarn with multi-latent attention)")
+        raise src.error(
+            "rope_scaling",
+            f"type {kind!r} is not modelled (supported: none, "
+            f"{', '.join(FREQUENCY_ONLY_ROPE)}; yarn with multi-latent attention)",
+        )
     return {}
 
 
@@ -235,12 +261,17 @@ def _sliding_window(src: _Source) -> dict:
     if windowed == 0 or seq is None:  # no sequence: the job is refused for that anyway
         return {}
     if seq > window:
-        raise src.error("sliding_window", f"{windowed} of {layers} layers attend to the last "
-                        f"{window} tokens only, which masks part of training.seq_length = "
-                        f"{seq}; sliding-window attention is not modelled yet (a sequence of "
-                        f"at most {window} is plain causal attention)")
-    src.notes.append(f"{src.path}: sliding_window {window} covers training.seq_length {seq}: "
-                     "plain causal attention")
+        raise src.error(
+            "sliding_window",
+            f"{windowed} of {layers} layers attend to the last "
+            f"{window} tokens only, which masks part of training.seq_length = "
+            f"{seq}; sliding-window attention is not modelled yet (a sequence of "
+            f"at most {window} is plain causal attention)",
+        )
+    src.notes.append(
+        f"{src.path}: sliding_window {window} covers training.seq_length {seq}: "
+        "plain causal attention"
+    )
     return {}
 
 
@@ -256,9 +287,12 @@ def _mixtral_moe(src: _Source) -> dict:
     width = src.get("intermediate_size", int)
     # HF's Mixtral softmaxes over all experts and renormalises the top k: a softmax over the top
     # k logits, which is megatron-core's router without pre-softmax.
-    return {"num_experts": src.get("num_local_experts", int),
-            "moe_router_topk": src.get("num_experts_per_tok", int),
-            "moe_ffn_hidden_size": width, "moe_router_pre_softmax": False}
+    return {
+        "num_experts": src.get("num_local_experts", int),
+        "moe_router_topk": src.get("num_experts_per_tok", int),
+        "moe_ffn_hidden_size": width,
+        "moe_router_pre_softmax": False,
+    }
 
 
 def _qwen3_moe(src: _Source) -> dict:
@@ -269,12 +303,14 @@ def _qwen3_moe(src: _Source) -> dict:
         raise src.error("decoder_sparse_step", "must be at least 1")
     # HF's Qwen3MoeDecoderLayer: sparse where (i + 1) % step == 0 and i is not MLP-only.
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
-    return {"num_experts": src.get("num_experts", int),
-            "moe_router_topk": src.get("num_experts_per_tok", int),
-            "moe_ffn_hidden_size": src.get("moe_intermediate_size", int),
-            "moe_layer_freq": _sparse(pattern),
-            # renormalised top k = softmax over the top-k logits; otherwise softmax first
-            "moe_router_pre_softmax": not src.get("norm_topk_prob", bool)}
+    return {
+        "num_experts": src.get("num_experts", int),
+        "moe_router_topk": src.get("num_experts_per_tok", int),
+        "moe_ffn_hidden_size": src.get("moe_intermediate_size", int),
+        "moe_layer_freq": _sparse(pattern),
+        # renormalised top k = softmax over the top-k logits; otherwise softmax first
+        "moe_router_pre_softmax": not src.get("norm_topk_prob", bool),
+    }
 
 
 def _router_aux_loss(src: _Source) -> dict:
@@ -295,9 +331,12 @@ def _deepseek_moe(src: _Source) -> dict:
     pattern = [int(i >= first_dense and i % freq == 0) for i in range(layers)]
     width = src.get("moe_intermediate_size", int)
     shared = src.get("n_shared_experts", int, optional=True)
-    out = {"num_experts": src.get("n_routed_experts", int),
-           "moe_router_topk": src.get("num_experts_per_tok", int),
-           "moe_ffn_hidden_size": width, "moe_layer_freq": _sparse(pattern)}
+    out = {
+        "num_experts": src.get("n_routed_experts", int),
+        "moe_router_topk": src.get("num_experts_per_tok", int),
+        "moe_ffn_hidden_size": width,
+        "moe_layer_freq": _sparse(pattern),
+    }
     if shared:  # megatron-core's shared experts are one MLP of their summed width
         out["moe_shared_expert_intermediate_size"] = shared * width
     return out
@@ -306,20 +345,25 @@ def _deepseek_moe(src: _Source) -> dict:
 def _deepseek_router(src: _Source) -> dict:
     score = src.get("scoring_func", str)
     if score not in ("softmax", "sigmoid"):
-        raise src.error("scoring_func", "not modelled; megatron-core scores with softmax or "
-                        "sigmoid")
+        raise src.error(
+            "scoring_func", "not modelled; megatron-core scores with softmax or sigmoid"
+        )
     method = src.get("topk_method", str)
     if method not in TOPK_METHODS:
         raise src.error("topk_method", f"not modelled; known: {', '.join(TOPK_METHODS)}")
     bias, grouped = TOPK_METHODS[method]
     normalised = src.get("norm_topk_prob", bool)
-    out = {"moe_router_score_function": score, "moe_router_enable_expert_bias": bias,
-           "moe_router_topk_scaling_factor": src.get("routed_scaling_factor", float)}
+    out = {
+        "moe_router_score_function": score,
+        "moe_router_enable_expert_bias": bias,
+        "moe_router_topk_scaling_factor": src.get("routed_scaling_factor", float),
+    }
     if score == "softmax":
         out["moe_router_pre_softmax"] = not normalised
     elif not normalised and src.get("num_experts_per_tok", int) > 1:
-        raise src.error("norm_topk_prob", "megatron-core always renormalises the top-k sigmoid "
-                        "scores")
+        raise src.error(
+            "norm_topk_prob", "megatron-core always renormalises the top-k sigmoid scores"
+        )
     if grouped:
         out["moe_router_num_groups"] = src.get("n_group", int)
         out["moe_router_group_topk"] = src.get("topk_group", int)
@@ -336,13 +380,16 @@ def _mla(src: _Source) -> dict:
     rotary cache); kv_channels is not read by megatron-core's MLA: Megatron-LM's DeepSeek-V3
     recipe gives 128, v_head_dim."""
     v = src.get("v_head_dim", int)
-    return {"multi_latent_attention": True,
-            "q_lora_rank": src.get("q_lora_rank", int, optional=True),  # null: no compression
-            "kv_lora_rank": src.get("kv_lora_rank", int),
-            "qk_head_dim": src.get("qk_nope_head_dim", int),
-            "qk_pos_emb_head_dim": src.get("qk_rope_head_dim", int),
-            "v_head_dim": v, "kv_channels": v,
-            "qk_layernorm": True}  # q_a_layernorm / kv_a_layernorm on the latents
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": src.get("q_lora_rank", int, optional=True),  # null: no compression
+        "kv_lora_rank": src.get("kv_lora_rank", int),
+        "qk_head_dim": src.get("qk_nope_head_dim", int),
+        "qk_pos_emb_head_dim": src.get("qk_rope_head_dim", int),
+        "v_head_dim": v,
+        "kv_channels": v,
+        "qk_layernorm": True,
+    }  # q_a_layernorm / kv_a_layernorm on the latents
 
 
 def _mla_rope_scaling(src: _Source) -> dict:
@@ -351,13 +398,17 @@ def _mla_rope_scaling(src: _Source) -> dict:
         return {"rope_type": "rope"}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "yarn":
-        raise src.error("rope_scaling", f"type {kind!r} is not modelled with multi-latent "
-                        "attention (supported: none, yarn)")
+        raise src.error(
+            "rope_scaling",
+            f"type {kind!r} is not modelled with multi-latent attention (supported: none, yarn)",
+        )
     out = {"rope_type": "yarn"}
     for field, value in scaling.items():
         if field in YARN:
+
             def fail(problem, where=f"{src.path}: 'rope_scaling.{field}'"):
                 return ConfigError(f"{where}: {problem}")
+
             want = int if field == "original_max_position_embeddings" else float
             out[YARN[field]] = _typed(value, want, fail)
         elif field not in ("type", "rope_type"):
@@ -380,82 +431,192 @@ _DENSE_RULES = (
     Rule(("tie_word_embeddings",), _tied),
     Rule(("rope_scaling",), _rope_scaling),
 )
-_WINDOW = Rule(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
-               _sliding_window)
+_WINDOW = Rule(
+    ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"), _sliding_window
+)
 _NO_BIASES = {"add_bias_linear": False, "add_qkv_bias": False}
-_BASE_DEFAULTS = {"num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
-                  "tie_word_embeddings": False, "rope_scaling": None, "attention_dropout": 0.0,
-                  "rms_norm_eps": 1e-6}
-_QWEN_DEFAULTS = {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 32768,
-                  "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
-                  "max_window_layers": 28}
+_BASE_DEFAULTS = {
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "rope_scaling": None,
+    "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-6,
+}
+_QWEN_DEFAULTS = {
+    **_BASE_DEFAULTS,
+    "rope_theta": 10000,
+    "max_position_embeddings": 32768,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
 _MOE_ROUTER = Rule(("output_router_logits", "router_aux_loss_coef"), _router_aux_loss)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
-        _RENAMES, _DENSE_RULES + (Rule(("attention_bias", "mlp_bias"), _llama_biases),),
+        _RENAMES,
+        _DENSE_RULES + (Rule(("attention_bias", "mlp_bias"), _llama_biases),),
         _FIXED,
-        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 2048,
-         "attention_bias": False, "mlp_bias": False},
+        {
+            **_BASE_DEFAULTS,
+            "rope_theta": 10000,
+            "max_position_embeddings": 2048,
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
     ),
     "mistral": Family(
-        _RENAMES, _DENSE_RULES + (_WINDOW,), {**_FIXED, **_NO_BIASES},
-        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 4096 * 32,
-         "sliding_window": 4096},
+        _RENAMES,
+        _DENSE_RULES + (_WINDOW,),
+        {**_FIXED, **_NO_BIASES},
+        {
+            **_BASE_DEFAULTS,
+            "rope_theta": 10000,
+            "max_position_embeddings": 4096 * 32,
+            "sliding_window": 4096,
+        },
     ),
     "mixtral": Family(
         _RENAMES,
-        _DENSE_RULES + (_WINDOW, _MOE_ROUTER,
-                        Rule(("num_local_experts", "num_experts_per_tok", "router_jitter_noise"),
-                             _mixtral_moe)),
+        _DENSE_RULES
+        + (
+            _WINDOW,
+            _MOE_ROUTER,
+            Rule(("num_local_experts", "num_experts_per_tok", "router_jitter_noise"), _mixtral_moe),
+        ),
         {**_FIXED, **_NO_BIASES},
-        {**_BASE_DEFAULTS, "rope_theta": 1000000, "max_position_embeddings": 4096 * 32,
-         "rms_norm_eps": 1e-5, "sliding_window": None, "num_local_experts": 8,
-         "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "output_router_logits": False,
-         "router_aux_loss_coef": 0.001},
+        {
+            **_BASE_DEFAULTS,
+            "rope_theta": 1000000,
+            "max_position_embeddings": 4096 * 32,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        },
     ),
     # Qwen2 has biases on q, k and v (hard-wired, no field) and none elsewhere.
     "qwen2": Family(
-        _RENAMES, _DENSE_RULES + (_WINDOW,),
-        {**_FIXED, "add_bias_linear": False, "add_qkv_bias": True}, _QWEN_DEFAULTS,
+        _RENAMES,
+        _DENSE_RULES + (_WINDOW,),
+        {**_FIXED, "add_bias_linear": False, "add_qkv_bias": True},
+        _QWEN_DEFAULTS,
     ),
     "qwen3": Family(
-        _RENAMES, _DENSE_RULES + (_WINDOW, Rule(("attention_bias",), _attention_biases)),
-        {**_FIXED, "qk_layernorm": True}, {**_QWEN_DEFAULTS, "head_dim": 128},
+        _RENAMES,
+        _DENSE_RULES + (_WINDOW, Rule(("attention_bias",), _attention_biases)),
+        {**_FIXED, "qk_layernorm": True},
+        {**_QWEN_DEFAULTS, "head_dim": 128},
     ),
     "qwen3_moe": Family(
         _RENAMES,
-        _DENSE_RULES + (_WINDOW, Rule(("attention_bias",), _attention_biases), _MOE_ROUTER,
-                        Rule(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                              "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
-                             _qwen3_moe)),
+        _DENSE_RULES
+        + (
+            _WINDOW,
+            Rule(("attention_bias",), _attention_biases),
+            _MOE_ROUTER,
+            Rule(
+                (
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "decoder_sparse_step",
+                    "mlp_only_layers",
+                    "norm_topk_prob",
+                ),
+                _qwen3_moe,
+            ),
+        ),
         {**_FIXED, "qk_layernorm": True},
-        {**_QWEN_DEFAULTS, "decoder_sparse_step": 1, "mlp_only_layers": None,
-         "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001},
+        {
+            **_QWEN_DEFAULTS,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": None,
+            "norm_topk_prob": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        },
     ),
     "deepseek_v3": Family(
         _RENAMES,
-        (Rule(("rope_theta",), _rope_theta), Rule(("hidden_act",), _activation),
-         Rule(("tie_word_embeddings",), _tied), Rule(("attention_bias",), _attention_biases),
-         Rule(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-               "v_head_dim", "num_key_value_heads", "head_dim"), _mla),
-         Rule(("rope_scaling",), _mla_rope_scaling),
-         Rule(("n_routed_experts", "n_shared_experts", "num_experts_per_tok",
-               "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq"),
-              _deepseek_moe),
-         Rule(("scoring_func", "topk_method", "norm_topk_prob", "routed_scaling_factor",
-               "n_group", "topk_group", "seq_aux", "aux_loss_alpha"), _deepseek_router),
-         Rule(("num_nextn_predict_layers",), _mtp)),
+        (
+            Rule(("rope_theta",), _rope_theta),
+            Rule(("hidden_act",), _activation),
+            Rule(("tie_word_embeddings",), _tied),
+            Rule(("attention_bias",), _attention_biases),
+            Rule(
+                (
+                    "q_lora_rank",
+                    "kv_lora_rank",
+                    "qk_nope_head_dim",
+                    "qk_rope_head_dim",
+                    "v_head_dim",
+                    "num_key_value_heads",
+                    "head_dim",
+                ),
+                _mla,
+            ),
+            Rule(("rope_scaling",), _mla_rope_scaling),
+            Rule(
+                (
+                    "n_routed_experts",
+                    "n_shared_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "first_k_dense_replace",
+                    "moe_layer_freq",
+                ),
+                _deepseek_moe,
+            ),
+            Rule(
+                (
+                    "scoring_func",
+                    "topk_method",
+                    "norm_topk_prob",
+                    "routed_scaling_factor",
+                    "n_group",
+                    "topk_group",
+                    "seq_aux",
+                    "aux_loss_alpha",
+                ),
+                _deepseek_router,
+            ),
+            Rule(("num_nextn_predict_layers",), _mtp),
+        ),
         _FIXED,
         # the remote-code DeepseekV3Config's defaults (transformers' own class agrees)
-        {**_BASE_DEFAULTS, "rope_theta": 10000, "max_position_embeddings": 4096,
-         "attention_bias": False, "q_lora_rank": 1536, "kv_lora_rank": 512,
-         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-         "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-         "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-         "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "seq_aux": True,
-         "aux_loss_alpha": 0.001, "num_nextn_predict_layers": 1},
+        {
+            **_BASE_DEFAULTS,
+            "rope_theta": 10000,
+            "max_position_embeddings": 4096,
+            "attention_bias": False,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048,
+            "first_k_dense_replace": 3,
+            "moe_layer_freq": 1,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "n_group": 8,
+            "topk_group": 4,
+            "seq_aux": True,
+            "aux_loss_alpha": 0.001,
+            "num_nextn_predict_layers": 1,
+        },
     ),
 }
 
@@ -489,14 +650,19 @@ def read_hf_config(
     data = _load(path)
     model_type = data.get("model_type")
     if model_type not in FAMILIES:
-        what = ("no 'model_type'" if model_type is None
-                else f"'model_type' {model_type!r} is not supported")
+        what = (
+            "no 'model_type'"
+            if model_type is None
+            else f"'model_type' {model_type!r} is not supported"
+        )
         raise ConfigError(f"{path}: {what} (supported: {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
     missing = [f for f in REQUIRED if f not in data]
     if missing:
-        raise ConfigError(f"{path}: {', '.join(repr(f) for f in missing)} missing "
-                          f"(a {model_type} config needs {', '.join(REQUIRED)})")
+        raise ConfigError(
+            f"{path}: {', '.join(repr(f) for f in missing)} missing "
+            f"(a {model_type} config needs {', '.join(REQUIRED)})"
+        )
     src = _Source(path, {**family.defaults, **data}, seq_length)
     dims = dict(family.fixed)
     for field, (key, kind) in family.renames.items():
@@ -506,6 +672,7 @@ def read_hf_config(
     known = set(IGNORED) | set(family.renames) | {f for r in family.rules for f in r.fields}
     unknown = sorted(set(data) - known) + src.unknown
     if unknown:
-        src.notes.append(f"warning: {path}: fields metatrace does not know, not used: "
-                         f"{', '.join(unknown)}")
+        src.notes.append(
+            f"warning: {path}: fields metatrace does not know, not used: {', '.join(unknown)}"
+        )
     return dims, tuple(src.notes)

@@ -216,10 +216,20 @@ class Training:
     --fp8-amax-history-len, default 1; Transformer Engine's own default would be 1024)."""
     recompute: Recompute = field(default_factory=Recompute)
     """Activation recomputation."""
-    activation_offload_modules: list[
-        Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
-                "moe_act"]
-    ] | None = None
+    activation_offload_modules: (
+        list[
+            Literal[
+                "attn_norm",
+                "qkv_linear",
+                "core_attn",
+                "attn_proj",
+                "mlp_norm",
+                "expert_fc1",
+                "moe_act",
+            ]
+        ]
+        | None
+    ) = None
     """megatron-core's fine-grained activation offloading (--fine-grained-activation-offloading
     --offload-modules): what these modules save for backward goes to pinned host memory after
     their forward and comes back in backward. attn_proj needs core_attn; attn_norm and mlp_norm
@@ -415,5 +425,10 @@ class Job:
 
 SECTIONS = ("model", "parallel", "training", "implementation", "cluster")
 DERIVED = (
-    "source", "padded_vocab_size", "num_microbatches", "notes", "attention_kernel", "not_modelled"
+    "source",
+    "padded_vocab_size",
+    "num_microbatches",
+    "notes",
+    "attention_kernel",
+    "not_modelled",
 )

@@ -16,6 +16,7 @@ from metatrace.config.job import DERIVED, SECTIONS, Job
 from metatrace.config.resolve import resolve
 from metatrace.errors import ConfigError
 
+
 def load_job(path: str | Path) -> Job:
     """Read a YAML job file, apply the preset, derive and check everything."""
     import yaml
@@ -44,9 +45,7 @@ def job_from_dict(
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections {SECTIONS}")
     data, hf_notes = _apply_hf_config(data, Path(base_dir) if base_dir is not None else None)
-    job = _build(
-        Job, _apply_preset(data), "", exclude=DERIVED
-    )
+    job = _build(Job, _apply_preset(data), "", exclude=DERIVED)
     job = resolve(dataclasses.replace(job, source=source))
     # resolve() writes its own notes; what the HF config said comes first.
     return dataclasses.replace(job, notes=hf_notes + job.notes) if hf_notes else job
@@ -75,7 +74,9 @@ def _unknown_key(cls, key: str, path: str, valid: list[str]) -> ConfigError:
         hint = f"; did you mean '{_join(path, close[0])}'?"
     else:
         elsewhere = _all_keys().get(norm)
-        hint = f"; did you mean '{elsewhere}'?" if elsewhere else f" (valid keys: {', '.join(valid)})"
+        hint = (
+            f"; did you mean '{elsewhere}'?" if elsewhere else f" (valid keys: {', '.join(valid)})"
+        )
     return ConfigError(f"unknown key '{full}'{hint}")
 
 
@@ -175,8 +176,10 @@ def _apply_hf_config(data: dict, base_dir: Path | None) -> tuple[dict, tuple[str
     if not isinstance(model, dict) or model.get("hf_config") is None:
         return data, ()  # _apply_preset names a model section that is not a mapping
     if model.get("preset") is not None:
-        raise ConfigError("'model.preset' and 'model.hf_config' both give the model; keep one "
-                          "(explicit model keys override either)")
+        raise ConfigError(
+            "'model.preset' and 'model.hf_config' both give the model; keep one "
+            "(explicit model keys override either)"
+        )
     name = model["hf_config"]
     if not isinstance(name, str):
         raise ConfigError(

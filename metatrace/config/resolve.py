@@ -14,6 +14,7 @@ from metatrace.config.hardware import GPU_LINKS_GBPS, GPU_MEMORY_GIB
 from metatrace.config.job import GATED_ACTIVATIONS, Job, Model
 from metatrace.errors import ConfigError
 
+
 def resolve(job: Job) -> Job:
     """Apply the preset, derive every default the way Megatron-LM does, and check the result."""
     model = _resolve_model(job.model)
@@ -117,7 +118,9 @@ def resolve(job: Job) -> Job:
         if par.vpp is not None:
             par = dataclasses.replace(
                 par,
-                overlap_p2p_comm=True if job.parallel.overlap_p2p_comm is None else par.overlap_p2p_comm,
+                overlap_p2p_comm=True
+                if job.parallel.overlap_p2p_comm is None
+                else par.overlap_p2p_comm,
                 microbatch_group_size=par.microbatch_group_size or par.pp,
             )
     impl = job.implementation
@@ -127,7 +130,8 @@ def resolve(job: Job) -> Job:
         # megatron-core fuses MLA's RoPE only for yarn (MLATransformerConfig refuses the rest).
         impl = dataclasses.replace(
             impl,
-            rope_fusion=te and model.position_embedding_type == "rope"
+            rope_fusion=te
+            and model.position_embedding_type == "rope"
             and (not model.multi_latent_attention or model.rope_type == "yarn"),
         )
     kernel = impl.attention_backend
@@ -191,7 +195,8 @@ def _resolve_model(model: Model) -> Model:
     missing = [n for n in _REQUIRED_MODEL if values[n] is None]
     if missing:
         raise ConfigError(
-            "model needs " + ", ".join(f"'model.{n}'" for n in missing)
+            "model needs "
+            + ", ".join(f"'model.{n}'" for n in missing)
             + " (or a model.preset or model.hf_config)"
         )
     for name in _REQUIRED_MODEL + ("ffn_hidden_size", "num_query_groups", "kv_channels"):
@@ -218,7 +223,9 @@ def _resolve_model(model: Model) -> Model:
         values["rope_type"] = "yarn" if values["multi_latent_attention"] else "rope"
     if values["num_experts"] is not None:
         if values["num_experts"] < 1:
-            raise ConfigError(f"'model.num_experts' must be at least 1, got {values['num_experts']}")
+            raise ConfigError(
+                f"'model.num_experts' must be at least 1, got {values['num_experts']}"
+            )
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
@@ -232,6 +239,7 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
 
     where = "'model.moe_layer_freq'"
     if isinstance(freq, str):
+
         def value(node):
             if isinstance(node, ast.Constant) and type(node.value) is int:
                 return node.value
@@ -241,12 +249,13 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
                 left, right = value(node.left), value(node.right)
                 return left + right if isinstance(node.op, ast.Add) else left * right
             raise ValueError
+
         try:
             freq = value(ast.parse(freq.strip(), mode="eval").body)
         except (SyntaxError, ValueError, TypeError):
             raise ConfigError(
                 f"{where} {freq!r} is not an integer, a list or an expression such as "
-                "\"([0]*3+[1]*58)\""
+                '"([0]*3+[1]*58)"'
             ) from None
     if isinstance(freq, int):
         if freq < 1:

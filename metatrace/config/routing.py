@@ -18,12 +18,12 @@ class Routing:
     to an expert at this multiple of its share (so it caps the hottest expert's load)."""
 
     @classmethod
-    def of(cls, config) -> "Routing":
+    def of(cls, config) -> Routing:
         """The assumption models.build.transformer_config attached to megatron-core's config."""
         return getattr(config, "metatrace_routing", cls())
 
     @classmethod
-    def of_job(cls, job) -> "Routing":
+    def of_job(cls, job) -> Routing:
         tr = job.training
         return cls(tr.moe_routing, tr.moe_hottest_expert_load, tr.moe_expert_capacity_factor)
 

@@ -27,8 +27,16 @@ def _us(seconds: float) -> float:
 
 def _complete(name, pid, tid, start, end, cat, args) -> dict:
     ts = _us(start)
-    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts,
-            "dur": round(_us(end) - ts, 3), "args": args}
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": ts,
+        "dur": round(_us(end) - ts, 3),
+        "args": args,
+    }
 
 
 def step_name(span) -> str:
@@ -45,23 +53,41 @@ def chrome_trace(analysis) -> dict:
     events: list[dict] = []
     for st in timing.stages:
         pid = st.stage
-        events.append({"name": "process_name", "ph": "M", "pid": pid,
-                       "args": {"name": f"stage {st.stage} (ranks {rank_span(ranks[st.stage])})"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid,
-                       "args": {"sort_index": st.stage}})
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": pid,
+                "args": {"name": f"stage {st.stage} (ranks {rank_span(ranks[st.stage])})"},
+            }
+        )
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": st.stage}}
+        )
         for tid, name in _THREADS.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"name": name}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
         overlapped_until = 0.0
         for span in st.spans:
-            args = {"microbatch": span.microbatch, "chunk": span.chunk, "flops": span.flops,
-                    "peak_bytes": span.peak_bytes, "compute_seconds": span.compute_seconds,
-                    "exposed_comm_seconds": span.comm_seconds}
-            events.append(_complete(step_name(span), pid, COMPUTE, span.start, span.end,
-                                    span.phase, args))
+            args = {
+                "microbatch": span.microbatch,
+                "chunk": span.chunk,
+                "flops": span.flops,
+                "peak_bytes": span.peak_bytes,
+                "compute_seconds": span.compute_seconds,
+                "exposed_comm_seconds": span.comm_seconds,
+            }
+            events.append(
+                _complete(step_name(span), pid, COMPUTE, span.start, span.end, span.phase, args)
+            )
             for call in span.calls:
-                args = {"bytes": call.bytes, "dimension": call.dimension, "module": call.module,
-                        "step": step_name(span)}
+                args = {
+                    "bytes": call.bytes,
+                    "dimension": call.dimension,
+                    "module": call.module,
+                    "step": step_name(span),
+                }
                 start = span.start + call.offset
                 tid = COMM
                 if call.overlapped is not None:
@@ -70,14 +96,17 @@ def chrome_trace(analysis) -> dict:
                     start = max(start, overlapped_until)
                     overlapped_until = start + call.seconds
                 end = start + call.seconds
-                events.append(_complete(f"{call.op} {call.group}", pid, tid, start, end, "comm",
-                                        args))
+                events.append(
+                    _complete(f"{call.op} {call.group}", pid, tid, start, end, "comm", args)
+                )
     for i, t in enumerate(timing.transfers):
         (src, src_chunk), (dst, dst_chunk) = t.source, t.target
         step = f"{t.phase[0].upper()} m{t.microbatch}"
         args = {"bytes": t.bytes, "microbatch": t.microbatch, "seconds": t.end - t.start}
-        for side, pid, name in ((0, src, f"send {step} c{src_chunk} to stage {dst}"),
-                                (1, dst, f"recv {step} c{dst_chunk} from stage {src}")):
+        for side, pid, name in (
+            (0, src, f"send {step} c{src_chunk} to stage {dst}"),
+            (1, dst, f"recv {step} c{dst_chunk} from stage {src}"),
+        ):
             common = {"name": name, "cat": "p2p", "pid": pid, "tid": COMM, "id": 2 * i + side}
             events.append({**common, "ph": "b", "ts": _us(t.start), "args": args})
             events.append({**common, "ph": "e", "ts": _us(t.end)})

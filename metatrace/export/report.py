@@ -132,7 +132,6 @@ def role_report(ra, world=None) -> dict:
         "layers": list(s.layers),
         "params": {"count": s.params, "bytes": s.param_bytes},
         "activations_per_microbatch_bytes": s.activation_bytes,
-
         "collectives_per_microbatch": [_collective(c) for c in trace.collectives],
         "modules": _modules(ra.tree),
         "op_counts": dict(sorted(trace.op_counts.items())),

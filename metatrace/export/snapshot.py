@@ -36,8 +36,8 @@ import bisect
 import pickle
 from typing import TYPE_CHECKING
 
-from metatrace.records import MemEvent, Trace, Window
 from metatrace.analysis.memory import lifetimes, role_memory
+from metatrace.records import MemEvent, Trace, Window
 
 if TYPE_CHECKING:
     from metatrace.records import RoleTrace
@@ -96,8 +96,14 @@ class _Timeline:
 
     def _entry(self, action: str, offset: int, size: int, frames: list, time: int) -> None:
         self.entries.append(
-            {"action": action, "addr": BASE + offset, "size": size, "stream": 0,
-             "time_us": time, "frames": frames}
+            {
+                "action": action,
+                "addr": BASE + offset,
+                "size": size,
+                "stream": 0,
+                "time_us": time,
+                "frames": frames,
+            }
         )
 
     def alloc(self, key, size: int, frames: list, time: int) -> None:
@@ -114,8 +120,14 @@ class _Timeline:
 
     def snapshot(self) -> dict:
         total = max(SEGMENT_ROUND, -(-self.arena.high // SEGMENT_ROUND) * SEGMENT_ROUND)
-        start = {"action": "segment_alloc", "addr": BASE, "size": total, "stream": 0,
-                 "time_us": 0, "frames": []}
+        start = {
+            "action": "segment_alloc",
+            "addr": BASE,
+            "size": total,
+            "stream": 0,
+            "time_us": 0,
+            "frames": [],
+        }
         return {"segments": [self._segment(total)], "device_traces": [[start, *self.entries]]}
 
     def _segment(self, total: int) -> dict:
@@ -124,21 +136,43 @@ class _Timeline:
         for offset, size, frames in sorted(self.blocks.values(), key=lambda b: b[0]):
             if offset > at:
                 blocks.append(_inactive(at, offset - at))
-            blocks.append({"address": BASE + offset, "size": size, "requested_size": size,
-                           "state": "active_allocated", "frames": frames})
+            blocks.append(
+                {
+                    "address": BASE + offset,
+                    "size": size,
+                    "requested_size": size,
+                    "state": "active_allocated",
+                    "frames": frames,
+                }
+            )
             at = offset + size
         if at < total:
             blocks.append(_inactive(at, total - at))
         allocated = sum(size for _, size, _ in self.blocks.values())
-        return {"device": 0, "address": BASE, "total_size": total, "allocated_size": allocated,
-                "active_size": allocated, "requested_size": allocated, "stream": 0,
-                "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
-                "frames": [], "blocks": blocks}
+        return {
+            "device": 0,
+            "address": BASE,
+            "total_size": total,
+            "allocated_size": allocated,
+            "active_size": allocated,
+            "requested_size": allocated,
+            "stream": 0,
+            "segment_type": "large",
+            "segment_pool_id": (0, 0),
+            "is_expandable": False,
+            "frames": [],
+            "blocks": blocks,
+        }
 
 
 def _inactive(offset: int, size: int) -> dict:
-    return {"address": BASE + offset, "size": size, "requested_size": 0, "state": "inactive",
-            "frames": []}
+    return {
+        "address": BASE + offset,
+        "size": size,
+        "requested_size": 0,
+        "state": "inactive",
+        "frames": [],
+    }
 
 
 class _Stacks:

@@ -33,14 +33,22 @@ def shape_of(job) -> Shape:
     h, d = m.hidden_size, m.kv_channels
     gated = 2 if m.activation in ("swiglu", "geglu") else 1
     if m.multi_latent_attention:
-        q = (h * m.q_lora_rank + m.q_lora_rank * m.num_attention_heads *
-             (m.qk_head_dim + m.qk_pos_emb_head_dim)) if m.q_lora_rank else (
-            h * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim))
-        kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * m.num_attention_heads * (
-            m.qk_head_dim + m.v_head_dim)
+        q = (
+            (
+                h * m.q_lora_rank
+                + m.q_lora_rank * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+            )
+            if m.q_lora_rank
+            else (h * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim))
+        )
+        kv = h * (
+            m.kv_lora_rank + m.qk_pos_emb_head_dim
+        ) + m.kv_lora_rank * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)
         attention = q + kv + m.num_attention_heads * m.v_head_dim * h
     else:
-        attention = h * (m.num_attention_heads + 2 * m.num_query_groups) * d + m.num_attention_heads * d * h
+        attention = (
+            h * (m.num_attention_heads + 2 * m.num_query_groups) * d + m.num_attention_heads * d * h
+        )
     mlp = (gated + 1) * h * m.ffn_hidden_size
     moe_layers, experts, dense = 0, 0, m.num_layers * (attention + mlp + 2 * h)
     if m.num_experts:
@@ -50,8 +58,12 @@ def shape_of(job) -> Shape:
         shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
         dense -= moe_layers * (mlp - h * m.num_experts - shared)
         experts = m.num_experts * expert
-    return Shape(dense=dense // m.num_layers, experts=experts, moe_layers=moe_layers,
-                 embedding=job.padded_vocab_size * h)
+    return Shape(
+        dense=dense // m.num_layers,
+        experts=experts,
+        moe_layers=moe_layers,
+        embedding=job.padded_vocab_size * h,
+    )
 
 
 def _in_flight(job) -> int:
@@ -83,7 +95,9 @@ def static_bytes(job) -> int:
     shard = par.dp * par.cp // n if tr.distributed_optimizer else 1
     edp = par.dp * par.cp * par.tp // (par.ep * par.etp) // n if tr.distributed_optimizer else 1
     # bf16 parameter, main gradient, fp32 main parameter and Adam's two moments.
-    return dense * (2 + grad) + 12 * dense // shard + expert * (2 + grad) + 12 * expert // max(1, edp)
+    return (
+        dense * (2 + grad) + 12 * dense // shard + expert * (2 + grad) + 12 * expert // max(1, edp)
+    )
 
 
 def _layer_input(job) -> int:
@@ -146,7 +160,8 @@ def _flops(job) -> float:
     attention = 2 * 2 * tr.seq_length * m.num_attention_heads * m.kv_channels * m.num_layers / 2
     forward = 2 * active + attention
     extra = {"full": _FULL_RECOMPUTE * forward, "selective": attention}.get(
-        tr.recompute.granularity or "none", 0.0)
+        tr.recompute.granularity or "none", 0.0
+    )
     return tokens * (3 * forward + extra)
 
 
@@ -187,9 +202,21 @@ def _comm_seconds(job) -> float:
         out += 2 * (par.vpp or 1) * mbs * full / (par.tp if par.sequence_parallel else 1) / bw
     if m.num_experts and par.ep > 1:
         moe_layers = shape_of(job).moe_layers // par.pp
-        sent = full * m.moe_router_topk * (par.ep - 1) / par.ep / (par.tp if par.sequence_parallel else 1)
+        sent = (
+            full
+            * m.moe_router_topk
+            * (par.ep - 1)
+            / par.ep
+            / (par.tp if par.sequence_parallel else 1)
+        )
         out += 4 * moe_layers * mbs * sent / (intra if par.ep * par.tp <= node else inter)
     if par.dp * par.cp > 1 and not tr.overlap_grad_reduce:
         grads = static_bytes(job) / 18 * 4  # the gradients' share of the static bytes
-        out += 2 * grads * (par.dp - 1) / par.dp / (intra if par.tp * par.pp == 1 and par.dp <= node else inter)
+        out += (
+            2
+            * grads
+            * (par.dp - 1)
+            / par.dp
+            / (intra if par.tp * par.pp == 1 and par.dp <= node else inter)
+        )
     return out

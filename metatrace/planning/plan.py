@@ -26,13 +26,13 @@ modelled) and the planner prefers the smallest one that keeps the bubble down.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from metatrace.config import Recompute, resolve
-from metatrace.tracing.checks import check_with_megatron
 from metatrace.errors import ConfigError
 from metatrace.planning.estimates import Estimate, estimate, memory_estimate, memory_lower_bound
+from metatrace.tracing.checks import check_with_megatron
 
 GiB = 2**30
 RECOMPUTE = {
@@ -90,20 +90,34 @@ def layouts(job, num_gpus: int) -> list[Layout]:
                 if cp > 1 and tr.seq_length // cp < 1024:
                     continue  # context parallelism pays only on long sequences
                 dp = num_gpus // (tp * pp * cp)
-                eps = [e for e in _divisors(m.num_experts) if (dp * cp) % e == 0] if m.num_experts else [1]
+                eps = (
+                    [e for e in _divisors(m.num_experts) if (dp * cp) % e == 0]
+                    if m.num_experts
+                    else [1]
+                )
                 per_replica = tr.global_batch_size // dp if tr.global_batch_size % dp == 0 else 0
                 for vpp in vpps:
                     for ep in eps:
                         for mbs in (b for b in _divisors(per_replica) if b <= 16):
                             for recompute in RECOMPUTE:
                                 for dist in (True, False) if dp * cp > 1 else (False,):
-                                    out.append(Layout(tp, pp, vpp, cp, ep, dp, tp > 1, mbs,
-                                                      recompute, dist))
+                                    out.append(
+                                        Layout(
+                                            tp, pp, vpp, cp, ep, dp, tp > 1, mbs, recompute, dist
+                                        )
+                                    )
     return out
 
 
-def base_job(*, model: str | None, config: str | None, seq: int | None,
-             global_batch: int | None, num_gpus: int | None, cluster: dict):
+def base_job(
+    *,
+    model: str | None,
+    config: str | None,
+    seq: int | None,
+    global_batch: int | None,
+    num_gpus: int | None,
+    cluster: dict,
+):
     """(job on one GPU with the model, batch and cluster to plan for, GPUs to plan for): from a
     preset or a Hugging Face config.json (`model`), or a job file (`config`) whose parallel
     layout is dropped; `cluster` overrides given as not None (a new `gpu` brings its own
@@ -114,9 +128,14 @@ def base_job(*, model: str | None, config: str | None, seq: int | None,
         base, source = load_job(config), config
     else:
         key = "hf_config" if model.endswith(".json") else "preset"
-        base = job_from_dict({"model": {key: model},
-                              "training": {"seq_length": seq, "global_batch_size": global_batch},
-                              "cluster": {"num_gpus": 1}}, source=model)
+        base = job_from_dict(
+            {
+                "model": {key: model},
+                "training": {"seq_length": seq, "global_batch_size": global_batch},
+                "cluster": {"num_gpus": 1},
+            },
+            source=model,
+        )
         source = model
     training = dataclasses.replace(
         base.training,
@@ -125,24 +144,43 @@ def base_job(*, model: str | None, config: str | None, seq: int | None,
     )
     given = {k: v for k, v in cluster.items() if v is not None}
     if "gpu" in given and "gpu_memory_gib" not in given:
-        given.update(gpu_memory_gib=None, intra_node_gbps=None, inter_node_gbps=None,
-                     cublas_workspace_config=None)
+        given.update(
+            gpu_memory_gib=None,
+            intra_node_gbps=None,
+            inter_node_gbps=None,
+            cublas_workspace_config=None,
+        )
     fresh = dataclasses.replace(base.cluster, num_gpus=None, **given)
     parallel = type(base.parallel)(rank_order=base.parallel.rank_order)
-    job = resolve(dataclasses.replace(base, parallel=parallel, training=training, cluster=fresh,
-                                      notes=(), source=source))
+    job = resolve(
+        dataclasses.replace(
+            base, parallel=parallel, training=training, cluster=fresh, notes=(), source=source
+        )
+    )
     return job, num_gpus or base.cluster.num_gpus
 
 
 def job_of(job, layout: Layout):
     """The base job with `layout`, resolved and checked; ConfigError when Megatron refuses it."""
     par = dataclasses.replace(
-        job.parallel, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep,
-        etp=None, dp=layout.dp, sequence_parallel=layout.sp, layout=None,
-        first_stage_layers=None, last_stage_layers=None, overlap_p2p_comm=None,
+        job.parallel,
+        tp=layout.tp,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=None,
+        dp=layout.dp,
+        sequence_parallel=layout.sp,
+        layout=None,
+        first_stage_layers=None,
+        last_stage_layers=None,
+        overlap_p2p_comm=None,
     )
     tr = dataclasses.replace(
-        job.training, micro_batch_size=layout.mbs, recompute=RECOMPUTE[layout.recompute],
+        job.training,
+        micro_batch_size=layout.mbs,
+        recompute=RECOMPUTE[layout.recompute],
         distributed_optimizer=layout.distributed_optimizer,
         overlap_grad_reduce=layout.distributed_optimizer,
         overlap_param_gather=layout.distributed_optimizer,
@@ -205,7 +243,9 @@ class Plan:
 
 def candidates(job, num_gpus: int) -> tuple[list[Candidate], int, int, int]:
     """(valid candidates after the memory bound, enumerated, invalid, pruned by memory)."""
-    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(job.cluster.reserved_overhead_gib * GiB)
+    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(
+        job.cluster.reserved_overhead_gib * GiB
+    )
     every = layouts(job, num_gpus)
     out, invalid, pruned = [], 0, 0
     for layout in every:
@@ -243,14 +283,25 @@ def _dominated_by(layout: Layout) -> list[Layout]:
     return out
 
 
-def plan(job, num_gpus: int, *, trace: Callable, top: int = 3, budget: int = 16,
-         progress: Callable | None = None) -> Plan:
+def plan(
+    job,
+    num_gpus: int,
+    *,
+    trace: Callable,
+    top: int = 3,
+    budget: int = 16,
+    progress: Callable | None = None,
+) -> Plan:
     """Search the layouts of `job` (its model, batch and cluster) on `num_gpus` GPUs.
     `trace(job) -> report dict` traces one; `progress(done, total, text)` reports."""
     found, enumerated, invalid, pruned = candidates(job, num_gpus)
     result = Plan(layouts=enumerated, invalid=invalid, pruned_memory=pruned)
-    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(job.cluster.reserved_overhead_gib * GiB)
-    order = sorted(found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout))
+    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(
+        job.cluster.reserved_overhead_gib * GiB
+    )
+    order = sorted(
+        found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout)
+    )
     fits: dict[Layout, bool] = {}
     families: set = set()
     for i, cand in enumerate(order):
@@ -263,10 +314,14 @@ def plan(job, num_gpus: int, *, trace: Callable, top: int = 3, budget: int = 16,
             continue
         ranked = result.ranked()
         # Closed form against closed form: the traced figures are on another footing.
-        slowest = (max(t.candidate.estimate.seconds for t in ranked[:top])
-                   if len(ranked) >= top else None)
-        if len(result.traced) >= budget or (slowest is not None and cand.estimate.seconds > slowest
-                                            and cand.estimated_memory <= capacity):
+        slowest = (
+            max(t.candidate.estimate.seconds for t in ranked[:top]) if len(ranked) >= top else None
+        )
+        if len(result.traced) >= budget or (
+            slowest is not None
+            and cand.estimate.seconds > slowest
+            and cand.estimated_memory <= capacity
+        ):
             result.untraced = len(order) - i
             break
         if progress:
@@ -289,8 +344,9 @@ def _traced(cand: Candidate, report: dict) -> Traced:
     est = estimate(cand.job, exposed_comm=exposed)
     timing = report.get("timing")
     if timing:
-        est = dataclasses.replace(est, bubble=timing["bubble_fraction"],
-                                  seconds=timing["iteration_seconds"])
+        est = dataclasses.replace(
+            est, bubble=timing["bubble_fraction"], seconds=timing["iteration_seconds"]
+        )
     return Traced(cand, v["highest_peak_bytes"], v["headroom_bytes"], v["fits"], est, report)
 
 
@@ -306,8 +362,12 @@ def plan_report(result: Plan, top: int) -> dict:
             "headroom_bytes": t.headroom,
             "memory_lower_bound_bytes": t.candidate.lower_bound,
             "estimated_memory_bytes": t.candidate.estimated_memory,
-            "estimate": {"compute_seconds": t.estimate.compute, "bubble_fraction": t.estimate.bubble,
-                         "exposed_comm_seconds": t.estimate.comm, "iteration_seconds": t.estimate.seconds},
+            "estimate": {
+                "compute_seconds": t.estimate.compute,
+                "bubble_fraction": t.estimate.bubble,
+                "exposed_comm_seconds": t.estimate.comm,
+                "iteration_seconds": t.estimate.seconds,
+            },
         }
 
     return {

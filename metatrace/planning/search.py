@@ -10,13 +10,13 @@ whole job (every role, one iteration).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from metatrace.config import resolve
-from metatrace.tracing.checks import check_with_megatron
-from metatrace.errors import ConfigError
 from metatrace.analysis.analyze import Analysis, analyze
+from metatrace.config import resolve
+from metatrace.errors import ConfigError
+from metatrace.tracing.checks import check_with_megatron
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,9 @@ def candidates(job) -> list[tuple[int, object]]:
             check_with_megatron(candidate)
         except ConfigError:
             continue
-        out.append((mbs, dataclasses.replace(
-            candidate, notes=job.notes, not_modelled=job.not_modelled
-        )))
+        out.append(
+            (mbs, dataclasses.replace(candidate, notes=job.notes, not_modelled=job.not_modelled))
+        )
     if not out:
         raise ConfigError(
             f"no micro-batch size divides global_batch_size / dp = {tr.global_batch_size} / "

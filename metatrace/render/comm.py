@@ -11,9 +11,20 @@ from rich.table import Table
 from rich.text import Text
 
 from metatrace.render.format import (
-    DIM_NAMES, DIM_TITLES, DTYPE_SHORT, PHASE_SHORT, compact, gpu_span, layer_span, op, rank_span,
-    section, seconds, volume,
+    DIM_NAMES,
+    DIM_TITLES,
+    DTYPE_SHORT,
+    PHASE_SHORT,
+    compact,
+    gpu_span,
+    layer_span,
+    op,
+    rank_span,
+    seconds,
+    section,
+    volume,
 )
+
 
 def message(it) -> str:
     return f"{compact(it.shape)} {DTYPE_SHORT.get(it.dtype, it.dtype)} {volume(it.message)}"
@@ -31,18 +42,39 @@ def groups_line(world, groups, limit: int = 4) -> str:
     shown = " ".join(gpu_list(world, g) for g in groups[:limit])
     more = " …" if len(groups) > limit else ""
     crossing = sum(world.crosses_nodes(g) for g in groups)
-    where = "all inside nodes" if not crossing else (
-        "all cross nodes" if crossing == len(groups) else f"{crossing} cross nodes")
+    where = (
+        "all inside nodes"
+        if not crossing
+        else ("all cross nodes" if crossing == len(groups) else f"{crossing} cross nodes")
+    )
     return f"{shown}{more} ({len(groups)} groups of {len(groups[0])} GPUs; {where})"
 
 
 def _table(*columns) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in columns:
-        left = col in ("Dimension", "GPUs", "Module", "Phase", "Collective", "Message", "When",
-                       "Overlapped with", "Boundary tensor", "Group", "Kind", "Groups (GPUs)")
-        wraps = col in ("Groups (GPUs)", "Module", "Message", "Overlapped with", "Kind",
-                        "Boundary tensor")
+        left = col in (
+            "Dimension",
+            "GPUs",
+            "Module",
+            "Phase",
+            "Collective",
+            "Message",
+            "When",
+            "Overlapped with",
+            "Boundary tensor",
+            "Group",
+            "Kind",
+            "Groups (GPUs)",
+        )
+        wraps = col in (
+            "Groups (GPUs)",
+            "Module",
+            "Message",
+            "Overlapped with",
+            "Kind",
+            "Boundary tensor",
+        )
         table.add_column(col, justify="left" if left else "right", no_wrap=not wraps)
     return table
 
@@ -53,19 +85,34 @@ def _table(*columns) -> Table:
 def build_comm_summary(job, jc) -> Group:
     """Per dimension, over all GPUs for one iteration: calls, bytes sent, share, inside and
     across nodes; the slowest GPU's estimated time; then the assumptions."""
-    table = _table("Dimension", "Calls", "Sent", "Share", "Inside nodes", "Across nodes",
-                   "Time/GPU", "Exposed")
+    table = _table(
+        "Dimension", "Calls", "Sent", "Share", "Inside nodes", "Across nodes", "Time/GPU", "Exposed"
+    )
     total = jc.total
     for dim, t in jc.cluster.items():
         if not t.count:
             continue
         share = t.bytes_sent / total.bytes_sent if total.bytes_sent else 0.0
-        table.add_row(DIM_TITLES[dim], f"{t.count:,}", volume(t.bytes_sent), f"{share:.1%}",
-                      volume(t.intra), volume(t.inter), seconds(t.seconds),
-                      seconds(t.exposed_seconds))
-    table.add_row(Text("Total", style="bold"), f"{total.count:,}", volume(total.bytes_sent),
-                  "100%" if total.bytes_sent else "", volume(total.intra), volume(total.inter),
-                  seconds(total.seconds), seconds(total.exposed_seconds))
+        table.add_row(
+            DIM_TITLES[dim],
+            f"{t.count:,}",
+            volume(t.bytes_sent),
+            f"{share:.1%}",
+            volume(t.intra),
+            volume(t.inter),
+            seconds(t.seconds),
+            seconds(t.exposed_seconds),
+        )
+    table.add_row(
+        Text("Total", style="bold"),
+        f"{total.count:,}",
+        volume(total.bytes_sent),
+        "100%" if total.bytes_sent else "",
+        volume(total.intra),
+        volume(total.inter),
+        seconds(total.seconds),
+        seconds(total.exposed_seconds),
+    )
     cl = job.cluster
     assumptions = Text(
         "Calls and bytes sent, summed over all GPUs for one iteration. Time/GPU: the slowest "
@@ -105,8 +152,16 @@ def build_pp_section(analysis) -> Group | None:
     world, jc = analysis.world, analysis.comm
     if world.layout.pp == 1:
         return None
-    table = _table("Stage", "GPUs", "Layers", "Boundary tensor", "Sends", "Receives",
-                   "Sent/GPU", "Across nodes")
+    table = _table(
+        "Stage",
+        "GPUs",
+        "Layers",
+        "Boundary tensor",
+        "Sends",
+        "Receives",
+        "Sent/GPU",
+        "Across nodes",
+    )
     embedding = []
     for ra in analysis.roles:
         comm = ra.comm
@@ -132,28 +187,39 @@ def build_pp_section(analysis) -> Group | None:
     ]
     if embedding:
         it = embedding[0]
-        lines.append(Text(
-            f"Tied embedding: first and last stage all-reduce the word-embedding gradient "
-            f"({message(it)}) once per iteration; groups {groups_line(world, world.groups('embedding'), 2)}"
-        ))
+        lines.append(
+            Text(
+                f"Tied embedding: first and last stage all-reduce the word-embedding gradient "
+                f"({message(it)}) once per iteration; groups {groups_line(world, world.groups('embedding'), 2)}"
+            )
+        )
     schedule = "interleaved 1F1B" if analysis.job.parallel.vpp else "1F1B"
-    lines.append(Text(
-        f"Per iteration, all GPUs: {t.count:,} "
-        f"{'sends, receives and embedding all-reduces' if embedding else 'sends and receives'}, "
-        f"{volume(t.bytes_sent)} sent. "
-        f"Counted as megatron-core's {schedule} schedule issues them; "
-        + ("overlapped with compute (overlap_p2p_comm)." if analysis.job.parallel.overlap_p2p_comm
-           else "not overlapped with compute."),
-        style="dim",
-    ))
+    lines.append(
+        Text(
+            f"Per iteration, all GPUs: {t.count:,} "
+            f"{'sends, receives and embedding all-reduces' if embedding else 'sends and receives'}, "
+            f"{volume(t.bytes_sent)} sent. "
+            f"Counted as megatron-core's {schedule} schedule issues them; "
+            + (
+                "overlapped with compute (overlap_p2p_comm)."
+                if analysis.job.parallel.overlap_p2p_comm
+                else "not overlapped with compute."
+            ),
+            style="dim",
+        )
+    )
     return Group(*lines)
 
 
 # ----------------------------------------------------------------------------- data parallel
 
 
-_WHEN = {"forward": "first forward", "backward": "backward", "grad sync": "gradient sync",
-         "optimizer": "optimizer step"}
+_WHEN = {
+    "forward": "first forward",
+    "backward": "backward",
+    "grad sync": "gradient sync",
+    "optimizer": "optimizer step",
+}
 
 
 def build_dp_section(analysis) -> Group | None:
@@ -169,10 +235,15 @@ def build_dp_section(analysis) -> Group | None:
                 key = (it.op, it.group, len(it.ranks), it.dtype, it.phase, it.overlapped)
                 merged.setdefault(key, []).append(it)
         rows = tuple(
-            (op(name), f"{group} ({n})", f"{sum(it.count for it in items):,}",
-             f"{volume(sum(it.count * it.message for it in items))} {DTYPE_SHORT.get(dtype, dtype)}",
-             volume(sum(it.count * it.sent for it in items)), _WHEN.get(phase, phase),
-             overlapped or "—")
+            (
+                op(name),
+                f"{group} ({n})",
+                f"{sum(it.count for it in items):,}",
+                f"{volume(sum(it.count * it.message for it in items))} {DTYPE_SHORT.get(dtype, dtype)}",
+                volume(sum(it.count * it.sent for it in items)),
+                _WHEN.get(phase, phase),
+                overlapped or "—",
+            )
             for (name, group, n, dtype, phase, overlapped), items in merged.items()
         )
         if blocks and blocks[-1][1] == rows:
@@ -181,25 +252,33 @@ def build_dp_section(analysis) -> Group | None:
             blocks.append(([ra.role.pp_stage], rows))
     if not blocks:
         return None
-    table = _table("Stages", "Collective", "Group", "Calls", "Message", "Sent/GPU", "When",
-                   "Overlapped with")
+    table = _table(
+        "Stages", "Collective", "Group", "Calls", "Message", "Sent/GPU", "When", "Overlapped with"
+    )
     for stages, rows in blocks:
         for i, row in enumerate(rows):
             table.add_row(layer_span(stages) if i == 0 else "", *row)
     t = jc.cluster["dp"]
     if world.dp * world.layout.cp == 1:
-        return Group(table, Text(
-            "No data parallelism: no gradient reduction; the gradient norm's all-reduce remains.",
-            style="dim"))
+        return Group(
+            table,
+            Text(
+                "No data parallelism: no gradient reduction; the gradient norm's all-reduce remains.",
+                style="dim",
+            ),
+        )
     lines = [Text(f"Data-parallel groups: {groups_line(world, world.groups('dp_cp'))}")]
     if world.instances > 1:
-        lines.append(Text(
-            f"Distributed optimizer in {world.instances} instances, each sharding the optimizer "
-            f"state over {world.dp * world.layout.cp // world.instances} ranks: gradients "
-            f"reduce-scattered and parameters all-gathered in intra_dp_cp groups "
-            f"{groups_line(world, world.groups('intra_dp_cp'))} (expert buckets in intra_edp), "
-            f"each shard all-reduced across the instances in inter_dist_opt groups "
-            f"{groups_line(world, world.groups('inter_dist_opt'))}"))
+        lines.append(
+            Text(
+                f"Distributed optimizer in {world.instances} instances, each sharding the optimizer "
+                f"state over {world.dp * world.layout.cp // world.instances} ranks: gradients "
+                f"reduce-scattered and parameters all-gathered in intra_dp_cp groups "
+                f"{groups_line(world, world.groups('intra_dp_cp'))} (expert buckets in intra_edp), "
+                f"each shard all-reduced across the instances in inter_dist_opt groups "
+                f"{groups_line(world, world.groups('inter_dist_opt'))}"
+            )
+        )
     return Group(
         table,
         *lines,
@@ -220,8 +299,10 @@ def build_dp_section(analysis) -> Group | None:
 def _layer_rows(items):
     return tuple(
         (it.module, it.phase, it.op, message(it), it.count, it.layers, it.per_microbatch)
-        for it in sorted(items, key=lambda i: (not i.per_microbatch, i.phase != "forward",
-                                               i.phase, i.module, i.op))
+        for it in sorted(
+            items,
+            key=lambda i: (not i.per_microbatch, i.phase != "forward", i.phase, i.module, i.op),
+        )
     )
 
 
@@ -245,17 +326,21 @@ def build_model_dim_section(analysis, dim: str) -> Group | None:
         return None
     parts = []
     for _rows, stages, items in blocks:
-        title = f"stage {stages[0]}" if len(stages) == 1 else f"stages {layer_span(stages)} (identical)"
-        table = _table("Module", "Phase", "Collective", "Message", "Per layer", "Per µb",
-                       "Sent/µb")
+        title = (
+            f"stage {stages[0]}" if len(stages) == 1 else f"stages {layer_span(stages)} (identical)"
+        )
+        table = _table("Module", "Phase", "Collective", "Message", "Per layer", "Per µb", "Sent/µb")
         order = {"forward": 0, "recompute": 1, "backward": 2}
         for it in sorted(items, key=lambda i: order.get(i.phase, 3)):
             per_mb = it.count // mb
             table.add_row(
-                Text(it.module.removeprefix("decoder.")), PHASE_SHORT.get(it.phase, it.phase),
-                op(it.op), Text(message(it)),
+                Text(it.module.removeprefix("decoder.")),
+                PHASE_SHORT.get(it.phase, it.phase),
+                op(it.op),
+                Text(message(it)),
                 f"{per_mb // it.layers}" if it.layers else "",
-                f"{per_mb:,}", volume(per_mb * it.sent),
+                f"{per_mb:,}",
+                volume(per_mb * it.sent),
             )
         calls = sum(it.count for it in items) // mb
         sent = sum(it.count * it.sent for it in items) // mb
@@ -268,39 +353,53 @@ def build_model_dim_section(analysis, dim: str) -> Group | None:
                 f"{volume(sum(it.count * it.sent for it in in_layers) / mb / layers)}"
             )
         parts += [
-            Text(f"{title.capitalize()}: per micro-batch {calls:,} calls, {volume(sent)} sent per "
-                 f"GPU{per_layer}; per iteration ({mb} micro-batches) {calls * mb:,} calls, "
-                 f"{volume(sent * mb)}.", style="bold"),
+            Text(
+                f"{title.capitalize()}: per micro-batch {calls:,} calls, {volume(sent)} sent per "
+                f"GPU{per_layer}; per iteration ({mb} micro-batches) {calls * mb:,} calls, "
+                f"{volume(sent * mb)}.",
+                style="bold",
+            ),
             table,
         ]
     once = {}
     for ra in analysis.roles:
         for it in ra.comm.items:
             if it.dimension == dim and not it.per_microbatch:
-                once.setdefault((it.op, it.group, len(it.ranks), PHASE_SHORT.get(it.phase, it.phase)),
-                                []).append((ra.role.pp_stage, it))
+                once.setdefault(
+                    (it.op, it.group, len(it.ranks), PHASE_SHORT.get(it.phase, it.phase)), []
+                ).append((ra.role.pp_stage, it))
     for (name, group, n, phase), found in once.items():
         stages = sorted({s for s, _ in found})
         calls = sorted({it.count for _, it in found})
         times = "Once" if calls == [1] else "/".join(str(c) for c in calls) + " times"
-        parts.append(Text(
-            f"{times} per iteration ({phase}), stage{'s' if len(stages) > 1 else ''} "
-            f"{layer_span(stages)}: {op(name)} over {group} ({n}) of "
-            + ", ".join(sorted({message(it) for _, it in found}))
-            + (" (gradients of the layer norms, replicated under sequence parallel)"
-               if dim == "tp" and phase == "grad sync" else "")
-        ))
+        parts.append(
+            Text(
+                f"{times} per iteration ({phase}), stage{'s' if len(stages) > 1 else ''} "
+                f"{layer_span(stages)}: {op(name)} over {group} ({n}) of "
+                + ", ".join(sorted({message(it) for _, it in found}))
+                + (
+                    " (gradients of the layer norms, replicated under sequence parallel)"
+                    if dim == "tp" and phase == "grad sync"
+                    else ""
+                )
+            )
+        )
     group_kind = {"tp": "tp", "cp": "cp", "ep": "ep"}[dim]
     t = jc.cluster[dim]
     parts += [
         Text(f"Groups: {groups_line(world, world.groups(group_kind))}"),
-        Text(f"Per iteration, all GPUs: {t.count:,} calls, {volume(t.bytes_sent)} sent.",
-             style="dim"),
+        Text(
+            f"Per iteration, all GPUs: {t.count:,} calls, {volume(t.bytes_sent)} sent.", style="dim"
+        ),
     ]
     if dim == "tp":
-        parts.append(Text(
-            "Module (model): the vocabulary-parallel cross entropy's all-reduces; (step): "
-            "Megatron-LM's batch broadcast from the first tensor-parallel rank.", style="dim"))
+        parts.append(
+            Text(
+                "Module (model): the vocabulary-parallel cross entropy's all-reduces; (step): "
+                "Megatron-LM's batch broadcast from the first tensor-parallel rank.",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 
@@ -316,16 +415,21 @@ def dimension_title(job, dim: str) -> str:
     if dim == "dp" and par.dp * par.cp == 1:
         return "Once per iteration (no data parallelism)"
     if dim == "dp":
-        return f"Data parallel (dp {par.dp}{f' × cp {par.cp}' if par.cp > 1 else ''}), per iteration"
+        return (
+            f"Data parallel (dp {par.dp}{f' × cp {par.cp}' if par.cp > 1 else ''}), per iteration"
+        )
     return f"Pipeline parallel (pp {par.pp}{f', vpp {par.vpp}' if par.vpp else ''}), per iteration"
 
 
 def render_comm(analysis, console, *, dim: str | None = None) -> None:
     """The communication sections of an Analysis whose iterations were traced."""
     job = analysis.job
-    console.print(section(
-        f"Communication per iteration ({job.num_microbatches} micro-batches, "
-        f"{analysis.world.size:,} GPUs)"))
+    console.print(
+        section(
+            f"Communication per iteration ({job.num_microbatches} micro-batches, "
+            f"{analysis.world.size:,} GPUs)"
+        )
+    )
     console.print(build_comm_summary(job, analysis.comm))
     timing_line = build_timing_line(analysis)
     if timing_line is not None:
@@ -337,13 +441,14 @@ def render_comm(analysis, console, *, dim: str | None = None) -> None:
         "pp": lambda: build_pp_section(analysis),
         "dp": lambda: build_dp_section(analysis),
     }
-    for name in ([dim] if dim else ["tp", "cp", "ep", "pp", "dp"]):
+    for name in [dim] if dim else ["tp", "cp", "ep", "pp", "dp"]:
         body = builders[name]()
         if body is None:
             if dim:
                 console.print(section(dimension_title(job, name)))
-                console.print(Text(f"No {DIM_NAMES[name]} communication in this layout.",
-                                   style="dim"))
+                console.print(
+                    Text(f"No {DIM_NAMES[name]} communication in this layout.", style="dim")
+                )
             continue
         console.print(section(dimension_title(job, name)))
         console.print(body)
@@ -385,15 +490,18 @@ def build_groups(world, *, rank: int | None = None, limit: int | None = 16) -> T
         else:
             shown = groups if limit is None else groups[:limit]
         lines = [
-            f"{compact(g)} {gpu_list(world, g, limit=16)}" if len(g) <= 16
+            f"{compact(g)} {gpu_list(world, g, limit=16)}"
+            if len(g) <= 16
             else f"{rank_span(g)}: {gpu_list(world, g)}"
             for g in shown
         ] or ["every rank alone"]
         if shown and len(shown) < len(groups) and rank is None:
             lines.append(f"… {len(groups) - len(shown):,} more (--all lists every group)")
         table.add_row(
-            f"{kind} ({GROUP_TITLES[kind]})", f"{len(groups):,}",
+            f"{kind} ({GROUP_TITLES[kind]})",
+            f"{len(groups):,}",
             "/".join(str(n) for n in sorted({len(g) for g in groups})),
-            f"{sum(world.crosses_nodes(g) for g in groups):,}", Text("\n".join(lines)),
+            f"{sum(world.crosses_nodes(g) for g in groups):,}",
+            Text("\n".join(lines)),
         )
     return table

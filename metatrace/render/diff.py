@@ -8,7 +8,18 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from metatrace.render.format import DIM_TITLES, DTYPE_SHORT, PARAM_SHORT, PHASE_SHORT, layer_span, op, rank_span, section, seconds, volume
+from metatrace.render.format import (
+    DIM_TITLES,
+    DTYPE_SHORT,
+    PARAM_SHORT,
+    PHASE_SHORT,
+    layer_span,
+    op,
+    rank_span,
+    seconds,
+    section,
+    volume,
+)
 
 
 def _format(figure: str, value) -> str:
@@ -62,11 +73,16 @@ def _label(row: dict) -> str:
 
 def build_figures(rows: list[dict], *, changed_only: bool = False) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, just in (("Figure", "left"), ("A", "right"), ("B", "right"), ("Change", "right"),
-                      ("%", "right")):
+    for col, just in (
+        ("Figure", "left"),
+        ("A", "right"),
+        ("B", "right"),
+        ("Change", "right"),
+        ("%", "right"),
+    ):
         table.add_column(col, justify=just, no_wrap=True)
     for row in rows:
-        if changed_only and not row["changed"] or isinstance(row["a"] or row["b"], str):
+        if (changed_only and not row["changed"]) or isinstance(row["a"] or row["b"], str):
             continue
         style = _style(row)
         change, percent = _change(row)
@@ -115,16 +131,20 @@ def _plain(value) -> str:
 
 
 def _call(call: str) -> str:
-    """"forward all_reduce tp [128,64] bfloat16" as the communication tables write it."""
+    """ "forward all_reduce tp [128,64] bfloat16" as the communication tables write it."""
     phase, name, group, dims, dtype = call.split(" ")
-    return f"{PHASE_SHORT.get(phase, phase)} {op(name)} {group} {dims} {DTYPE_SHORT.get(dtype, dtype)}"
+    return (
+        f"{PHASE_SHORT.get(phase, phase)} {op(name)} {group} {dims} {DTYPE_SHORT.get(dtype, dtype)}"
+    )
 
 
 def _module_side(entry: dict | None) -> str:
     if entry is None:
         return "(absent)"
-    parts = [f"{PARAM_SHORT.get(k, k)} [{', '.join(map(str, v))}]"
-             for k, v in entry["param_shapes"].items()]
+    parts = [
+        f"{PARAM_SHORT.get(k, k)} [{', '.join(map(str, v))}]"
+        for k, v in entry["param_shapes"].items()
+    ]
     acts = entry["activation_bytes"]
     if any(acts):
         parts.append("saves " + " / ".join(volume(x) for x in acts))
@@ -133,7 +153,7 @@ def _module_side(entry: dict | None) -> str:
 
 
 def _levels(pattern: str) -> list[str]:
-    """"decoder.layers.*.mlp" -> ["decoder", "layers.*", "mlp"]: all layers are one level."""
+    """ "decoder.layers.*.mlp" -> ["decoder", "layers.*", "mlp"]: all layers are one level."""
     out: list[str] = []
     for part in pattern.split("."):
         if part == "*" and out:

@@ -59,7 +59,9 @@ def layer_span(layers) -> str:
 
 def gpu_span(world, ranks) -> str:
     """The first and last GPU of sorted `ranks`."""
-    return f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}" if len(ranks) > 1 else world.gpu(ranks[0])
+    return (
+        f"{world.gpu(ranks[0])} … {world.gpu(ranks[-1])}" if len(ranks) > 1 else world.gpu(ranks[0])
+    )
 
 
 def peak_at(at, chunks: int = 1) -> str:
@@ -86,14 +88,38 @@ DIM_TITLES = {
     "pp": "PP",
     "other": "Other",
 }
-DIM_NAMES = {"tp": "tensor-parallel", "cp": "context-parallel", "ep": "expert-parallel",
-          "dp": "data-parallel", "pp": "pipeline-parallel"}
-_OP = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-       "all_to_all": "all-to-all", "broadcast": "broadcast", "send": "send", "recv": "receive"}
-DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8",
-          "float8_e5m2": "fp8e5", "int64": "int64", "bool": "bool"}
-PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "grad sync": "grad sync",
-          "optimizer": "optimizer step"}
+DIM_NAMES = {
+    "tp": "tensor-parallel",
+    "cp": "context-parallel",
+    "ep": "expert-parallel",
+    "dp": "data-parallel",
+    "pp": "pipeline-parallel",
+}
+_OP = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv": "receive",
+}
+DTYPE_SHORT = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8e5",
+    "int64": "int64",
+    "bool": "bool",
+}
+PHASE_SHORT = {
+    "forward": "fwd",
+    "backward": "bwd",
+    "recompute": "rec",
+    "grad sync": "grad sync",
+    "optimizer": "optimizer step",
+}
 
 
 def volume(nbytes: float) -> str:

@@ -25,22 +25,39 @@ def build_search(result) -> Text:
 
 def build_best(result, top: int) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, just in (("#", "right"), ("Layout", "left"), ("Iteration", "right"),
-                      ("Bubble", "right"), ("Exposed comm", "right"), ("Peak", "right"),
-                      ("Headroom", "right")):
+    for col, just in (
+        ("#", "right"),
+        ("Layout", "left"),
+        ("Iteration", "right"),
+        ("Bubble", "right"),
+        ("Exposed comm", "right"),
+        ("Peak", "right"),
+        ("Headroom", "right"),
+    ):
         table.add_column(col, justify=just, no_wrap=col != "Layout")
     for i, t in enumerate(result.ranked()[:top], 1):
-        table.add_row(str(i), t.candidate.layout.describe(), seconds(t.estimate.seconds),
-                      f"{t.estimate.bubble:.1%}", seconds(t.estimate.comm), size(t.peak),
-                      size(t.headroom))
+        table.add_row(
+            str(i),
+            t.candidate.layout.describe(),
+            seconds(t.estimate.seconds),
+            f"{t.estimate.bubble:.1%}",
+            seconds(t.estimate.comm),
+            size(t.peak),
+            size(t.headroom),
+        )
     return table
 
 
 def _exposed(report: dict) -> str:
     """The slowest rank's exposed seconds per dimension."""
-    worst = max(report["roles"], key=lambda r: sum(d["exposed_seconds"] for d in r["comm"].values()))
-    parts = [f"{DIM_TITLES[d]} {seconds(v['exposed_seconds'])}"
-             for d, v in worst["comm"].items() if v["exposed_seconds"] >= 1e-4]
+    worst = max(
+        report["roles"], key=lambda r: sum(d["exposed_seconds"] for d in r["comm"].values())
+    )
+    parts = [
+        f"{DIM_TITLES[d]} {seconds(v['exposed_seconds'])}"
+        for d, v in worst["comm"].items()
+        if v["exposed_seconds"] >= 1e-4
+    ]
     return ", ".join(parts) or "none"
 
 
@@ -54,41 +71,68 @@ def build_reasons(result, top: int) -> Group:
             why = "fastest estimated iteration of the layouts that fit"
         else:
             first = ranked[0].estimate
-            why = f"{est.seconds / first.seconds - 1:+.1%} time against #1 (" + ", ".join(
-                p for p in (
-                    f"bubble {est.bubble:.1%} vs {first.bubble:.1%}" if abs(est.bubble - first.bubble) > 1e-3 else "",
-                    f"exposed comm {seconds(est.comm)} vs {seconds(first.comm)}" if abs(est.comm - first.comm) > 1e-3 else "",
-                    f"compute {seconds(est.compute)} vs {seconds(first.compute)}" if abs(est.compute - first.compute) > 1e-3 else "",
-                ) if p) + ")"
-        cost = (f"peak {size(t.peak)}, headroom {size(t.headroom)}; exposed communication: "
-                f"{_exposed(t.report)}")
+            why = (
+                f"{est.seconds / first.seconds - 1:+.1%} time against #1 ("
+                + ", ".join(
+                    p
+                    for p in (
+                        f"bubble {est.bubble:.1%} vs {first.bubble:.1%}"
+                        if abs(est.bubble - first.bubble) > 1e-3
+                        else "",
+                        f"exposed comm {seconds(est.comm)} vs {seconds(first.comm)}"
+                        if abs(est.comm - first.comm) > 1e-3
+                        else "",
+                        f"compute {seconds(est.compute)} vs {seconds(first.compute)}"
+                        if abs(est.compute - first.compute) > 1e-3
+                        else "",
+                    )
+                    if p
+                )
+                + ")"
+            )
+        cost = (
+            f"peak {size(t.peak)}, headroom {size(t.headroom)}; exposed communication: "
+            f"{_exposed(t.report)}"
+        )
         if lay.recompute != "none":
             cost += f"; {lay.recompute} recompute adds compute"
         lines.append(Text.assemble((f"#{i} ", "bold"), (lay.describe(), "bold"), f": {why}."))
         lines.append(Text(f"   costs {cost}.", style="dim"))
     misses = [t for t in result.traced if not t.fits]
     if misses:
-        lines.append(Text("Traced and out of memory: " + "; ".join(
-            f"{t.candidate.layout.describe()} ({size(t.peak)})" for t in misses[:6])
-            + ("; …" if len(misses) > 6 else ""), style="dim"))
+        lines.append(
+            Text(
+                "Traced and out of memory: "
+                + "; ".join(f"{t.candidate.layout.describe()} ({size(t.peak)})" for t in misses[:6])
+                + ("; …" if len(misses) > 6 else ""),
+                style="dim",
+            )
+        )
     return Group(*lines)
 
 
 def render_plan(job, num_gpus: int, result, console, *, top: int) -> None:
     cl, tr = job.cluster, job.training
-    console.print(section(
-        f"Layouts of {job.source} on {num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB, "
-        f"{cl.reserved_overhead_gib:g} GiB reserved), sequence {tr.seq_length:,}, "
-        f"global batch {tr.global_batch_size:,}"))
+    console.print(
+        section(
+            f"Layouts of {job.source} on {num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB, "
+            f"{cl.reserved_overhead_gib:g} GiB reserved), sequence {tr.seq_length:,}, "
+            f"global batch {tr.global_batch_size:,}"
+        )
+    )
     console.print(build_search(result))
     if not result.ranked():
         console.print(Text("No layout fits.", style="bold red"))
         return
     console.print(build_best(result, top))
     console.print(build_reasons(result, top))
-    console.print(Text(
-        f"Iteration: the time model of each traced layout (its FLOPs at "
-        f"{cl.compute_efficiency:.0%} of the GPU's peak FLOP/s, the pipeline schedule simulated, "
-        "exposed communication at link bandwidth; the context-parallel ring counts as hidden). "
-        "Kernel efficiency does not grow with the micro-batch in this model, so small "
-        "micro-batches win.", style="dim"))
+    console.print(
+        Text(
+            f"Iteration: the time model of each traced layout (its FLOPs at "
+            f"{cl.compute_efficiency:.0%} of the GPU's peak FLOP/s, the pipeline schedule simulated, "
+            "exposed communication at link bandwidth; the context-parallel ring counts as hidden). "
+            "Kernel efficiency does not grow with the micro-batch in this model, so small "
+            "micro-batches win.",
+            style="dim",
+        )
+    )

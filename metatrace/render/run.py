@@ -18,9 +18,21 @@ from metatrace.analysis import aggregate as agg
 from metatrace.records import STEP
 from metatrace.render.comm import render_comm
 from metatrace.render.format import (
-    GiB, MiB, PARAM_SHORT, TP_GROUPS, compact, gpu_span, layer_span, mib, peak_at, rank_span,
-    section, shape, size,
+    PARAM_SHORT,
+    TP_GROUPS,
+    GiB,
+    MiB,
+    compact,
+    gpu_span,
+    layer_span,
+    mib,
+    peak_at,
+    rank_span,
+    section,
+    shape,
+    size,
 )
+
 
 def param_shapes(row: agg.ModuleRow) -> str:
     """Parameter names and shapes; numbered ones of one shape (the per-expert weight0,
@@ -69,7 +81,9 @@ def build_summary(job, world) -> Table:
     position = m.position_embedding_type
     if position == "rope" and m.multi_latent_attention and m.rope_type == "yarn":
         position = f"yarn rope (x{m.rotary_scaling_factor:g})"
-    mtp = f", {m.mtp_num_layers} MTP layer{'s' * (m.mtp_num_layers > 1)}" if m.mtp_num_layers else ""
+    mtp = (
+        f", {m.mtp_num_layers} MTP layer{'s' * (m.mtp_num_layers > 1)}" if m.mtp_num_layers else ""
+    )
     table.add_row(
         "model",
         f"{name}{m.num_layers} layers{mtp}, hidden {m.hidden_size}, ffn {m.ffn_hidden_size}, "
@@ -122,7 +136,8 @@ def moe_summary(job) -> str:
     moe_layers = sum(m.moe_layer_freq)
     shared = (
         f", shared experts {m.moe_shared_expert_intermediate_size}"
-        if m.moe_shared_expert_intermediate_size else ""
+        if m.moe_shared_expert_intermediate_size
+        else ""
     )
     routing = Routing.of_job(job)
     return (
@@ -157,8 +172,17 @@ def build_module_table(
         table.add_column("TP communication (MiB)", no_wrap=True)
     for root in roots:
         label = root.fqn or "model"
-        _add_rows(table, agg.Fold(root, 1, root.name, root.name, None), "", "", 0, label,
-                  tp_columns, depth, expand)
+        _add_rows(
+            table,
+            agg.Fold(root, 1, root.name, root.name, None),
+            "",
+            "",
+            0,
+            label,
+            tp_columns,
+            depth,
+            expand,
+        )
     if tp_columns and step:
         cell = _tp_cell(step)
         if cell:
@@ -351,7 +375,9 @@ def build_memory_table(roles) -> Group:
             _amount(m.temporary, unit),
             Text(_amount(m.peak, unit), style="bold"),
         )
-        where.add_row(f"stage {ra.role.pp_stage} peaks in", peak_at(m.peak_at, len(ra.traced.chunks)))
+        where.add_row(
+            f"stage {ra.role.pp_stage} peaks in", peak_at(m.peak_at, len(ra.traced.chunks))
+        )
     legend = Text(
         f"{name} per GPU. Params: parameters and module buffers; Grads: DDP's main-grad buffers; "
         "Optim: main parameters and optimizer state; Wkspc: kernel workspaces and buffers kept "
@@ -377,11 +403,13 @@ def build_offload_lines(analysis) -> list[Text]:
     if not parts:
         return []
     modules = ", ".join(job.training.activation_offload_modules)
-    return [Text(
-        f"Activation offloading ({modules}), each way over PCIe per GPU and host memory pinned "
-        f"for good: {'; '.join(parts)}.",
-        style="dim",
-    )]
+    return [
+        Text(
+            f"Activation offloading ({modules}), each way over PCIe per GPU and host memory pinned "
+            f"for good: {'; '.join(parts)}.",
+            style="dim",
+        )
+    ]
 
 
 def build_verdict(analysis) -> Text:
@@ -438,8 +466,10 @@ def build_timeline(roles, columns: int = 64) -> Group:
         table.add_row("", Text("".join(marks), style="dim"), "")
     return Group(
         table,
-        Text(f"▁ {size(floor)} … █ {size(top)}; a column is the highest level of its steps.",
-             style="dim"),
+        Text(
+            f"▁ {size(floor)} … █ {size(top)}; a column is the highest level of its steps.",
+            style="dim",
+        ),
     )
 
 
@@ -480,7 +510,11 @@ def render_run(analysis, console, *, depth=None, expand=False) -> None:
         console.print(build_memory_table(analysis.roles))
         for line in build_offload_lines(analysis):  # fine-grained activation offloading
             console.print(line)
-        console.print(section("Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"))
+        console.print(
+            section(
+                "Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"
+            )
+        )
         console.print(build_timeline(analysis.roles))
         console.print()
         console.print(build_verdict(analysis))

@@ -98,8 +98,9 @@ class _Replay:
     forward_step_func handed to the schedule (batch and model forward; megatron-core's own
     forward_step around it does the rest), and a replacement for schedules.backward_step."""
 
-    def __init__(self, *, rec, model, profiles, shapes, device, deferred=None, slots=(),
-                 microbatches=0):
+    def __init__(
+        self, *, rec, model, profiles, shapes, device, deferred=None, slots=(), microbatches=0
+    ):
         self.rec = rec
         self.model = model
         self.device = device
@@ -154,7 +155,9 @@ class _Replay:
                     # The output layer's input, kept by the buffer past the backward step.
                     buffer, room = acts
                     for entry in self.deferred.activations[:room]:
-                        buffer.append(torch.empty(entry.shape, dtype=entry.dtype, device=self.device))
+                        buffer.append(
+                            torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                        )
                         held_bytes -= _nbytes(entry)
                 held = self._empty(held_bytes) if held_bytes else None
                 # The loss mask Megatron-LM's loss function keeps for backward, and the output
@@ -240,7 +243,9 @@ class _Replay:
         all-gather of every bucket, in the order the forward reaches them."""
         if not chunk.use_forward_hook:
             return
-        skip_next = chunk.ddp_config.align_param_gather or chunk.overlap_param_gather_with_optimizer_step
+        skip_next = (
+            chunk.ddp_config.align_param_gather or chunk.overlap_param_gather_with_optimizer_step
+        )
         seen = set()
         for param in chunk.module.parameters():
             group = chunk.param_to_bucket_group.get(param)
@@ -368,8 +373,19 @@ def _marked(rec, model, forward_step_func):
 
 
 def run_iteration(
-    job, config, model, optimizer, *, rec, profiles=None, shapes=None, device, real_steps=False,
-    batches=None, deferred: Deferred | None = None, slots=(),
+    job,
+    config,
+    model,
+    optimizer,
+    *,
+    rec,
+    profiles=None,
+    shapes=None,
+    device,
+    real_steps=False,
+    batches=None,
+    deferred: Deferred | None = None,
+    slots=(),
 ) -> None:
     """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
 
@@ -408,8 +424,14 @@ def run_iteration(
         context = marked_backward(rec)
     else:
         replay = _Replay(
-            rec=rec, model=model, profiles=profiles, shapes=shapes, device=device,
-            deferred=deferred, slots=slots, microbatches=job.num_microbatches,
+            rec=rec,
+            model=model,
+            profiles=profiles,
+            shapes=shapes,
+            device=device,
+            deferred=deferred,
+            slots=slots,
+            microbatches=job.num_microbatches,
         )
         step_func, iterators = replay.forward_step_func, [None] * len(model)
         context = replayed_backward(replay.backward_step)

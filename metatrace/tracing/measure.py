@@ -87,7 +87,9 @@ def allocation_running(events, block: int = 1) -> list[tuple[int, int]]:
 
 def allocation_peak(events, since_ns: int, block: int = 1) -> int:
     """Highest running sum of `events` (see allocation_running) at or after `since_ns`."""
-    return max((live for ns, live in allocation_running(events, block) if ns >= since_ns), default=0)
+    return max(
+        (live for ns, live in allocation_running(events, block) if ns >= since_ns), default=0
+    )
 
 
 def live_at(running: list[tuple[int, int]], ns: int) -> int:
@@ -196,7 +198,7 @@ def _host_tensors():
 class _Held:
     """What the pack hook returns: autograd keeps it as long as it keeps the saved tensor."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor):
         self.tensor = tensor
@@ -278,9 +280,14 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.remap import remap_cuda
     from metatrace.hooks.training import cuda_like_dropout, local_broadcasts
-    from metatrace.tracing.iteration import run_iteration
-    from metatrace.models.build import build_model_chunks, build_optimizer, transformer_config, wrap_ddp
+    from metatrace.models.build import (
+        build_model_chunks,
+        build_optimizer,
+        transformer_config,
+        wrap_ddp,
+    )
     from metatrace.models.te_runtime import te_process
+    from metatrace.tracing.iteration import run_iteration
     from metatrace.tracing.trace import run_microbatch
     from metatrace.world import World
 
@@ -298,8 +305,15 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     )
     dropout = contextlib.nullcontext() if cuda else cuda_like_dropout()
     patches = megatron_patches(compiled=job.implementation.torch_compile)
-    with profiler as prof, patches, remap, fake_world(world.layout, rank), \
-            te_process(te), local_broadcasts(), dropout:
+    with (
+        profiler as prof,
+        patches,
+        remap,
+        fake_world(world.layout, rank),
+        te_process(te),
+        local_broadcasts(),
+        dropout,
+    ):
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
         with record_function(marker + "model"):  # parameters and DDP's buffers exist
@@ -324,14 +338,27 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
                 allocated["steady"] = torch.cuda.memory_allocated()
             with record_function(marker + "iteration"):
                 run_iteration(
-                    job, config, model, optimizer, rec=_Probe(), device=torch.device(device),
-                    real_steps=True, batches=lambda: _cycle(pool),
+                    job,
+                    config,
+                    model,
+                    optimizer,
+                    rec=_Probe(),
+                    device=torch.device(device),
+                    real_steps=True,
+                    batches=lambda: _cycle(pool),
                 )
         del model, optimizer
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-        return Measured(peak=peak, peak_blocks=peak, saved=saved_bytes, saved_blocks=saved_blocks,
-                        device=device, model=allocated["model"], steady=allocated["steady"])
+        return Measured(
+            peak=peak,
+            peak_blocks=peak,
+            saved=saved_bytes,
+            saved_blocks=saved_blocks,
+            device=device,
+            model=allocated["model"],
+            steady=allocated["steady"],
+        )
     events, marks = _profiler_log(prof, marker)
     iterations_at = marks[marker + "iteration"]
     since = iterations_at[min(1, len(iterations_at) - 1)]
@@ -435,16 +462,25 @@ def build_comparison(predicted: Predicted, measured: Measured, rank: int):
 
     cpu = measured.device == "cpu"
     peak = predicted.peak - (predicted.cuda_only if cpu else 0)
-    table = Table(title=f"rank {rank}: predicted against measured on {measured.device}",
-                  box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"rank {rank}: predicted against measured on {measured.device}", box=box.SIMPLE_HEAD
+    )
     for name in ("", "predicted", "measured", "difference", "%"):
         table.add_column(name, justify="left" if not name else "right")
     steady = predicted.steady - (predicted.cuda_only if cpu else 0)
     rows = [
         ("peak" + (" (cuBLAS workspaces aside)" if cpu else ""), peak, measured.peak_blocks),
         ("  parameters, gradient buffers", predicted.model, measured.model),
-        ("  optimizer state, workspaces", steady - predicted.model, measured.steady - measured.model),
-        ("  the iteration's own at the peak", peak - steady, measured.peak_blocks - measured.steady),
+        (
+            "  optimizer state, workspaces",
+            steady - predicted.model,
+            measured.steady - measured.model,
+        ),
+        (
+            "  the iteration's own at the peak",
+            peak - steady,
+            measured.peak_blocks - measured.steady,
+        ),
         ("saved activations / micro-batch", predicted.saved, measured.saved_blocks),
     ]
     for label, p, m in rows:

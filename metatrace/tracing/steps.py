@@ -75,7 +75,9 @@ def get_batch_on_this_tp_rank(
             "labels": torch.empty(shape, dtype=torch.int64, device=device),
             "loss_mask": torch.empty(shape, dtype=torch.float32, device=device),
             "attention_mask": (
-                torch.empty((*shape[:1], 1, seq_length, seq_length), dtype=torch.bool, device=device)
+                torch.empty(
+                    (*shape[:1], 1, seq_length, seq_length), dtype=torch.bool, device=device
+                )
                 if attention_mask
                 else None
             ),
@@ -142,7 +144,9 @@ def reduce_losses(losses_reduced) -> None:
         return
     for key in losses_reduced[0]:
         val = torch.vstack([x[key].view(-1) for x in losses_reduced]).sum(dim=0)
-        torch.distributed.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(
+            val, group=ps.get_data_parallel_group(with_context_parallel=True)
+        )
 
 
 def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask: bool):

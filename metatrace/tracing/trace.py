@@ -20,12 +20,11 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from metatrace.config.hardware import cublas_workspace_bytes
 from metatrace.records import JobTrace, RoleTrace
 from metatrace.world import Role, World
-
 
 
 def trace_job(
@@ -51,7 +50,10 @@ def trace_job(
         single_world = World.from_job(single)
         tasks.insert(
             0,
-            ("the full model on one GPU", (single, single_world, single_world.roles()[0], device, False)),
+            (
+                "the full model on one GPU",
+                (single, single_world, single_world.roles()[0], device, False),
+            ),
         )
     if workers is None:
         workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
@@ -119,14 +121,14 @@ def trace_role(
     reference for tests; with activation offloading after an unrecorded first iteration, the
     offload manager's warm-up).
     """
+    import torch
+
+    from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
     from metatrace.hooks.fake_world import fake_world, named_groups
     from metatrace.hooks.offload import OffloadLog, reset_manager
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.recorder import Recorder
     from metatrace.hooks.remap import cublas_workspaces, remap_cuda
-    from metatrace.tracing.iteration import Unrecorded, run_iteration
-    from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
-    from metatrace.models.te_runtime import te_process
     from metatrace.models.build import (
         build_model_chunks,
         build_optimizer,
@@ -135,8 +137,8 @@ def trace_role(
         unwrap,
         wrap_ddp,
     )
-
-    import torch
+    from metatrace.models.te_runtime import te_process
+    from metatrace.tracing.iteration import Unrecorded, run_iteration
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -145,8 +147,12 @@ def trace_role(
     workspace = cublas_workspace_bytes(job)
     te = job.implementation.transformer_impl == "transformer_engine"
     compiled = job.implementation.torch_compile
-    with megatron_patches(compiled=compiled), remap_cuda(device), fake_world(world.layout, rank), \
-            te_process(te):
+    with (
+        megatron_patches(compiled=compiled),
+        remap_cuda(device),
+        fake_world(world.layout, rank),
+        te_process(te),
+    ):
         chunks = build_model_chunks(job=job, config=config, device=device)
         model = wrap_ddp(job, config, chunks)
         optimizer = build_optimizer(job, model)
@@ -160,7 +166,9 @@ def trace_role(
         hooked = [chunk for chunk in model if chunk.use_forward_hook]
         for chunk in hooked:
             chunk.disable_forward_pre_hook(param_sync=False)
-        with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+        with Recorder(
+            chunks=models, devices=devices, groups=groups, rank=rank, static=static
+        ) as rec:
             with contextlib.ExitStack() as stack:
                 # The workspaces live on after the recorder stops, as they do on a GPU.
                 workspaces = stack.enter_context(cublas_workspaces(device, workspace))
@@ -185,12 +193,21 @@ def trace_role(
                 if record is not None:
                     # The offload manager learns the group order in the first iteration and
                     # runs its steady state from the second on.
-                    run_iteration(job, config, model, optimizer, rec=Unrecorded(),
-                                  device=torch.device(device), real_steps=True)
+                    run_iteration(
+                        job,
+                        config,
+                        model,
+                        optimizer,
+                        rec=Unrecorded(),
+                        device=torch.device(device),
+                        real_steps=True,
+                    )
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
-            with Recorder(chunks=models, devices=devices, groups=groups, rank=rank, static=static) as rec:
+            with Recorder(
+                chunks=models, devices=devices, groups=groups, rank=rank, static=static
+            ) as rec:
                 run_iteration(
                     job,
                     config,
@@ -198,9 +215,7 @@ def trace_role(
                     optimizer,
                     rec=rec,
                     profiles=step_profiles(trace, reloads=reloads),
-                    deferred=deferred and dataclasses.replace(
-                        deferred, kept=deferred_bytes(trace)
-                    ),
+                    deferred=deferred and dataclasses.replace(deferred, kept=deferred_bytes(trace)),
                     shapes=shapes,
                     device=torch.device(device),
                     real_steps=real_steps,

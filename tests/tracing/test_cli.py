@@ -29,29 +29,45 @@ def test_run_writes_the_documented_json(tmp_path):
     # The one-GPU model pads the vocabulary to 1008 (a multiple of 16), the tp 2 job to 1024
     # (of 32): embedding and output layer each hold 16 more rows of 64.
     assert report["full_model"]["params"]["count"] == 203_072
-    assert report["model"]["total_params"] == report["model"]["active_params"] == 203_072 + 2 * 16 * 64
+    assert (
+        report["model"]["total_params"] == report["model"]["active_params"] == 203_072 + 2 * 16 * 64
+    )
     assert report["world"]["dp"] == 1 and report["world"]["num_microbatches"] == 4
     roles = report["roles"]
     assert [r["ranks"] for r in roles] == [[0, 1], [2, 3]]
     for role in roles:
-        assert {"params", "activations_per_microbatch_bytes", "collectives_per_microbatch",
-                "modules", "pp_stage", "vpp_chunks"} <= role.keys()
+        assert {
+            "params",
+            "activations_per_microbatch_bytes",
+            "collectives_per_microbatch",
+            "modules",
+            "pp_stage",
+            "vpp_chunks",
+        } <= role.keys()
         ops = {c["op"] for c in role["collectives_per_microbatch"]}
         assert ops <= {"all_reduce", "broadcast", "send", "recv"}
         root = role["modules"][0]
         assert root["fqn"] == "" and root["activation_bytes_total"] == sum(
-            m["activation_bytes"] for m in role["modules"])
+            m["activation_bytes"] for m in role["modules"]
+        )
         assert root["activation_bytes_total"] <= role["activations_per_microbatch_bytes"]
         mem = role["memory"]
-        parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "workspace_bytes",
-                 "activations_bytes", "temporary_bytes")
+        parts = (
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "workspace_bytes",
+            "activations_bytes",
+            "temporary_bytes",
+        )
         assert sum(mem[k] for k in parts) == mem["peak_bytes"]
         assert mem["peak_at"]["phase"] in ("forward", "backward", "optimizer")
     # 1F1B on 2 stages: stage 0 holds its warm-up micro-batch and the one it runs.
     assert [r["memory"]["inflight_microbatches"] for r in roles] == [2, 1]
     verdict = report["memory_verdict"]
     assert verdict["fits"] and verdict["highest_peak_bytes"] == max(
-        r["memory"]["peak_bytes"] for r in roles)
+        r["memory"]["peak_bytes"] for r in roles
+    )
     assert "full_model" in report
     # Communication: per role and dimension, the cluster's sums over every rank, the groups.
     assert report["groups"]["tp"] == [[0, 1], [2, 3]] and report["groups"]["pp"] == [[0, 2], [1, 3]]
@@ -62,7 +78,9 @@ def test_run_writes_the_documented_json(tmp_path):
     assert cluster["tp"]["count"] > 0 and cluster["cp"]["count"] == 0
     # 1F1B, 4 micro-batches, 2 stages: each stage sends 4 and receives 4.
     assert [r["comm"]["pp"]["count"] for r in roles] == [8, 8]
-    assert cluster["total"]["bytes_sent"] == sum(cluster[d]["bytes_sent"] for d in cluster if d != "total")
+    assert cluster["total"]["bytes_sent"] == sum(
+        cluster[d]["bytes_sent"] for d in cluster if d != "total"
+    )
 
 
 GPT_YAML = """\
@@ -77,10 +95,22 @@ cluster: {num_gpus: 8, gpu: a100}
 
 def test_megatron_args_and_the_yaml_job_give_the_same_report(tmp_path):
     a, b = tmp_path / "args.json", tmp_path / "yaml.json"
-    r = metatrace("run", "--megatron-args", GPT_ARGS, "--world-size", "8", "--gpu", "a100",
-                  "--no-full-model", "--json", str(a))
+    r = metatrace(
+        "run",
+        "--megatron-args",
+        GPT_ARGS,
+        "--world-size",
+        "8",
+        "--gpu",
+        "a100",
+        "--no-full-model",
+        "--json",
+        str(a),
+    )
     assert r.returncode == 0, r.stderr
-    r = metatrace("run", "--config", write_job(tmp_path, GPT_YAML), "--no-full-model", "--json", str(b))
+    r = metatrace(
+        "run", "--config", write_job(tmp_path, GPT_YAML), "--no-full-model", "--json", str(b)
+    )
     assert r.returncode == 0, r.stderr
     reports = [json.loads(p.read_text()) for p in (a, b)]
     for report in reports:
@@ -102,8 +132,12 @@ def test_comm_and_groups_flags():
 def test_max_mbs_finds_the_largest_micro_batch_that_fits(tmp_path):
     out = tmp_path / "search.json"
     # 64 samples per replica; a 0.6 GiB GPU with no reserve.
-    config = write_job(tmp_path, GPT_YAML.replace("global_batch_size: 16", "global_batch_size: 128")
-                   .replace("gpu: a100", "gpu: a100, gpu_memory_gib: 0.6, reserved_overhead_gib: 0"))
+    config = write_job(
+        tmp_path,
+        GPT_YAML.replace("global_batch_size: 16", "global_batch_size: 128").replace(
+            "gpu: a100", "gpu: a100, gpu_memory_gib: 0.6, reserved_overhead_gib: 0"
+        ),
+    )
     result = metatrace("run", "--config", config, "--max-mbs", "--json", str(out))
     assert result.returncode == 0, result.stderr
     search = json.loads(out.read_text())["max_micro_batch"]
@@ -120,8 +154,11 @@ def test_max_mbs_finds_the_largest_micro_batch_that_fits(tmp_path):
 def test_fail_on_oom_exit_code_follows_the_verdict(tmp_path):
     # The debug job peaks near 100 MiB per GPU: it fits on an H100 and not on a GPU of
     # 0.05 GiB with no reserved overhead; --fail-on-oom turns that verdict into exit status 1.
-    small = write_job(tmp_path, "model: {preset: debug}\ntraining: {seq_length: 64}\n"
-                  "cluster: {gpu_memory_gib: 0.05, reserved_overhead_gib: 0}")
+    small = write_job(
+        tmp_path,
+        "model: {preset: debug}\ntraining: {seq_length: 64}\n"
+        "cluster: {gpu_memory_gib: 0.05, reserved_overhead_gib: 0}",
+    )
     fits = metatrace("run", "--config", DEBUG, "--no-full-model", "--fail-on-oom", "--quiet")
     assert fits.returncode == 0, fits.stderr
     oom = metatrace("run", "--config", small, "--no-full-model", "--fail-on-oom", "-q")

@@ -6,7 +6,6 @@ import pytest
 from metatrace.analysis.comm import job_comm
 from metatrace.tracing.trace import trace_job
 from metatrace.world import World
-
 from tests.helpers import small_job
 
 # The debug preset: hidden 64, 2 layers; the tests run sequences of 64, micro-batches of 2.
@@ -27,9 +26,13 @@ def test_tensor_parallel_without_sequence_parallel():
     # Per layer and micro-batch, TP without SP: two all-reduces of s·b·h elements in forward
     # (after the attention projection and the second MLP linear) and two in backward (the input
     # gradients of linear_qkv and linear_fc1). tp 4: a rank sends 2·3/4 of each message.
-    job, jc = comm_of(model={"num_query_groups": 4}, parallel={"tp": 4},
-                      training={"global_batch_size": 8}, cluster={"num_gpus": 4})
-    (rt, comm), = jc.roles
+    job, jc = comm_of(
+        model={"num_query_groups": 4},
+        parallel={"tp": 4},
+        training={"global_batch_size": 8},
+        cluster={"num_gpus": 4},
+    )
+    ((rt, comm),) = jc.roles
     m, layers = job.num_microbatches, 2
     items = layer_items(comm)
     assert {it.op for it in items} == {"all_reduce"}
@@ -41,10 +44,14 @@ def test_tensor_parallel_without_sequence_parallel():
     # Outside the layers: the embedding's forward all-reduce, the output layer's backward
     # all-reduce (both s·b·h) and the vocabulary-parallel cross entropy's three all-reduces of
     # s·b fp32 (max logit, target logit, sum of exponentials).
-    rest = [it for it in comm.items if it.dimension == "tp" and not it.layers and it.op == "all_reduce"
-            and it.per_microbatch]
+    rest = [
+        it
+        for it in comm.items
+        if it.dimension == "tp" and not it.layers and it.op == "all_reduce" and it.per_microbatch
+    ]
     assert sorted((it.message, it.count // m) for it in rest) == sorted(
-        [(S * B * H * BF16, 1), (S * B * H * BF16, 1), (S * B * FP32, 3)])
+        [(S * B * H * BF16, 1), (S * B * H * BF16, 1), (S * B * FP32, 3)]
+    )
 
 
 def test_tensor_parallel_with_sequence_parallel():
@@ -52,9 +59,12 @@ def test_tensor_parallel_with_sequence_parallel():
     # reduce-scatters after linear_proj and linear_fc2; backward re-gathers the two saved
     # local inputs, gathers the two output gradients and reduce-scatters the two input
     # gradients. Messages are the full [s, b, h]; a rank sends (n-1)/n of each.
-    job, jc = comm_of(parallel={"tp": 2, "sequence_parallel": True},
-                      training={"global_batch_size": 4}, cluster={"num_gpus": 2})
-    (rt, comm), = jc.roles
+    job, jc = comm_of(
+        parallel={"tp": 2, "sequence_parallel": True},
+        training={"global_batch_size": 4},
+        cluster={"num_gpus": 2},
+    )
+    ((rt, comm),) = jc.roles
     m, layers = job.num_microbatches, 2
     counts = {}
     for it in layer_items(comm):
@@ -76,8 +86,13 @@ def test_tensor_parallel_with_sequence_parallel():
     [
         ({"parallel": {"pp": 4}, "training": {"global_batch_size": 16}}, False),
         ({"parallel": {"pp": 2, "vpp": 2}, "training": {"global_batch_size": 8}}, False),
-        ({"parallel": {"pp": 2, "tp": 2, "sequence_parallel": True},
-          "training": {"global_batch_size": 8}}, True),
+        (
+            {
+                "parallel": {"pp": 2, "tp": 2, "sequence_parallel": True},
+                "training": {"global_batch_size": 8},
+            },
+            True,
+        ),
     ],
     ids=["1f1b-pp4", "interleaved-pp2-vpp2", "1f1b-tp2-sp"],
 )
@@ -86,8 +101,11 @@ def test_pipeline_sends_and_receives(sections, sp):
     # virtual stage's output forward except the model's last, and every input gradient back
     # except the model's first: sends = (m·v - m·[last rank]) + (m·v - m·[first rank]), and as
     # many receives. The boundary tensor is [s/(tp with SP), b, h] in bf16.
-    job, jc = comm_of(model={"num_layers": 4}, cluster={"num_gpus": 2 * sections["parallel"]["pp"]
-                      if sp else sections["parallel"]["pp"]}, **sections)
+    job, jc = comm_of(
+        model={"num_layers": 4},
+        cluster={"num_gpus": 2 * sections["parallel"]["pp"] if sp else sections["parallel"]["pp"]},
+        **sections,
+    )
     m, v, pp = job.num_microbatches, job.parallel.vpp or 1, job.parallel.pp
     message = (S // (2 if sp else 1)) * B * H * BF16
     for rt, comm in jc.roles:
@@ -103,12 +121,17 @@ def test_pipeline_sends_and_receives(sections, sp):
 def test_tied_embedding_gradient_all_reduce():
     # Tied embeddings over pp 2: the first and last stage all-reduce the word embedding's fp32
     # main gradient (padded vocab 1008 × h) once per iteration over the embedding group.
-    job, jc = comm_of(model={"untie_embeddings_and_output_weights": False}, parallel={"pp": 2},
-                      training={"global_batch_size": 4}, cluster={"num_gpus": 2})
+    job, jc = comm_of(
+        model={"untie_embeddings_and_output_weights": False},
+        parallel={"pp": 2},
+        training={"global_batch_size": 4},
+        cluster={"num_gpus": 2},
+    )
     for _, comm in jc.roles:
         emb = [it for it in comm.items if it.group == "embedding"]
         assert [(it.op, it.count, it.message, it.ranks) for it in emb] == [
-            ("all_reduce", 1, job.padded_vocab_size * H * FP32, (0, 1))]
+            ("all_reduce", 1, job.padded_vocab_size * H * FP32, (0, 1))
+        ]
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
@@ -117,17 +140,22 @@ def test_data_parallel_gradient_reduction(distributed_optimizer):
     # fp32 gradient buffer, exactly 4 bytes per parameter; with it a reduce-scatter of the
     # (padded) fp32 buffer and an all-gather of the same number of bf16 parameters. A rank of
     # two sends 2·1/2 of an all-reduce's message, 1/2 of the others'.
-    job, jc = comm_of(parallel={"pp": 2, "dp": 2},
-                      training={"global_batch_size": 8, "distributed_optimizer": distributed_optimizer},
-                      cluster={"num_gpus": 4})
+    job, jc = comm_of(
+        parallel={"pp": 2, "dp": 2},
+        training={"global_batch_size": 8, "distributed_optimizer": distributed_optimizer},
+        cluster={"num_gpus": 4},
+    )
     for rt, comm in jc.roles:
         params = sum(p.numel for mod in rt.trace.modules for p in mod.params)
         big = [it for it in comm.items if it.dimension == "dp" and it.message > 1024]
         if not distributed_optimizer:
             assert [(it.op, it.count, it.message, it.sent) for it in big] == [
-                ("all_reduce", 1, FP32 * params, FP32 * params)]
+                ("all_reduce", 1, FP32 * params, FP32 * params)
+            ]
             continue
-        (rs,), (ag,) = ([it for it in big if it.op == op] for op in ("reduce_scatter", "all_gather"))
+        (rs,), (ag,) = (
+            [it for it in big if it.op == op] for op in ("reduce_scatter", "all_gather")
+        )
         assert rs.count == ag.count == 1
         # megatron-core pads each parameter's start to 64 elements and the bucket to a multiple
         # of lcm(dp, 128) for the distributed optimizer.
@@ -144,18 +172,31 @@ def test_distributed_optimizer_instances(overlap):
     # the same half in the other instance (inter_dist_opt), the bf16 parameters all-gathered
     # over the instance; megatron-core overlaps the first two with backward on a stream of
     # their own (synchronous calls) when overlap_grad_reduce is on.
-    training = {"global_batch_size": 8, "distributed_optimizer": True,
-                "num_distributed_optimizer_instances": 2,
-                "overlap_grad_reduce": overlap, "overlap_param_gather": overlap}
+    training = {
+        "global_batch_size": 8,
+        "distributed_optimizer": True,
+        "num_distributed_optimizer_instances": 2,
+        "overlap_grad_reduce": overlap,
+        "overlap_param_gather": overlap,
+    }
     job, jc = comm_of(training=training, cluster={"num_gpus": 4})
     world = World.from_job(job)
-    (rt, comm), = jc.roles
+    ((rt, comm),) = jc.roles
     rank = rt.trace.rank
     big = {(it.op, it.group): it for it in comm.items if it.dimension == "dp" and it.message > 1024}
-    assert set(big) == {("reduce_scatter", "intra_dp_cp"), ("all_reduce", "inter_dist_opt"),
-                        ("all_gather", "intra_dp_cp")}
-    rs, ar, ag = (big[k] for k in (("reduce_scatter", "intra_dp_cp"),
-                                    ("all_reduce", "inter_dist_opt"), ("all_gather", "intra_dp_cp")))
+    assert set(big) == {
+        ("reduce_scatter", "intra_dp_cp"),
+        ("all_reduce", "inter_dist_opt"),
+        ("all_gather", "intra_dp_cp"),
+    }
+    rs, ar, ag = (
+        big[k]
+        for k in (
+            ("reduce_scatter", "intra_dp_cp"),
+            ("all_reduce", "inter_dist_opt"),
+            ("all_gather", "intra_dp_cp"),
+        )
+    )
     assert list(rs.ranks) == list(ag.ranks) == world.group_of("intra_dp_cp", rank) == [0, 1]
     assert list(ar.ranks) == world.group_of("inter_dist_opt", rank) == [0, 2]
     assert ar.message * 2 == rs.message == ag.message * 2  # half the fp32 buffer; all bf16 params
@@ -187,8 +228,11 @@ def test_cluster_totals_are_the_sum_over_ranks_and_nodes_follow_gpus_per_node():
 def test_context_parallel_ring_crosses_nodes_for_every_rank():
     # cp 2 over two 2-GPU nodes: cp groups (0, 2), (1, 3); every rank's ring peer is on the
     # other node, whichever end of its group the rank is (the traced rank 0 stands for all four).
-    _, jc = comm_of(parallel={"tp": 2, "cp": 2}, training={"global_batch_size": 2},
-                    cluster={"num_gpus": 4, "gpus_per_node": 2})
+    _, jc = comm_of(
+        parallel={"tp": 2, "cp": 2},
+        training={"global_batch_size": 2},
+        cluster={"num_gpus": 4, "gpus_per_node": 2},
+    )
     cp = jc.cluster["cp"]
     assert cp.count > 0 and cp.intra == 0 and cp.inter == cp.bytes_sent
     assert jc.cluster["tp"].inter == 0

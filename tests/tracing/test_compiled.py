@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-_PROBE = textwrap.dedent('''
+_PROBE = textwrap.dedent("""
     import importlib, json, sys
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -51,54 +51,79 @@ _PROBE = textwrap.dedent('''
     compiled(*make())
     print(json.dumps({"compiled": allocations(compiled, make),
                       "standin": allocations(getattr(standins, standin), make)}))
-''')
+""")
 
-_CE = ("lambda: (torch.softmax(torch.randn(64, 2, 4096), -1), torch.ones(64, 2), "
-       "torch.zeros(64, 2, dtype=torch.bool), torch.randint(0, 4096, (128,)))")
+_CE = (
+    "lambda: (torch.softmax(torch.randn(64, 2, 4096), -1), torch.ones(64, 2), "
+    "torch.zeros(64, 2, dtype=torch.bool), torch.randint(0, 4096, (128,)))"
+)
 _GELU = "lambda: (torch.randn(1024, dtype=torch.bfloat16), torch.randn(64, 2, 1024, dtype=torch.bfloat16))"
-_GELU_BACK = ("lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
-              "torch.randn(1024, dtype=torch.bfloat16), torch.randn(64, 2, 1024, dtype=torch.bfloat16))")
-_BDA = ("lambda: ((torch.randn(64, 2, 512, dtype=torch.bfloat16, requires_grad=True), "
-        "torch.randn(512, dtype=torch.bfloat16, requires_grad=True)), "
-        "torch.randn(64, 2, 512, dtype=torch.bfloat16, requires_grad=True), 0.1)")
+_GELU_BACK = (
+    "lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
+    "torch.randn(1024, dtype=torch.bfloat16), torch.randn(64, 2, 1024, dtype=torch.bfloat16))"
+)
+_BDA = (
+    "lambda: ((torch.randn(64, 2, 512, dtype=torch.bfloat16, requires_grad=True), "
+    "torch.randn(512, dtype=torch.bfloat16, requires_grad=True)), "
+    "torch.randn(64, 2, 512, dtype=torch.bfloat16, requires_grad=True), 0.1)"
+)
 
 _SWIGLU = "lambda: (torch.randn(64, 2, 2048, dtype=torch.bfloat16),)"
-_SWIGLU_BIAS = ("lambda: (torch.randn(64, 2, 2048, dtype=torch.bfloat16), "
-                "torch.randn(2048, dtype=torch.bfloat16))")
-_SWIGLU_BACK = ("lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
-                "torch.randn(64, 2, 2048, dtype=torch.bfloat16))")
-_SWIGLU_BIAS_BACK = ("lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
-                     "torch.randn(64, 2, 2048, dtype=torch.bfloat16), "
-                     "torch.randn(2048, dtype=torch.bfloat16))")
+_SWIGLU_BIAS = (
+    "lambda: (torch.randn(64, 2, 2048, dtype=torch.bfloat16), "
+    "torch.randn(2048, dtype=torch.bfloat16))"
+)
+_SWIGLU_BACK = (
+    "lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
+    "torch.randn(64, 2, 2048, dtype=torch.bfloat16))"
+)
+_SWIGLU_BIAS_BACK = (
+    "lambda: (torch.randn(64, 2, 1024, dtype=torch.bfloat16), "
+    "torch.randn(64, 2, 2048, dtype=torch.bfloat16), "
+    "torch.randn(2048, dtype=torch.bfloat16))"
+)
 _SWIGLU_MODULE = "megatron.core.fusions.fused_bias_swiglu"
 
 CASES = {
     "swiglu": (_SWIGLU_MODULE, "swiglu", "swiglu", _SWIGLU),
     "bias_swiglu": (_SWIGLU_MODULE, "bias_swiglu", "bias_swiglu", _SWIGLU_BIAS),
     "swiglu_back": (_SWIGLU_MODULE, "swiglu_back", "swiglu_back", _SWIGLU_BACK),
-    "bias_swiglu_back": (_SWIGLU_MODULE, "bias_swiglu_back", "bias_swiglu_back",
-                         _SWIGLU_BIAS_BACK),
-    "calculate_gradients": ("megatron.core.fusions.fused_cross_entropy", "calculate_gradients",
-                            "fused_ce_calculate_gradients", _CE),
+    "bias_swiglu_back": (_SWIGLU_MODULE, "bias_swiglu_back", "bias_swiglu_back", _SWIGLU_BIAS_BACK),
+    "calculate_gradients": (
+        "megatron.core.fusions.fused_cross_entropy",
+        "calculate_gradients",
+        "fused_ce_calculate_gradients",
+        _CE,
+    ),
     "bias_gelu": ("megatron.core.fusions.fused_bias_gelu", "bias_gelu", "bias_gelu", _GELU),
-    "bias_gelu_back": ("megatron.core.fusions.fused_bias_gelu", "bias_gelu_back", "bias_gelu_back",
-                       _GELU_BACK),
-    "bias_dropout_add_fused_train": ("megatron.core.fusions.fused_bias_dropout",
-                                     "bias_dropout_add_fused_train",
-                                     "bias_dropout_add_fused_train", _BDA),
+    "bias_gelu_back": (
+        "megatron.core.fusions.fused_bias_gelu",
+        "bias_gelu_back",
+        "bias_gelu_back",
+        _GELU_BACK,
+    ),
+    "bias_dropout_add_fused_train": (
+        "megatron.core.fusions.fused_bias_dropout",
+        "bias_dropout_add_fused_train",
+        "bias_dropout_add_fused_train",
+        _BDA,
+    ),
     # hidden_dropout 0 (most recipes): the identity, no mask
-    "bias_dropout_add_fused_train p=0": ("megatron.core.fusions.fused_bias_dropout",
-                                         "bias_dropout_add_fused_train",
-                                         "bias_dropout_add_fused_train",
-                                         _BDA.replace(", 0.1)", ", 0.0)")),
+    "bias_dropout_add_fused_train p=0": (
+        "megatron.core.fusions.fused_bias_dropout",
+        "bias_dropout_add_fused_train",
+        "bias_dropout_add_fused_train",
+        _BDA.replace(", 0.1)", ", 0.0)"),
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_standin_allocates_as_compiled(case):
-    out = subprocess.run([sys.executable, "-c", _PROBE, *CASES[case]], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, *CASES[case]], capture_output=True, text=True, check=True
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     (c_peak, c_end, c_saved), (s_peak, s_end, s_saved) = got["compiled"], got["standin"]
     tol = max(64 << 10, c_peak // 16)  # the stand-ins' row-chunk temporaries, small index temps
@@ -108,14 +133,17 @@ def test_standin_allocates_as_compiled(case):
 
 
 def _last_stage_memory(**implementation):
-    from tests.helpers import small_job
-
     from metatrace.analysis.memory import role_memory
     from metatrace.tracing.trace import trace_role
     from metatrace.world import World
+    from tests.helpers import small_job
 
-    job = small_job(model={"vocab_size": 8192}, parallel={"tp": 2, "pp": 2},
-                    implementation=implementation, cluster={"num_gpus": 4})
+    job = small_job(
+        model={"vocab_size": 8192},
+        parallel={"tp": 2, "pp": 2},
+        implementation=implementation,
+        cluster={"num_gpus": 4},
+    )
     world = World.from_job(job)
     rt = trace_role(job, world, world.roles()[-1])
     return job, role_memory(rt.trace, rt.iteration)

@@ -3,7 +3,6 @@
 import pytest
 
 from metatrace.errors import ConfigError
-
 from tests.helpers import small_job
 
 

@@ -9,7 +9,6 @@ import pytest
 from rich.console import Console
 
 from metatrace.cli import main
-
 from tests.helpers import DEBUG
 
 
@@ -111,15 +110,20 @@ def test_roles_pair_by_layers_when_pipelines_differ(reports):
     a, b, diff, _ = reports
     # a: 2 stages of layers 1-2, 3-4; b: 4 stages of one layer each.
     assert [(p["a"]["pp_stage"], p["b"]["pp_stage"]) for p in diff["roles"]] == [
-        (0, 0), (0, 1), (1, 2), (1, 3)
+        (0, 0),
+        (0, 1),
+        (1, 2),
+        (1, 3),
     ]
     assert [p["label"] for p in diff["roles"]] == ["stage 0", "stage 0/1", "stage 1/2", "stage 1/3"]
 
 
 def test_megatron_arguments_as_a_side(tmp_path):
-    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-            "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --bf16 "
-            "--tensor-model-parallel-size 2 --vocab-size 1000 --tokenizer-type NullTokenizer")
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --bf16 "
+        "--tensor-model-parallel-size 2 --vocab-size 1000 --tokenizer-type NullTokenizer"
+    )
     out = str(tmp_path / "d.json")
     code, _ = run("diff", args, DEBUG, "--world-size", "2", "--json", out, "--quiet")
     assert code == 0

@@ -5,16 +5,18 @@ import pytest
 from metatrace.analysis import aggregate as agg
 from metatrace.config.hf import read_hf_config
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import hf_job, hf_path
 
 
-@pytest.mark.parametrize("repo, published", [
-    ("Meta-Llama-3-8B", 8_030_261_248),
-    ("Mistral-7B-v0.1", 7_241_732_096),
-    ("Qwen2-7B", 7_615_616_512),  # q, k, v biases
-    ("Qwen3-8B", 8_190_735_360),  # per-head q / k norms, head_dim 128
-])
+@pytest.mark.parametrize(
+    "repo, published",
+    [
+        ("Meta-Llama-3-8B", 8_030_261_248),
+        ("Mistral-7B-v0.1", 7_241_732_096),
+        ("Qwen2-7B", 7_615_616_512),  # q, k, v biases
+        ("Qwen3-8B", 8_190_735_360),  # per-head q / k norms, head_dim 128
+    ],
+)
 def test_dense_totals_are_the_published_counts(repo, published):
     # The count is linear in the layers (identical layers between the embedding and the output
     # layer), so a 2-layer model of the same dimensions is traced (tp 1: no vocabulary padding,

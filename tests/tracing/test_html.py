@@ -9,11 +9,10 @@ import pytest
 
 from metatrace.analysis.analyze import analyze
 from metatrace.export import html as page_html
-from metatrace.render.format import DIM_TITLES, size
 from metatrace.export.report import job_report
+from metatrace.render.format import DIM_TITLES, size
 from metatrace.tracing.trace import JobTrace, trace_role
 from metatrace.world import World
-
 from tests.helpers import DEBUG, metatrace, small_job
 
 VOID = {"meta", "br", "hr", "img", "input", "link", "wbr", "col", "area", "base", "source"}
@@ -79,8 +78,10 @@ def table_after(page: str, heading: str) -> list[list[str]]:
     """Rows of cells (text) of the first table after `heading`."""
     rest = page.split(heading, 1)[1]
     body = rest.split("<tbody>", 1)[1].split("</tbody>", 1)[0]
-    return [[re.sub("<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
-            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body)]
+    return [
+        [re.sub("<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body)
+    ]
 
 
 def test_the_page_is_well_formed_and_a_pure_function_of_the_report(report, timelines, page):
@@ -173,19 +174,37 @@ def test_out_of_memory_moe_and_micro_batch_search(report, timelines):
     r["memory_verdict"].update(fits=False, headroom_bytes=-3 * 2**30, out_of_memory_ranks=[2, 3])
     r["model"].update(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96)
     r["moe_routing"] = "balanced (every expert gets tokens x topk / experts)"
-    r["max_micro_batch"] = {"best": 2, "candidates": [1, 2, 4], "probes": [
-        {"micro_batch_size": 4, "num_microbatches": 2, "highest_peak_bytes": 5 * 2**30,
-         "headroom_bytes": -2**30, "fits": False, "highest_peak_ranks": [2, 3]},
-        {"micro_batch_size": 2, "num_microbatches": 4, "highest_peak_bytes": 2**30,
-         "headroom_bytes": 2**30, "fits": True, "highest_peak_ranks": [2, 3]}]}
+    r["max_micro_batch"] = {
+        "best": 2,
+        "candidates": [1, 2, 4],
+        "probes": [
+            {
+                "micro_batch_size": 4,
+                "num_microbatches": 2,
+                "highest_peak_bytes": 5 * 2**30,
+                "headroom_bytes": -(2**30),
+                "fits": False,
+                "highest_peak_ranks": [2, 3],
+            },
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 4,
+                "highest_peak_bytes": 2**30,
+                "headroom_bytes": 2**30,
+                "fits": True,
+                "highest_peak_ranks": [2, 3],
+            },
+        ],
+    }
     out = page_html.page(r, timelines)
     parse(out)
-    assert ('<p class="verdict oom">Out of memory on h100 (79.1 GiB) by 3.00 GiB on ranks 2-3'
-            in out)
+    assert '<p class="verdict oom">Out of memory on h100 (79.1 GiB) by 3.00 GiB on ranks 2-3' in out
     assert "8 experts, top-2, expert ffn 96; routing assumed balanced" in out
     rows = table_after(out, "Largest micro-batch size that fits")
-    assert rows == [["2", "4", "1.00 GiB", "1.00 GiB", "fits"],
-                    ["4", "2", "5.00 GiB", "-1.00 GiB", "out of memory"]]
+    assert rows == [
+        ["2", "4", "1.00 GiB", "1.00 GiB", "fits"],
+        ["4", "2", "5.00 GiB", "-1.00 GiB", "out of memory"],
+    ]
 
 
 def test_a_report_without_an_iteration_has_no_memory_sections():
@@ -203,8 +222,17 @@ def test_a_report_without_an_iteration_has_no_memory_sections():
 
 def test_the_cli_writes_the_page_next_to_the_json(tmp_path):
     html_path, json_path = tmp_path / "report.html", tmp_path / "report.json"
-    result = metatrace("run", "--config", DEBUG, "--no-full-model", "-q",
-                       "--html", str(html_path), "--json", str(json_path))
+    result = metatrace(
+        "run",
+        "--config",
+        DEBUG,
+        "--no-full-model",
+        "-q",
+        "--html",
+        str(html_path),
+        "--json",
+        str(json_path),
+    )
     assert result.returncode == 0, result.stderr
     assert f"HTML report written to {html_path}" in result.stdout.replace("\n", "")
     report = json.loads(json_path.read_text())
@@ -213,5 +241,3 @@ def test_the_cli_writes_the_page_next_to_the_json(tmp_path):
     for role in report["roles"]:
         assert f"<td class=n>{size(role['memory']['peak_bytes'])}</td>" in text
     assert text.count("<polyline") == len(report["roles"]) == 2
-
-

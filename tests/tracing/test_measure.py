@@ -5,11 +5,11 @@ saved_tensors_hooks, neither of them metatrace's recorder."""
 
 import pytest
 import torch
-from tests.helpers import small_job
 from rich.console import Console
 
 from metatrace.cli import main
 from metatrace.tracing.measure import allocation_peak, measure_rank, predict
+from tests.helpers import small_job
 
 LOCAL = {"implementation": {"transformer_impl": "local"}}
 CASES = {
@@ -24,13 +24,19 @@ CASES = {
     # With dropout: bias-dropout-add saves masks inside the checkpointed layers, which are not
     # held until backward (neither side may count them).
     "full recompute, dropout": (
-        {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
-         "training": {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}},
+        {
+            "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+            "training": {
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
+            },
+        },
         0,
     ),
     "selective recompute, dropout": (
-        {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
-         "training": {"recompute": {"granularity": "selective"}}},
+        {
+            "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+            "training": {"recompute": {"granularity": "selective"}},
+        },
         0,
     ),
 }
@@ -105,8 +111,11 @@ def test_measure_command_prints_the_comparison(tmp_path):
     [
         ("implementation: {transformer_impl: local}\n", ["--rank", "2"], "outside the world of 2"),
         ("", ["--rank", "0"], "implementation.transformer_impl: local"),
-        ("implementation: {transformer_impl: local}\n", ["--rank", "0", "--iterations", "0"],
-         "--iterations must be at least 1"),
+        (
+            "implementation: {transformer_impl: local}\n",
+            ["--rank", "0", "--iterations", "0"],
+            "--iterations must be at least 1",
+        ),
     ],
 )
 def test_measure_refuses_bad_input(tmp_path, capsys, extra, args, message):
@@ -119,14 +128,16 @@ def test_measure_refuses_bad_input(tmp_path, capsys, extra, args, message):
 
 
 def test_measure_refuses_a_model_too_large_for_the_machine(monkeypatch):
-    from metatrace.tracing import measure
     from metatrace.errors import ConfigError
+    from metatrace.tracing import measure
 
     monkeypatch.setattr(measure, "_available_host_memory", lambda: 10 * 2**30)
     big = measure.Predicted(peak=200 * 2**30, saved=0, cuda_only=64 * 2**20, model=0, steady=0)
     with pytest.raises(ConfigError, match="predicted to need 199.94 GiB"):
         measure.check_fits(big, "cpu")
-    measure.check_fits(measure.Predicted(peak=2**30, saved=0, cuda_only=0, model=0, steady=0), "cpu")
+    measure.check_fits(
+        measure.Predicted(peak=2**30, saved=0, cuda_only=0, model=0, steady=0), "cpu"
+    )
 
 
 def test_cuda_path(tmp_path, capsys):

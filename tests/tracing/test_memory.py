@@ -7,7 +7,6 @@ import pytest
 from metatrace.analysis.memory import persistent_bytes, role_memory
 from metatrace.tracing.trace import trace_job, trace_role
 from metatrace.world import World
-
 from tests.helpers import small_job
 
 BLOCK = 512
@@ -46,7 +45,7 @@ def param_numels(trace) -> list[int]:
 )
 def test_static_memory_in_closed_form(training, param_bytes, grad_bytes, fp32_tensors):
     job = small_job(training=training)
-    (rt, m), = memories(job)
+    ((rt, m),) = memories(job)
     numels = param_numels(rt.trace)
     # Without the distributed optimizer parameters stay separate tensors (each rounded to the
     # allocator's 512-byte blocks); DDP keeps one contiguous gradient buffer.
@@ -62,8 +61,8 @@ def test_static_memory_in_closed_form(training, param_bytes, grad_bytes, fp32_te
 def test_distributed_optimizer_shards_the_state_over_data_parallel_ranks():
     one = small_job(training={"distributed_optimizer": True})
     four = small_job(training={"distributed_optimizer": True}, cluster={"num_gpus": 4})
-    (rt1, m1), = memories(one)
-    (rt4, m4), = memories(four)
+    ((rt1, m1),) = memories(one)
+    ((rt4, m4),) = memories(four)
     p = sum(param_numels(rt1.trace))
     # The parameters live in DDP's contiguous buffer now: one allocation.
     assert m1.params == rounded(2 * p)
@@ -81,12 +80,21 @@ def test_optimizer_instances_shard_the_state_over_an_instance():
     # instead of a quarter; parameters and gradient buffers stay whole. MoE: the expert buffers
     # shard over the instance's expert dp ranks likewise.
     for model, parallel in (({}, {}), ({"num_experts": 4, "moe_router_topk": 2}, {"ep": 2})):
-        jobs = [small_job(model=model, parallel=parallel, cluster={"num_gpus": 4},
-                          training={"distributed_optimizer": True, "global_batch_size": 8,
-                                    "num_distributed_optimizer_instances": n})
-                for n in (1, 2)]
-        (rt1, m1), = memories(jobs[0])
-        (rt2, m2), = memories(jobs[1])
+        jobs = [
+            small_job(
+                model=model,
+                parallel=parallel,
+                cluster={"num_gpus": 4},
+                training={
+                    "distributed_optimizer": True,
+                    "global_batch_size": 8,
+                    "num_distributed_optimizer_instances": n,
+                },
+            )
+            for n in (1, 2)
+        ]
+        ((rt1, m1),) = memories(jobs[0])
+        ((rt2, m2),) = memories(jobs[1])
         assert (m1.params, m1.grads) == (m2.params, m2.grads)
         tensors = len(param_numels(rt1.trace))
         assert abs(m2.optimizer - 2 * m1.optimizer) <= 2 * (3 * BLOCK * tensors + 8 * BLOCK)
@@ -117,10 +125,16 @@ def _warmup(job, stage: int) -> int:
     "sections",
     [
         {"model": {"num_layers": 4}, "parallel": {"pp": 4}, "training": {"global_batch_size": 16}},
-        {"model": {"num_layers": 4}, "parallel": {"pp": 2, "vpp": 2},
-         "training": {"global_batch_size": 16}},
-        {"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 4},
-         "training": {"global_batch_size": 8}},
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pp": 2, "vpp": 2},
+            "training": {"global_batch_size": 16},
+        },
+        {
+            "model": {"num_layers": 8},
+            "parallel": {"pp": 2, "vpp": 4},
+            "training": {"global_batch_size": 8},
+        },
     ],
     ids=["1f1b-pp4", "interleaved-pp2-vpp2", "interleaved-all-warmup"],
 )
@@ -141,7 +155,7 @@ def test_full_recompute_holds_one_input_per_layer():
             training={"global_batch_size": 2, "seq_length": 256, "recompute": recompute},
             implementation={"attention_backend": "unfused"},
         )
-        (rt, m), = memories(job)
+        ((rt, m),) = memories(job)
         return step_profiles(rt.trace)[("forward", 0)].held, m, job
 
     full = dict(granularity="full", method="uniform", num_layers=1)
@@ -163,11 +177,20 @@ def test_full_recompute_holds_one_input_per_layer():
     [
         {"training": {"global_batch_size": 4}},
         {"parallel": {"pp": 2}, "training": {"global_batch_size": 8}},
-        {"model": {"num_layers": 4}, "parallel": {"pp": 2, "vpp": 2},
-         "training": {"global_batch_size": 8}},
-        {"parallel": {"tp": 2}, "training": {"global_batch_size": 4, "distributed_optimizer": True,
-                                              "overlap_grad_reduce": True},
-         "cluster": {"num_gpus": 4}},
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pp": 2, "vpp": 2},
+            "training": {"global_batch_size": 8},
+        },
+        {
+            "parallel": {"tp": 2},
+            "training": {
+                "global_batch_size": 4,
+                "distributed_optimizer": True,
+                "overlap_grad_reduce": True,
+            },
+            "cluster": {"num_gpus": 4},
+        },
     ],
     ids=["no-pp", "1f1b", "interleaved", "tp2-dp2-distopt-overlap"],
 )
@@ -193,8 +216,11 @@ def test_replayed_iteration_matches_running_every_step(sections):
 def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
     from metatrace.analysis.memory import verdict
 
-    job = small_job(parallel={"pp": 2}, training={"global_batch_size": 8},
-                    cluster={"gpu_memory_gib": 1.0, "reserved_overhead_gib": 0.5})
+    job = small_job(
+        parallel={"pp": 2},
+        training={"global_batch_size": 8},
+        cluster={"gpu_memory_gib": 1.0, "reserved_overhead_gib": 0.5},
+    )
     jt = trace_job(job, full_model=False)
     mems = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in jt.roles]
     for _, m in mems:
@@ -203,8 +229,11 @@ def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
         assert max(level for _, level in m.timeline) == m.peak
     v = verdict(job, mems)
     assert v.fits and v.headroom == 2**30 - 2**29 - max(m.peak for _, m in mems)
-    tight = small_job(parallel={"pp": 2}, training={"global_batch_size": 8},
-                      cluster={"gpu_memory_gib": 0.5, "reserved_overhead_gib": 0.45})
+    tight = small_job(
+        parallel={"pp": 2},
+        training={"global_batch_size": 8},
+        cluster={"gpu_memory_gib": 0.5, "reserved_overhead_gib": 0.45},
+    )
     v = verdict(tight, mems)
     # Stage 1 (the output layer, 96 MiB of cuBLAS and TE workspaces) does not fit in 50 MiB.
     assert not v.fits and v.oom_ranks == tuple(jt.roles[1].role.ranks)
@@ -214,14 +243,23 @@ def test_peak_of_one_micro_batch_without_pipeline_in_closed_form():
     """tp 1, pp 1, one micro-batch, every layer recomputed: the peak is the cross entropy of
     the only micro-batch, and everything live then is known tensor by tensor."""
     job = small_job(
-        model={"num_layers": 2, "vocab_size": 4000, "hidden_dropout": 0.0,
-               "attention_dropout": 0.0, "position_embedding_type": "learned_absolute"},
-        training={"seq_length": 128, "micro_batch_size": 2, "global_batch_size": 2,
-                  "gradient_accumulation_fusion": False,
-                  "create_attention_mask_in_dataloader": False,
-                  "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+        model={
+            "num_layers": 2,
+            "vocab_size": 4000,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "position_embedding_type": "learned_absolute",
+        },
+        training={
+            "seq_length": 128,
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "gradient_accumulation_fusion": False,
+            "create_attention_mask_in_dataloader": False,
+            "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1},
+        },
     )
-    (rt, m), = memories(job)
+    ((rt, m),) = memories(job)
     s, b, h, v = 128, 2, job.model.hidden_size, job.padded_vocab_size
     numels = param_numels(rt.trace)
     static = (
@@ -232,7 +270,8 @@ def test_peak_of_one_micro_batch_without_pipeline_in_closed_form():
     )
     mib = 2**20
     workspaces = (
-        32 * mib + 1024  # Transformer Engine's cuBLAS workspace on Hopper
+        32 * mib
+        + 1024  # Transformer Engine's cuBLAS workspace on Hopper
         + 2 * 32 * mib  # PyTorch's cuBLAS workspaces, forward and autograd threads (:4096:8)
         + BLOCK  # fused attention's cached cu_seqlens
     )
@@ -240,16 +279,22 @@ def test_peak_of_one_micro_batch_without_pipeline_in_closed_form():
     hidden = rounded(2 * s * b * h)  # bf16 [s, b, h]
     row = rounded(4 * s * b)  # fp32 [s, b]
     live_at_loss = (
-        3 * tokens + row  # the batch: tokens, labels, position ids; loss mask
+        3 * tokens
+        + row  # the batch: tokens, labels, position ids; loss mask
         + BLOCK  # the schedule's total_num_tokens
         + hidden  # embedding output, the first checkpointed input
         + 2 * hidden  # layer outputs: the second checkpointed input, the final norm's input
-        + row + hidden  # final norm: rsigma and its output, the output layer's input
+        + row
+        + hidden  # final norm: rsigma and its output, the output layer's input
         + rounded(2 * s * b * v)  # logits, bf16
         + tokens  # labels transposed to [s, b]
         + rounded(4 * s * b * v)  # logits in fp32, exp'ed in place
-        + row + BLOCK + tokens  # cross entropy: logits max, target mask, masked target
-        + tokens + row + row  # arange index, predicted logits, sum of exponentials
+        + row
+        + BLOCK
+        + tokens  # cross entropy: logits max, target mask, masked target
+        + tokens
+        + row
+        + row  # arange index, predicted logits, sum of exponentials
     )
     assert m.peak_at.phase == "forward" and m.peak_at.module == ""
     assert m.peak == static + workspaces + live_at_loss
@@ -264,11 +309,20 @@ def test_deferred_embedding_wgrad_keeps_the_logits_gradient_of_each_deferred_mic
     micro-batch's cross entropy) sees min(K, m - 1) of them, K = m or the limit; when the
     micro-batch just before is one of them, its received input and gradient were live at the
     peak anyway. The replay matches megatron-core's schedule running the model in every step."""
-    base = dict(parallel={"pp": 2, "tp": 2}, cluster={"num_gpus": 4},
-                training={"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64})
+    base = dict(
+        parallel={"pp": 2, "tp": 2},
+        cluster={"num_gpus": 4},
+        training={"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 64},
+    )
     job0 = small_job(**base)
-    deferred = {**base, "training": {**base["training"], "defer_embedding_wgrad_compute": True,
-                                     "wgrad_deferral_limit": limit}}
+    deferred = {
+        **base,
+        "training": {
+            **base["training"],
+            "defer_embedding_wgrad_compute": True,
+            "wgrad_deferral_limit": limit,
+        },
+    }
     job = small_job(**deferred)
     world = World.from_job(job)
     last = [r for r in world.roles() if r.pp_stage == 1][0]
@@ -278,10 +332,19 @@ def test_deferred_embedding_wgrad_keeps_the_logits_gradient_of_each_deferred_mic
     peak0 = role_memory(before.trace, before.iteration).peak
     peak = role_memory(after.trace, after.iteration).peak
     it = real.iteration
-    measured = max(e.live for e in it.memory) - it.static_parts.get("existing", 0) + persistent_bytes(after.trace)
+    measured = (
+        max(e.live for e in it.memory)
+        - it.static_parts.get("existing", 0)
+        + persistent_bytes(after.trace)
+    )
     assert abs(peak - measured) <= 2 * BLOCK
     tr, m = job.training, job.num_microbatches
-    s, b, h, vt = tr.seq_length, tr.micro_batch_size, job.model.hidden_size, job.padded_vocab_size // 2
+    s, b, h, vt = (
+        tr.seq_length,
+        tr.micro_batch_size,
+        job.model.hidden_size,
+        job.padded_vocab_size // 2,
+    )
     layer = rounded(s * b * h * 2)
     per_mb = rounded(s * b * vt * 2) + 3 * layer
     k = m if limit == 0 else min(limit, m)
@@ -294,15 +357,15 @@ def test_padded_buckets_for_nccl_bus_bandwidth():
     the distributed optimizer megatron-core pads each bucket's end to lcm(dp, 128, 2**16)
     elements instead of lcm(dp, 128): the fp32 gradient buffer (one bucket here) grows to the
     next multiple of 2**16 elements, less than one such multiple above the unpadded one."""
-    from tests.helpers import small_job
-
     from metatrace.tracing.trace import trace_role
     from metatrace.world import World
+    from tests.helpers import small_job
 
     def grads(pad):
-        job = small_job(training={"distributed_optimizer": True,
-                                  "ddp_pad_buckets_for_high_nccl_busbw": pad},
-                        cluster={"num_gpus": 2})
+        job = small_job(
+            training={"distributed_optimizer": True, "ddp_pad_buckets_for_high_nccl_busbw": pad},
+            cluster={"num_gpus": 2},
+        )
         world = World.from_job(job)
         rt = trace_role(job, world, world.roles()[0])
         return role_memory(rt.trace, rt.iteration).grads

@@ -6,7 +6,6 @@ import pytest
 
 from metatrace.analysis import aggregate as agg
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import MLA, small_job
 
 
@@ -14,8 +13,11 @@ def _mtp_params(traces, ep: int) -> int:
     """model_params' count restricted to the MTP block (tp 1)."""
     return sum(
         p.numel * (ep if p.expert else 1)
-        for trace in traces for m in trace.modules if m.fqn.startswith("mtp.")
-        for p in m.params if not p.embedding_copy
+        for trace in traces
+        for m in trace.modules
+        if m.fqn.startswith("mtp.")
+        for p in m.params
+        if not p.embedding_copy
     )
 
 
@@ -66,8 +68,10 @@ def mla_layer_closed_form(job, fused: bool) -> int:
     attention = (
         h  # input_layernorm (never fused with MLA)
         + down
-        + qr + heads * q_head * qr  # q latent norm, q up-projection
-        + kvr + heads * (m.qk_head_dim + v) * kvr  # kv latent norm, kv up-projection
+        + qr
+        + heads * q_head * qr  # q latent norm, q up-projection
+        + kvr
+        + heads * (m.qk_head_dim + v) * kvr  # kv latent norm, kv up-projection
         + heads * v * h  # linear_proj
     )
     return attention + h + 2 * f // tp * h + f // tp * h  # pre-MLP norm, SwiGLU fc1, fc2
@@ -88,41 +92,58 @@ def _loss_reductions(trace) -> int:
     """Forward all-reduces of fp32 [s, b] over TP: megatron-core's vocab-parallel cross
     entropy makes three per loss (logits max, predicted logit, sum of exponentials)."""
     return sum(
-        1 for c in trace.collectives
-        if c.phase == "forward" and c.op == "all_reduce" and c.group == "tp"
-        and c.dtype == "float32" and c.shape == (64, 2)
+        1
+        for c in trace.collectives
+        if c.phase == "forward"
+        and c.op == "all_reduce"
+        and c.group == "tp"
+        and c.dtype == "float32"
+        and c.shape == (64, 2)
     )
 
 
-@pytest.mark.parametrize("parallel", [
-    {"tp": 2, "pp": 2},
-    {"tp": 2, "pp": 2, "vpp": 2, "layout": "Et|t|t|tmL"},
-], ids=["last-stage", "layout"])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"tp": 2, "pp": 2},
+        {"tp": 2, "pp": 2, "vpp": 2, "layout": "Et|t|t|tmL"},
+    ],
+    ids=["last-stage", "layout"],
+)
 def test_mtp_adds_its_layer_and_loss_on_the_last_stage(parallel):
     model = {**MLA, "num_layers": 4 if "layout" in parallel else 2}
-    without = {**parallel, **({"layout": parallel["layout"].replace("m", "")}
-                              if "layout" in parallel else {})}
+    without = {
+        **parallel,
+        **({"layout": parallel["layout"].replace("m", "")} if "layout" in parallel else {}),
+    }
     base = small_job(model=model, parallel=without, training={"global_batch_size": 4})
-    job = small_job(model={**model, "mtp_num_layers": 1}, parallel=parallel,
-                    training={"global_batch_size": 4})
+    job = small_job(
+        model={**model, "mtp_num_layers": 1}, parallel=parallel, training={"global_batch_size": 4}
+    )
     (first, last), (first0, last0) = (
         [rt.trace for rt in trace_job(j, full_model=False, workers=1).roles] for j in (job, base)
     )
-    mtp = {m.fqn.split(".", 1)[1] if m.fqn.startswith("chunk") else m.fqn: m
-           for m in last.modules if ".mtp." in f".{m.fqn}"}
-    assert {"mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.0.eh_proj",
-            "mtp.layers.0.final_layernorm",
-            "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj"} <= set(mtp)
+    mtp = {
+        m.fqn.split(".", 1)[1] if m.fqn.startswith("chunk") else m.fqn: m
+        for m in last.modules
+        if ".mtp." in f".{m.fqn}"
+    }
+    assert {
+        "mtp.layers.0.enorm",
+        "mtp.layers.0.hnorm",
+        "mtp.layers.0.eh_proj",
+        "mtp.layers.0.final_layernorm",
+        "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj",
+    } <= set(mtp)
     assert not [m for m in first.modules if ".mtp." in f".{m.fqn}"]
     # eh_proj: [e; h] (2h) -> h, column-parallel over tp 2
     assert mtp["mtp.layers.0.eh_proj"].params[0].shape == (32, 128)
     # the MTP stage keeps a copy of the word embedding, tied to the first stage's
-    copies = [p for m in last.modules if m.fqn.endswith("embedding.word_embeddings")
-              for p in m.params]
+    copies = [
+        p for m in last.modules if m.fqn.endswith("embedding.word_embeddings") for p in m.params
+    ]
     assert copies and all(p.embedding_copy for p in copies)
     # one more loss: the output layer and cross entropy run again for the MTP depth
     assert _loss_reductions(last0) == 3
     assert _loss_reductions(last) == 6
     assert _loss_reductions(first) == _loss_reductions(first0) == 0
-
-

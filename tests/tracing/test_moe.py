@@ -8,7 +8,6 @@ from metatrace.analysis import aggregate as agg
 from metatrace.analysis.comm import job_comm
 from metatrace.analysis.memory import role_memory
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import MOE, assert_meta_matches_real, small_job
 
 H, S, B = 64, 64, 2  # the debug preset's hidden size; the tests' sequence and micro-batch
@@ -60,7 +59,7 @@ def test_moe_preset_totals_are_the_published_counts(preset, layout, total, activ
 
 
 def ep_items(job):
-    (rt, comm), = job_comm(trace_job(job, full_model=False, workers=1)).roles
+    ((rt, comm),) = job_comm(trace_job(job, full_model=False, workers=1)).roles
     return [it for it in comm.items if it.dimension == "ep" and it.layers]
 
 
@@ -77,9 +76,16 @@ def test_alltoall_dispatch_bytes_are_the_closed_form(tp):
     # moves T·k·h·2 bytes, of which (ep-1)/ep leave the rank. Backward runs the same two
     # transposed. The routing probabilities [T·k] travel with the dispatch (and back).
     ep = 4
-    job = moe_job(parallel={"tp": tp, "ep": ep, "sequence_parallel": tp > 1,
-                            "moe_token_dispatcher_type": "alltoall"},
-                  training={"global_batch_size": 2 * B * ep}, cluster={"num_gpus": tp * ep})
+    job = moe_job(
+        parallel={
+            "tp": tp,
+            "ep": ep,
+            "sequence_parallel": tp > 1,
+            "moe_token_dispatcher_type": "alltoall",
+        },
+        training={"global_batch_size": 2 * B * ep},
+        cluster={"num_gpus": tp * ep},
+    )
     m, layers, k = job.num_microbatches, 2, MOE["moe_router_topk"]
     tokens = S * B // tp
     hidden = tokens * k * H * BF16
@@ -98,8 +104,7 @@ def test_allgather_dispatch_bytes_are_the_closed_form():
     # [s·b·ep, experts], works on its local experts' tokens and reduce-scatters the result back
     # (the same [s·b·ep, h]). Backward: the reduce-scatter's gradient is all-gathered and the
     # all-gather's reduce-scattered; a rank sends (n-1)/n of each message.
-    job = moe_job(parallel={"tp": 2, "ep": 2, "sequence_parallel": True},
-                  cluster={"num_gpus": 4})
+    job = moe_job(parallel={"tp": 2, "ep": 2, "sequence_parallel": True}, cluster={"num_gpus": 4})
     m, layers, n = job.num_microbatches, 2, 4
     hidden = S * B * 2 * H * BF16
     items = ep_items(job)
@@ -120,15 +125,21 @@ def test_hottest_expert_load_raises_what_arrives():
     tokens = S * B * MOE["moe_router_topk"]
 
     def alltoalls(load):
-        job = moe_job(parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
-                      training={"moe_hottest_expert_load": load}, cluster={"num_gpus": 2})
-        return [it for it in ep_items(job) if it.op == "all_to_all" and it.phase == "forward"
-                and len(it.shape) == 2]
+        job = moe_job(
+            parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+            training={"moe_hottest_expert_load": load},
+            cluster={"num_gpus": 2},
+        )
+        return [
+            it
+            for it in ep_items(job)
+            if it.op == "all_to_all" and it.phase == "forward" and len(it.shape) == 2
+        ]
 
-    even, = alltoalls(1.0)  # dispatch and combine alike: T·k tokens each way
+    (even,) = alltoalls(1.0)  # dispatch and combine alike: T·k tokens each way
     assert even.shape[0] == tokens and even.sent == even.received
-    dispatch, = [it for it in alltoalls(1.5) if it.shape[0] == tokens]
-    combine, = [it for it in alltoalls(1.5) if it.shape[0] != tokens]
+    (dispatch,) = [it for it in alltoalls(1.5) if it.shape[0] == tokens]
+    (combine,) = [it for it in alltoalls(1.5) if it.shape[0] != tokens]
     assert combine.shape[0] == tokens * 5 // 4
     assert dispatch.sent == even.sent and dispatch.received == even.received * 5 // 4
     assert combine.sent == even.sent * 5 // 4 and combine.received == even.received
@@ -139,11 +150,19 @@ def test_expert_and_dense_optimizer_state_shard_over_their_own_groups():
     # experts' over expert dp = 16/(1·4·2) = 2 (megatron-core's groups). Adam with the
     # distributed optimizer keeps fp32 main parameters and two moments: 12 bytes per element
     # of the rank's shard (buckets are padded, hence the tolerance).
-    job = moe_job(model={"num_layers": 4},
-                  parallel={"tp": 2, "pp": 2, "ep": 4, "etp": 1, "sequence_parallel": True,
-                            "moe_token_dispatcher_type": "alltoall"},
-                  training={"distributed_optimizer": True, "global_batch_size": 8},
-                  cluster={"num_gpus": 16})
+    job = moe_job(
+        model={"num_layers": 4},
+        parallel={
+            "tp": 2,
+            "pp": 2,
+            "ep": 4,
+            "etp": 1,
+            "sequence_parallel": True,
+            "moe_token_dispatcher_type": "alltoall",
+        },
+        training={"distributed_optimizer": True, "global_batch_size": 8},
+        cluster={"num_gpus": 16},
+    )
     dp, edp = 4, 2
     for rt in trace_job(job, full_model=False).roles:
         expert = dense = 0
@@ -164,15 +183,28 @@ def test_expert_and_dense_optimizer_state_shard_over_their_own_groups():
 @pytest.mark.parametrize(
     "sections",
     [
-        {"parallel": {"tp": 2, "ep": 2, "sequence_parallel": True,
-                      "moe_token_dispatcher_type": "alltoall"},
-         "implementation": {"moe_grouped_gemm": True}, "cluster": {"num_gpus": 4}},
-        {"parallel": {"tp": 2, "ep": 2, "sequence_parallel": True},
-         "implementation": {"transformer_impl": "local"}, "cluster": {"num_gpus": 4}},
-        {"model": {"moe_shared_expert_intermediate_size": 128},
-         "parallel": {"ep": 2, "moe_token_dispatcher_type": "alltoall"},
-         "training": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}},
-         "implementation": {"moe_grouped_gemm": True}, "cluster": {"num_gpus": 2}},
+        {
+            "parallel": {
+                "tp": 2,
+                "ep": 2,
+                "sequence_parallel": True,
+                "moe_token_dispatcher_type": "alltoall",
+            },
+            "implementation": {"moe_grouped_gemm": True},
+            "cluster": {"num_gpus": 4},
+        },
+        {
+            "parallel": {"tp": 2, "ep": 2, "sequence_parallel": True},
+            "implementation": {"transformer_impl": "local"},
+            "cluster": {"num_gpus": 4},
+        },
+        {
+            "model": {"moe_shared_expert_intermediate_size": 128},
+            "parallel": {"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+            "training": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}},
+            "implementation": {"moe_grouped_gemm": True},
+            "cluster": {"num_gpus": 2},
+        },
     ],
     ids=["alltoall-te-grouped-tp2", "allgather-local-tp2", "shared-experts-moe-act-recompute"],
 )
@@ -193,12 +225,20 @@ def test_moe_recompute_keeps_only_the_layer_input():
     # dispatch, experts, combine), which keeps only its input, the pre-MLP norm's output
     # [s, b, h] bf16, per layer; without it the layer keeps far more.
     def kept(recompute):
-        training = {"recompute": {"granularity": "selective", "modules": ["moe"]}} if recompute else {}
-        job = moe_job(parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
-                      training=training, cluster={"num_gpus": 2})
+        training = (
+            {"recompute": {"granularity": "selective", "modules": ["moe"]}} if recompute else {}
+        )
+        job = moe_job(
+            parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+            training=training,
+            cluster={"num_gpus": 2},
+        )
         trace = trace_job(job, full_model=False, workers=1).roles[0].trace
-        return sum(s.bytes for s in trace.saved if not s.static and s.phase == "forward"
-                   and s.module.startswith("decoder.layers.0.mlp"))
+        return sum(
+            s.bytes
+            for s in trace.saved
+            if not s.static and s.phase == "forward" and s.module.startswith("decoder.layers.0.mlp")
+        )
 
     assert kept(True) == S * B * H * BF16
     assert kept(False) > 4 * S * B * H * BF16

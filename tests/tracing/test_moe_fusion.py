@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from metatrace.models import te_moe as S
-
 from tests.helpers import small_job
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -37,7 +36,8 @@ def test_permute_saves_the_row_id_map_only(T, h, E, k, pdtype):
     probs = torch.empty(T, E, dtype=pdtype, device="meta", requires_grad=True)
     rmap = torch.empty(T, E, dtype=torch.bool, device="meta")
     (out, pprobs, row_id), saved = saved_storages(
-        lambda: S.moe_permute_with_probs(x, probs, rmap, T * k))
+        lambda: S.moe_permute_with_probs(x, probs, rmap, T * k)
+    )
     assert (out.shape, out.dtype) == ((T * k, h), BF16)
     assert (pprobs.shape, pprobs.dtype) == ((T * k,), pdtype)
     assert (row_id.shape, row_id.dtype) == ((T, 2 * E + 1), torch.int32)
@@ -54,7 +54,8 @@ def test_unpermute_saves_input_and_probs_only_when_merging(with_probs):
     inp = torch.empty(T * k, h, dtype=BF16, device="meta", requires_grad=True)
     probs = torch.empty(T, E, dtype=FP32, device="meta", requires_grad=True) if with_probs else None
     out, saved = saved_storages(
-        lambda: S.moe_unpermute(inp, row_id, merging_probs=probs, restore_shape=(T, h)))
+        lambda: S.moe_unpermute(inp, row_id, merging_probs=probs, restore_shape=(T, h))
+    )
     assert (out.shape, out.dtype) == ((T, h), BF16)
     expected = 4 * T * (2 * E + 1) + (T * k * h * 2 + T * E * 4 if with_probs else 0)
     assert sum(saved.values()) == expected
@@ -70,7 +71,8 @@ def test_sort_chunks_saves_an_int32_map_per_row(with_probs):
     if with_probs:
         p = torch.empty(N, dtype=FP32, device="meta", requires_grad=True)
         (out, pp), saved = saved_storages(
-            lambda: S.moe_sort_chunks_by_index_with_probs(x, p, split, idx))
+            lambda: S.moe_sort_chunks_by_index_with_probs(x, p, split, idx)
+        )
         assert (pp.shape, pp.dtype) == ((N,), FP32)
     else:
         out, saved = saved_storages(lambda: S.moe_sort_chunks_by_index(x, split, idx))
@@ -80,19 +82,24 @@ def test_sort_chunks_saves_an_int32_map_per_row(with_probs):
 def test_router_fusion_saves_map_and_fp32_intermediates():
     T, E, k = 2048, 16, 4
     logits = torch.empty(T, E, dtype=BF16, device="meta", requires_grad=True)
-    (probs, rmap), saved = saved_storages(lambda: S.fused_topk_with_score_function(
-        logits, k, False, None, None, None, "softmax", None))
+    (probs, rmap), saved = saved_storages(
+        lambda: S.fused_topk_with_score_function(
+            logits, k, False, None, None, None, "softmax", None
+        )
+    )
     assert (probs.shape, probs.dtype, rmap.dtype) == ((T, E), BF16, torch.bool)
     assert sorted(saved.values()) == [T * E, 4 * T * E]
     (rmap2, scores), saved2 = saved_storages(
-        lambda: S.fused_compute_score_for_moe_aux_loss(logits, k, "softmax"))
+        lambda: S.fused_compute_score_for_moe_aux_loss(logits, k, "softmax")
+    )
     assert scores.dtype == FP32 and list(saved2.values()) == [4 * T * E]
     tpe = torch.empty(E, dtype=torch.int64, device="meta")
     loss, saved3 = saved_storages(lambda: S.fused_moe_aux_loss(scores, tpe, T, E, k, 0.01))
     assert loss.shape == () and loss.dtype == FP32 and sorted(saved3.values()) == [8, 8 * E]
     with pytest.raises(ValueError, match="float64"):
-        S.fused_topk_with_score_function(logits.double(), k, False, None, None, None,
-                                         "softmax", None)
+        S.fused_topk_with_score_function(
+            logits.double(), k, False, None, None, None, "softmax", None
+        )
 
 
 # ------------------------------------- same outputs and gradients as megatron's unfused path
@@ -149,13 +156,23 @@ def test_fused_and_unfused_router_agree_on_what_flows():
 
 
 def fusion_job(fused, **parallel):
-    return small_job(model={"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96,
-                            "moe_router_load_balancing_type": "aux_loss",
-                            "moe_aux_loss_coeff": 0.01},
-                     parallel={"tp": 2, "ep": 2, "sequence_parallel": True, **parallel},
-                     implementation={"moe_grouped_gemm": True, "moe_permute_fusion": fused,
-                                     "moe_router_fusion": fused},
-                     training={"global_batch_size": 8}, cluster={"num_gpus": 4})
+    return small_job(
+        model={
+            "num_experts": 4,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 96,
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": 0.01,
+        },
+        parallel={"tp": 2, "ep": 2, "sequence_parallel": True, **parallel},
+        implementation={
+            "moe_grouped_gemm": True,
+            "moe_permute_fusion": fused,
+            "moe_router_fusion": fused,
+        },
+        training={"global_batch_size": 8},
+        cluster={"num_gpus": 4},
+    )
 
 
 def _layer0_mlp_saved(job):
@@ -185,10 +202,22 @@ def test_trace_saved_difference_is_the_closed_form():
     M = T * k  # received per rank under balanced routing (etp 1)
     jobs = [fusion_job(f, etp=1, moe_token_dispatcher_type="alltoall") for f in (False, True)]
     p = 2  # probs bf16 (no moe_router_dtype)
-    unfused = (rounded(E * T) + rounded(E * T * p) + rounded(8 * T * k)
-               + rounded(8 * T * k) + rounded(4 * T * k) + rounded(4 * T * E) + rounded(8 * T * k))
-    fused = (rounded(4 * T * (2 * E + 1)) + 2 * rounded(4 * M)
-             + rounded(T * E) + 2 * rounded(4 * T * E) + rounded(8))
+    unfused = (
+        rounded(E * T)
+        + rounded(E * T * p)
+        + rounded(8 * T * k)
+        + rounded(8 * T * k)
+        + rounded(4 * T * k)
+        + rounded(4 * T * E)
+        + rounded(8 * T * k)
+    )
+    fused = (
+        rounded(4 * T * (2 * E + 1))
+        + 2 * rounded(4 * M)
+        + rounded(T * E)
+        + 2 * rounded(4 * T * E)
+        + rounded(8)
+    )
     assert _layer0_mlp_saved(jobs[1]) - _layer0_mlp_saved(jobs[0]) == fused - unfused
 
 

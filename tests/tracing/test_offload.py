@@ -11,11 +11,10 @@ import json
 
 import pytest
 
-from metatrace.errors import ConfigError
 from metatrace.analysis.memory import persistent_bytes, role_memory, role_offload
+from metatrace.errors import ConfigError
 from metatrace.tracing.trace import JobTrace, trace_role
 from metatrace.world import World
-
 from tests.helpers import MOE, small_job
 
 BLOCK = 512
@@ -28,7 +27,9 @@ TP2 = {"parallel": {"tp": 2, "sequence_parallel": True}, "cluster": {"num_gpus":
 def offload_job(modules, min_size=1024, **sections):
     training = {"global_batch_size": 8, **sections.pop("training", {})}
     if modules:
-        training.update(activation_offload_modules=list(modules), min_offloaded_tensor_size=min_size)
+        training.update(
+            activation_offload_modules=list(modules), min_offloaded_tensor_size=min_size
+        )
     return small_job(training=training, **sections)
 
 
@@ -60,17 +61,38 @@ def moved_per_group(job, name):
         # The local spec's input norm keeps its input [s, b, h].
         (["attn_norm"], "attn_norm", {"implementation": {"transformer_impl": "local"}}, 2 * N * H),
         # A MoE layer's pre-MLP norm (TENorm) input [s, b, h].
-        (["mlp_norm"], "mlp_norm", {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
-         2 * N * H),
+        (
+            ["mlp_norm"],
+            "mlp_norm",
+            {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
+            2 * N * H,
+        ),
         # The grouped fc1's whole input [T, h], one tensor (save_original_input).
-        (["expert_fc1"], "expert_fc1",
-         {"model": MOE, "implementation": {"moe_grouped_gemm": True}}, 2 * T * H),
+        (
+            ["expert_fc1"],
+            "expert_fc1",
+            {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
+            2 * T * H,
+        ),
         # The activation's input, fc1's output [T, 2 f_e] (SwiGLU).
-        (["moe_act"], "moe_act", {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
-         2 * T * 2 * FE),
+        (
+            ["moe_act"],
+            "moe_act",
+            {"model": MOE, "implementation": {"moe_grouped_gemm": True}},
+            2 * T * 2 * FE,
+        ),
     ],
-    ids=["qkv_linear", "core_attn", "attn_proj", "attn_norm-te", "mlp_norm-te", "attn_norm-local",
-         "mlp_norm-moe", "expert_fc1", "moe_act"],
+    ids=[
+        "qkv_linear",
+        "core_attn",
+        "attn_proj",
+        "attn_norm-te",
+        "mlp_norm-te",
+        "attn_norm-local",
+        "mlp_norm-moe",
+        "expert_fc1",
+        "moe_act",
+    ],
 )
 def test_each_module_moves_its_closed_form(modules, name, sections, per_layer):
     job = offload_job(modules, **sections)
@@ -95,8 +117,12 @@ def test_the_recorder_still_sees_what_offload_groups_save():
     so the same tensors are recorded as saved; what moved to the host is no longer held."""
     world = World.from_job(small_job())
     plain = trace_role(small_job(), world, world.roles()[0], iteration=False).trace
-    rt = trace_role(offload_job(["qkv_linear", "core_attn", "attn_proj"]), world,
-                    world.roles()[0], iteration=False)
+    rt = trace_role(
+        offload_job(["qkv_linear", "core_attn", "attn_proj"]),
+        world,
+        world.roles()[0],
+        iteration=False,
+    )
     saved = rt.trace.saved
     assert [(s.shape, s.dtype, s.module) for s in saved] == [
         (s.shape, s.dtype, s.module) for s in plain.saved
@@ -114,15 +140,21 @@ def test_the_recorder_still_sees_what_offload_groups_save():
 CASES = {
     "pp1": dict(modules=["core_attn", "attn_proj"], training={"global_batch_size": 4}),
     "pp2": dict(modules=["core_attn", "attn_proj"], model={"num_layers": 4}, parallel={"pp": 2}),
-    "vpp": dict(modules=["core_attn", "attn_proj"], model={"num_layers": 8},
-                parallel={"pp": 2, "vpp": 2, "overlap_p2p_comm": True}),
+    "vpp": dict(
+        modules=["core_attn", "attn_proj"],
+        model={"num_layers": 8},
+        parallel={"pp": 2, "vpp": 2, "overlap_p2p_comm": True},
+    ),
     "pp2-qkv": dict(modules=["qkv_linear"], model={"num_layers": 4}, parallel={"pp": 2}),
     # fc1's output [T, 2 f_e] at f_e 384 makes the backward's peak fall where the traced
     # (warm-up) micro-batch had reloaded moe_act's input on demand: left out of the backward
     # excess, or the replay counts it beside the slot.
-    "moe": dict(modules=["mlp_norm", "expert_fc1", "moe_act"],
-                model={**MOE, "moe_ffn_hidden_size": 384},
-                implementation={"moe_grouped_gemm": True}, training={"global_batch_size": 4}),
+    "moe": dict(
+        modules=["mlp_norm", "expert_fc1", "moe_act"],
+        model={**MOE, "moe_ffn_hidden_size": 384},
+        implementation={"moe_grouped_gemm": True},
+        training={"global_batch_size": 4},
+    ),
 }
 _TRACES: dict = {}
 
@@ -164,8 +196,11 @@ def peaks(case, offload, real):
     for rt, _ in roles:
         if real:
             it = rt.iteration
-            out.append(max(e.live for e in it.memory) - it.static_parts.get("existing", 0)
-                       + persistent_bytes(rt.trace))
+            out.append(
+                max(e.live for e in it.memory)
+                - it.static_parts.get("existing", 0)
+                + persistent_bytes(rt.trace)
+            )
         else:
             out.append(role_memory(rt.trace, rt.iteration).peak)
     return out
@@ -231,10 +266,13 @@ def test_report_and_terminal_show_the_offload_figures():
         "d2h_bytes_per_iteration": 7 * LAYER,
         "pinned_host_bytes": 4 * LAYER,
     }
-    import jsonschema
     from importlib import resources
 
-    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
+    import jsonschema
+
+    schema = json.loads(
+        resources.files("metatrace.export").joinpath("report.schema.json").read_text()
+    )
     jsonschema.validate(report, schema, cls=jsonschema.Draft202012Validator)
     console = Console(width=200, record=True, color_system=None)
     for line in build_offload_lines(analysis):
@@ -256,8 +294,11 @@ def test_measure_sees_the_same_saved_activations_on_cpu_tensors():
     from metatrace.tracing.measure import measure_rank, predict
 
     torch.set_num_threads(1)
-    job = offload_job(["core_attn", "attn_proj"], training={"global_batch_size": 4},
-                      implementation={"transformer_impl": "local"})
+    job = offload_job(
+        ["core_attn", "attn_proj"],
+        training={"global_batch_size": 4},
+        implementation={"transformer_impl": "local"},
+    )
     predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
     assert measured.saved_blocks == predicted.saved > 0
     peak = predicted.peak - predicted.cuda_only
@@ -267,21 +308,31 @@ def test_measure_sees_the_same_saved_activations_on_cpu_tensors():
 @pytest.mark.parametrize(
     "training, sections, message",
     [
-        ({"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}, {},
-         "with full recompute"),
-        ({"activation_offload_modules": ["attn_proj"]}, {},
-         "attn_proj cannot be set to offload_modules alone"),
-        ({"activation_offload_modules": None}, {},
-         "min_offloaded_tensor_size needs training.activation_offload_modules"),
+        (
+            {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+            {},
+            "with full recompute",
+        ),
+        (
+            {"activation_offload_modules": ["attn_proj"]},
+            {},
+            "attn_proj cannot be set to offload_modules alone",
+        ),
+        (
+            {"activation_offload_modules": None},
+            {},
+            "min_offloaded_tensor_size needs training.activation_offload_modules",
+        ),
     ],
     ids=["full-recompute", "attn_proj-alone", "min-size-alone"],
 )
 def test_what_cannot_run_is_refused(training, sections, message):
-    training = {"activation_offload_modules": ["core_attn"], "min_offloaded_tensor_size": 1024,
-                **training}
+    training = {
+        "activation_offload_modules": ["core_attn"],
+        "min_offloaded_tensor_size": 1024,
+        **training,
+    }
     from metatrace.tracing.checks import check_with_megatron
 
     with pytest.raises(ConfigError, match=message):  # the job's rules, or megatron-core's
         check_with_megatron(small_job(training=training, **sections))
-
-

@@ -4,25 +4,34 @@ import pytest
 
 from metatrace.analysis import aggregate as agg
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import small_job
 
 
 def closed_form(job, layers: int, first: bool, last: bool) -> int:
     """Parameters one rank holds, from the dimensions alone (megatron-core's layout of them)."""
     m, tp = job.model, job.parallel.tp
-    h, f, a, g, d = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels
+    h, f, a, g, d = (
+        m.hidden_size,
+        m.ffn_hidden_size,
+        m.num_attention_heads,
+        m.num_query_groups,
+        m.kv_channels,
+    )
     bias = m.add_bias_linear
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     qkv_out = (a + 2 * g) * d // tp
     fc1_out = (2 if m.activation in ("swiglu", "geglu") else 1) * f // tp
     layer = (
         norm  # input_layernorm
-        + qkv_out * h + (qkv_out if bias or m.add_qkv_bias else 0)
-        + h * (a * d // tp) + (h if bias else 0)  # linear_proj (bias replicated)
+        + qkv_out * h
+        + (qkv_out if bias or m.add_qkv_bias else 0)
+        + h * (a * d // tp)
+        + (h if bias else 0)  # linear_proj (bias replicated)
         + norm  # pre_mlp_layernorm
-        + fc1_out * h + (fc1_out if bias else 0)
-        + h * (f // tp) + (h if bias else 0)  # linear_fc2
+        + fc1_out * h
+        + (fc1_out if bias else 0)
+        + h * (f // tp)
+        + (h if bias else 0)  # linear_fc2
     )
     total = layers * layer
     vocab = job.padded_vocab_size // tp * h
@@ -43,13 +52,26 @@ def closed_form(job, layers: int, first: bool, last: bool) -> int:
     [
         {"parallel": {"tp": 2, "pp": 2}},
         {"model": {"num_layers": 6}, "parallel": {"pp": 3}},
-        {"model": {"normalization": "LayerNorm", "activation": "gelu", "add_bias_linear": True,
-                   "position_embedding_type": "learned_absolute",
-                   "untie_embeddings_and_output_weights": False}, "parallel": {"tp": 2, "pp": 2}},
+        {
+            "model": {
+                "normalization": "LayerNorm",
+                "activation": "gelu",
+                "add_bias_linear": True,
+                "position_embedding_type": "learned_absolute",
+                "untie_embeddings_and_output_weights": False,
+            },
+            "parallel": {"tp": 2, "pp": 2},
+        },
         {"model": {"untie_embeddings_and_output_weights": False}, "parallel": {"tp": 2}},
-        {"model": {"num_layers": 8, "add_qkv_bias": True}, "parallel": {"tp": 2, "pp": 2, "vpp": 2},
-         "training": {"global_batch_size": 4}},
-        {"model": {"num_layers": 5}, "parallel": {"pp": 3, "first_stage_layers": 1, "last_stage_layers": 2}},
+        {
+            "model": {"num_layers": 8, "add_qkv_bias": True},
+            "parallel": {"tp": 2, "pp": 2, "vpp": 2},
+            "training": {"global_batch_size": 4},
+        },
+        {
+            "model": {"num_layers": 5},
+            "parallel": {"pp": 3, "first_stage_layers": 1, "last_stage_layers": 2},
+        },
     ],
     ids=["llama-tp2-pp2", "pp3", "gpt-tied-tp2-pp2", "tied-pp1", "vpp-qkv-bias", "uneven"],
 )
@@ -66,7 +88,10 @@ def test_params_per_rank_match_closed_form(sections):
 def test_llama2_7b_total_is_the_published_count():
     # meta-llama/Llama-2-7b-hf: 6,738,415,616 parameters. Traced on one stage of tp 2 x pp 2
     # (vocabulary 32000 needs no padding at tp 2), summed over stages and TP shards.
-    job = small_job(model={"preset": "llama2-7b", "num_layers": 32}, parallel={"tp": 2, "pp": 2},
-                    training={"seq_length": 128, "micro_batch_size": 1})
+    job = small_job(
+        model={"preset": "llama2-7b", "num_layers": 32},
+        parallel={"tp": 2, "pp": 2},
+        training={"seq_length": 128, "micro_batch_size": 1},
+    )
     jt = trace_job(job, full_model=False)
     assert agg.model_params([rt.trace for rt in jt.roles], tp=2) == 6_738_415_616

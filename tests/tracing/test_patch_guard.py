@@ -47,12 +47,19 @@ CREATED = {
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers.get_dummy_wgrad",
     "megatron.core.transformer.moe.moe_utils.te_general_gemm",
-    *(f"megatron.core.transformer.moe.moe_utils.{name}" for name in (
-        "fused_permute", "fused_permute_with_probs", "fused_unpermute",
-        "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-        "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
-        "fused_moe_aux_loss",
-    )),
+    *(
+        f"megatron.core.transformer.moe.moe_utils.{name}"
+        for name in (
+            "fused_permute",
+            "fused_permute_with_probs",
+            "fused_unpermute",
+            "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs",
+            "fused_topk_with_score_function",
+            "fused_compute_score_for_moe_aux_loss",
+            "fused_moe_aux_loss",
+        )
+    ),
 }
 
 
@@ -90,8 +97,13 @@ def test_a_renamed_target_fails_naming_the_patch_and_leaves_nothing_behind():
         Patch(RANDOM, "_get_cuda_rng_state", lambda orig: "get", Versions((0, 16)), "first"),
         Patch(RANDOM, "_set_cuda_rng_state", lambda orig: "set", Versions((0, 16)), "second"),
     ]
-    renamed = Patch(RANDOM, "_set_cuda_rng_stat", lambda orig: "new", Versions((0, 16)),
-                    "restores the CUDA RNG state")
+    renamed = Patch(
+        RANDOM,
+        "_set_cuda_rng_stat",
+        lambda orig: "new",
+        Versions((0, 16)),
+        "restores the CUDA RNG state",
+    )
     with pytest.raises(PatchError) as raised:
         with patched((*applied, renamed)):
             pytest.fail("entered with a missing target")
@@ -103,12 +115,18 @@ def test_a_renamed_target_fails_naming_the_patch_and_leaves_nothing_behind():
     assert (random._get_cuda_rng_state, random._set_cuda_rng_state) == (orig_get, orig_set)
 
 
-@pytest.mark.parametrize("module, target, missing", [
-    (RANDOM, "CudaRNGStatesTrackr.fork", f"{RANDOM} has no CudaRNGStatesTrackr"),
-    (RANDOM, "CudaRNGStatesTracker.forked", f"{RANDOM} has no CudaRNGStatesTracker.forked"),
-    ("megatron.core.tensor_parallel.randomness", "fork",
-     "module megatron.core.tensor_parallel.randomness does not import"),
-])
+@pytest.mark.parametrize(
+    "module, target, missing",
+    [
+        (RANDOM, "CudaRNGStatesTrackr.fork", f"{RANDOM} has no CudaRNGStatesTrackr"),
+        (RANDOM, "CudaRNGStatesTracker.forked", f"{RANDOM} has no CudaRNGStatesTracker.forked"),
+        (
+            "megatron.core.tensor_parallel.randomness",
+            "fork",
+            "module megatron.core.tensor_parallel.randomness does not import",
+        ),
+    ],
+)
 def test_a_missing_class_or_module_on_the_way_fails(module, target, missing):
     patch = Patch(module, target, lambda orig: None, Versions((0, 16)), "why")
     with pytest.raises(PatchError, match=missing):
@@ -121,8 +139,14 @@ def test_a_missing_class_or_module_on_the_way_fails(module, target, missing):
 
 def test_a_declared_creation_is_undone_on_exit():
     random = importlib.import_module(RANDOM)
-    patch = Patch(RANDOM, "metatrace_created", lambda orig: ("made", orig), Versions((0, 16)),
-                  "test", creates=True)
+    patch = Patch(
+        RANDOM,
+        "metatrace_created",
+        lambda orig: ("made", orig),
+        Versions((0, 16)),
+        "test",
+        creates=True,
+    )
     with patched((patch,)):
         assert random.metatrace_created == ("made", None)
     assert not hasattr(random, "metatrace_created")
@@ -131,8 +155,13 @@ def test_a_declared_creation_is_undone_on_exit():
 def test_a_patch_outside_its_releases_is_not_applied():
     random = importlib.import_module(RANDOM)
     orig = random._get_cuda_rng_state
-    old = Patch(RANDOM, "_get_cuda_rng_state", lambda orig: "old", Versions((0, 12), (0, 13)),
-                "a bug of 0.12 and 0.13")
+    old = Patch(
+        RANDOM,
+        "_get_cuda_rng_state",
+        lambda orig: "old",
+        Versions((0, 12), (0, 13)),
+        "a bug of 0.12 and 0.13",
+    )
     with patched((old,), release=(0, 16, 1)):
         assert random._get_cuda_rng_state is orig
     with patched((old,), release=(0, 13, 4)):
@@ -141,6 +170,7 @@ def test_a_patch_outside_its_releases_is_not_applied():
 
 
 # --- releases --------------------------------------------------------------------------------
+
 
 def test_releases_parse_and_compare():
     assert parse_release("0.16.1") == (0, 16, 1)
@@ -151,11 +181,18 @@ def test_releases_parse_and_compare():
         parse_release("dev")
     series = Versions((0, 12), (0, 16))
     assert [r in series for r in ((0, 11, 9), (0, 12, 0), (0, 16, 7), (0, 17, 0))] == [
-        False, True, True, False]
+        False,
+        True,
+        True,
+        False,
+    ]
     one = Versions((0, 16, 1))
     assert [r in one for r in ((0, 16, 0), (0, 16, 1), (0, 16, 2))] == [False, True, False]
     assert [str(v) for v in (series, one, Versions((0, 16)))] == [
-        "0.12.x to 0.16.x", "0.16.1", "0.16.x"]
+        "0.12.x to 0.16.x",
+        "0.16.1",
+        "0.16.x",
+    ]
     assert str(MEGATRON_CORE) == "0.16.1"
 
 
@@ -190,6 +227,7 @@ def test_the_refusal_reaches_the_user_as_it_is(monkeypatch):
 
 
 # --- the patches moved from metatrace.tracing --------------------------------------------------
+
 
 def test_backward_step_patches_restore_megatron_cores():
     from megatron.core.pipeline_parallel import schedules
@@ -233,25 +271,44 @@ def test_local_broadcasts_restores_torch_distributed():
 
 # --- copies of megatron-core source ----------------------------------------------------------
 
+
 def test_copied_megatron_core_sources_are_unchanged():
     marks = guards.copies()
     assert {m.original.rpartition(".")[2] for m in marks} >= {
-        "parse_str_to_list", "RankGenerator", "generate_masked_orthogonal_rank_groups",
-        "bias_gelu", "bias_gelu_back", "swiglu", "swiglu_back", "bias_swiglu",
-        "bias_swiglu_back", "calculate_gradients", "bias_dropout_add_fused_train",
-        "get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec",
-        "grouped_mlp_modules", "dispatch_postprocess", "preprocess", "sinkhorn", "fork",
+        "parse_str_to_list",
+        "RankGenerator",
+        "generate_masked_orthogonal_rank_groups",
+        "bias_gelu",
+        "bias_gelu_back",
+        "swiglu",
+        "swiglu_back",
+        "bias_swiglu",
+        "bias_swiglu_back",
+        "calculate_gradients",
+        "bias_dropout_add_fused_train",
+        "get_gpt_layer_with_transformer_engine_spec",
+        "get_gpt_layer_local_spec",
+        "grouped_mlp_modules",
+        "dispatch_postprocess",
+        "preprocess",
+        "sinkhorn",
+        "fork",
     }
     assert {m.where.split(":")[0] for m in marks} >= {
-        "metatrace/config/checks.py", "metatrace/world.py", "models/compiled.py",
-        "models/specs.py", "models/moe.py", "hooks/patches.py",
+        "metatrace/config/checks.py",
+        "metatrace/world.py",
+        "models/compiled.py",
+        "models/specs.py",
+        "models/moe.py",
+        "hooks/patches.py",
     }
     assert guards.stale(marks) == []
 
 
 def test_a_changed_original_names_the_copy():
-    mark = guards.Copy("metatrace/world.py:86", "megatron.core.parallel_state.RankGenerator",
-                       "000000000000")
+    mark = guards.Copy(
+        "metatrace/world.py:86", "megatron.core.parallel_state.RankGenerator", "000000000000"
+    )
     gone = guards.Copy("models/x.py:1", "megatron.core.parallel_state.RankGenerater", "0" * 12)
     now = guards.source_hash(guards.resolve(mark.original))
     assert len(now) == 12 and now != mark.sha
@@ -290,6 +347,7 @@ def test_the_hash_ignores_indentation_of_the_block_only():
 
 # --- backend spec providers ------------------------------------------------------------------
 
+
 def _parameters(method) -> list[tuple[str, object]]:
     return [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
 
@@ -304,8 +362,9 @@ def signature_mismatches(cls, base) -> list[str]:
         if _parameters(method) != _parameters(theirs):
             mine = ", ".join(n for n, _ in _parameters(method))
             megatron = ", ".join(n for n, _ in _parameters(theirs))
-            out.append(f"{cls.__name__}.{name}({mine}) overrides {base.__name__}.{name}"
-                       f"({megatron})")
+            out.append(
+                f"{cls.__name__}.{name}({mine}) overrides {base.__name__}.{name}({megatron})"
+            )
     return out
 
 
@@ -315,10 +374,12 @@ def _providers():
 
     from metatrace.models.specs import MetaLocalSpecProvider, MetaTESpecProvider
 
-    return [(MetaLocalSpecProvider, LocalSpecProvider),
-            (MetaLocalSpecProvider, BackendSpecProvider),
-            (MetaTESpecProvider, TESpecProvider),
-            (MetaTESpecProvider, BackendSpecProvider)]
+    return [
+        (MetaLocalSpecProvider, LocalSpecProvider),
+        (MetaLocalSpecProvider, BackendSpecProvider),
+        (MetaTESpecProvider, TESpecProvider),
+        (MetaTESpecProvider, BackendSpecProvider),
+    ]
 
 
 def test_spec_providers_override_with_megatron_cores_signatures():
@@ -333,8 +394,9 @@ def test_a_changed_provider_signature_is_named():
     from megatron.core.models.backends import BackendSpecProvider
 
     class Newer(BackendSpecProvider):  # a newer megatron-core's layer_norm
-        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False,
-                       has_residual: bool = False) -> type:
+        def layer_norm(
+            self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False
+        ) -> type:
             return type
 
     from metatrace.models.specs import MetaLocalSpecProvider

@@ -11,12 +11,12 @@ import pytest
 from rich.console import Console
 
 from metatrace.analysis.analyze import analyze
-from metatrace.planning import estimates as E
-from metatrace.planning import plan as P
 from metatrace.cli import main
 from metatrace.config import job_from_dict
 from metatrace.errors import ConfigError
 from metatrace.export.report import job_report
+from metatrace.planning import estimates as E
+from metatrace.planning import plan as P
 from metatrace.tracing.trace import trace_job
 
 GPUS = 4
@@ -26,11 +26,14 @@ MEMORY_GIB = 0.1
 
 
 def _base():
-    return job_from_dict({
-        "model": {"preset": "debug", "num_layers": 4},
-        "training": {"seq_length": 256, "global_batch_size": 8},
-        "cluster": {"num_gpus": 1, "gpu_memory_gib": MEMORY_GIB, "reserved_overhead_gib": 0},
-    }, source="debug")
+    return job_from_dict(
+        {
+            "model": {"preset": "debug", "num_layers": 4},
+            "training": {"seq_length": 256, "global_batch_size": 8},
+            "cluster": {"num_gpus": 1, "gpu_memory_gib": MEMORY_GIB, "reserved_overhead_gib": 0},
+        },
+        source="debug",
+    )
 
 
 def _trace(job):
@@ -60,8 +63,15 @@ def test_recommended_layouts_fit_and_rank_by_estimate(searched):
     assert seconds == sorted(seconds)
     # One layout per set of degrees.
     assert len({P._family(t.candidate.layout) for t in ranked}) == len(ranked)
-    assert result.layouts == result.invalid + result.pruned_memory + len(result.traced) + len(
-        result.dominated) + result.represented + result.untraced
+    assert (
+        result.layouts
+        == result.invalid
+        + result.pruned_memory
+        + len(result.traced)
+        + len(result.dominated)
+        + result.represented
+        + result.untraced
+    )
 
 
 def test_nothing_left_out_would_have_ranked_first(searched):
@@ -108,9 +118,27 @@ def test_closed_form_static_memory_is_exact_for_a_plain_layout():
 def test_cli_plan_prints_and_writes_json(tmp_path):
     out = io.StringIO()
     path = tmp_path / "plan.json"
-    code = main(["plan", "--model", "debug", "--num-gpus", "2", "--seq", "128",
-                 "--global-batch", "4", "--max-traces", "2", "--top", "1", "--quiet",
-                 "--json", str(path)], Console(file=out, width=120, color_system=None))
+    code = main(
+        [
+            "plan",
+            "--model",
+            "debug",
+            "--num-gpus",
+            "2",
+            "--seq",
+            "128",
+            "--global-batch",
+            "4",
+            "--max-traces",
+            "2",
+            "--top",
+            "1",
+            "--quiet",
+            "--json",
+            str(path),
+        ],
+        Console(file=out, width=120, color_system=None),
+    )
     assert code == 0
     data = json.loads(path.read_text())
     assert len(data["best"]) == 1 and data["best"][0]["fits"]
@@ -132,6 +160,14 @@ def test_layout_keeps_model_and_batch():
     assert job.model == base.model
     assert (job.parallel.tp, job.parallel.pp, job.training.micro_batch_size) == (2, 2, 2)
     assert job.training.recompute.granularity == "full"
-    assert dataclasses.replace(job.training, micro_batch_size=1, recompute=base.training.recompute,
-                               distributed_optimizer=False, overlap_grad_reduce=False,
-                               overlap_param_gather=False) == base.training
+    assert (
+        dataclasses.replace(
+            job.training,
+            micro_batch_size=1,
+            recompute=base.training.recompute,
+            distributed_optimizer=False,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+        )
+        == base.training
+    )

@@ -10,22 +10,32 @@ from rich.console import Console
 from metatrace.analysis.analyze import analyze
 from metatrace.config import job_from_dict
 from metatrace.errors import ConfigError
-from metatrace.render.run import render_run
 from metatrace.export.report import job_report
+from metatrace.render.run import render_run
 from metatrace.tracing.trace import trace_job
 
 recompute = st.one_of(
     st.just({}),
     st.fixed_dictionaries(
-        {"granularity": st.just("full"), "method": st.sampled_from(["uniform", "block"]),
-         "num_layers": st.integers(1, 2)}
+        {
+            "granularity": st.just("full"),
+            "method": st.sampled_from(["uniform", "block"]),
+            "num_layers": st.integers(1, 2),
+        }
     ),
     st.fixed_dictionaries(
-        {"granularity": st.just("selective"),
-         "modules": st.lists(st.sampled_from(["core_attn", "mlp", "layernorm"]), min_size=1,
-                             max_size=2, unique=True)}
+        {
+            "granularity": st.just("selective"),
+            "modules": st.lists(
+                st.sampled_from(["core_attn", "mlp", "layernorm"]),
+                min_size=1,
+                max_size=2,
+                unique=True,
+            ),
+        }
     ),
 )
+
 
 @st.composite
 def configs(draw):

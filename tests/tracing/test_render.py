@@ -5,7 +5,6 @@ import io
 from rich.console import Console
 
 from metatrace.cli import main
-
 from tests.helpers import DEBUG
 
 

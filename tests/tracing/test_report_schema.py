@@ -12,7 +12,6 @@ from metatrace.analysis.analyze import analyze
 from metatrace.export.report import job_report, search_report
 from metatrace.tracing.trace import JobTrace, trace_job, trace_role
 from metatrace.world import World
-
 from tests.helpers import MOE, report_validator, small_job
 
 
@@ -28,8 +27,9 @@ def debug_report(debug_analysis):
 
 
 def errors(validator, report) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in validator.iter_errors(report)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(report)
+    ]
 
 
 def test_tp2_pp2_report_with_the_full_model_is_valid(validator, debug_report):
@@ -39,9 +39,12 @@ def test_tp2_pp2_report_with_the_full_model_is_valid(validator, debug_report):
 
 
 def test_moe_report_is_valid_and_names_its_routing(validator):
-    job = small_job(model=MOE, parallel={"ep": 2}, training={"global_batch_size": 4},
-                    cluster={"num_gpus": 2})
-    report = json.loads(json.dumps(job_report(analyze(trace_job(job, full_model=False, workers=1)))))
+    job = small_job(
+        model=MOE, parallel={"ep": 2}, training={"global_batch_size": 4}, cluster={"num_gpus": 2}
+    )
+    report = json.loads(
+        json.dumps(job_report(analyze(trace_job(job, full_model=False, workers=1))))
+    )
     assert errors(validator, report) == []
     assert report["moe_routing"].startswith("balanced")
     del report["moe_routing"]
@@ -51,7 +54,9 @@ def test_moe_report_is_valid_and_names_its_routing(validator):
 def test_max_mbs_report_is_valid():
     from metatrace.planning.search import max_micro_batch
 
-    schema = json.loads(resources.files("metatrace.export").joinpath("report.schema.json").read_text())
+    schema = json.loads(
+        resources.files("metatrace.export").joinpath("report.schema.json").read_text()
+    )
     job = small_job(training={"micro_batch_size": 1, "global_batch_size": 4})
     search = max_micro_batch(job, lambda j: trace_job(j, full_model=False, workers=1))
     report = job_report(search.analysis)
@@ -76,9 +81,15 @@ def test_report_without_an_iteration_has_no_memory_and_no_comm(validator):
     assert not {"memory", "comm"} & report["roles"][0].keys() and "comm" not in report["cluster"]
     assert errors(validator, report) == []
     # A verdict needs the memory and communication it sums up.
-    report["memory_verdict"] = {"fits": True, "gpu_memory_bytes": 1, "reserved_overhead_bytes": 0,
-                                "highest_peak_bytes": 1, "highest_peak_ranks": [0],
-                                "headroom_bytes": 0, "out_of_memory_ranks": []}
+    report["memory_verdict"] = {
+        "fits": True,
+        "gpu_memory_bytes": 1,
+        "reserved_overhead_bytes": 0,
+        "highest_peak_bytes": 1,
+        "highest_peak_ranks": [0],
+        "headroom_bytes": 0,
+        "out_of_memory_ranks": [],
+    }
     found = errors(validator, report)
     assert any("'comm' is a required property" in e for e in found), found
     assert any("'memory' is a required property" in e for e in found), found
@@ -136,5 +147,3 @@ def test_fields_added_later_are_allowed(validator, debug_report):
     report["a_new_section"] = {"x": 1}
     report["roles"][0]["memory"]["a_new_part_bytes"] = 0
     assert errors(validator, report) == []
-
-

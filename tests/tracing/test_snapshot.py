@@ -16,11 +16,10 @@ import pytest
 from rich.console import Console
 from torch.cuda import _memory_viz
 
-from metatrace.cli import main
 from metatrace.analysis.memory import persistent_bytes, role_memory
+from metatrace.cli import main
 from metatrace.export.snapshot import chosen_roles, role_snapshot
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import DEBUG, allocated_over_time, replay, small_job
 
 MiB = 2**20
@@ -73,8 +72,11 @@ def test_allocations_and_frees_pair_up_and_the_segment_holds_what_is_left(roles)
         frees = sum(e["action"] == "free_completed" for e in entries)
         assert allocs - frees == len(live)
         (segment,) = snap["segments"]
-        active = {b["address"]: (b["size"], b["frames"])
-                  for b in segment["blocks"] if b["state"] == "active_allocated"}
+        active = {
+            b["address"]: (b["size"], b["frames"])
+            for b in segment["blocks"]
+            if b["state"] == "active_allocated"
+        }
         assert active == live
         assert sum(b["size"] for b in segment["blocks"]) == segment["total_size"]
         assert segment["allocated_size"] == sum(size for size, _ in live.values())
@@ -132,7 +134,9 @@ def test_choice_of_roles(roles):
     assert peak == max(peaks) and rt is roles[peaks.index(max(peaks))]
     per_stage = chosen_roles(roles, "out/stage{stage}.pickle")
     assert [(p, r.role.pp_stage) for p, r, _ in per_stage] == [
-        ("out/stage0.pickle", 0), ("out/stage1.pickle", 1)]
+        ("out/stage0.pickle", 0),
+        ("out/stage1.pickle", 1),
+    ]
 
 
 def run(*argv):
@@ -143,18 +147,40 @@ def run(*argv):
 
 def test_cli_writes_the_rank_with_the_highest_peak_and_one_file_per_stage(tmp_path):
     one = tmp_path / "snap.pickle"
-    code, text = run("run", "--config", DEBUG, "--no-full-model", "--jobs", "1", "-q",
-                     "--json", str(tmp_path / "r.json"), "--memory-snapshot", str(one))
+    code, text = run(
+        "run",
+        "--config",
+        DEBUG,
+        "--no-full-model",
+        "--jobs",
+        "1",
+        "-q",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--memory-snapshot",
+        str(one),
+    )
     assert code == 0
     report = json.loads((tmp_path / "r.json").read_text())
     peaks = {r["traced_rank"]: r["memory"]["peak_bytes"] for r in report["roles"]}
     assert peaks[2] > peaks[0]  # the last stage holds the output layer's cuBLAS workspaces too
-    assert (f"Memory snapshot of rank 2 (pipeline stage 1, the highest peak: "
-            f"{peaks[2] / MiB:,.1f} MiB) written to {one}") in text
+    assert (
+        f"Memory snapshot of rank 2 (pipeline stage 1, the highest peak: "
+        f"{peaks[2] / MiB:,.1f} MiB) written to {one}"
+    ) in text
     assert max(allocated_over_time(pickle.loads(one.read_bytes()))) == peaks[2]
 
-    code, text = run("run", "--config", DEBUG, "--no-full-model", "--jobs", "1", "-q",
-                     "--memory-snapshot", str(tmp_path / "stage{stage}.pickle"))
+    code, text = run(
+        "run",
+        "--config",
+        DEBUG,
+        "--no-full-model",
+        "--jobs",
+        "1",
+        "-q",
+        "--memory-snapshot",
+        str(tmp_path / "stage{stage}.pickle"),
+    )
     assert code == 0
     for stage, rank in ((0, 0), (1, 2)):
         path = tmp_path / f"stage{stage}.pickle"
@@ -167,8 +193,10 @@ def test_cli_writes_the_rank_with_the_highest_peak_and_one_file_per_stage(tmp_pa
     [
         ("{tmp}/missing/snap.pickle", "--memory-snapshot {tmp}/missing/snap.pickle: directory"),
         ("{tmp}", "--memory-snapshot {tmp} is a directory"),
-        ("{tmp}/stage{{stage}}/snap.pickle",
-         "--memory-snapshot {tmp}/stage0/snap.pickle: directory"),
+        (
+            "{tmp}/stage{{stage}}/snap.pickle",
+            "--memory-snapshot {tmp}/stage0/snap.pickle: directory",
+        ),
     ],
 )
 def test_bad_snapshot_paths_exit_2_before_tracing(tmp_path, capsys, monkeypatch, path, message):

@@ -5,7 +5,6 @@ import pytest
 
 from metatrace.analysis import aggregate as agg
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import small_job
 
 
@@ -47,9 +46,15 @@ def _megatron_te_spec(monkeypatch):
 @pytest.mark.parametrize("norm, bias", [("RMSNorm", False), ("LayerNorm", True)])
 def test_te_layer_parameters_are_megatron_te_specs(monkeypatch, norm, bias):
     job = small_job(
-        model={"hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-               "ffn_hidden_size": 96, "normalization": norm, "add_bias_linear": bias,
-               "qk_layernorm": True},
+        model={
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 96,
+            "normalization": norm,
+            "add_bias_linear": bias,
+            "qk_layernorm": True,
+        },
         parallel={"tp": 2},
     )
     te_spec = _megatron_te_spec(monkeypatch)
@@ -74,24 +79,33 @@ def test_te_layer_parameters_are_megatron_te_specs(monkeypatch, norm, bias):
         "mlp.linear_fc2.weight": (h, 96 // t),
     }
     if norm == "LayerNorm":
-        expected.update({
-            "self_attention.linear_qkv.layer_norm_bias": (h,),
-            "self_attention.q_layernorm.bias": (d,),
-            "self_attention.k_layernorm.bias": (d,),
-            "mlp.linear_fc1.layer_norm_bias": (h,),
-        })
+        expected.update(
+            {
+                "self_attention.linear_qkv.layer_norm_bias": (h,),
+                "self_attention.q_layernorm.bias": (d,),
+                "self_attention.k_layernorm.bias": (d,),
+                "mlp.linear_fc1.layer_norm_bias": (h,),
+            }
+        )
     if bias:
-        expected.update({
-            "self_attention.linear_qkv.bias": (qkv_out,),
-            "self_attention.linear_proj.bias": (h,),
-            "mlp.linear_fc1.bias": (2 * 96 // t,),
-            "mlp.linear_fc2.bias": (h,),
-        })
+        expected.update(
+            {
+                "self_attention.linear_qkv.bias": (qkv_out,),
+                "self_attention.linear_proj.bias": (h,),
+                "mlp.linear_fc1.bias": (2 * 96 // t,),
+                "mlp.linear_fc2.bias": (h,),
+            }
+        )
     assert megatron == expected
     qkv = layer.self_attention.linear_qkv
     assert type(qkv).__name__ == "TELayerNormColumnParallelLinear"
     assert type(layer.self_attention.core_attention).__name__ == "TEDotProductAttention"
-    order = ["layer_norm_weight"] + ["layer_norm_bias"] * (norm == "LayerNorm") + ["weight"] + ["bias"] * bias
+    order = (
+        ["layer_norm_weight"]
+        + ["layer_norm_bias"] * (norm == "LayerNorm")
+        + ["weight"]
+        + ["bias"] * bias
+    )
     assert [name for name, _ in qkv.named_parameters()] == order  # TE's registration order
     assert qkv.weight.tensor_model_parallel and qkv.weight.partition_dim == 0
     assert layer.self_attention.linear_proj.weight.partition_dim == 1
@@ -128,8 +142,13 @@ def dense_layer_storages(*, t, sp, c, g, backend="fused", norm="RMSNorm", dropou
 
 def traced_layer_bytes(**sections) -> int:
     job = small_job(
-        model={"num_layers": 3, "hidden_size": H, "num_attention_heads": A,
-               "ffn_hidden_size": F, **sections.pop("model", {})},
+        model={
+            "num_layers": 3,
+            "hidden_size": H,
+            "num_attention_heads": A,
+            "ffn_hidden_size": F,
+            **sections.pop("model", {}),
+        },
         training={"seq_length": S, "micro_batch_size": B, **sections.pop("training", {})},
         **sections,
     )
@@ -141,8 +160,14 @@ def traced_layer_bytes(**sections) -> int:
 
 @pytest.mark.parametrize(
     "t, sp, c, g",
-    [(1, False, 1, 8), (2, False, 1, 8), (2, True, 1, 2), (4, True, 1, 4), (2, True, 2, 2),
-     (1, False, 2, 8)],
+    [
+        (1, False, 1, 8),
+        (2, False, 1, 8),
+        (2, True, 1, 2),
+        (4, True, 1, 4),
+        (2, True, 2, 2),
+        (1, False, 2, 8),
+    ],
 )
 def test_fused_dense_layer_keeps_the_closed_form(t, sp, c, g):
     parallel = {"tp": t, "sequence_parallel": sp, "cp": c}
@@ -157,26 +182,40 @@ def test_fused_dense_layer_keeps_the_closed_form(t, sp, c, g):
 
 def test_documented_differences_between_backends_and_options():
     base = dict(t=2, sp=True, c=1, g=2)
-    fused = traced_layer_bytes(model={"num_query_groups": 2}, parallel={"tp": 2, "sequence_parallel": True})
-    flash = traced_layer_bytes(model={"num_query_groups": 2}, parallel={"tp": 2, "sequence_parallel": True},
-                               implementation={"attention_backend": "flash"})
+    fused = traced_layer_bytes(
+        model={"num_query_groups": 2}, parallel={"tp": 2, "sequence_parallel": True}
+    )
+    flash = traced_layer_bytes(
+        model={"num_query_groups": 2},
+        parallel={"tp": 2, "sequence_parallel": True},
+        implementation={"attention_backend": "flash"},
+    )
     assert flash == sum(rnd(x) for x in dense_layer_storages(**base, backend="flash"))
     assert flash - fused == rnd(S * B * A * D // 2 * 2)  # + N 2ad / t: the second output copy
-    layernorm = traced_layer_bytes(model={"num_query_groups": 2, "normalization": "LayerNorm"},
-                                   parallel={"tp": 2, "sequence_parallel": True})
+    layernorm = traced_layer_bytes(
+        model={"num_query_groups": 2, "normalization": "LayerNorm"},
+        parallel={"tp": 2, "sequence_parallel": True},
+    )
     assert layernorm - fused == 2 * rnd(S * B // 2 * 4)  # mu fp32 in both fused norms
-    dropout = traced_layer_bytes(model={"num_query_groups": 2, "hidden_dropout": 0.1},
-                                 parallel={"tp": 2, "sequence_parallel": True})
+    dropout = traced_layer_bytes(
+        model={"num_query_groups": 2, "hidden_dropout": 0.1},
+        parallel={"tp": 2, "sequence_parallel": True},
+    )
     assert dropout - fused == 2 * rnd(S * B // 2 * H)  # + Ns 2h: two bool dropout masks
-    unfused = traced_layer_bytes(model={"num_query_groups": 2}, parallel={"tp": 2, "sequence_parallel": True},
-                                 implementation={"attention_backend": "unfused"})
+    unfused = traced_layer_bytes(
+        model={"num_query_groups": 2},
+        parallel={"tp": 2, "sequence_parallel": True},
+        implementation={"attention_backend": "unfused"},
+    )
     # unfused keeps the [b, heads/t, s, s] probabilities and k, v repeated to all query heads
     probs = B * (A // 2) * S * S * 2
     assert unfused - fused >= rnd(probs)
 
 
-@pytest.mark.parametrize("recipe, gpu", [("delayed", "h100"), ("tensorwise", "h100"),
-                                         ("mxfp8", "b200"), ("blockwise", "h100")])
+@pytest.mark.parametrize(
+    "recipe, gpu",
+    [("delayed", "h100"), ("tensorwise", "h100"), ("mxfp8", "b200"), ("blockwise", "h100")],
+)
 def test_fp8_keeps_one_byte_inputs(recipe, gpu):
     """FP8: the two ln_out and fc2's input are kept in 1 byte instead of 2, and proj keeps a
     1-byte copy of the attention output (which core attention keeps in bf16 anyway)."""
@@ -198,8 +237,13 @@ def cp_traffic(comm, c, t=1, g=4):
     if comm == "a2a+p2p":
         par["hierarchical_cp_sizes"] = [2, c // 2]
     job = small_job(
-        model={"num_layers": 1, "hidden_size": H, "num_attention_heads": A, "num_query_groups": g,
-               "ffn_hidden_size": F},
+        model={
+            "num_layers": 1,
+            "hidden_size": H,
+            "num_attention_heads": A,
+            "num_query_groups": g,
+            "ffn_hidden_size": F,
+        },
         parallel=par,
         training={"seq_length": S, "micro_batch_size": B},
     )
@@ -223,8 +267,12 @@ def test_p2p_ring_sends_kv_forward_and_kv_dkv_backward(c):
 def test_all_gather_gathers_kv_twice_forward_and_reduce_scatters_backward():
     full_kv = S * B * 4 * D * 2  # [s, b, h_kv, d] bf16
     got = cp_traffic("all_gather", 2)
-    assert got == [("all_gather", "forward", full_kv)] * 2 + [("all_gather", "backward", full_kv)] * 2 + [
-        ("reduce_scatter", "backward", full_kv)] * 2
+    assert (
+        got
+        == [("all_gather", "forward", full_kv)] * 2
+        + [("all_gather", "backward", full_kv)] * 2
+        + [("reduce_scatter", "backward", full_kv)] * 2
+    )
 
 
 def test_a2a_moves_q_k_v_out_forward_and_their_gradients_backward():
@@ -232,27 +280,37 @@ def test_a2a_moves_q_k_v_out_forward_and_their_gradients_backward():
     q, kv = L * B * A * D * 2, L * B * 4 * D * 2
     got = cp_traffic("a2a", 2)
     assert got == [("all_to_all", "forward", x) for x in (q, kv, kv, q)] + [
-        ("all_to_all", "backward", x) for x in (q, q, kv, kv)]
+        ("all_to_all", "backward", x) for x in (q, q, kv, kv)
+    ]
 
 
 def test_hierarchical_a2a_p2p_uses_both_levels():
     got = cp_traffic("a2a+p2p", 4)
     ops = {(op, phase) for op, phase, _ in got}
-    assert ("all_to_all", "forward") in ops and ("send", "forward") in ops and ("send", "backward") in ops
+    assert (
+        ("all_to_all", "forward") in ops
+        and ("send", "forward") in ops
+        and ("send", "backward") in ops
+    )
 
 
 # ---------------------------------------------------------------------------- fusions
 
 
 def _saved_by(trace, module):
-    return [(s.shape, s.dtype, s.bytes) for s in trace.saved
-            if s.phase == "forward" and not s.static and s.module == module]
+    return [
+        (s.shape, s.dtype, s.bytes)
+        for s in trace.saved
+        if s.phase == "forward" and not s.static and s.module == module
+    ]
 
 
 @pytest.mark.parametrize("fusion, impl", [(False, "native"), (True, "native"), (True, "te")])
 def test_cross_entropy_keeps_softmax_or_the_logits(fusion, impl):
-    job = small_job(parallel={"tp": 2}, implementation={
-        "cross_entropy_loss_fusion": fusion, "cross_entropy_fusion_impl": impl})
+    job = small_job(
+        parallel={"tp": 2},
+        implementation={"cross_entropy_loss_fusion": fusion, "cross_entropy_fusion_impl": impl},
+    )
     trace = trace_job(job, full_model=False).roles[0].trace
     s, b, v = 64, 2, 1024 // 2  # the root module computes the loss: [s, b, V/t]
     saved = _saved_by(trace, "")
@@ -281,6 +339,7 @@ def test_rope_fusion_keeps_only_the_frequencies(fusion):
 def test_fp8_parameters_are_the_quantized_weights():
     """fp8_param_gather: TE's primary weights are FP8 (1 B, plus a transposed copy on Hopper),
     kept whole through Float16Module, with no per-module FP8 weight workspace."""
+
     def trace(param, gpu):
         job = small_job(
             model={"num_layers": 1, "hidden_size": 128, "ffn_hidden_size": 256},
@@ -289,14 +348,23 @@ def test_fp8_parameters_are_the_quantized_weights():
         )
         return trace_job(job, full_model=False).roles[0].trace
 
-    linear = {"linear_qkv": (128 + 2 * 64) * 128, "linear_proj": 128 * 128,
-              "linear_fc1": 512 * 128, "linear_fc2": 128 * 256}
+    linear = {
+        "linear_qkv": (128 + 2 * 64) * 128,
+        "linear_proj": 128 * 128,
+        "linear_fc1": 512 * 128,
+        "linear_fc2": 128 * 256,
+    }
     for gpu in ("h100", "b200"):
         bf16, fp8 = trace(False, gpu), trace(True, gpu)
-        weights = {m.fqn.split(".")[-1]: p for m in fp8.modules for p in m.params
-                   if p.name == "weight" and m.fqn.split(".")[-1] in linear}
+        weights = {
+            m.fqn.split(".")[-1]: p
+            for m in fp8.modules
+            for p in m.params
+            if p.name == "weight" and m.fqn.split(".")[-1] in linear
+        }
         assert {k: (p.dtype, p.numel) for k, p in weights.items()} == {
-            k: ("float8_e4m3fn", n) for k, n in linear.items()}
+            k: ("float8_e4m3fn", n) for k, n in linear.items()
+        }
         saved_by_weights = sum(linear.values())  # bf16 2 B -> FP8 data 1 B
         transposes = sum(rnd(n) for n in linear.values()) if gpu == "h100" else 0
         assert bf16.static_bytes - fp8.static_bytes == saved_by_weights - transposes - 4 * 512
@@ -309,15 +377,16 @@ def test_fp8_amax_history_is_kept_per_module():
     module keeps an amax history fp32 [H, 3] and [H, 2] beside its scales [3] and [2]; 1024
     instead of Megatron-LM's default 1 adds (12288 - 512) + (8192 - 512) bytes (512-byte blocks)
     per module: 4 TE linears per layer, 2 layers on the debug model's one stage."""
-    from tests.helpers import small_job
-
     from metatrace.analysis.memory import role_memory
     from metatrace.tracing.trace import trace_role
     from metatrace.world import World
+    from tests.helpers import small_job
 
     def kept(history):
-        job = small_job(training={"precision": "fp8", "fp8_recipe": "delayed",
-                                  "fp8_amax_history_len": history}, cluster={"gpu": "h100"})
+        job = small_job(
+            training={"precision": "fp8", "fp8_recipe": "delayed", "fp8_amax_history_len": history},
+            cluster={"gpu": "h100"},
+        )
         world = World.from_job(job)
         rt = trace_role(job, world, world.roles()[0])
         return job, role_memory(rt.trace, rt.iteration).workspaces

@@ -9,7 +9,6 @@ import pytest
 from metatrace.analysis import aggregate as agg
 from metatrace.analysis.memory import persistent_bytes, step_profiles
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import small_job
 
 S, B, H, A, F = 256, 2, 128, 8, 192  # sequence, micro-batch, hidden, heads, ffn (SwiGLU)
@@ -24,8 +23,13 @@ def rnd(nbytes: int) -> int:
 
 def trace(fuser: bool, **sections):
     job = small_job(
-        model={"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": A,
-               "ffn_hidden_size": F, **sections.pop("model", {})},
+        model={
+            "num_layers": LAYERS,
+            "hidden_size": H,
+            "num_attention_heads": A,
+            "ffn_hidden_size": F,
+            **sections.pop("model", {}),
+        },
         training={"seq_length": S, "micro_batch_size": B, **sections.pop("training", {})},
         implementation={"te_op_fuser": fuser},
         **sections,
@@ -55,11 +59,14 @@ def window_flops(t) -> dict:
 
 # ---------------------------------------------------------------------------- bf16
 
-@pytest.mark.parametrize("t, sp, gaf", [(1, False, True), (2, True, True), (2, False, True),
-                                        (2, True, False)])
+
+@pytest.mark.parametrize(
+    "t, sp, gaf", [(1, False, True), (2, True, True), (2, False, True), (2, True, False)]
+)
 def test_bf16_saves_issues_and_computes_what_the_unfused_mlp_does(t, sp, gaf):
-    sections = dict(parallel={"tp": t, "sequence_parallel": sp},
-                    training={"gradient_accumulation_fusion": gaf})
+    sections = dict(
+        parallel={"tp": t, "sequence_parallel": sp}, training={"gradient_accumulation_fusion": gaf}
+    )
     unfused, fused = trace(False, **sections), trace(True, **sections)
     assert {m.type for m in fused.modules if m.fqn.endswith(".mlp")} == {"TEFusedMLP"}
     ns = N // t if sp else N
@@ -70,9 +77,13 @@ def test_bf16_saves_issues_and_computes_what_the_unfused_mlp_does(t, sp, gaf):
     full = N * H * 2  # every MLP collective moves a whole [N, h] bf16 tensor
     expected = {
         (1, False): [],
-        (2, True): [("all_gather", "forward", full), ("reduce_scatter", "forward", full),
-                    ("all_gather", "backward", full), ("all_gather", "backward", full),
-                    ("reduce_scatter", "backward", full)],
+        (2, True): [
+            ("all_gather", "forward", full),
+            ("reduce_scatter", "forward", full),
+            ("all_gather", "backward", full),
+            ("all_gather", "backward", full),
+            ("reduce_scatter", "backward", full),
+        ],
         (2, False): [("all_reduce", "forward", full), ("all_reduce", "backward", full)],
     }[(t, sp)]
     assert mlp_collectives(fused) == mlp_collectives(unfused) == expected
@@ -81,9 +92,11 @@ def test_bf16_saves_issues_and_computes_what_the_unfused_mlp_does(t, sp, gaf):
     mlp_forward = 6 * N * H * F // t
     dense = trace(False, model={"ffn_hidden_size": F // 2}, **sections)
     assert window_flops(fused)["forward"][0] - window_flops(dense)["forward"][0] == (
-        LAYERS * mlp_forward // 2)
+        LAYERS * mlp_forward // 2
+    )
     assert window_flops(fused)["backward"][0] - window_flops(dense)["backward"][0] == (
-        LAYERS * mlp_forward)
+        LAYERS * mlp_forward
+    )
 
 
 def mlp_backward_excess(t, layer: int = 1) -> int:
@@ -105,22 +118,30 @@ def test_backward_clears_saved_inputs_and_returns_weight_gradients_at_the_end(ga
     assert mlp_backward_excess(fused) == 4 * N * F + (0 if gaf else 2 * H * F)
 
 
-@pytest.mark.parametrize("activation, difference", [
-    ("gelu", 0),
-    ("silu", 0),
-    # F.relu keeps only its output (fc2's input); TE's ReLU op keeps its input as well
-    ("relu", 2 * N * F),
-    # megatron-core's eager GEGLU keeps gelu(a) and b + glu_linear_offset; TE's GEGLU op neither
-    ("geglu", -4 * N * F),
-])
+@pytest.mark.parametrize(
+    "activation, difference",
+    [
+        ("gelu", 0),
+        ("silu", 0),
+        # F.relu keeps only its output (fc2's input); TE's ReLU op keeps its input as well
+        ("relu", 2 * N * F),
+        # megatron-core's eager GEGLU keeps gelu(a) and b + glu_linear_offset; TE's GEGLU op neither
+        ("geglu", -4 * N * F),
+    ],
+)
 def test_activation_ops_save_their_input(activation, difference):
     model = {"activation": activation}
     assert mlp_saved(trace(True, model=model)) - mlp_saved(trace(False, model=model)) == difference
 
 
 def test_only_dense_mlps_are_fused():
-    moe = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96,
-           "moe_shared_expert_intermediate_size": 96, "moe_layer_freq": [0, 1, 1]}
+    moe = {
+        "num_experts": 4,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 96,
+        "moe_shared_expert_intermediate_size": 96,
+        "moe_layer_freq": [0, 1, 1],
+    }
     types = {m.fqn: m.type for m in trace(True, model=moe).modules}
     assert types["decoder.layers.0.mlp"] == "TEFusedMLP"
     assert types["decoder.layers.1.mlp"] == "MoELayer"
@@ -130,6 +151,7 @@ def test_only_dense_mlps_are_fused():
 
 # ---------------------------------------------------------------------------- FP8
 
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -138,7 +160,7 @@ def up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
-MATRICES = lambda t: ((2 * F // t, H), (H, F // t))  # noqa: E731  fc1, fc2 weights [M, K]
+MATRICES = lambda t: ((2 * F // t, H), (H, F // t))
 
 
 def weight_copies(recipe: str, gpu: str, t: int) -> int:
@@ -172,14 +194,24 @@ def weight_workspaces(recipe: str, gpu: str, t: int) -> int:
     return out + (2 * 4 * rnd(4) if recipe == "tensorwise" else 0)
 
 
-@pytest.mark.parametrize("recipe, gpu, t, sp", [
-    ("delayed", "h100", 1, False), ("delayed", "h100", 2, True), ("tensorwise", "h100", 2, False),
-    ("mxfp8", "b200", 1, False), ("mxfp8", "b200", 2, True), ("blockwise", "h100", 1, False),
-    ("delayed", "b200", 2, True),
-])
+@pytest.mark.parametrize(
+    "recipe, gpu, t, sp",
+    [
+        ("delayed", "h100", 1, False),
+        ("delayed", "h100", 2, True),
+        ("tensorwise", "h100", 2, False),
+        ("mxfp8", "b200", 1, False),
+        ("mxfp8", "b200", 2, True),
+        ("blockwise", "h100", 1, False),
+        ("delayed", "b200", 2, True),
+    ],
+)
 def test_fp8_keeps_a_quantized_weight_copy_per_microbatch(recipe, gpu, t, sp):
-    sections = dict(parallel={"tp": t, "sequence_parallel": sp}, cluster={"gpu": gpu},
-                    training={"precision": "fp8", "fp8_recipe": recipe})
+    sections = dict(
+        parallel={"tp": t, "sequence_parallel": sp},
+        cluster={"gpu": gpu},
+        training={"precision": "fp8", "fp8_recipe": recipe},
+    )
     unfused, fused = trace(False, **sections), trace(True, **sections)
     copies = weight_copies(recipe, gpu, t)
     # Under SP, Float8 on Hopper keeps the norm output's transpose beside the row-wise data it
@@ -192,9 +224,11 @@ def test_fp8_keeps_a_quantized_weight_copy_per_microbatch(recipe, gpu, t, sp):
     assert held == LAYERS * (copies + transpose)
     # ... and no persistent FP8 weight per module
     assert persistent_bytes(unfused) - persistent_bytes(fused) == LAYERS * weight_workspaces(
-        recipe, gpu, t)
+        recipe, gpu, t
+    )
     assert window_flops(fused) == window_flops(unfused)  # the same FP8 GEMMs
     if sp:  # fc2 has no TP mode: the ReduceScatter op gathers the output gradient in bf16
+
         def gathers(tr):
             return [c for c in mlp_collectives(tr) if c[:2] == ("all_gather", "backward")]
 
@@ -203,6 +237,7 @@ def test_fp8_keeps_a_quantized_weight_copy_per_microbatch(recipe, gpu, t, sp):
 
 
 def test_fp8_parameters_need_no_copy():
-    sections = dict(training={"precision": "fp8", "fp8_param_gather": True,
-                              "distributed_optimizer": True})
+    sections = dict(
+        training={"precision": "fp8", "fp8_param_gather": True, "distributed_optimizer": True}
+    )
     assert mlp_saved(trace(True, **sections)) == mlp_saved(trace(False, **sections))

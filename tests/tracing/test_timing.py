@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from metatrace.cli import main
 from metatrace.analysis.timing import bubble, simulate
+from metatrace.cli import main
 from metatrace.tracing.trace import trace_job
-
 from tests.helpers import DEBUG, small_job
 
 # The debug preset (Llama-shaped): hidden 64, 4 heads in 2 query groups of head dim 16, SwiGLU
@@ -54,9 +53,12 @@ def test_flops_of_one_layer_in_closed_form(impl, tp, causal_half, attention_back
     hits = _MEMO.hits
 
     def job(layers):
-        return small_job(model={"num_layers": layers},
-                         parallel={"tp": tp, "sequence_parallel": tp > 1},
-                         implementation={"transformer_impl": impl}, cluster={"num_gpus": tp})
+        return small_job(
+            model={"num_layers": layers},
+            parallel={"tp": tp, "sequence_parallel": tp > 1},
+            implementation={"transformer_impl": impl},
+            cluster={"num_gpus": tp},
+        )
 
     one, two = windows(job(1)), windows(job(2))
     layer = layer_forward(tp, causal_half=causal_half)
@@ -76,15 +78,19 @@ def test_stand_ins_that_dispatch_no_gemm_report_the_same_flops():
 
     def steps(**sections):
         jt = trace(small_job(**sections), full_model=False, workers=1)
-        return [(w.phase, w.flops, w.fp8_flops)
-                for w in jt.roles[0].trace.windows if w.chunk is not None]
+        return [
+            (w.phase, w.flops, w.fp8_flops)
+            for w in jt.roles[0].trace.windows
+            if w.chunk is not None
+        ]
 
     fused = steps()
     assert steps(implementation={"attention_backend": "flash"}) == fused
     # FP8: the layers' linear GEMMs (not the output layer, nor attention) at the FP8 rate.
     gemms = 2 * (layer_forward(1, causal_half=False) - 2 * 2 * S * S * B * H)  # 2 layers
     assert steps(training={"precision": "fp8"}) == [
-        (phase, flops, gemms * (1 if phase == "forward" else 2)) for phase, flops, _ in fused]
+        (phase, flops, gemms * (1 if phase == "forward" else 2)) for phase, flops, _ in fused
+    ]
     # Context parallel: each of 2 ranks computes half the tokens, and half the causal attention.
     for kind in ("p2p", "all_gather"):
         cp = steps(parallel={"cp": 2, "cp_comm_type": kind}, cluster={"num_gpus": 2})
@@ -95,8 +101,9 @@ def test_stand_ins_that_dispatch_no_gemm_report_the_same_flops():
 
 def test_full_recompute_runs_the_layers_forward_again_inside_backward():
     def job(**recompute):
-        return small_job(training={"recompute": recompute},
-                         implementation={"transformer_impl": "local"})
+        return small_job(
+            training={"recompute": recompute}, implementation={"transformer_impl": "local"}
+        )
 
     plain = windows(job())
     full = windows(job(granularity="full", method="uniform", num_layers=1))
@@ -107,15 +114,21 @@ def test_full_recompute_runs_the_layers_forward_again_inside_backward():
 # ----------------------------------------------------------------------------- the pipeline
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def step_orders(pp, vpp, m):
     """Each stage's steps in the order megatron-core's schedule ran them (the replayed
     iteration of a traced job)."""
-    job = small_job(model={"num_layers": pp * (vpp or 1)}, parallel={"pp": pp, "vpp": vpp},
-                    training={"global_batch_size": B * m}, cluster={"num_gpus": pp})
+    job = small_job(
+        model={"num_layers": pp * (vpp or 1)},
+        parallel={"pp": pp, "vpp": vpp},
+        training={"global_batch_size": B * m},
+        cluster={"num_gpus": pp},
+    )
     jt = trace_job(job, full_model=False, workers=1)
-    return [[(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows if w.chunk is not None]
-            for rt in sorted(jt.roles, key=lambda rt: rt.role.pp_stage)]
+    return [
+        [(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows if w.chunk is not None]
+        for rt in sorted(jt.roles, key=lambda rt: rt.role.pp_stage)
+    ]
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(4, None, 8), (2, None, 3), (4, 2, 8), (4, 2, 12)])
@@ -127,8 +140,12 @@ def test_bubble_of_megatron_schedules_in_closed_form(pp, vpp, m, forward, backwa
     orders = step_orders(pp, vpp, m)
     v = vpp or 1
     assert [len(o) for o in orders] == [2 * m * v] * pp
-    sim = simulate(orders, lambda s, phase, c: (forward if phase == "forward" else backward) / v,
-                   pp=pp, vpp=vpp)
+    sim = simulate(
+        orders,
+        lambda s, phase, c: (forward if phase == "forward" else backward) / v,
+        pp=pp,
+        vpp=vpp,
+    )
     pipeline = max(end for stage in sim for _, end, *_ in stage)
     assert pipeline == pytest.approx((m + (pp - 1) / v) * (forward + backward))
     closed = (pp - 1) / (v * m + pp - 1)
@@ -194,8 +211,11 @@ def test_chrome_trace_has_a_process_per_stage_and_ordered_steps(debug_timing):
     m = jt.job.num_microbatches
     for pid in names:
         for tid in (1, 2):  # compute, communication: complete events one after another
-            spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                           if e["ph"] == "X" and e["pid"] == pid and e["tid"] == tid)
+            spans = sorted(
+                (e["ts"], e["ts"] + e["dur"])
+                for e in events
+                if e["ph"] == "X" and e["pid"] == pid and e["tid"] == tid
+            )
             assert spans and all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
         steps = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1]
         assert len(steps) == 2 * m + 1 and steps[-1]["name"] == "optimizer"
@@ -205,7 +225,8 @@ def test_chrome_trace_has_a_process_per_stage_and_ordered_steps(debug_timing):
         assert first["args"]["flops"] > 0 and first["args"]["peak_bytes"] > 0
         # Microseconds from the simulation.
         assert steps[-1]["ts"] + steps[-1]["dur"] == pytest.approx(
-            timing.stages[pid].iteration_seconds * 1e6, abs=2e-3)
+            timing.stages[pid].iteration_seconds * 1e6, abs=2e-3
+        )
     # Stage 1 receives micro-batch 0's activations after stage 0 sent them.
     sends = [e for e in events if e["ph"] == "b" and e["name"].startswith("send F m0")]
     recvs = [e for e in events if e["ph"] == "b" and e["name"].startswith("recv F m0")]
@@ -217,8 +238,10 @@ def test_chrome_trace_has_a_process_per_stage_and_ordered_steps(debug_timing):
 
 def test_cli_writes_the_chrome_trace(tmp_path, capsys):
     path = tmp_path / "trace.json"
-    assert main(["run", "--config", DEBUG, "--no-full-model",
-                 "--quiet", "--chrome-trace", str(path)]) == 0
+    assert (
+        main(["run", "--config", DEBUG, "--no-full-model", "--quiet", "--chrome-trace", str(path)])
+        == 0
+    )
     trace = json.loads(path.read_text())
     assert sum(e.get("name") == "process_name" for e in trace["traceEvents"]) == 2
     assert "Chrome trace written to" in capsys.readouterr().out
@@ -230,9 +253,12 @@ def test_json_report_carries_the_timing(debug_timing):
     jt, timing = debug_timing
     report = json.loads(json.dumps(job_report(jt)))
     assert report["timing"] == {
-        "iteration_seconds": timing.iteration_seconds, "bubble_fraction": timing.bubble_fraction,
-        "pipeline_seconds": timing.pipeline_seconds, "peak_tflops": 989.0,
-        "compute_efficiency": 0.5}
+        "iteration_seconds": timing.iteration_seconds,
+        "bubble_fraction": timing.bubble_fraction,
+        "pipeline_seconds": timing.pipeline_seconds,
+        "peak_tflops": 989.0,
+        "compute_efficiency": 0.5,
+    }
     stages = {st.stage: st for st in timing.stages}
     for role, rt in zip(report["roles"], jt.roles):
         st = stages[role["pp_stage"]]

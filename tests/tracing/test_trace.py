@@ -7,7 +7,6 @@ import pytest
 from metatrace.analysis import aggregate as agg
 from metatrace.tracing.trace import trace_job, trace_role
 from metatrace.world import World
-
 from tests.helpers import assert_meta_matches_real, collective_rows, small_job
 
 
@@ -58,20 +57,25 @@ def test_pipeline_sends_and_receives():
     job = small_job(parallel={"pp": 2})
     jt = trace_job(job, full_model=False)
     first, last = (rt.trace for rt in jt.roles)
-    p2p = lambda t: [(c.op, c.phase, c.peer, list(c.shape)) for c in t.collectives if c.group == "pp"]
+    p2p = lambda t: [
+        (c.op, c.phase, c.peer, list(c.shape)) for c in t.collectives if c.group == "pp"
+    ]
     # Activations [s, b, h] forward, their gradients backward, between global ranks 0 and 1.
     assert p2p(first) == [("send", "forward", 1, [64, 2, 64]), ("recv", "backward", 1, [64, 2, 64])]
     assert p2p(last) == [("recv", "forward", 0, [64, 2, 64]), ("send", "backward", 0, [64, 2, 64])]
 
 
 def test_interleaved_stages_hold_their_virtual_chunks():
-    job = small_job(model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2},
-                    training={"global_batch_size": 4})
+    job = small_job(
+        model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2}, training={"global_batch_size": 4}
+    )
     jt = trace_job(job, full_model=False)
     assert [agg.role_summary(rt.trace).layers for rt in jt.roles] == [(1, 2, 5, 6), (3, 4, 7, 8)]
     assert jt.roles[0].chunks == ("chunk0", "chunk1")
     sends = [c for c in jt.roles[0].trace.collectives if c.op == "send"]
-    assert len(sends) == 3  # chunk0 forward, chunk1 forward (to rank 1), chunk1 backward (to rank 1)
+    assert (
+        len(sends) == 3
+    )  # chunk0 forward, chunk1 forward (to rank 1), chunk1 backward (to rank 1)
 
 
 def test_tp_peers_are_symmetric():
@@ -84,7 +88,9 @@ def test_tp_peers_are_symmetric():
     strip = lambda t: [(c.op, c.group, c.shape, c.bytes, c.phase, c.module) for c in t.collectives]
     assert strip(a) == strip(b)
     assert [c.ranks for c in a.collectives if c.group == "tp"][0] == (2, 3)
-    assert [(s.module, s.bytes, s.phase) for s in a.saved] == [(s.module, s.bytes, s.phase) for s in b.saved]
+    assert [(s.module, s.bytes, s.phase) for s in a.saved] == [
+        (s.module, s.bytes, s.phase) for s in b.saved
+    ]
     assert agg.peak(a).bytes == agg.peak(b).bytes
 
 
@@ -92,23 +98,47 @@ def test_tp_peers_are_symmetric():
     "sections",
     [
         {"parallel": {"tp": 2, "pp": 2}},
-        {"model": {"normalization": "LayerNorm", "activation": "gelu", "add_bias_linear": True,
-                   "hidden_dropout": 0.1, "attention_dropout": 0.1,
-                   "position_embedding_type": "learned_absolute",
-                   "untie_embeddings_and_output_weights": False},
-         "parallel": {"tp": 2, "sequence_parallel": True}},
-        {"parallel": {"tp": 2}, "training": {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}},
+        {
+            "model": {
+                "normalization": "LayerNorm",
+                "activation": "gelu",
+                "add_bias_linear": True,
+                "hidden_dropout": 0.1,
+                "attention_dropout": 0.1,
+                "position_embedding_type": "learned_absolute",
+                "untie_embeddings_and_output_weights": False,
+            },
+            "parallel": {"tp": 2, "sequence_parallel": True},
+        },
+        {
+            "parallel": {"tp": 2},
+            "training": {
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
+            },
+        },
         {"parallel": {"tp": 2, "pp": 2}, "implementation": {"transformer_impl": "local"}},
-        {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
-         "parallel": {"tp": 2, "sequence_parallel": True},
-         "implementation": {"attention_backend": "unfused"}},
+        {
+            "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+            "parallel": {"tp": 2, "sequence_parallel": True},
+            "implementation": {"attention_backend": "unfused"},
+        },
         {"parallel": {"tp": 2}, "implementation": {"attention_backend": "flash"}},
-        {"model": {"num_attention_heads": 4, "num_query_groups": 4},
-         "parallel": {"cp": 2, "cp_comm_type": "a2a"}},
+        {
+            "model": {"num_attention_heads": 4, "num_query_groups": 4},
+            "parallel": {"cp": 2, "cp_comm_type": "a2a"},
+        },
         {"parallel": {"cp": 2, "tp": 2, "sequence_parallel": True}},
     ],
-    ids=["te-tp2-pp2", "te-gpt-sp-dropout", "te-full-recompute", "local-tp2-pp2",
-         "te-unfused-dropout", "te-flash", "te-cp2-a2a", "te-cp2-p2p"],
+    ids=[
+        "te-tp2-pp2",
+        "te-gpt-sp-dropout",
+        "te-full-recompute",
+        "local-tp2-pp2",
+        "te-unfused-dropout",
+        "te-flash",
+        "te-cp2-a2a",
+        "te-cp2-p2p",
+    ],
 )
 def test_meta_tells_the_truth(sections):
     """The same tiny model on real CPU tensors and on meta keeps the same tensors for backward
@@ -137,8 +167,12 @@ def test_mlp_recompute_with_biases_really_recurses_in_megatron_core():
     from metatrace.config import Recompute
 
     job = small_job(model={"add_bias_linear": True}, parallel={"tp": 2})
-    job = dataclasses.replace(job, training=dataclasses.replace(
-        job.training, recompute=Recompute(granularity="selective", modules=["mlp"])))
+    job = dataclasses.replace(
+        job,
+        training=dataclasses.replace(
+            job.training, recompute=Recompute(granularity="selective", modules=["mlp"])
+        ),
+    )
     world = World.from_job(job)
     calls = []
 
@@ -148,24 +182,41 @@ def test_mlp_recompute_with_biases_really_recurses_in_megatron_core():
             raise RecursionError("the checkpointed MLP ran again and again in backward")
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda m, a: count(m, a) if type(m).__name__ == "MLP" else None)
+        lambda m, a: count(m, a) if type(m).__name__ == "MLP" else None
+    )
     try:
         with pytest.raises(RecursionError):
             trace_role(job, world, world.roles()[0], device="cpu")
     finally:
         handle.remove()
     with pytest.raises(Exception, match="recurses without end"):
-        small_job(model={"add_bias_linear": True},
-                  training={"recompute": {"granularity": "selective", "modules": ["mlp"]}})
+        small_job(
+            model={"add_bias_linear": True},
+            training={"recompute": {"granularity": "selective", "modules": ["mlp"]}},
+        )
 
 
 @pytest.mark.parametrize(
     "sections",
     [
-        {"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 2}, "training": {"global_batch_size": 4}},
-        {"model": {"num_layers": 6}, "parallel": {"pp": 4, "account_for_embedding": True, "account_for_loss": True}},
-        {"model": {"num_layers": 7}, "parallel": {"pp": 3, "first_stage_layers": 1, "last_stage_layers": 2}},
-        {"model": {"num_layers": 6}, "parallel": {"pp": 2, "layout": "Ett|tt|t|tL"}, "training": {"global_batch_size": 4}},
+        {
+            "model": {"num_layers": 8},
+            "parallel": {"pp": 2, "vpp": 2},
+            "training": {"global_batch_size": 4},
+        },
+        {
+            "model": {"num_layers": 6},
+            "parallel": {"pp": 4, "account_for_embedding": True, "account_for_loss": True},
+        },
+        {
+            "model": {"num_layers": 7},
+            "parallel": {"pp": 3, "first_stage_layers": 1, "last_stage_layers": 2},
+        },
+        {
+            "model": {"num_layers": 6},
+            "parallel": {"pp": 2, "layout": "Ett|tt|t|tL"},
+            "training": {"global_batch_size": 4},
+        },
     ],
     ids=["vpp", "account", "uneven", "layout"],
 )
@@ -179,8 +230,11 @@ def test_pipeline_split_is_megatron_cores(sections):
     built = {}
     for rt in jt.roles:
         for v, prefix in enumerate(rt.chunks):
-            layers = [m for m in rt.trace.modules
-                      if m.type == "TransformerLayer" and m.fqn.startswith(prefix)]
+            layers = [
+                m
+                for m in rt.trace.modules
+                if m.type == "TransformerLayer" and m.fqn.startswith(prefix)
+            ]
             built[v * pp + rt.role.pp_stage] = len(layers)
     assert [built[i] for i in range(len(built))] == chunk_layer_counts(job)
 
@@ -193,11 +247,22 @@ def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
     from metatrace.analysis.memory import role_memory
 
     job = small_job(
-        model={"num_layers": 2, "hidden_size": 512, "ffn_hidden_size": 1024,
-               "num_attention_heads": 8, "num_query_groups": 8, "kv_channels": 64,
-               "multi_latent_attention": True, "q_lora_rank": 128, "kv_lora_rank": 64,
-               "qk_head_dim": 64, "qk_pos_emb_head_dim": 32, "v_head_dim": 64,
-               "rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0},
+        model={
+            "num_layers": 2,
+            "hidden_size": 512,
+            "ffn_hidden_size": 1024,
+            "num_attention_heads": 8,
+            "num_query_groups": 8,
+            "kv_channels": 64,
+            "multi_latent_attention": True,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 64,
+            "qk_head_dim": 64,
+            "qk_pos_emb_head_dim": 32,
+            "v_head_dim": 64,
+            "rotary_scaling_factor": 40.0,
+            "mscale_all_dim": 1.0,
+        },
         training={"seq_length": 256, "global_batch_size": 2, "micro_batch_size": 2},
     )
     assert job.model.rope_type == "yarn"
@@ -213,8 +278,13 @@ def test_the_same_role_traced_twice_in_one_process_peaks_the_same():
 def test_optimizer_instances_trace_with_the_full_model():
     # num_distributed_optimizer_instances > 1: the roles trace in megatron-core's instance
     # groups, and the one-GPU view of the full model runs with a single instance.
-    job = small_job(training={"distributed_optimizer": True, "global_batch_size": 8,
-                              "num_distributed_optimizer_instances": 2},
-                    cluster={"num_gpus": 4})
+    job = small_job(
+        training={
+            "distributed_optimizer": True,
+            "global_batch_size": 8,
+            "num_distributed_optimizer_instances": 2,
+        },
+        cluster={"num_gpus": 4},
+    )
     jt = trace_job(job, workers=1)
     assert jt.full is not None and all(rt.iteration is not None for rt in jt.roles)

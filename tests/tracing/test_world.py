@@ -4,22 +4,24 @@ rank-group generator (groups, roles and GPU names on their own are in tests/unit
 import pytest
 
 from metatrace.hooks.fake_world import fake_world, named_groups
-from metatrace.world import Layout
 from metatrace.hooks.patches import megatron_patches
 from metatrace.hooks.remap import remap_cuda
-from metatrace.world import World
-
+from metatrace.world import Layout, World
 from tests.helpers import small_job
 
 
 @pytest.mark.parametrize(
     "parallel, num_gpus",
-    [({"tp": 2, "pp": 2}, 8), ({"tp": 2, "pp": 2, "rank_order": "tp-cp-ep-pp-dp"}, 8),
-     ({"tp": 1, "pp": 4}, 8)],
+    [
+        ({"tp": 2, "pp": 2}, 8),
+        ({"tp": 2, "pp": 2, "rank_order": "tp-cp-ep-pp-dp"}, 8),
+        ({"tp": 1, "pp": 4}, 8),
+    ],
 )
 def test_groups_equal_megatron_process_groups(parallel, num_gpus):
-    world = World.from_job(small_job(parallel=parallel, model={"num_layers": 4},
-                            cluster={"num_gpus": num_gpus}))
+    world = World.from_job(
+        small_job(parallel=parallel, model={"num_layers": 4}, cluster={"num_gpus": num_gpus})
+    )
     with megatron_patches(), remap_cuda("meta"):
         for rank in range(num_gpus):
             with fake_world(world.layout, rank):
@@ -41,11 +43,23 @@ def test_groups_equal_megatron_process_groups(parallel, num_gpus):
         Layout(world_size=24, tp=2, pp=3, ep=2),
         Layout(world_size=16, tp=2, pp=2, dist_opt_instances=2),
         Layout(world_size=16, tp=2, cp=2, dist_opt_instances=4),
-        Layout(world_size=16, tp=2, pp=2, ep=2, etp=1, dist_opt_instances=2, order="tp-cp-ep-pp-dp"),
+        Layout(
+            world_size=16, tp=2, pp=2, ep=2, etp=1, dist_opt_instances=2, order="tp-cp-ep-pp-dp"
+        ),
         Layout(world_size=32, tp=1, cp=2, ep=8, dist_opt_instances=2),
     ],
-    ids=["tp2-pp4", "tp2-pp4-pp-dp", "tp2-pp2-cp2", "tp2-pp2-cp2-pp-dp", "ep4-etp1", "24-gpus-ep2",
-         "2-instances", "cp2-4-instances", "ep2-2-instances-pp-dp", "edp4-dp16-2-instances"],
+    ids=[
+        "tp2-pp4",
+        "tp2-pp4-pp-dp",
+        "tp2-pp2-cp2",
+        "tp2-pp2-cp2-pp-dp",
+        "ep4-etp1",
+        "24-gpus-ep2",
+        "2-instances",
+        "cp2-4-instances",
+        "ep2-2-instances-pp-dp",
+        "edp4-dp16-2-instances",
+    ],
 )
 def test_every_group_kind_equals_megatron(layout):
     # Every group kind metatrace lists, against megatron-core's getters on every rank.
@@ -53,7 +67,9 @@ def test_every_group_kind_equals_megatron(layout):
 
     world = World(layout)
     names = [name for name, _ in _group_getters() if world.knows(name)]
-    assert {"tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding"} <= set(names)
+    assert {"tp", "cp", "dp", "pp", "ep", "etp", "edp", "mp", "dp_cp", "tp_cp", "embedding"} <= set(
+        names
+    )
     if layout.dist_opt_instances > 1:
         assert {"intra_dp_cp", "intra_edp", "inter_dist_opt", "dist_opt"} <= set(names)
     with megatron_patches(), remap_cuda("meta"):
@@ -87,5 +103,3 @@ def test_vectorised_groups_equal_megatron_generator(sizes):
     for mask in itertools.product([False, True], repeat=len(sizes)):
         expected = generate_masked_orthogonal_rank_groups(world, list(sizes), list(mask))
         assert [list(g) for g in orthogonal_groups(sizes, mask)] == expected, mask
-
-

@@ -38,9 +38,15 @@ def _no_megatron_core(request):
     before = _megatron_loaded()
     if state["unit_only"] and before and state["collected_by"]:
         culprit, state["collected_by"] = state["collected_by"], ""
-        pytest.fail(f"collecting {culprit} imported megatron-core: the fast tier must not "
-                    "(move the import into a tracing test, tests/tracing)", pytrace=False)
+        pytest.fail(
+            f"collecting {culprit} imported megatron-core: the fast tier must not "
+            "(move the import into a tracing test, tests/tracing)",
+            pytrace=False,
+        )
     yield
     if state["unit_only"] and not before and _megatron_loaded():
-        pytest.fail(f"{request.node.nodeid} imported megatron-core: move it to tests/tracing "
-                    "(the fast tier must not import it)", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} imported megatron-core: move it to tests/tracing "
+            "(the fast tier must not import it)",
+            pytrace=False,
+        )

@@ -5,25 +5,43 @@ import pytest
 
 from tests.helpers import DEBUG, GPT_ARGS, metatrace, write_job
 
-
 BAD = [
-    ("model: {preset: debug, hiden_size: 8}\ntraining: {seq_length: 64}",
-     "unknown key 'model.hiden_size'; did you mean 'model.hidden_size'?"),
-    ("model: {preset: debug}\nparallel: {tp: 2, pp: 2, dp: 3}\ntraining: {seq_length: 64}\ncluster: {num_gpus: 16}",
-     "tp x pp x cp x dp = 2 x 2 x 1 x 3 = 12, but cluster.num_gpus = 16"),
-    ("model: {preset: debug}\nparallel: {tp: 8}\ntraining: {seq_length: 64}",
-     "model.num_attention_heads = 4 is not divisible by parallel.tp = 8"),
-    ("model: {preset: debug}\nparallel: {tp: 4}\ntraining: {seq_length: 64}",
-     "model.num_query_groups = 2 is not divisible by parallel.tp = 4"),
-    ("model: {preset: debug, num_layers: 3}\nparallel: {pp: 2}\ntraining: {seq_length: 64}",
-     "model.num_layers = 3 is not divisible by parallel.pp = 2"),
-    ("model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, vpp: 4}\ntraining: {seq_length: 64, global_batch_size: 2}",
-     "layers per pipeline rank are not divisible by parallel.vpp = 4"),
-    ("model: {preset: debug}\nparallel: {cp: 2}\ntraining: {seq_length: 66}",
-     "training.seq_length = 66 is not divisible by 2 x parallel.cp = 4"),
-    ("model: {preset: debug}\nparallel: {dp: 4}\ntraining: {seq_length: 64, micro_batch_size: 2, global_batch_size: 12}",
-     "global_batch_size = 12 is not a multiple of micro_batch_size x dp = 2 x 4 = 8"),
-    ("model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}", "'training.precision' must be one of"),
+    (
+        "model: {preset: debug, hiden_size: 8}\ntraining: {seq_length: 64}",
+        "unknown key 'model.hiden_size'; did you mean 'model.hidden_size'?",
+    ),
+    (
+        "model: {preset: debug}\nparallel: {tp: 2, pp: 2, dp: 3}\ntraining: {seq_length: 64}\ncluster: {num_gpus: 16}",
+        "tp x pp x cp x dp = 2 x 2 x 1 x 3 = 12, but cluster.num_gpus = 16",
+    ),
+    (
+        "model: {preset: debug}\nparallel: {tp: 8}\ntraining: {seq_length: 64}",
+        "model.num_attention_heads = 4 is not divisible by parallel.tp = 8",
+    ),
+    (
+        "model: {preset: debug}\nparallel: {tp: 4}\ntraining: {seq_length: 64}",
+        "model.num_query_groups = 2 is not divisible by parallel.tp = 4",
+    ),
+    (
+        "model: {preset: debug, num_layers: 3}\nparallel: {pp: 2}\ntraining: {seq_length: 64}",
+        "model.num_layers = 3 is not divisible by parallel.pp = 2",
+    ),
+    (
+        "model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, vpp: 4}\ntraining: {seq_length: 64, global_batch_size: 2}",
+        "layers per pipeline rank are not divisible by parallel.vpp = 4",
+    ),
+    (
+        "model: {preset: debug}\nparallel: {cp: 2}\ntraining: {seq_length: 66}",
+        "training.seq_length = 66 is not divisible by 2 x parallel.cp = 4",
+    ),
+    (
+        "model: {preset: debug}\nparallel: {dp: 4}\ntraining: {seq_length: 64, micro_batch_size: 2, global_batch_size: 12}",
+        "global_batch_size = 12 is not a multiple of micro_batch_size x dp = 2 x 4 = 8",
+    ),
+    (
+        "model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}",
+        "'training.precision' must be one of",
+    ),
     ("model: [oops", "not valid YAML"),
 ]
 
@@ -37,8 +55,10 @@ def test_bad_config_is_one_message_and_exit_code_2(tmp_path, text, message):
 
 
 def test_contradictory_pipeline_options_exit_2(tmp_path):
-    text = ("model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, account_for_embedding: true,"
-            " first_stage_layers: 1}\ntraining: {seq_length: 64}")
+    text = (
+        "model: {preset: debug, num_layers: 4}\nparallel: {pp: 2, account_for_embedding: true,"
+        " first_stage_layers: 1}\ntraining: {seq_length: 64}"
+    )
     result = metatrace("run", "--config", write_job(tmp_path, text))
     assert result.returncode == 2 and "cannot be combined" in result.stderr
     assert "Traceback" not in result.stderr
@@ -70,10 +90,14 @@ def test_version_and_module_entry_point():
     [
         (["run", "--megatron-args", "--num-layers 2"], "need --world-size"),
         (["run", "--config", DEBUG, "--world-size", "8"], "--world-size applies to Megatron-LM"),
-        (["run", "--megatron-args", GPT_ARGS + " --num-layer 4", "--world-size", "8"],
-         "--num-layer (did you mean --num-layers?)"),
-        (["run", "--megatron-args", GPT_ARGS, "--world-size", "8", "--env", "FOO"],
-         "--env 'FOO' must be NAME=VALUE"),
+        (
+            ["run", "--megatron-args", GPT_ARGS + " --num-layer 4", "--world-size", "8"],
+            "--num-layer (did you mean --num-layers?)",
+        ),
+        (
+            ["run", "--megatron-args", GPT_ARGS, "--world-size", "8", "--env", "FOO"],
+            "--env 'FOO' must be NAME=VALUE",
+        ),
     ],
 )
 def test_megatron_args_errors(args, message):

@@ -3,9 +3,8 @@
 import pytest
 
 from metatrace.config import job_from_dict, load_job
-from metatrace.errors import ConfigError
 from metatrace.config.presets import PRESETS
-
+from metatrace.errors import ConfigError
 from tests.helpers import small_job
 
 
@@ -31,8 +30,13 @@ def test_megatron_lm_derivations():
     # SwiGLU ffn: floor(8h/3 / 64) * 64 -> 10880 for h = 4096 (Megatron-LM, not Llama's 11008).
     job = job_from_dict(
         {
-            "model": {"num_layers": 2, "hidden_size": 4096, "num_attention_heads": 32,
-                      "vocab_size": 50257, "activation": "swiglu"},
+            "model": {
+                "num_layers": 2,
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "vocab_size": 50257,
+                "activation": "swiglu",
+            },
             "parallel": {"tp": 4, "pp": 2},
             "training": {"seq_length": 2048, "micro_batch_size": 2, "global_batch_size": 64},
             "cluster": {"num_gpus": 32},
@@ -75,8 +79,11 @@ def test_types_are_checked():
         {"model": {"preset": "debug"}, "parallel": {"tp": "2"}, "training": {"seq_length": 8}}
     )
     assert "'parallel.sequence_parallel' must be true or false" in problems(
-        {"model": {"preset": "debug"}, "parallel": {"sequence_parallel": 1},
-         "training": {"seq_length": 8}}
+        {
+            "model": {"preset": "debug"},
+            "parallel": {"sequence_parallel": 1},
+            "training": {"seq_length": 8},
+        }
     )
     assert "one of bf16, fp16, fp32, fp8" in problems(
         {"model": {"preset": "debug"}, "training": {"seq_length": 8, "precision": "bf61"}}
@@ -85,13 +92,21 @@ def test_types_are_checked():
 
 def test_degrees_that_do_not_multiply_out_print_every_factor():
     msg = problems(
-        {"model": {"preset": "debug"}, "parallel": {"tp": 2, "pp": 2, "dp": 3},
-         "training": {"seq_length": 64}, "cluster": {"num_gpus": 16}}
+        {
+            "model": {"preset": "debug"},
+            "parallel": {"tp": 2, "pp": 2, "dp": 3},
+            "training": {"seq_length": 64},
+            "cluster": {"num_gpus": 16},
+        }
     )
     assert "tp x pp x cp x dp = 2 x 2 x 1 x 3 = 12, but cluster.num_gpus = 16" in msg
     msg = problems(
-        {"model": {"preset": "debug"}, "parallel": {"tp": 2, "cp": 3},
-         "training": {"seq_length": 64}, "cluster": {"num_gpus": 16}}
+        {
+            "model": {"preset": "debug"},
+            "parallel": {"tp": 2, "cp": 3},
+            "training": {"seq_length": 64},
+            "cluster": {"num_gpus": 16},
+        }
     )
     assert "cluster.num_gpus = 16 is not divisible by tp x pp x cp = 2 x 1 x 3 = 6" in msg
 
@@ -101,56 +116,142 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
     [
         ({"parallel": {"tp": 8}}, "num_attention_heads = 4 is not divisible by parallel.tp = 8"),
         ({"parallel": {"tp": 4}}, "num_query_groups = 2 is not divisible by parallel.tp = 4"),
-        ({"model": {"num_query_groups": 3}}, "num_attention_heads = 4 is not divisible by model.num_query_groups = 3"),
-        ({"model": {"num_layers": 3}, "parallel": {"pp": 2}}, "model.num_layers = 3 is not divisible by parallel.pp = 2"),
-        ({"model": {"num_layers": 4}, "parallel": {"pp": 2, "vpp": 3}, "training": {"global_batch_size": 12}},
-         "layers per pipeline rank are not divisible by parallel.vpp = 3"),
-        ({"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 2}, "training": {"global_batch_size": 3}},
-         "to be a multiple of parallel.microbatch_group_size = 2, or to leave at least parallel.pp = 2 over"),
-        ({"model": {"num_layers": 8}, "parallel": {"pp": 2, "vpp": 2, "microbatch_group_size": 4},
-          "training": {"global_batch_size": 3}},
-         "parallel.microbatch_group_size = 4, which must be at least parallel.pp = 2 and at most the number of micro-batches, 3"),
-        ({"parallel": {"cp": 2}, "training": {"seq_length": 66}}, "not divisible by 2 x parallel.cp = 4"),
-        ({"parallel": {"dp": 2}, "training": {"global_batch_size": 5}},
-         "global_batch_size = 5 is not a multiple of micro_batch_size x dp = 1 x 2 = 2"),
-        ({"parallel": {"tp": 2, "sequence_parallel": True}, "training": {"seq_length": 63}},
-         "which does not divide it"),
-        ({"model": {"position_embedding_type": "learned_absolute", "max_position_embeddings": 32}},
-         "max_position_embeddings = 32 is smaller than training.seq_length = 64"),
+        (
+            {"model": {"num_query_groups": 3}},
+            "num_attention_heads = 4 is not divisible by model.num_query_groups = 3",
+        ),
+        (
+            {"model": {"num_layers": 3}, "parallel": {"pp": 2}},
+            "model.num_layers = 3 is not divisible by parallel.pp = 2",
+        ),
+        (
+            {
+                "model": {"num_layers": 4},
+                "parallel": {"pp": 2, "vpp": 3},
+                "training": {"global_batch_size": 12},
+            },
+            "layers per pipeline rank are not divisible by parallel.vpp = 3",
+        ),
+        (
+            {
+                "model": {"num_layers": 8},
+                "parallel": {"pp": 2, "vpp": 2},
+                "training": {"global_batch_size": 3},
+            },
+            "to be a multiple of parallel.microbatch_group_size = 2, or to leave at least parallel.pp = 2 over",
+        ),
+        (
+            {
+                "model": {"num_layers": 8},
+                "parallel": {"pp": 2, "vpp": 2, "microbatch_group_size": 4},
+                "training": {"global_batch_size": 3},
+            },
+            "parallel.microbatch_group_size = 4, which must be at least parallel.pp = 2 and at most the number of micro-batches, 3",
+        ),
+        (
+            {"parallel": {"cp": 2}, "training": {"seq_length": 66}},
+            "not divisible by 2 x parallel.cp = 4",
+        ),
+        (
+            {"parallel": {"dp": 2}, "training": {"global_batch_size": 5}},
+            "global_batch_size = 5 is not a multiple of micro_batch_size x dp = 1 x 2 = 2",
+        ),
+        (
+            {"parallel": {"tp": 2, "sequence_parallel": True}, "training": {"seq_length": 63}},
+            "which does not divide it",
+        ),
+        (
+            {
+                "model": {
+                    "position_embedding_type": "learned_absolute",
+                    "max_position_embeddings": 32,
+                }
+            },
+            "max_position_embeddings = 32 is smaller than training.seq_length = 64",
+        ),
         ({"parallel": {"ep": 2}}, "needs a mixture-of-experts model (model.num_experts)"),
-        ({"implementation": {"transformer_impl": "local", "attention_backend": "flash"}},
-         "local spec has only its own unfused attention"),
-        ({"implementation": {"attention_backend": "local"}}, "Transformer Engine then refuses to run"),
-        ({"parallel": {"cp": 2}, "implementation": {"transformer_impl": "local"}},
-         "megatron-core's local attention refuses context parallelism"),
-        ({"parallel": {"cp": 2}, "implementation": {"attention_backend": "unfused"}},
-         "unfused has no context-parallel path"),
-        ({"parallel": {"cp": 4, "cp_comm_type": "a2a"}},
-         "key/value heads per TP rank (2) must both be divisible by it"),
-        ({"parallel": {"cp": 4, "cp_comm_type": "a2a+p2p", "hierarchical_cp_sizes": [2, 3]}},
-         "whose product is parallel.cp = 4"),
-        ({"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 1]}}, "applies to parallel.cp_comm_type a2a+p2p only"),
+        (
+            {"implementation": {"transformer_impl": "local", "attention_backend": "flash"}},
+            "local spec has only its own unfused attention",
+        ),
+        (
+            {"implementation": {"attention_backend": "local"}},
+            "Transformer Engine then refuses to run",
+        ),
+        (
+            {"parallel": {"cp": 2}, "implementation": {"transformer_impl": "local"}},
+            "megatron-core's local attention refuses context parallelism",
+        ),
+        (
+            {"parallel": {"cp": 2}, "implementation": {"attention_backend": "unfused"}},
+            "unfused has no context-parallel path",
+        ),
+        (
+            {"parallel": {"cp": 4, "cp_comm_type": "a2a"}},
+            "key/value heads per TP rank (2) must both be divisible by it",
+        ),
+        (
+            {"parallel": {"cp": 4, "cp_comm_type": "a2a+p2p", "hierarchical_cp_sizes": [2, 3]}},
+            "whose product is parallel.cp = 4",
+        ),
+        (
+            {"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 1]}},
+            "applies to parallel.cp_comm_type a2a+p2p only",
+        ),
         ({"training": {"precision": "fp8"}, "cluster": {"gpu": "a100"}}, "a100 has none"),
         ({"training": {"precision": "fp8", "fp8_recipe": "mxfp8"}}, "mxfp8 needs a Blackwell GPU"),
-        ({"training": {"precision": "fp8", "fp8_param_gather": True}}, "fp8_param_gather needs training.distributed_optimizer"),
+        (
+            {"training": {"precision": "fp8", "fp8_param_gather": True}},
+            "fp8_param_gather needs training.distributed_optimizer",
+        ),
         ({"training": {"fp8_recipe": "delayed"}}, "applies with training.precision: fp8 only"),
-        ({"training": {"precision": "fp8"}, "implementation": {"transformer_impl": "local"}},
-         "fp8 needs implementation.transformer_impl: transformer_engine"),
+        (
+            {"training": {"precision": "fp8"}, "implementation": {"transformer_impl": "local"}},
+            "fp8 needs implementation.transformer_impl: transformer_engine",
+        ),
         ({"training": {"recompute": {"granularity": "full"}}}, "full recompute needs"),
-        ({"training": {"recompute": {"granularity": "selective", "modules": ["attn"]}}}, "unknown module 'attn'"),
+        (
+            {"training": {"recompute": {"granularity": "selective", "modules": ["attn"]}}},
+            "unknown module 'attn'",
+        ),
         ({"training": {"overlap_param_gather": True}}, "needs training.distributed_optimizer"),
-        ({"training": {"num_distributed_optimizer_instances": 2}, "cluster": {"num_gpus": 2}},
-         "num_distributed_optimizer_instances > 1 needs training.distributed_optimizer"),
-        ({"training": {"distributed_optimizer": True, "num_distributed_optimizer_instances": 2},
-          "cluster": {"num_gpus": 3}}, "dp x cp = 3 x 1 = 3 is not divisible by"),
-        ({"model": {"num_experts": 4}, "parallel": {"ep": 2},
-          "training": {"distributed_optimizer": True, "num_distributed_optimizer_instances": 4},
-          "cluster": {"num_gpus": 4}},
-         "expert dp = num_gpus / (etp x ep x pp) = 2 is not divisible by"),
-        ({"parallel": {"pp": 4, "first_stage_layers": 1, "last_stage_layers": 2},
-          "model": {"num_layers": 6}}, "3 middle layers do not split evenly over 2 middle"),
-        ({"parallel": {"pp": 2, "layout": "Et|tL"}, "model": {"num_layers": 3}},
-         "parallel.layout places 2 decoder layers, but model.num_layers = 3"),
+        (
+            {"training": {"num_distributed_optimizer_instances": 2}, "cluster": {"num_gpus": 2}},
+            "num_distributed_optimizer_instances > 1 needs training.distributed_optimizer",
+        ),
+        (
+            {
+                "training": {
+                    "distributed_optimizer": True,
+                    "num_distributed_optimizer_instances": 2,
+                },
+                "cluster": {"num_gpus": 3},
+            },
+            "dp x cp = 3 x 1 = 3 is not divisible by",
+        ),
+        (
+            {
+                "model": {"num_experts": 4},
+                "parallel": {"ep": 2},
+                "training": {
+                    "distributed_optimizer": True,
+                    "num_distributed_optimizer_instances": 4,
+                },
+                "cluster": {"num_gpus": 4},
+            },
+            "expert dp = num_gpus / (etp x ep x pp) = 2 is not divisible by",
+        ),
+        (
+            {
+                "parallel": {"pp": 4, "first_stage_layers": 1, "last_stage_layers": 2},
+                "model": {"num_layers": 6},
+            },
+            "3 middle layers do not split evenly over 2 middle",
+        ),
+        (
+            {"parallel": {"pp": 2, "layout": "Et|tL"}, "model": {"num_layers": 3}},
+            "parallel.layout places 2 decoder layers, but model.num_layers = 3",
+        ),
         ({"parallel": {"rank_order": "tp-pp-dp"}}, "must order each of tp, cp, ep, dp, pp"),
         ({"cluster": {"gpu": "h1000"}}, "did you mean 'h100'?"),
         ({"model": {"preset": "llama2-7"}}, "did you mean 'llama2-7b'?"),
@@ -185,10 +286,14 @@ def test_load_job_file_errors(tmp_path):
 def test_uniform_recompute_groups_must_divide_every_chunk():
     # 6 layers on pp 2 with the embedding and loss counted: chunks of 3 and 3... here 2 and 3.
     msg = problems(
-        {"model": {"preset": "debug", "num_layers": 5},
-         "parallel": {"pp": 2, "account_for_embedding": True},
-         "training": {"seq_length": 64,
-                      "recompute": {"granularity": "full", "method": "uniform", "num_layers": 3}}}
+        {
+            "model": {"preset": "debug", "num_layers": 5},
+            "parallel": {"pp": 2, "account_for_embedding": True},
+            "training": {
+                "seq_length": 64,
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 3},
+            },
+        }
     )
     assert "groups of training.recompute.num_layers = 3 layers" in msg and "(2 on some)" in msg
 
@@ -196,11 +301,27 @@ def test_uniform_recompute_groups_must_divide_every_chunk():
 def test_chunk_layer_counts_follow_megatron_core():
     from metatrace.config.checks import chunk_layer_counts
 
-    assert chunk_layer_counts(small_job(model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2},
-                                        training={"global_batch_size": 4})) == [2, 2, 2, 2]
-    assert chunk_layer_counts(small_job(model={"num_layers": 6}, parallel={
-        "pp": 4, "account_for_embedding": True, "account_for_loss": True})) == [1, 2, 2, 1]
-    assert chunk_layer_counts(small_job(model={"num_layers": 7}, parallel={
-        "pp": 3, "first_stage_layers": 1, "last_stage_layers": 2})) == [1, 4, 2]
-    assert chunk_layer_counts(small_job(model={"num_layers": 3}, parallel={
-        "pp": 2, "layout": "Et|t|t|L"}, training={"global_batch_size": 4})) == [1, 1, 1, 0]
+    assert chunk_layer_counts(
+        small_job(
+            model={"num_layers": 8}, parallel={"pp": 2, "vpp": 2}, training={"global_batch_size": 4}
+        )
+    ) == [2, 2, 2, 2]
+    assert chunk_layer_counts(
+        small_job(
+            model={"num_layers": 6},
+            parallel={"pp": 4, "account_for_embedding": True, "account_for_loss": True},
+        )
+    ) == [1, 2, 2, 1]
+    assert chunk_layer_counts(
+        small_job(
+            model={"num_layers": 7},
+            parallel={"pp": 3, "first_stage_layers": 1, "last_stage_layers": 2},
+        )
+    ) == [1, 4, 2]
+    assert chunk_layer_counts(
+        small_job(
+            model={"num_layers": 3},
+            parallel={"pp": 2, "layout": "Et|t|t|L"},
+            training={"global_batch_size": 4},
+        )
+    ) == [1, 1, 1, 0]

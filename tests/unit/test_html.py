@@ -4,7 +4,6 @@ of a traced job is in tests/tracing/test_html.py)."""
 import pytest
 
 from metatrace.export import html as page_html
-
 from tests.helpers import DEBUG, metatrace
 
 

@@ -28,42 +28,97 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # takes the row of its most specific pattern: an exact name beats "pkg.*", a longer "pkg.*"
 # beats a shorter one; "pkg.*" covers pkg itself and everything below it.
 LAYERS = (
-    ("base", ("metatrace", "metatrace.errors", "metatrace.records"),
-     "the error types and frozen event records every other layer speaks"),
-    ("config", ("metatrace.config", "metatrace.config.*"),
-     "job dataclasses, loading and checks: plain data from YAML or flags"),
-    ("world", ("metatrace.world",),
-     "ranks and process groups computed from a job's parallel sizes, before any model exists"),
-    ("analysis", ("metatrace.analysis.*",),
-     "pure aggregation: records in, tables out, testable without megatron-core"),
-    ("formatting", ("metatrace.render.format",),
-     "sizes, numbers and titles that every output formats the same way"),
-    ("outputs", ("metatrace.render", "metatrace.render.*", "metatrace.export.*"),
-     "terminal, JSON, HTML, snapshot and Chrome renderings of one computed result"),
-    ("instruments", ("metatrace.hooks", "metatrace.hooks.collectives", "metatrace.hooks.flops",
-                     "metatrace.hooks.remap", "metatrace.hooks.fastmeta",
-                     "metatrace.hooks.recorder", "metatrace.hooks.offload",
-                     "metatrace.hooks.meta_kernels"),
-     "context managers that turn a running model into records; models report through them"),
-    ("models", ("metatrace.models.*",),
-     "stand-ins for Transformer Engine, flash-attn and fused kernels, built on the instruments"),
-    ("assembly", ("metatrace.hooks.*", "metatrace.hooks.patches", "metatrace.hooks.fake_world",
-                  "metatrace.models.build"),
-     "wires stand-ins into megatron-core (patches, fake world, a rank's model); new hooks land here"),
-    ("tracing", ("metatrace.tracing.*",),
-     "runs a job's ranks on the meta device through the assembly and collects traces"),
-    ("planning", ("metatrace.planning.*",),
-     "searches configurations, checking candidates with the tracing layer"),
-    ("entry", ("metatrace.cli", "metatrace.__main__"),
-     "the command line, which wires every layer together"),
+    (
+        "base",
+        ("metatrace", "metatrace.errors", "metatrace.records"),
+        "the error types and frozen event records every other layer speaks",
+    ),
+    (
+        "config",
+        ("metatrace.config", "metatrace.config.*"),
+        "job dataclasses, loading and checks: plain data from YAML or flags",
+    ),
+    (
+        "world",
+        ("metatrace.world",),
+        "ranks and process groups computed from a job's parallel sizes, before any model exists",
+    ),
+    (
+        "analysis",
+        ("metatrace.analysis.*",),
+        "pure aggregation: records in, tables out, testable without megatron-core",
+    ),
+    (
+        "formatting",
+        ("metatrace.render.format",),
+        "sizes, numbers and titles that every output formats the same way",
+    ),
+    (
+        "outputs",
+        ("metatrace.render", "metatrace.render.*", "metatrace.export.*"),
+        "terminal, JSON, HTML, snapshot and Chrome renderings of one computed result",
+    ),
+    (
+        "instruments",
+        (
+            "metatrace.hooks",
+            "metatrace.hooks.collectives",
+            "metatrace.hooks.flops",
+            "metatrace.hooks.remap",
+            "metatrace.hooks.fastmeta",
+            "metatrace.hooks.recorder",
+            "metatrace.hooks.offload",
+            "metatrace.hooks.meta_kernels",
+        ),
+        "context managers that turn a running model into records; models report through them",
+    ),
+    (
+        "models",
+        ("metatrace.models.*",),
+        "stand-ins for Transformer Engine, flash-attn and fused kernels, built on the instruments",
+    ),
+    (
+        "assembly",
+        (
+            "metatrace.hooks.*",
+            "metatrace.hooks.patches",
+            "metatrace.hooks.fake_world",
+            "metatrace.models.build",
+        ),
+        "wires stand-ins into megatron-core (patches, fake world, a rank's model); new hooks land here",
+    ),
+    (
+        "tracing",
+        ("metatrace.tracing.*",),
+        "runs a job's ranks on the meta device through the assembly and collects traces",
+    ),
+    (
+        "planning",
+        ("metatrace.planning.*",),
+        "searches configurations, checking candidates with the tracing layer",
+    ),
+    (
+        "entry",
+        ("metatrace.cli", "metatrace.__main__"),
+        "the command line, which wires every layer together",
+    ),
 )
 PURE = ("base", "config", "world", "analysis", "formatting", "outputs")
 # What a module of a pure layer must not import (the name or anything below it).
-IMPURE = ("torch", "megatron", "transformer_engine", "flash_attn", "metatrace.hooks",
-          "metatrace.models", "metatrace.tracing", "metatrace.planning")
+IMPURE = (
+    "torch",
+    "megatron",
+    "transformer_engine",
+    "flash_attn",
+    "metatrace.hooks",
+    "metatrace.models",
+    "metatrace.tracing",
+    "metatrace.planning",
+)
 
 
 # --- the checker ---------------------------------------------------------------------------
+
 
 def layer_of(module: str) -> int | None:
     """The index in LAYERS of the most specific pattern matching `module` (None: no layer)."""
@@ -152,9 +207,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
             continue
         for name in sorted(graph[module]):
             if LAYERS[mine][0] in PURE and _below(name, IMPURE):
-                problems.append(
-                    f"{module} (pure layer {LAYERS[mine][0]}) imports {name}"
-                )
+                problems.append(f"{module} (pure layer {LAYERS[mine][0]}) imports {name}")
                 continue
             theirs = layer_of(name) if name in graph else None
             if theirs is not None and theirs > mine:
@@ -166,6 +219,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 # --- reading the package -------------------------------------------------------------------
+
 
 def package_modules(root: str = ROOT) -> dict[str, str]:
     """{module name: source path} of every module the wheel ships, from pyproject.toml."""
@@ -215,7 +269,11 @@ def imported_names(source: str, module: str, is_package: bool, known) -> set[str
                 if sub in known:
                     names.add(sub)
         elif isinstance(node, ast.Call) and _is_import_call(node.func):
-            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            if (
+                node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 names.add(node.args[0].value)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
             names.add(node.value)
@@ -242,6 +300,7 @@ def package_graph(root: str = ROOT) -> dict[str, set[str]]:
 
 # --- the tests -----------------------------------------------------------------------------
 
+
 def test_the_package_has_no_cycles_and_no_upward_or_impure_imports():
     problems = violations(package_graph())
     assert not problems, "\n".join(problems)
@@ -250,9 +309,15 @@ def test_the_package_has_no_cycles_and_no_upward_or_impure_imports():
 def test_the_walk_sees_the_whole_package():
     graph = package_graph()
     # Every layer's flagship is found, cli.py under its installed name included.
-    for module in ("metatrace", "metatrace.config.megatron.args", "metatrace.render.format",
-                   "metatrace.hooks.patches", "metatrace.models.te_linear", "metatrace.cli",
-                   "metatrace.__main__"):
+    for module in (
+        "metatrace",
+        "metatrace.config.megatron.args",
+        "metatrace.render.format",
+        "metatrace.hooks.patches",
+        "metatrace.models.te_linear",
+        "metatrace.cli",
+        "metatrace.__main__",
+    ):
         assert module in graph
     assert "metatrace.models.te_linear" in graph["metatrace.models.specs"]
     assert "metatrace.models.te_optim" in graph["metatrace.hooks.patches"]  # by string
@@ -295,9 +360,14 @@ def test_the_checker_finds_cycles_upward_and_impure_imports():
 
 
 def test_the_reader_sees_hidden_imports():
-    known = {"metatrace.models.te_cp", "metatrace.config", "metatrace.config.job",
-             "metatrace.models.te_optim", "metatrace.hooks.patches"}
-    source = '''
+    known = {
+        "metatrace.models.te_cp",
+        "metatrace.config",
+        "metatrace.config.job",
+        "metatrace.models.te_optim",
+        "metatrace.hooks.patches",
+    }
+    source = """
 import importlib
 
 def forward():
@@ -306,17 +376,26 @@ def forward():
     from .job import Job  # relative, inside metatrace.config
     importlib.import_module("transformer_engine.pytorch")
     return _standin("metatrace.models.te_optim", "FusedAdam")  # named by string
-'''
+"""
     names = imported_names(source, "metatrace.config.load", False, known)
-    assert names == {"importlib", "metatrace", "metatrace.config", "metatrace.config.job",
-                     "metatrace.models.te_cp", "metatrace.models.te_optim",
-                     "transformer_engine.pytorch"}
+    assert names == {
+        "importlib",
+        "metatrace",
+        "metatrace.config",
+        "metatrace.config.job",
+        "metatrace.models.te_cp",
+        "metatrace.models.te_optim",
+        "transformer_engine.pytorch",
+    }
 
 
-@pytest.mark.parametrize("module, expected", [
-    ("metatrace.models.te_attention", "metatrace.models.te_cp"),
-    ("metatrace.models.te_linear", "metatrace.models.te_fp8_linear"),
-])
+@pytest.mark.parametrize(
+    "module, expected",
+    [
+        ("metatrace.models.te_attention", "metatrace.models.te_cp"),
+        ("metatrace.models.te_linear", "metatrace.models.te_fp8_linear"),
+    ],
+)
 def test_the_dispatching_module_owns_the_edge(module, expected):
     """The two former cycles: the dispatcher imports its specialisation, never the reverse."""
     graph = package_graph()

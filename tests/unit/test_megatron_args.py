@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-from metatrace.errors import ConfigError
 from metatrace.config.megatron.args import (
     FLAGS,
     NOT_MODELLED_REASONS,
@@ -16,7 +15,7 @@ from metatrace.config.megatron.args import (
     read_args_file,
     split_args,
 )
-
+from metatrace.errors import ConfigError
 from tests.helpers import DATA
 
 # The arguments, GPU and environment of every case of ../shared/calibration's
@@ -74,16 +73,32 @@ def test_interleaved_pipeline_case_derives_as_megatron_does():
     c = case("gpt/gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce")
     data, notes = job_dict_from_args(c["args"], world_size=8, gpu="a100", env=c["env_vars"])
     assert data == {
-        "model": {"num_layers": 12, "hidden_size": 512, "num_attention_heads": 8,
-                  "max_position_embeddings": 1024, "add_qkv_bias": True, "vocab_size": 50257},
+        "model": {
+            "num_layers": 12,
+            "hidden_size": 512,
+            "num_attention_heads": 8,
+            "max_position_embeddings": 1024,
+            "add_qkv_bias": True,
+            "vocab_size": 50257,
+        },
         "parallel": {"tp": 1, "pp": 4, "vpp": 3},  # 12 layers / pp 4 / 1 layer per chunk
-        "training": {"micro_batch_size": 4, "global_batch_size": 32, "seq_length": 1024,
-                     "clip_grad": 1.0, "log_num_zeros_in_grad": True, "precision": "bf16",
-                     "distributed_optimizer": True, "overlap_grad_reduce": True,
-                     "gradient_accumulation_fusion": False},
-        "implementation": {"transformer_impl": "transformer_engine",
-                           "attention_backend": "unfused", "attention_softmax_in_fp32": True,
-                           "rope_fusion": False},
+        "training": {
+            "micro_batch_size": 4,
+            "global_batch_size": 32,
+            "seq_length": 1024,
+            "clip_grad": 1.0,
+            "log_num_zeros_in_grad": True,
+            "precision": "bf16",
+            "distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "gradient_accumulation_fusion": False,
+        },
+        "implementation": {
+            "transformer_impl": "transformer_engine",
+            "attention_backend": "unfused",
+            "attention_softmax_in_fp32": True,
+            "rope_fusion": False,
+        },
         "cluster": {"num_gpus": 8, "gpu": "a100", "cublas_workspace_config": ":4096:8"},
     }
     assert notes == [] and not_modelled(c["args"]) == []
@@ -119,7 +134,11 @@ def test_moe_case_maps_experts_and_expert_parallelism():
     resolved, notes = job_from_args(c["args"], world_size=8, gpu="h100", env=c["env_vars"])
     assert not [n for n in notes if n.startswith("warning")]
     m, par = resolved.model, resolved.parallel
-    assert (m.num_experts, m.moe_router_topk, m.moe_router_load_balancing_type) == (4, 1, "sinkhorn")
+    assert (m.num_experts, m.moe_router_topk, m.moe_router_load_balancing_type) == (
+        4,
+        1,
+        "sinkhorn",
+    )
     assert m.moe_ffn_hidden_size == m.ffn_hidden_size and m.moe_layer_freq == [1] * 12
     assert (par.ep, par.etp, par.moe_token_dispatcher_type) == (2, 2, "allgather")
     assert not_modelled(c["args"]) == []
@@ -138,28 +157,34 @@ def test_mla_case_maps_the_latent_dimensions():
 
 
 def test_mtp_keeps_its_layout_and_mla_flags_need_mla():
-    resolved, _ = job(BASE.replace("--num-layers 12", "--num-layers 3") +
-                      " --position-embedding-type rope --pipeline-model-parallel-size 2"
-                      " --mtp-num-layers 1 --pipeline-model-parallel-layout 'Et|ttmL'")
+    resolved, _ = job(
+        BASE.replace("--num-layers 12", "--num-layers 3")
+        + " --position-embedding-type rope --pipeline-model-parallel-size 2"
+        " --mtp-num-layers 1 --pipeline-model-parallel-layout 'Et|ttmL'"
+    )
     assert resolved.model.mtp_num_layers == 1 and resolved.parallel.layout == "Et|ttmL"
     resolved, notes = job(BASE + " --kv-lora-rank 64 --mscale 2.0")
     assert resolved.model.kv_lora_rank == 32 and resolved.model.mscale == 1.0
-    assert any("--kv-lora-rank, --mscale are ignored without --multi-latent-attention" in n
-               for n in notes)
+    assert any(
+        "--kv-lora-rank, --mscale are ignored without --multi-latent-attention" in n for n in notes
+    )
     assert "--rope-type yarn needs --multi-latent-attention" in error(BASE + " --rope-type yarn")
     assert "exclude each other" in error(BASE + " --multi-latent-attention --group-query-attention")
 
 
 def test_moe_options_not_modelled_are_listed():
-    resolved, notes = job(BASE + " --num-experts 8 --moe-apply-probs-on-input --moe-layer-freq 2"
-                          " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity")
+    resolved, notes = job(
+        BASE + " --num-experts 8 --moe-apply-probs-on-input --moe-layer-freq 2"
+        " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"
+    )
     assert resolved.model.moe_layer_freq == [1, 0] * 6  # 12 layers
     assert resolved.training.moe_routing == "capacity"
     assert resolved.training.moe_expert_capacity_factor == 1.5
-    warning, = [n for n in notes if n.startswith("warning")]
+    (warning,) = [n for n in notes if n.startswith("warning")]
     assert "MoE router and expert variants (--moe-apply-probs-on-input)" in warning
     assert [(n.option, n.direction) for n in resolved.not_modelled] == [
-        ("--moe-apply-probs-on-input", "either")]
+        ("--moe-apply-probs-on-input", "either")
+    ]
 
 
 def test_moe_fusion_flags_map_to_the_implementation():
@@ -209,7 +234,10 @@ def test_precision_from_bf16_fp16_fp8():
     assert job(BASE.replace("--bf16", "--fp16"))[0].training.grad_reduce_in_fp32 is False
     fp8, _ = job(BASE + " --fp8-format e4m3 --fp8-recipe tensorwise", gpu="h100")
     assert (fp8.training.precision, fp8.training.fp8_format, fp8.training.fp8_recipe) == (
-        "fp8", "e4m3", "tensorwise")
+        "fp8",
+        "e4m3",
+        "tensorwise",
+    )
     assert "exclude each other" in error(BASE + " --fp16")
     assert not job(BASE + " --grad-reduce-in-bf16")[0].training.grad_reduce_in_fp32
     fp16_fp8 = not_modelled(split_args(BASE.replace("--bf16", "--fp16") + " --fp8-format hybrid"))
@@ -219,8 +247,9 @@ def test_precision_from_bf16_fp16_fp8():
 def test_recompute_activations_means_selective():
     rec = job(BASE + " --recompute-activations")[0].training.recompute
     assert (rec.granularity, rec.modules) == ("selective", ["core_attn"])
-    full = job(BASE + " --recompute-granularity full --recompute-method block "
-               "--recompute-num-layers 2")[0].training.recompute
+    full = job(
+        BASE + " --recompute-granularity full --recompute-method block --recompute-num-layers 2"
+    )[0].training.recompute
     assert (full.granularity, full.method, full.num_layers) == ("full", "block", 2)
 
 
@@ -229,18 +258,23 @@ def test_virtual_pipeline_from_either_flag_and_its_checks():
     assert job(BASE + pp + " --num-layers-per-virtual-pipeline-stage 2")[0].parallel.vpp == 3
     assert job(BASE + pp + " --num-virtual-stages-per-pipeline-rank 2")[0].parallel.vpp == 2
     # 12 + embedding + loss = 14 layers: 7 per stage, no chunks of 2
-    msg = error(BASE + pp + " --num-layers-per-virtual-pipeline-stage 2 "
-                "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split")
+    msg = error(
+        BASE + pp + " --num-layers-per-virtual-pipeline-stage 2 "
+        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
+    )
     assert "14 layers" in msg
     msg = error(BASE + " --num-layers-per-virtual-pipeline-stage 1")
     assert "pipeline-model-parallel-size > 1" in msg
-    assert "at most one" in error(BASE + pp + " --num-virtual-stages-per-pipeline-rank 2 "
-                                  "--num-layers-per-virtual-pipeline-stage 1")
+    assert "at most one" in error(
+        BASE + pp + " --num-virtual-stages-per-pipeline-rank 2 "
+        "--num-layers-per-virtual-pipeline-stage 1"
+    )
 
 
 def test_rank_order_cp_comm_type_and_expert_degrees():
-    resolved, _ = job(BASE + " --use-tp-pp-dp-mapping --context-parallel-size 2 "
-                      "--cp-comm-type allgather")
+    resolved, _ = job(
+        BASE + " --use-tp-pp-dp-mapping --context-parallel-size 2 --cp-comm-type allgather"
+    )
     assert resolved.parallel.rank_order == "tp-cp-ep-pp-dp"
     assert resolved.parallel.cp_comm_type == "all_gather"
     assert "needs --num-experts" in error(BASE + " --expert-model-parallel-size 2")
@@ -290,34 +324,47 @@ def test_missing_values_and_stray_words():
     assert "--num-layers needs a value" in error("--num-layers --bf16 " + BASE)
     assert "--seq-length needs a value" in error(BASE + " --seq-length")
     assert "unexpected value 'yes' after --bf16" in error(BASE + " --bf16 yes")
-    assert "Megatron-LM needs --hidden-size" in error("--num-layers 2 --num-attention-heads 2 "
-                                                     "--seq-length 8 --micro-batch-size 1")
+    assert "Megatron-LM needs --hidden-size" in error(
+        "--num-layers 2 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1"
+    )
     assert "use --micro-batch-size" in error(BASE + " --batch-size 4")
 
 
 def test_environment():
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8", "NCCL_ALGO": "Ring",
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    env = {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8",
+        "NCCL_ALGO": "Ring",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
     assert job(BASE, env=env)[0].cluster.cublas_workspace_config == ":4096:2:16:8"
     # Variables that change nothing are accepted silently, unknown ones are named in a note,
     # and those that change memory in ways metatrace does not model are reported as such.
-    quiet = {"PYTHONWARNINGS": "ignore", "NVTE_FWD_LAYERNORM_SM_MARGIN": "8",
-             "NVTE_BWD_LAYERNORM_SM_MARGIN": "8", "NCCL_IB_SL": "1", "NCCL_NVLS_ENABLE": "0"}
+    quiet = {
+        "PYTHONWARNINGS": "ignore",
+        "NVTE_FWD_LAYERNORM_SM_MARGIN": "8",
+        "NVTE_BWD_LAYERNORM_SM_MARGIN": "8",
+        "NCCL_IB_SL": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
     resolved, notes = job(BASE, env={**quiet, "FOO": "1"})
     assert [n for n in notes if "environment" in n] == [
-        "environment variables metatrace does not know, taken to change nothing it predicts: FOO"]
+        "environment variables metatrace does not know, taken to change nothing it predicts: FOO"
+    ]
     assert resolved.not_modelled == ()
     resolved, notes = job(BASE, env={"NVTE_FUSED_ATTN_BACKEND": "0"})
     assert [(n.option, n.direction) for n in resolved.not_modelled] == [
-        ("NVTE_FUSED_ATTN_BACKEND=0", "either")]
+        ("NVTE_FUSED_ATTN_BACKEND=0", "either")
+    ]
     assert notes[0].startswith("warning") and "NVTE_FUSED_ATTN_BACKEND=0" in notes[0]
     # megatron-core asserts NVTE_*_ATTN agree with --attention-backend: they cannot choose it
     assert "NVTE_FUSED_ATTN=0 contradicts --attention-backend auto" in error(
-        BASE, env={"NVTE_FUSED_ATTN": "0"})
+        BASE, env={"NVTE_FUSED_ATTN": "0"}
+    )
     flash = {"NVTE_FLASH_ATTN": 1, "NVTE_FUSED_ATTN": 0, "NVTE_UNFUSED_ATTN": 0}
     assert job(BASE + " --attention-backend flash", env=flash)[0].attention_kernel == "flash"
     assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in error(
-        BASE + " --tensor-model-parallel-size 2", env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+        BASE + " --tensor-model-parallel-size 2", env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    )
 
 
 # --------------------------------------------------------------------------- file forms
@@ -339,8 +386,10 @@ echo done
 
 
 def test_script_yaml_and_token_forms_give_the_same_job(tmp_path):
-    extra = " --pipeline-model-parallel-size 2 --context-parallel-size 2 " \
-            "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 1"
+    extra = (
+        " --pipeline-model-parallel-size 2 --context-parallel-size 2 "
+        "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 1"
+    )
     tokens = split_args(BASE + extra)
     script = tmp_path / "train.sh"
     script.write_text(SCRIPT.replace("--bf16", "--bf16" + extra + " \\\n   "))
@@ -350,11 +399,12 @@ def test_script_yaml_and_token_forms_give_the_same_job(tmp_path):
         "--max-position-embeddings: 1024\n--micro-batch-size: 4\n--global-batch-size: 32\n"
         "--bf16: true\n--fp16: false\n--vocab-file: vocab.json\n--merge-file: merges.txt\n"
         "--pipeline-model-parallel-size: 2\n--context-parallel-size: 2\n"
-        "--cp-comm-type: a2a+p2p\n--hierarchical-context-parallel-sizes: \"2 1\"\n"
+        '--cp-comm-type: a2a+p2p\n--hierarchical-context-parallel-sizes: "2 1"\n'
     )
     as_json = tmp_path / "args.json"
-    as_json.write_text(json.dumps({"--bf16": True, **dict(
-        zip(tokens[:14:2], map(int, tokens[1:14:2])))}))
+    as_json.write_text(
+        json.dumps({"--bf16": True, **dict(zip(tokens[:14:2], map(int, tokens[1:14:2])))})
+    )
     expected = job_dict_from_args(tokens, world_size=8)[0]
     for path in (script, mapping):
         assert job_dict_from_args(read_args_file(path), world_size=8)[0] == expected, path
@@ -366,11 +416,16 @@ def test_script_forms():
     per_line = "# one flag per line\n--num-layers 2\n\n# precision\n--bf16\necho done --fp16\n"
     assert split_args(per_line) == ["--num-layers", "2", "--bf16"]
     assert split_args("python pretrain_gpt.py --num-layers 2 --bf16") == [
-        "--num-layers", "2", "--bf16"]
+        "--num-layers",
+        "2",
+        "--bf16",
+    ]
     assert split_args("--spec my_spec.py --bf16") == ["--spec", "my_spec.py", "--bf16"]
     assert split_args("--num-layers 2 > log.txt --bf16") == ["--num-layers", "2"]
     assert split_args("--pipeline-model-parallel-layout 'Et|tL' # layout") == [
-        "--pipeline-model-parallel-layout", "Et|tL"]
+        "--pipeline-model-parallel-layout",
+        "Et|tL",
+    ]
     with pytest.raises(ConfigError, match=r"\$GPT_ARGS \(set on line 1\)"):
         split_args('GPT_ARGS="--num-layers 2"\ntorchrun pretrain_gpt.py $GPT_ARGS --bf16')
     arrays = "ARGS=(\n  --num-layers 2\n)\ntorchrun pretrain_gpt.py ${ARGS[@]} --bf16\n"
@@ -382,9 +437,14 @@ def test_script_forms():
 
 
 def test_mapping_values():
-    assert args_from_mapping({"--recompute-modules": "[core_attn mlp]", "--bf16": True,
-                              "--fp16": None, "--data-path": ["a", "b"]}) == [
-        "--recompute-modules", "core_attn", "mlp", "--bf16", "--data-path", "a", "b"]
+    assert args_from_mapping(
+        {
+            "--recompute-modules": "[core_attn mlp]",
+            "--bf16": True,
+            "--fp16": None,
+            "--data-path": ["a", "b"],
+        }
+    ) == ["--recompute-modules", "core_attn", "mlp", "--bf16", "--data-path", "a", "b"]
     with pytest.raises(ConfigError, match="not a flag"):
         args_from_mapping({"num-layers": 2})
     with pytest.raises(ConfigError, match="--num-layers needs a value"):
@@ -439,16 +499,21 @@ def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
 
 def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused():
     resolved, notes = job(BASE + " --use-transformer-engine-op-fuser --log-max-attention-logit")
-    assert any(n.startswith("from a Megatron-LM newer than core_v0.16.1") and
-               "--use-transformer-engine-op-fuser" in n for n in notes)
+    assert any(
+        n.startswith("from a Megatron-LM newer than core_v0.16.1")
+        and "--use-transformer-engine-op-fuser" in n
+        for n in notes
+    )
     assert [n.option for n in resolved.not_modelled] == ["--log-max-attention-logit"]
     assert "unknown Megatron-LM flags: --fim-rat (did you mean --fim-rate?)" in error(
-        BASE + " --fim-rat 0.5")
+        BASE + " --fim-rat 0.5"
+    )
     # No parser in the table has it and it is no misspelling: a newer Megatron-LM's, perhaps,
     # so not refused but reported (its effect unknown); its values go with it.
     resolved, notes = job(BASE + " --frobnicate-widgets 3 --micro-batch-size 2")
     assert [(n.option, n.direction) for n in resolved.not_modelled] == [
-        ("--frobnicate-widgets", "unknown")]
+        ("--frobnicate-widgets", "unknown")
+    ]
     assert resolved.training.micro_batch_size == 2 and "--frobnicate-widgets" in notes[0]
     # Flags of older releases are known by their successors' class; a negation is never
     # offered for a misspelling.
@@ -461,24 +526,30 @@ def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused()
 
 
 def test_flags_that_change_nothing_are_accepted_and_defaults_are_not_reported():
-    quiet = (" --fim-data --fim-rate 0.5 --fim-spm-rate 0.5 --async-strategy nvrx "
-             "--async-ckpt-use-cpu-shm --log-params-norm --rerun-mode validate_results "
-             "--cuda-graph-impl none")  # the last two: class 3, but their defaults
+    quiet = (
+        " --fim-data --fim-rate 0.5 --fim-spm-rate 0.5 --async-strategy nvrx "
+        "--async-ckpt-use-cpu-shm --log-params-norm --rerun-mode validate_results "
+        "--cuda-graph-impl none"
+    )  # the last two: class 3, but their defaults
     resolved, notes = job(BASE + quiet)
     assert resolved.not_modelled == () and not [n for n in notes if n.startswith("warning")]
     resolved, _ = job(BASE + " --rerun-mode report_stats --moe-router-score-function sigmoid")
     assert [(n.option, n.direction) for n in resolved.not_modelled] == [
-        ("--rerun-mode report_stats", "traffic")]
+        ("--rerun-mode report_stats", "traffic")
+    ]
 
 
 def test_values_of_a_newer_megatron_lm_are_reported_not_refused():
-    resolved, notes = job(BASE + " --num-experts 4 --moe-router-score-function sqrtsoftplus "
-                          "--moe-router-load-balancing-type quantile_balancing")
+    resolved, notes = job(
+        BASE + " --num-experts 4 --moe-router-score-function sqrtsoftplus "
+        "--moe-router-load-balancing-type quantile_balancing"
+    )
     assert resolved.model.moe_router_score_function == "softmax"
     assert resolved.model.moe_router_load_balancing_type == "none"
     assert sorted(n.option for n in resolved.not_modelled) == [
         "--moe-router-load-balancing-type quantile_balancing",
-        "--moe-router-score-function sqrtsoftplus"]
+        "--moe-router-score-function sqrtsoftplus",
+    ]
 
 
 def test_deterministic_mode_before_sm90_runs_flash_attention():
@@ -489,44 +560,67 @@ def test_deterministic_mode_before_sm90_runs_flash_attention():
     env0 = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
     assert job(BASE, gpu="a100", env=env0)[0].attention_kernel == "flash"
     assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO=1" in error(
-        BASE + " --deterministic-mode", env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"})
+        BASE + " --deterministic-mode", env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"}
+    )
     assert not job(BASE, env={"TORCHDYNAMO_DISABLE": "1"})[0].implementation.torch_compile
     assert job(BASE + " --deterministic-mode", gpu="h100")[0].attention_kernel == "fused"
-    assert job(BASE + " --deterministic-mode --attention-backend unfused",
-               gpu="a100")[0].attention_kernel == "unfused"
+    assert (
+        job(BASE + " --deterministic-mode --attention-backend unfused", gpu="a100")[
+            0
+        ].attention_kernel
+        == "unfused"
+    )
     assert "no deterministic fused attention" in error(
-        BASE + " --deterministic-mode --attention-backend fused", gpu="a100")
+        BASE + " --deterministic-mode --attention-backend fused", gpu="a100"
+    )
     assert "--decoder-seq-length 512 differs" in error(
-        BASE + " --pipeline-model-parallel-size 2 --decoder-seq-length 512")
+        BASE + " --pipeline-model-parallel-size 2 --decoder-seq-length 512"
+    )
 
 
 def test_options_of_recent_runs_map_to_their_keys():
-    tr = job(BASE + " --pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute "
-             "--wgrad-deferral-limit 2 --fp8-amax-history-len 16 --use-distributed-optimizer "
-             "--ddp-pad-buckets-for-high-nccl-busbw --fine-grained-activation-offloading "
-             "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 4096")[0].training
+    tr = job(
+        BASE + " --pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute "
+        "--wgrad-deferral-limit 2 --fp8-amax-history-len 16 --use-distributed-optimizer "
+        "--ddp-pad-buckets-for-high-nccl-busbw --fine-grained-activation-offloading "
+        "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 4096"
+    )[0].training
     assert (tr.defer_embedding_wgrad_compute, tr.wgrad_deferral_limit) == (True, 2)
     assert (tr.fp8_amax_history_len, tr.ddp_pad_buckets_for_high_nccl_busbw) == (16, True)
     assert (tr.activation_offload_modules, tr.min_offloaded_tensor_size) == (
-        ["core_attn", "attn_proj"], 4096)
+        ["core_attn", "attn_proj"],
+        4096,
+    )
     resolved, notes = job(BASE + " --offload-modules core_attn --min-offloaded-tensor-size 8")
     assert resolved.training.activation_offload_modules is None
     assert any("are ignored without --fine-grained-activation-offloading" in n for n in notes)
     assert "needs --offload-modules" in error(BASE + " --fine-grained-activation-offloading")
-    impl = job(BASE + " --cross-entropy-loss-fusion --cross-entropy-fusion-impl te "
-               "--use-transformer-engine-op-fuser")[0].implementation
+    impl = job(
+        BASE + " --cross-entropy-loss-fusion --cross-entropy-fusion-impl te "
+        "--use-transformer-engine-op-fuser"
+    )[0].implementation
     assert (impl.cross_entropy_loss_fusion, impl.cross_entropy_fusion_impl, impl.te_op_fuser) == (
-        True, "te", True)
+        True,
+        "te",
+        True,
+    )
 
 
 def test_options_that_act_only_with_another_are_noted_not_reported():
-    quiet, notes = job(BASE + " --no-fp8-wgrad --tp-comm-overlap-cfg ub.yaml "
-                       "--optimizer-offload-fraction 0.5 --cuda-graph-warmup-steps 5 "
-                       "--moe-router-score-function sqrtsoftplus --fp8-recipe custom")
+    quiet, notes = job(
+        BASE + " --no-fp8-wgrad --tp-comm-overlap-cfg ub.yaml "
+        "--optimizer-offload-fraction 0.5 --cuda-graph-warmup-steps 5 "
+        "--moe-router-score-function sqrtsoftplus --fp8-recipe custom"
+    )
     assert quiet.not_modelled == ()
-    assert any(n == "--tp-comm-overlap-cfg changes nothing without --tp-comm-overlap"
-               for n in notes)
-    loud, _ = job(BASE + " --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap "
-                  "--tp-comm-overlap-cfg ub.yaml")
-    assert [n.option for n in loud.not_modelled] == ["--tp-comm-overlap",
-                                                     "--tp-comm-overlap-cfg ub.yaml"]
+    assert any(
+        n == "--tp-comm-overlap-cfg changes nothing without --tp-comm-overlap" for n in notes
+    )
+    loud, _ = job(
+        BASE + " --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap "
+        "--tp-comm-overlap-cfg ub.yaml"
+    )
+    assert [n.option for n in loud.not_modelled] == [
+        "--tp-comm-overlap",
+        "--tp-comm-overlap-cfg ub.yaml",
+    ]

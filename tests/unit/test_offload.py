@@ -4,7 +4,6 @@ offloading moves is traced in tests/tracing/test_offload.py)."""
 import pytest
 
 from metatrace.errors import ConfigError
-
 from tests.helpers import small_job
 
 

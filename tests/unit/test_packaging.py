@@ -10,47 +10,96 @@ from tests.helpers import ROOT
 
 def test_wheel_holds_only_the_metatrace_package(tmp_path):
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "dist"), ROOT],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            ROOT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("metatrace-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"metatrace", next(t for t in top if t.endswith(".dist-info"))}
-    for module in ("metatrace/cli.py", "metatrace/models/build.py", "metatrace/hooks/recorder.py",
-                   "metatrace/config/job.py", "metatrace/export/report.schema.json",
-                   "metatrace/py.typed", "metatrace/config/megatron/flags.tsv"):
+    for module in (
+        "metatrace/cli.py",
+        "metatrace/models/build.py",
+        "metatrace/hooks/recorder.py",
+        "metatrace/config/job.py",
+        "metatrace/export/report.schema.json",
+        "metatrace/py.typed",
+        "metatrace/config/megatron/flags.tsv",
+    ):
         assert module in names
 
     target = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert install.returncode == 0, install.stderr[-2000:]
     env = {**os.environ, "PYTHONPATH": str(target)}
-    probe = ("import metatrace.cli, metatrace.config.presets, metatrace.hooks.recorder as r; "
-             "print(r.__file__)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
+    probe = (
+        "import metatrace.cli, metatrace.config.presets, metatrace.hooks.recorder as r; "
+        "print(r.__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "recorder.py")
     # The report's JSON Schema is package data, read where the package is installed.
-    schema = ("import json, importlib.resources as r, metatrace.export.report as m; "
-              "s = json.loads(r.files('metatrace.export').joinpath('report.schema.json').read_text()); "
-              "print(s['properties']['schema_version']['const'] == m.SCHEMA_VERSION, "
-              "r.files('metatrace.export'))")
-    run = subprocess.run([sys.executable, "-c", schema], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
+    schema = (
+        "import json, importlib.resources as r, metatrace.export.report as m; "
+        "s = json.loads(r.files('metatrace.export').joinpath('report.schema.json').read_text()); "
+        "print(s['properties']['schema_version']['const'] == m.SCHEMA_VERSION, "
+        "r.files('metatrace.export'))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", schema],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", str(target / "metatrace" / "export")]
     # The flag table reads Megatron-LM's parser attributes from package data too.
     flags = "import metatrace.config.megatron.flags as f; print(len(f.FLAGS))"
-    run = subprocess.run([sys.executable, "-c", flags], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
-    assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[-2000:]  # 930 + 10 older
-    version = subprocess.run([sys.executable, "-m", "metatrace", "--version"], capture_output=True,
-                             text=True, cwd=tmp_path, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", flags],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[
+        -2000:
+    ]  # 930 + 10 older
+    version = subprocess.run(
+        [sys.executable, "-m", "metatrace", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")

@@ -7,7 +7,6 @@ import re
 import pytest
 
 from metatrace.export.report import SCHEMA_VERSION
-
 from tests.helpers import ROOT, report_validator
 
 
@@ -39,7 +38,9 @@ def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
     documented.discard("cluster.comm")
     assert {"schema_version", "roles", "memory_verdict", "max_micro_batch"} <= documented
     missing = documented - set(validator.schema["properties"])
-    assert not missing, f"README documents {missing}: add them to metatrace/export/report.schema.json"
+    assert not missing, (
+        f"README documents {missing}: add them to metatrace/export/report.schema.json"
+    )
     assert "comm" in validator.schema["properties"]["cluster"]["properties"]
 
 

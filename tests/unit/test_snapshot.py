@@ -4,16 +4,23 @@ tests/tracing/test_snapshot.py)."""
 
 import pytest
 
-from metatrace.records import MemEvent, Trace, Window
 from metatrace.analysis.memory import role_memory
 from metatrace.export.snapshot import role_snapshot
-
+from metatrace.records import MemEvent, Trace, Window
 from tests.helpers import allocated_over_time, replay
 
 
 def _trace(memory, *, static_bytes=0, parts=None, windows=()):
-    return Trace(rank=0, modules=(), collectives=(), saved=(), memory=tuple(memory),
-                 static_bytes=static_bytes, windows=tuple(windows), static_parts=parts or {})
+    return Trace(
+        rank=0,
+        modules=(),
+        collectives=(),
+        saved=(),
+        memory=tuple(memory),
+        static_bytes=static_bytes,
+        windows=tuple(windows),
+        static_parts=parts or {},
+    )
 
 
 def _events(static_bytes, changes):
@@ -34,11 +41,21 @@ def test_resizes_first_fit_and_the_synthetic_segment():
     micro = _trace(_events(0, [(7, 1024), (8, 512), (7, 2048), (8, -512), (7, -1024)]))
     static = 2 * MiB
     # Storage 2 leaves a hole that storage 4 fills; storage 1 grows (resize_) and shrinks back.
-    changes = [(1, MiB), (2, MiB), (3, MiB), (2, -MiB), (4, MiB // 2), (1, 512), (1, -512),
-               (1, -MiB), (3, -MiB)]
+    changes = [
+        (1, MiB),
+        (2, MiB),
+        (3, MiB),
+        (2, -MiB),
+        (4, MiB // 2),
+        (1, 512),
+        (1, -512),
+        (1, -MiB),
+        (3, -MiB),
+    ]
     window = Window("forward", 0, 1, first=10, last=13, held=3)
-    iteration = _trace(_events(static, changes), static_bytes=static, parts={"params": MiB},
-                       windows=[window])
+    iteration = _trace(
+        _events(static, changes), static_bytes=static, parts={"params": MiB}, windows=[window]
+    )
     snap = role_snapshot(micro, iteration, rank=3, stage=1)
     m = role_memory(micro, iteration)
     over_time = allocated_over_time(snap)
@@ -108,5 +125,3 @@ def test_random_allocations_never_overlap_and_keep_the_peak():
     assert sum(size for size, _ in live.values()) == MiB + sum(sizes.values())
     assert max(allocated_over_time(snap)) == role_memory(_trace([]), iteration).peak
     assert snap["segments"][0]["total_size"] < 2 * role_memory(_trace([]), iteration).peak
-
-

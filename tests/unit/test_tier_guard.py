@@ -28,9 +28,22 @@ def session(tmp_path, *paths, b=IMPORTS):
     (tmp_path / "tracing" / "test_t.py").write_text(PURE)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), *paths],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            *paths,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
     )
 
 

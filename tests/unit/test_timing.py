@@ -3,18 +3,21 @@ and its checks, a refused Chrome trace path (traced jobs are in tests/tracing/te
 
 import pytest
 
+from metatrace.analysis.timing import compute_seconds, peak_flops, simulate
 from metatrace.cli import main
 from metatrace.errors import ConfigError
-from metatrace.analysis.timing import compute_seconds, peak_flops, simulate
-
 from tests.helpers import DEBUG, small_job
 
 
 def test_transfers_delay_the_receiver_by_their_time():
     # Two stages, one micro-batch: F0, F1, B1, B0 in a chain, each waiting for the transfer.
     orders = [[("forward", 0, 0), ("backward", 0, 0)], [("forward", 0, 0), ("backward", 0, 0)]]
-    sim = simulate(orders, lambda s, phase, c: 1.0 if phase == "forward" else 2.0, pp=2,
-                   p2p=lambda s, phase: 0.25)
+    sim = simulate(
+        orders,
+        lambda s, phase, c: 1.0 if phase == "forward" else 2.0,
+        pp=2,
+        p2p=lambda s, phase: 0.25,
+    )
     assert [(start, end) for start, end, *_ in sim[1]] == [(1.25, 2.25), (2.25, 4.25)]
     assert [(start, end) for start, end, *_ in sim[0]] == [(0.0, 1.0), (4.5, 6.5)]
 
@@ -40,6 +43,5 @@ def test_cli_refuses_a_bad_chrome_trace_path_before_tracing(tmp_path, capsys, mo
 
     monkeypatch.setattr(metatrace.tracing.trace, "trace_job", lambda *a, **k: pytest.fail("traced"))
     missing = tmp_path / "nowhere" / "trace.json"
-    assert main(["run", "--config", DEBUG,
-                 "--chrome-trace", str(missing)]) == 2
+    assert main(["run", "--config", DEBUG, "--chrome-trace", str(missing)]) == 2
     assert "--chrome-trace" in capsys.readouterr().err

@@ -27,7 +27,6 @@ import difflib
 from typing import Any
 
 from metatrace.config.job import NotModelled
-from metatrace.errors import ConfigError
 from metatrace.config.megatron.flags import (
     ENV_MODELLED,
     ENV_NO_EFFECT,
@@ -42,6 +41,7 @@ from metatrace.config.megatron.flags import (
     Flag,
 )
 from metatrace.config.megatron.script import args_from_mapping, read_args_file, split_args
+from metatrace.errors import ConfigError
 
 __all__ = [
     "NOT_MODELLED_REASONS",
@@ -118,8 +118,13 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     closest = {f: _closest(f) for f in unknown}
     misspelt = [f for f in unknown if closest[f] or f == "--"]
     if misspelt:
-        problems.insert(0, "unknown Megatron-LM flags: " + ", ".join(
-            f"{f} (did you mean {closest[f]}?)" if closest[f] else repr(f) for f in misspelt))
+        problems.insert(
+            0,
+            "unknown Megatron-LM flags: "
+            + ", ".join(
+                f"{f} (did you mean {closest[f]}?)" if closest[f] else repr(f) for f in misspelt
+            ),
+        )
     if problems:
         raise ConfigError(problems)
     return values, [f for f in unknown if f not in misspelt]
@@ -183,8 +188,9 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env):
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
-    unmodelled = _unmodelled(v, notes) + [(f, NotModelled(f, _STRANGER, "unknown"))
-                                          for f in strangers]
+    unmodelled = _unmodelled(v, notes) + [
+        (f, NotModelled(f, _STRANGER, "unknown")) for f in strangers
+    ]
     skipped = {flag for flag, _ in unmodelled}
     for flag, value in v.items():
         spec = FLAGS[flag]
@@ -201,8 +207,10 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env):
         raise ConfigError(problems)
     newer = sorted(f for f in v if FLAGS[f].versions == "HEAD")
     if newer:
-        notes.append(f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
-                     f"0.16.1): {', '.join(newer)}")
+        notes.append(
+            f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
+            f"0.16.1): {', '.join(newer)}"
+        )
     older = sorted(f for f in v if FLAGS[f].versions == "older")
     if older:
         notes.append(f"from a Megatron-LM older than core_v0.16.1: {', '.join(older)}")
@@ -236,7 +244,8 @@ def not_modelled(tokens: list[str] | dict) -> list[str]:
     yet; empty when the run is fully modelled. Environment variables are not looked at."""
     v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
     return [f"{m.option}: {m.feature}" for _, m in _unmodelled(v, [])] + [
-        f"{f}: {_STRANGER}" for f in strangers]
+        f"{f}: {_STRANGER}" for f in strangers
+    ]
 
 
 def _put(job: dict, key: str, value) -> None:
@@ -251,8 +260,7 @@ def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
 
-_STRANGER = ("a flag in neither core_v0.16.1's nor HEAD's parser (an older or newer "
-             "Megatron-LM's?)")
+_STRANGER = "a flag in neither core_v0.16.1's nor HEAD's parser (an older or newer Megatron-LM's?)"
 
 
 def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
@@ -278,20 +286,39 @@ def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
     for flag, parents in idle:
         notes.append(f"{flag} changes nothing without {' or '.join(parents)}")
     if "--fp8-format" in v and "--bf16" not in v:
-        out.append(("--fp8-format", NotModelled("--fp8-format without --bf16",
-                                                "FP8 over fp16 or fp32 parameters", "unknown")))
+        out.append(
+            (
+                "--fp8-format",
+                NotModelled(
+                    "--fp8-format without --bf16", "FP8 over fp16 or fp32 parameters", "unknown"
+                ),
+            )
+        )
     if len(set(v.get("--cp-comm-type", ()))) > 1:
-        out.append(("--cp-comm-type", NotModelled(_show("--cp-comm-type", v["--cp-comm-type"]),
-                                                  "a context-parallel communication type per "
-                                                  "layer", "either")))
+        out.append(
+            (
+                "--cp-comm-type",
+                NotModelled(
+                    _show("--cp-comm-type", v["--cp-comm-type"]),
+                    "a context-parallel communication type per layer",
+                    "either",
+                ),
+            )
+        )
     evaluation = v.get("--eval-micro-batch-size")
     if evaluation is not None and evaluation > v.get("--micro-batch-size", evaluation):
         # Between iterations, with the optimizer state resident: [s, b, V/t] fp32 logits and
         # every layer's transients at the larger micro-batch can exceed the training peak.
-        out.append(("--eval-micro-batch-size", NotModelled(
-            _show("--eval-micro-batch-size", evaluation),
-            "evaluation with a larger micro-batch than training (between iterations)",
-            "raises")))
+        out.append(
+            (
+                "--eval-micro-batch-size",
+                NotModelled(
+                    _show("--eval-micro-batch-size", evaluation),
+                    "evaluation with a larger micro-batch than training (between iterations)",
+                    "raises",
+                ),
+            )
+        )
     return out
 
 
@@ -340,14 +367,27 @@ def _model(v, job, notes, problems) -> None:
     decoder = v.get("--decoder-seq-length")
     seq = v.get("--seq-length", v.get("--encoder-seq-length"))
     if decoder is not None and decoder != seq and v.get("--pipeline-model-parallel-size", 1) > 1:
-        problems.append(f"--decoder-seq-length {decoder} differs from --seq-length {seq}: "
-                        "megatron-core's pipeline schedule sizes its receive buffers from it "
-                        "(sends and receives would disagree)")
-    required = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
-                "--micro-batch-size")
-    absent = [f for f in required if f not in v and not (
-        f == "--num-layers" and "--encoder-num-layers" in v
-        or f == "--seq-length" and "--encoder-seq-length" in v)]
+        problems.append(
+            f"--decoder-seq-length {decoder} differs from --seq-length {seq}: "
+            "megatron-core's pipeline schedule sizes its receive buffers from it "
+            "(sends and receives would disagree)"
+        )
+    required = (
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--seq-length",
+        "--micro-batch-size",
+    )
+    absent = [
+        f
+        for f in required
+        if f not in v
+        and not (
+            (f == "--num-layers" and "--encoder-num-layers" in v)
+            or (f == "--seq-length" and "--encoder-seq-length" in v)
+        )
+    ]
     if absent:
         problems.append("Megatron-LM needs " + ", ".join(absent))
     if "--max-position-embeddings" not in v:
@@ -364,8 +404,10 @@ def _model(v, job, notes, problems) -> None:
     if "--use-rotary-position-embeddings" in v:
         position = "rope"  # deprecated spelling
     if "--no-position-embedding" in v and position not in ("rope", "mrope"):
-        problems.append("--no-position-embedding is deprecated (Megatron-LM refuses it unless the "
-                        "position embedding is rope); use --position-embedding-type none")
+        problems.append(
+            "--no-position-embedding is deprecated (Megatron-LM refuses it unless the "
+            "position embedding is rope); use --position-embedding-type none"
+        )
     if position is not None:
         # yarn and mrope rotate like rope (no parameters); relative is T5's. All three are
         # listed as not modelled.
@@ -392,8 +434,16 @@ def _model(v, job, notes, problems) -> None:
 
 
 # Flags only multi-latent attention reads (megatron-core's MLATransformerConfig fields).
-_MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+_MLA_FLAGS = (
+    "--q-lora-rank",
+    "--kv-lora-rank",
+    "--qk-head-dim",
+    "--qk-pos-emb-head-dim",
+    "--v-head-dim",
+    "--rotary-scaling-factor",
+    "--mscale",
+    "--mscale-all-dim",
+)
 
 
 def _latent_attention(v, job, notes, problems) -> None:
@@ -401,8 +451,10 @@ def _latent_attention(v, job, notes, problems) -> None:
     yarn flags then feed HEAD's non-MLA yarn, listed as not modelled)."""
     if "--multi-latent-attention" in v:
         if "--group-query-attention" in v:
-            problems.append("--multi-latent-attention and --group-query-attention exclude each "
-                            "other (Megatron-LM asserts it)")
+            problems.append(
+                "--multi-latent-attention and --group-query-attention exclude each "
+                "other (Megatron-LM asserts it)"
+            )
             job["model"].pop("num_query_groups", None)
         return
     given = [f for f in _MLA_FLAGS if f in v]
@@ -411,8 +463,10 @@ def _latent_attention(v, job, notes, problems) -> None:
         for flag in given:
             job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
     if v.get("--rope-type") == "yarn":
-        problems.append("--rope-type yarn needs --multi-latent-attention (Megatron-LM asserts "
-                        "rope for other attention)")
+        problems.append(
+            "--rope-type yarn needs --multi-latent-attention (Megatron-LM asserts "
+            "rope for other attention)"
+        )
 
 
 def _experts(v, job, notes, problems) -> None:
@@ -434,8 +488,10 @@ def _experts(v, job, notes, problems) -> None:
     kinds = v.get("--moe-router-load-balancing-type")
     if kinds:
         if len(set(kinds)) > 1:
-            problems.append(f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
-                            "load-balancing losses are not modelled; give one")
+            problems.append(
+                f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
+                "load-balancing losses are not modelled; give one"
+            )
         # quantile_balancing (newer Megatron-LM) is reported as not modelled
         kind = "none" if kinds[0] == "quantile_balancing" else kinds[0]
         m["moe_router_load_balancing_type"] = kind
@@ -446,8 +502,10 @@ def _experts(v, job, notes, problems) -> None:
     # --moe-pad-expert-input-to-capacity; alone it drops tokens beyond it.
     if "--moe-pad-expert-input-to-capacity" in v:
         if "--moe-expert-capacity-factor" not in v:
-            problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
-                            "(Megatron-LM asserts it)")
+            problems.append(
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+                "(Megatron-LM asserts it)"
+            )
         t["moe_routing"] = "capacity"
 
 
@@ -462,14 +520,18 @@ def _vocabulary(v, job, notes, problems) -> None:
         return
     if tokenizer is None:
         if size is not None and "--vocab-file" not in v:
-            notes.append("no --tokenizer-type: pretrain_gpt.py defaults to GPT2BPETokenizer "
-                         "(which needs --vocab-file); metatrace takes the vocabulary from "
-                         "--vocab-size")
+            notes.append(
+                "no --tokenizer-type: pretrain_gpt.py defaults to GPT2BPETokenizer "
+                "(which needs --vocab-file); metatrace takes the vocabulary from "
+                "--vocab-size"
+            )
             m["vocab_size"] = size
             return
         if "--vocab-file" not in v:
-            notes.append(f"no --tokenizer-type or --vocab-file: assuming pretrain_gpt.py's "
-                         f"default GPT2BPETokenizer ({GPT2_VOCAB} tokens)")
+            notes.append(
+                f"no --tokenizer-type or --vocab-file: assuming pretrain_gpt.py's "
+                f"default GPT2BPETokenizer ({GPT2_VOCAB} tokens)"
+            )
         tokenizer = "GPT2BPETokenizer"
     if tokenizer == "GPT2BPETokenizer":
         if size is not None:
@@ -485,8 +547,10 @@ def _vocabulary(v, job, notes, problems) -> None:
     else:
         m["vocab_size"] = size
         if tokenizer not in ("TikTokenizer",):
-            notes.append(f"--vocab-size {size} stands for {tokenizer}'s vocabulary "
-                         "(Megatron-LM reads it from the tokenizer's files)")
+            notes.append(
+                f"--vocab-size {size} stands for {tokenizer}'s vocabulary "
+                "(Megatron-LM reads it from the tokenizer's files)"
+            )
 
 
 def _parallel(v, job, notes, problems, world_size) -> None:
@@ -502,23 +566,32 @@ def _parallel(v, job, notes, problems, world_size) -> None:
     if kinds:
         layers = v.get("--num-layers")
         if len(kinds) > 1 and layers is not None and len(kinds) != layers:
-            problems.append(f"--cp-comm-type gives {len(kinds)} values; a value per layer needs "
-                            f"--num-layers = {layers} of them")
+            problems.append(
+                f"--cp-comm-type gives {len(kinds)} values; a value per layer needs "
+                f"--num-layers = {layers} of them"
+            )
         p["cp_comm_type"] = {"allgather": "all_gather"}.get(kinds[0], kinds[0])
     # Expert parallelism (notes 2): EP needs experts; ETP alone lays out the expert grid of a
     # dense model.
     ep = v.get("--expert-model-parallel-size", 1)
     etp = v.get("--expert-tensor-parallel-size", tp)
     if ep > 1 and not _is_moe(v):
-        problems.append(f"--expert-model-parallel-size {ep} needs --num-experts (Megatron-LM "
-                        "asserts it)")
+        problems.append(
+            f"--expert-model-parallel-size {ep} needs --num-experts (Megatron-LM asserts it)"
+        )
     if min(ep, etp, tp, pp, cp) < 1:
         return  # job_from_dict reports degrees below 1
     if world_size % (etp * ep * pp):
-        problems.append(f"world size {world_size} is not divisible by expert tp x ep x pp = "
-                        f"{etp} x {ep} x {pp} = {etp * ep * pp} (megatron-core's expert grid)")
-    elif ("--use-tp-pp-dp-mapping" in v and pp > 1 and world_size % (tp * pp * cp) == 0
-          and world_size // (etp * ep * pp) != world_size // (tp * pp * cp)):
+        problems.append(
+            f"world size {world_size} is not divisible by expert tp x ep x pp = "
+            f"{etp} x {ep} x {pp} = {etp * ep * pp} (megatron-core's expert grid)"
+        )
+    elif (
+        "--use-tp-pp-dp-mapping" in v
+        and pp > 1
+        and world_size % (tp * pp * cp) == 0
+        and world_size // (etp * ep * pp) != world_size // (tp * pp * cp)
+    ):
         problems.append(
             f"with --use-tp-pp-dp-mapping the expert data-parallel size (world / (etp x ep x pp) "
             f"= {world_size // (etp * ep * pp)}) must equal the data-parallel size (world / "
@@ -532,9 +605,15 @@ def _virtual_pipeline(v, p, problems, pp) -> None:
     """parallel.vpp as validate_args derives it (notes 4.6)."""
     per_chunk = v.get("--num-layers-per-virtual-pipeline-stage")
     stages = v.get("--num-virtual-stages-per-pipeline-rank")
-    given = [f for f in ("--num-layers-per-virtual-pipeline-stage",
-                         "--num-virtual-stages-per-pipeline-rank",
-                         "--pipeline-model-parallel-layout") if f in v]
+    given = [
+        f
+        for f in (
+            "--num-layers-per-virtual-pipeline-stage",
+            "--num-virtual-stages-per-pipeline-rank",
+            "--pipeline-model-parallel-layout",
+        )
+        if f in v
+    ]
     if len(given) > 1:
         problems.append(f"give at most one of {', '.join(given)} (Megatron-LM asserts it)")
         return
@@ -549,19 +628,24 @@ def _virtual_pipeline(v, p, problems, pp) -> None:
         return
     if stages is None:
         if "--decoder-first-pipeline-num-layers" in v or "--decoder-last-pipeline-num-layers" in v:
-            problems.append("with --decoder-first/last-pipeline-num-layers give the virtual "
-                            "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM "
-                            "asserts it)")
+            problems.append(
+                "with --decoder-first/last-pipeline-num-layers give the virtual "
+                "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM "
+                "asserts it)"
+            )
             return
         layers = v.get("--num-layers", v.get("--encoder-num-layers"))
         if layers is None or per_chunk < 1:
             return
         layers += ("--account-for-embedding-in-pipeline-split" in v) + (
-            "--account-for-loss-in-pipeline-split" in v)
+            "--account-for-loss-in-pipeline-split" in v
+        )
         if layers % pp or (layers // pp) % per_chunk:
-            problems.append(f"{layers} layers over --pipeline-model-parallel-size {pp} do not "
-                            "split into chunks of --num-layers-per-virtual-pipeline-stage "
-                            f"{per_chunk}")
+            problems.append(
+                f"{layers} layers over --pipeline-model-parallel-size {pp} do not "
+                "split into chunks of --num-layers-per-virtual-pipeline-stage "
+                f"{per_chunk}"
+            )
             return
         stages = layers // pp // per_chunk
     if stages != 1:
@@ -581,8 +665,10 @@ def _training(v, job, notes, problems) -> None:
         if "--fp8-param-gather" in v:
             t["fp8_param_gather"] = True
     elif "--fp8-param-gather" in v and "--fp8-format" not in v:
-        problems.append("--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
-                        "parameters without FP8)")
+        problems.append(
+            "--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
+            "parameters without FP8)"
+        )
     _recompute(v, t, notes)
     # bf16 accumulates and reduces gradients in fp32 unless asked otherwise (notes 6.10);
     # config.py derives that default, the flags override it.
@@ -601,12 +687,15 @@ def _offloading(v, t, notes, problems) -> None:
     given = [f for f in ("--offload-modules", "--min-offloaded-tensor-size") if f in v]
     if "--fine-grained-activation-offloading" not in v:
         if given:
-            notes.append(f"{', '.join(given)} are ignored without "
-                         "--fine-grained-activation-offloading")
+            notes.append(
+                f"{', '.join(given)} are ignored without --fine-grained-activation-offloading"
+            )
         return
     if not v.get("--offload-modules"):
-        problems.append("--fine-grained-activation-offloading needs --offload-modules "
-                        "(megatron-core asserts it)")
+        problems.append(
+            "--fine-grained-activation-offloading needs --offload-modules "
+            "(megatron-core asserts it)"
+        )
         return
     t["activation_offload_modules"] = list(v["--offload-modules"])
     if "--min-offloaded-tensor-size" in v:
@@ -617,8 +706,9 @@ def _recompute(v, t, notes) -> None:
     granularity = v.get("--recompute-granularity")
     if "--recompute-activations" in v:
         granularity = "selective"  # validate_args, whatever --recompute-granularity says
-    options = [f for f in ("--recompute-method", "--recompute-num-layers", "--recompute-modules")
-               if f in v]
+    options = [
+        f for f in ("--recompute-method", "--recompute-num-layers", "--recompute-modules") if f in v
+    ]
     if granularity is None:
         if options:
             notes.append(f"{', '.join(options)} are ignored without --recompute-granularity")
@@ -638,23 +728,29 @@ def _implementation(v, job, notes, problems, gpu, env) -> None:
     impl = job["implementation"]
     kind = v.get("--transformer-impl", "transformer_engine")
     if kind == "inference_optimized":
-        problems.append("--transformer-impl inference_optimized is an inference layer spec; "
-                        "metatrace models training (local or transformer_engine)")
+        problems.append(
+            "--transformer-impl inference_optimized is an inference layer spec; "
+            "metatrace models training (local or transformer_engine)"
+        )
     elif "--transformer-impl" in v:
         impl["transformer_impl"] = kind
     backend = v.get("--attention-backend")
     if backend == "local" and "--spec" not in v:
-        problems.append("--attention-backend local needs --spec local in Megatron-LM (notes "
-                        "6.9); for GPT use --transformer-impl local")
+        problems.append(
+            "--attention-backend local needs --spec local in Megatron-LM (notes "
+            "6.9); for GPT use --transformer-impl local"
+        )
     elif backend is not None:
         impl["attention_backend"] = backend
     position = job["model"].get("position_embedding_type", "learned_absolute")
     if "--no-rope-fusion" in v or position != "rope":
         impl["rope_fusion"] = False  # validate_args turns it off without rope
     elif kind == "local":
-        notes.append("RoPE fusion stays on in Megatron-LM with --transformer-impl local and uses "
-                     "Transformer Engine's kernel where TE is installed; metatrace models the "
-                     "local spec's unfused RoPE (pass --no-rope-fusion to match)")
+        notes.append(
+            "RoPE fusion stays on in Megatron-LM with --transformer-impl local and uses "
+            "Transformer Engine's kernel where TE is installed; metatrace models the "
+            "local spec's unfused RoPE (pass --no-rope-fusion to match)"
+        )
     # megatron-core's bias_activation_fusion is --bias-swiglu-fusion with --swiglu, else
     # --bias-gelu-fusion (core_transformer_config_from_args).
     off = "--no-bias-swiglu-fusion" if "--swiglu" in v else "--no-bias-gelu-fusion"
@@ -670,9 +766,11 @@ def _implementation(v, job, notes, problems, gpu, env) -> None:
         if kind == "transformer_engine" and allow not in (None, "0"):
             # megatron-core 0.16.1 TEDotProductAttention.__init__ (Megatron-LM's HEAD sets the
             # variable itself when it is not set)
-            problems.append(f"--deterministic-mode with NVTE_ALLOW_NONDETERMINISTIC_ALGO={allow}: "
-                            "megatron-core's Transformer Engine attention refuses to run (it "
-                            "needs 0)")
+            problems.append(
+                f"--deterministic-mode with NVTE_ALLOW_NONDETERMINISTIC_ALGO={allow}: "
+                "megatron-core's Transformer Engine attention refuses to run (it "
+                "needs 0)"
+            )
     # Transformer Engine trains deterministically with --deterministic-mode (Megatron-LM turns
     # torch's deterministic algorithms on) or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0.
     if kind == "transformer_engine" and ("--deterministic-mode" in v or allow == "0"):
@@ -693,13 +791,17 @@ def _deterministic_attention(backend, impl, notes, problems, gpu) -> None:
         return
     if backend in (None, "auto"):
         impl["attention_backend"] = "flash"
-        notes.append(f"deterministic training on {gpu}: Transformer Engine has no deterministic "
-                     "fused attention before sm90 and runs flash-attn (metatrace assumes "
-                     "flash-attn >= 2.4.1 is installed, as in NVIDIA's PyTorch containers)")
+        notes.append(
+            f"deterministic training on {gpu}: Transformer Engine has no deterministic "
+            "fused attention before sm90 and runs flash-attn (metatrace assumes "
+            "flash-attn >= 2.4.1 is installed, as in NVIDIA's PyTorch containers)"
+        )
     elif backend == "fused":
-        problems.append(f"deterministic training with --attention-backend fused on {gpu}: "
-                        "Transformer Engine has no deterministic fused attention before sm90 "
-                        "and finds no backend to run")
+        problems.append(
+            f"deterministic training with --attention-backend fused on {gpu}: "
+            "Transformer Engine has no deterministic fused attention before sm90 "
+            "and finds no backend to run"
+        )
 
 
 def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> list:
@@ -712,18 +814,28 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
         c["gpu"] = gpu
     if gpus_per_node is not None:
         c["gpus_per_node"] = gpus_per_node
-    missing = [NotModelled(f"{n}={env[n]}", *ENV_NOT_MODELLED[n])
-               for n in env if n in ENV_NOT_MODELLED]
-    other = [n for n in env if n not in ENV_MODELLED and n not in ENV_NOT_MODELLED
-             and n not in ENV_NO_EFFECT and not n.startswith(ENV_NO_EFFECT_PREFIXES)]
+    missing = [
+        NotModelled(f"{n}={env[n]}", *ENV_NOT_MODELLED[n]) for n in env if n in ENV_NOT_MODELLED
+    ]
+    other = [
+        n
+        for n in env
+        if n not in ENV_MODELLED
+        and n not in ENV_NOT_MODELLED
+        and n not in ENV_NO_EFFECT
+        and not n.startswith(ENV_NO_EFFECT_PREFIXES)
+    ]
     if other:
-        notes.append(f"environment variables metatrace does not know, taken to change nothing "
-                     f"it predicts: {', '.join(sorted(other))}")
+        notes.append(
+            f"environment variables metatrace does not know, taken to change nothing "
+            f"it predicts: {', '.join(sorted(other))}"
+        )
     if "CUBLAS_WORKSPACE_CONFIG" in env:
         c["cublas_workspace_config"] = env["CUBLAS_WORKSPACE_CONFIG"]
     if env.get("WORLD_SIZE", str(world_size)) != str(world_size):
-        problems.append(f"WORLD_SIZE={env['WORLD_SIZE']} in the environment, but the world size "
-                        f"is {world_size}")
+        problems.append(
+            f"WORLD_SIZE={env['WORLD_SIZE']} in the environment, but the world size is {world_size}"
+        )
     backend = v.get("--attention-backend", "auto")
     for name, expected in zip(NVTE_ATTN, NVTE_FOR_BACKEND.get(backend, (1, 1, 1))):
         if name in env and env[name] != str(expected):
@@ -733,9 +845,11 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
                 "--attention-backend)"
             )
     if "PYTORCH_CUDA_ALLOC_CONF" in env:
-        notes.append(f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']} changes reserved "
-                     "memory and fragmentation, not the allocated bytes metatrace predicts "
-                     "(cluster.reserved_overhead_gib stands for them)")
+        notes.append(
+            f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']} changes reserved "
+            "memory and fragmentation, not the allocated bytes metatrace predicts "
+            "(cluster.reserved_overhead_gib stands for them)"
+        )
     from metatrace.config.hardware import GPU_ARCH
 
     tp, cp = v.get("--tensor-model-parallel-size", 1), v.get("--context-parallel-size", 1)
@@ -744,6 +858,8 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
     before_blackwell = arch.startswith("sm") and int(arch[2:]) < 100
     connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if connections not in (None, "1") and (tp > 1 or cp > 1) and not fsdp and before_blackwell:
-        problems.append(f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: Megatron-LM asserts it is 1 "
-                        "with tensor or context parallelism before Blackwell")
+        problems.append(
+            f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: Megatron-LM asserts it is 1 "
+            "with tensor or context parallelism before Blackwell"
+        )
     return missing

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import ast
 import csv
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Class = Literal["modelled", "no_effect", "not_modelled", "refused"]
 Direction = Literal["raises", "lowers", "either", "unknown", "traffic"]
@@ -224,17 +225,32 @@ _CONST = {"--use-tp-pp-dp-mapping": "tp-cp-ep-pp-dp"}
 # Values of modelled flags that metatrace does not model (newer Megatron-LM choices): the job is
 # built without them and they are reported like class-3 flags.
 UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
-    "--optimizer": (("muon", "dist_muon", "lion", "soap", "adaptive_muon"),
-                    "optimizers other than adam and sgd", "either"),
-    "--position-embedding-type": (("yarn", "mrope", "relative"), "position embeddings other "
-                                  "than learned_absolute, rope and none", "either"),
-    "--moe-router-score-function": (("sqrtsoftplus",), "the sqrtsoftplus router score function "
-                                    "(routed as softmax)", "unknown"),
-    "--moe-router-load-balancing-type": (("quantile_balancing",), "quantile load balancing "
-                                         "(routed without a balancing loss)", "unknown"),
+    "--optimizer": (
+        ("muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+        "optimizers other than adam and sgd",
+        "either",
+    ),
+    "--position-embedding-type": (
+        ("yarn", "mrope", "relative"),
+        "position embeddings other than learned_absolute, rope and none",
+        "either",
+    ),
+    "--moe-router-score-function": (
+        ("sqrtsoftplus",),
+        "the sqrtsoftplus router score function (routed as softmax)",
+        "unknown",
+    ),
+    "--moe-router-load-balancing-type": (
+        ("quantile_balancing",),
+        "quantile load balancing (routed without a balancing loss)",
+        "unknown",
+    ),
     "--fp8-recipe": (("custom",), "custom FP8 quantizers", "unknown"),
-    "--rerun-mode": (("report_stats",), "the rerun state machine's report_stats mode (every "
-                     "step run twice)", "traffic"),
+    "--rerun-mode": (
+        ("report_stats",),
+        "the rerun state machine's report_stats mode (every step run twice)",
+        "traffic",
+    ),
 }
 
 # Megatron-LM refuses these (validate_args asserts, or its TransformerConfig raises).
@@ -791,8 +807,14 @@ def _build() -> dict[str, Flag]:
         const = kind != "store_false" and not (
             kind == "boolean_optional" and name.startswith("--no-")
         )
-        choices = tuple(c.split(".", 1)[1] if row["type"].startswith("enum_type_handler") else c
-                        for c in row["choices"].split(",")) if row["choices"] else None
+        choices = (
+            tuple(
+                c.split(".", 1)[1] if row["type"].startswith("enum_type_handler") else c
+                for c in row["choices"].split(",")
+            )
+            if row["choices"]
+            else None
+        )
         if choices and row["type"] in ("int", "float"):
             choices = tuple(_types(row["type"])(c) for c in choices)
         both = row["in_head"] == "yes" and row["in_core_v0.16.1"] == "yes"
@@ -812,9 +834,17 @@ def _build() -> dict[str, Flag]:
         )
     for name, (nargs, cls, reason, direction) in _OLDER.items():
         flags[name] = Flag(
-            name=name, dest=name[2:].replace("-", "_"), nargs=nargs, type=str, choices=None,
-            default=[] if nargs == "+" else None if nargs else False, const=True,
-            versions="older", cls=cls, reason=reason, direction=direction,
+            name=name,
+            dest=name[2:].replace("-", "_"),
+            nargs=nargs,
+            type=str,
+            choices=None,
+            default=[] if nargs == "+" else None if nargs else False,
+            const=True,
+            versions="older",
+            cls=cls,
+            reason=reason,
+            direction=direction,
         )
     return flags
 
@@ -822,22 +852,47 @@ def _build() -> dict[str, Flag]:
 # Flags of older Megatron-LM releases that neither parser of the table has (renamed or removed
 # since), read as they were and classed like what replaced them: nargs, class, reason, direction.
 _OLDER: dict[str, tuple[int | str, Class, str, Direction | None]] = {
-    "--use-custom-fsdp": (0, "not_modelled", "FSDP (sharded parameters, gradients and "
-                          "optimizer state)", "lowers"),  # renamed --use-megatron-fsdp
+    "--use-custom-fsdp": (
+        0,
+        "not_modelled",
+        "FSDP (sharded parameters, gradients and optimizer state)",
+        "lowers",
+    ),  # renamed --use-megatron-fsdp
     "--fp8-dot-product-attention": (0, "not_modelled", "FP8 attention", "either"),
     "--fp8-multi-head-attention": (0, "not_modelled", "FP8 attention", "either"),
     "--muon-split-qkv": (0, "not_modelled", "the Muon optimizer's options", "either"),
     "--special-tokens": ("+", "not_modelled", "tokens added to the vocabulary", "raises"),
-    "--check-for-nan-in-loss-and-grad": (0, "no_effect", "negligible: a few scalars per "
-                                         "iteration, not scaling with the model", None),
-    "--barrier-with-L1-time": (0, "no_effect", "logging, timers, profiling and telemetry: on the "
-                               "host, or a few scalars", None),
-    "--load-model-opt-format": (0, "no_effect", "checkpoints: saved and loaded between "
-                                "iterations, not during them", None),
-    "--retriever-seq-length": (1, "no_effect", "other model families (vision, BERT, retrieval, "
-                               "T5, Mamba): GPT training does not read them", None),
-    "--tokenizer-prompt-format": (1, "no_effect", "tokenizer files and behaviour (the "
-                                  "vocabulary size is given separately)", None),
+    "--check-for-nan-in-loss-and-grad": (
+        0,
+        "no_effect",
+        "negligible: a few scalars per iteration, not scaling with the model",
+        None,
+    ),
+    "--barrier-with-L1-time": (
+        0,
+        "no_effect",
+        "logging, timers, profiling and telemetry: on the host, or a few scalars",
+        None,
+    ),
+    "--load-model-opt-format": (
+        0,
+        "no_effect",
+        "checkpoints: saved and loaded between iterations, not during them",
+        None,
+    ),
+    "--retriever-seq-length": (
+        1,
+        "no_effect",
+        "other model families (vision, BERT, retrieval, "
+        "T5, Mamba): GPT training does not read them",
+        None,
+    ),
+    "--tokenizer-prompt-format": (
+        1,
+        "no_effect",
+        "tokenizer files and behaviour (the vocabulary size is given separately)",
+        None,
+    ),
 }
 
 # Class-3 options (and values) that act only with another option: given without any of these
@@ -922,7 +977,8 @@ _NEEDS_GROUPS: dict[str, str] = {
     ),
 }
 NEEDS: dict[str, tuple[str, ...]] = {
-    flag: tuple(parents.split()) for parents, flags in _NEEDS_GROUPS.items()
+    flag: tuple(parents.split())
+    for parents, flags in _NEEDS_GROUPS.items()
     for flag in flags.split()
 }
 """A class-3 flag (or a flag with values not modelled) -> the options it acts only with."""
@@ -951,18 +1007,50 @@ ENV_MODELLED = {
 }
 # Variables that cannot change allocated memory or traffic: accepted silently.
 ENV_NO_EFFECT = {
-    "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS",
-    "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONHASHSEED", "TOKENIZERS_PARALLELISM",
-    "NVTE_FWD_LAYERNORM_SM_MARGIN", "NVTE_BWD_LAYERNORM_SM_MARGIN", "NVTE_DEBUG",
-    "NVTE_DEBUG_LEVEL", "NVTE_TORCH_COMPILE", "CUDNN_LOGLEVEL_DBG", "CUBLASLT_LOG_LEVEL",
-    "TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG", "TORCH_SHOW_CPP_STACKTRACES",
-    "TORCH_LOGS", "SKIP_PYTEST", "N_REPEATS", "NON_DETERMINSTIC_RESULTS",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING",
+    "OMP_NUM_THREADS",
+    "PYTHONPATH",
+    "PYTHONWARNINGS",
+    "PYTHONUNBUFFERED",
+    "PYTHONHASHSEED",
+    "TOKENIZERS_PARALLELISM",
+    "NVTE_FWD_LAYERNORM_SM_MARGIN",
+    "NVTE_BWD_LAYERNORM_SM_MARGIN",
+    "NVTE_DEBUG",
+    "NVTE_DEBUG_LEVEL",
+    "NVTE_TORCH_COMPILE",
+    "CUDNN_LOGLEVEL_DBG",
+    "CUBLASLT_LOG_LEVEL",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_LOGS",
+    "SKIP_PYTEST",
+    "N_REPEATS",
+    "NON_DETERMINSTIC_RESULTS",
 }
 ENV_NO_EFFECT_PREFIXES = (
     "NCCL_",  # NCCL's buffers are outside PyTorch's allocator; the same collectives run
-    "TORCH_NCCL_", "TORCHELASTIC_", "TORCHINDUCTOR_", "TRITON_", "UCX_", "NVSHMEM_", "OMPI_",
-    "PMIX_", "SLURM_", "HF_", "WANDB_", "TRANSFORMERS_",
+    "TORCH_NCCL_",
+    "TORCHELASTIC_",
+    "TORCHINDUCTOR_",
+    "TRITON_",
+    "UCX_",
+    "NVSHMEM_",
+    "OMPI_",
+    "PMIX_",
+    "SLURM_",
+    "HF_",
+    "WANDB_",
+    "TRANSFORMERS_",
 )
 # Variables that change memory in ways metatrace does not model.
 ENV_NOT_MODELLED: dict[str, tuple[str, Direction]] = {
@@ -976,7 +1064,10 @@ ENV_NOT_MODELLED: dict[str, tuple[str, Direction]] = {
 # environment is the same, so these variables can confirm the backend but never choose it).
 NVTE_ATTN = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 NVTE_FOR_BACKEND = {
-    "local": (0, 0, 0), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
+    "local": (0, 0, 0),
+    "flash": (1, 0, 0),
+    "fused": (0, 1, 0),
+    "unfused": (0, 0, 1),
     "auto": (1, 1, 1),
 }
 GPT2_VOCAB = 50257  # GPT-2 BPE tokens (notes 4.4)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metatrace.errors import ConfigError
 from metatrace.config.megatron.flags import FLAGS
+from metatrace.errors import ConfigError
+
 
 def split_args(text: str) -> list[str]:
     """The arguments in `text`: one line of flags, or a training script.
@@ -219,7 +220,7 @@ def _double_quoted(text: str, i: int, buf: list, state: dict) -> int:
         c = text[i]
         if c == '"':
             return i + 1
-        if c == "\\" and text[i + 1 : i + 2] in ('$', '`', '"', "\\", "\n"):
+        if c == "\\" and text[i + 1 : i + 2] in ("$", "`", '"', "\\", "\n"):
             if text[i + 1] == "\n":
                 state["line"] += 1
             else:
@@ -242,4 +243,3 @@ def _past_launcher(words: list[_Word]) -> list[_Word]:
             return words[j + 1 :]
     first = next(j for j, w in enumerate(words) if w.text.startswith("--"))
     return words[first:]
-
