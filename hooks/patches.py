@@ -180,6 +180,23 @@ PATCHES += (
         Versions((0, 14), (0, 16)),
         "True after the torch.optim fallback; it switches the Adam class and its arguments.",
     ),
+    Patch(
+        "megatron.core.optimizer.optimizer_config",
+        "is_te_min_version",
+        lambda orig: _te_min_version(orig),
+        Versions((0, 16, 1)),
+        "OptimizerConfig.__post_init__ compares Transformer Engine's release with 2.1 for the "
+        "precision-aware optimizer (store_param_remainders); without TE the release is None and "
+        "the comparison a TypeError. The stand-ins restate TE_RELEASE.",
+    ),
+    Patch(
+        "megatron.core.optimizer",
+        "is_te_min_version",
+        lambda orig: _te_min_version(orig),
+        Versions((0, 16, 1)),
+        "get_megatron_optimizer passes the precision-aware arguments to FusedAdam from TE 2.1 on "
+        "(as optimizer_config's check above).",
+    ),
 )
 for _module, _names in (
     (
@@ -932,6 +949,66 @@ def _nvte_env_isolated():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+TE_RELEASE = (2, 8)
+"""The Transformer Engine release metatrace's stand-ins restate (models/te_*.py)."""
+
+
+def _te_min_version(orig):
+    def is_te_min_version(version, check_equality=True):
+        if _te_installed():  # a real run on a GPU
+            return orig(version, check_equality)
+        wanted = tuple(int(n) for n in str(version).split(".")[:2])
+        return TE_RELEASE >= wanted if check_equality else TE_RELEASE > wanted
+
+    return is_te_min_version
+
+
+def _te_installed() -> bool:
+    """Whether Transformer Engine itself is installed (not te_optimizers_importable's modules)."""
+    import importlib.util
+
+    te = sys.modules.get("transformer_engine")
+    if te is not None:
+        return not getattr(te, "metatrace_standin", False)
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@contextlib.contextmanager
+def te_optimizers_importable():
+    """megatron-core 0.16.1's OptimizerConfig.__post_init__ imports Transformer Engine's FusedAdam
+    for the precision-aware optimizer, to check that it takes master_weight_dtype,
+    exp_avg_dtype, exp_avg_sq_dtype and use_decoupled_grad; metatrace's stand-in
+    (models/te_optim.py) does. The modules exist only while the config is built: elsewhere
+    megatron-core decides by importing transformer_engine whether TE is there. Nothing changes
+    where TE is installed."""
+    import types
+
+    if _te_installed():
+        yield
+        return
+    from metatrace.models.te_optim import FusedAdam
+
+    names = (
+        "transformer_engine",
+        "transformer_engine.pytorch",
+        "transformer_engine.pytorch.optimizers",
+    )
+    modules = {name: types.ModuleType(name) for name in names}
+    for module in modules.values():
+        module.metatrace_standin = True
+    modules["transformer_engine"].pytorch = modules["transformer_engine.pytorch"]
+    modules["transformer_engine.pytorch"].optimizers = modules[
+        "transformer_engine.pytorch.optimizers"
+    ]
+    modules["transformer_engine.pytorch.optimizers"].FusedAdam = FusedAdam
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
 
 
 def _fresh_offload_manager():

@@ -352,26 +352,29 @@ def optimizer_config(job):
     """megatron-core's OptimizerConfig as Megatron-LM's get_megatron_optimizer_config fills it."""
     from megatron.core.optimizer import OptimizerConfig
 
+    from metatrace.hooks.patches import te_optimizers_importable
+
     tr = job.training
-    return OptimizerConfig(
-        optimizer=tr.optimizer,
-        lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
-        bf16=tr.precision in ("bf16", "fp8"),
-        fp16=tr.precision == "fp16",
-        params_dtype=DTYPES[tr.precision],
-        use_distributed_optimizer=tr.distributed_optimizer,
-        overlap_param_gather=tr.overlap_param_gather,
-        overlap_param_gather_with_optimizer_step=tr.overlap_param_gather_with_optimizer_step,
-        use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
-        main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
-        main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
-        exp_avg_dtype=_OPT_DTYPES[tr.exp_avg_dtype],
-        exp_avg_sq_dtype=_OPT_DTYPES[tr.exp_avg_sq_dtype],
-        sgd_momentum=tr.sgd_momentum,
-        clip_grad=tr.clip_grad,
-        log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
-        fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
-    )
+    with te_optimizers_importable():
+        return OptimizerConfig(
+            optimizer=tr.optimizer,
+            lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
+            bf16=tr.precision in ("bf16", "fp8"),
+            fp16=tr.precision == "fp16",
+            params_dtype=DTYPES[tr.precision],
+            use_distributed_optimizer=tr.distributed_optimizer,
+            overlap_param_gather=tr.overlap_param_gather,
+            overlap_param_gather_with_optimizer_step=tr.overlap_param_gather_with_optimizer_step,
+            use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
+            main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
+            main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
+            exp_avg_dtype=_OPT_DTYPES[tr.exp_avg_dtype],
+            exp_avg_sq_dtype=_OPT_DTYPES[tr.exp_avg_sq_dtype],
+            sgd_momentum=tr.sgd_momentum,
+            clip_grad=tr.clip_grad,
+            log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
+            fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
+        )
 
 
 def build_optimizer(job, model):
@@ -384,7 +387,18 @@ def build_optimizer(job, model):
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if inner.optimizer is None:
             continue
-        if inner.init_state_fn is not None:
+        if inner.config.use_precision_aware_optimizer:
+            # As TE's FusedAdam.step creates the state (TE 2.8 fused_adam.py): the master copy
+            # of a bf16 parameter as int16 remainders when store_param_remainders. (megatron-core
+            # 0.16.1's init_state_fn calls initialize_state(p) without that argument, which TE
+            # 2.8 requires; its checkpoint shapes say int16 too, distrib_optimizer.py.)
+            opt = inner.optimizer
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    opt.initialize_state(
+                        p, opt.store_param_remainders and p.dtype == torch.bfloat16
+                    )
+        elif inner.init_state_fn is not None:
             inner.init_state_fn(inner.optimizer, inner.config)
         elif hasattr(
             inner.optimizer, "initialize_state"

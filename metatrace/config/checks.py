@@ -334,11 +334,11 @@ def _check_training(job, split_ok: bool):
             "training.overlap_param_gather and parallel.vpp"
         )
     yield from _check_fp8(job)
-    if tr.overlap_param_gather and not (tr.distributed_optimizer and tr.overlap_grad_reduce):
-        yield (
-            "training.overlap_param_gather needs training.distributed_optimizer and "
-            "training.overlap_grad_reduce"
-        )
+    # megatron-core overlaps the parameter all-gathers of the distributed optimizer only
+    # (DistributedDataParallel.__init__); it does not need overlap_grad_reduce, which
+    # Megatron-LM's arguments.py asks for and Megatron-Bridge does not.
+    if tr.overlap_param_gather and not tr.distributed_optimizer:
+        yield "training.overlap_param_gather needs training.distributed_optimizer"
     yield from _check_optimizer(job)
     yield from _check_recompute(job, split_ok)
     yield from _check_offload(job)

@@ -1,5 +1,5 @@
-"""megatron-core's own checks of a job: building its TransformerConfig raises what it refuses
-(as a ConfigError), before any model is built. The job's own rules (metatrace.config.checks)
+"""megatron-core's own checks of a job: building its TransformerConfig and OptimizerConfig
+raises what it refuses (as a ConfigError), before any model is built. The job's own rules (metatrace.config.checks)
 ran when it was resolved; these need megatron-core, so they run where tracing starts."""
 
 from __future__ import annotations
@@ -7,6 +7,13 @@ from __future__ import annotations
 
 def check_with_megatron(job) -> None:
     """Raise ConfigError with megatron-core's message when it refuses `job`."""
-    from metatrace.models.build import transformer_config
+    from metatrace.errors import ConfigError
+    from metatrace.hooks.patches import megatron_patches
+    from metatrace.models.build import optimizer_config, transformer_config
 
     transformer_config(job)
+    with megatron_patches():
+        try:
+            optimizer_config(job)
+        except (ValueError, AssertionError, TypeError) as e:
+            raise ConfigError(f"megatron-core rejects this optimizer configuration: {e}") from None

@@ -236,3 +236,33 @@ def test_context_parallel_ring_crosses_nodes_for_every_rank():
     cp = jc.cluster["cp"]
     assert cp.count > 0 and cp.intra == 0 and cp.inter == cp.bytes_sent
     assert jc.cluster["tp"].inter == 0
+
+
+def test_overlapped_param_gather_without_overlapped_grad_reduce():
+    # megatron-core (as Megatron-Bridge runs it) all-gathers the parameters in the next
+    # forward, overlapped, while the gradients are still reduce-scattered after the backward.
+    from metatrace.analysis.analyze import analyze
+
+    def dp_calls(**training):
+        job = small_job(
+            training={"distributed_optimizer": True, "global_batch_size": 8, **training},
+            cluster={"num_gpus": 2},
+        )
+        (ra,) = analyze(trace_job(job, full_model=False, workers=1)).roles
+        return {
+            (it.op, it.phase, it.overlapped): it.message
+            for it in ra.comm.items
+            if it.dimension == "dp" and it.op != "all_reduce"
+        }
+
+    plain = dp_calls()
+    assert set(plain) == {("reduce_scatter", "grad sync", None), ("all_gather", "optimizer", None)}
+    gathered = dp_calls(overlap_param_gather=True)
+    assert set(gathered) == {
+        ("reduce_scatter", "grad sync", None),
+        ("all_gather", "forward", "forward"),
+    }
+    # The same message, moved from the optimizer step into the forward.
+    assert (
+        gathered[("all_gather", "forward", "forward")] == plain[("all_gather", "optimizer", None)]
+    )

@@ -75,6 +75,49 @@ def test_distributed_optimizer_shards_the_state_over_data_parallel_ranks():
     assert m4.optimizer < m1.optimizer / 3
 
 
+# Transformer Engine's FusedAdam with megatron-core's precision-aware optimizer (TE 2.8
+# fused_adam.py): per element of the rank's shard, exp_avg and exp_avg_sq in their dtypes and
+# the master copy of a bf16 parameter as int16 remainders (store_param_remainders, on by default
+# from TE 2.1), or in main_params_dtype; no megatron-core fp32 main copy beside it.
+@pytest.mark.parametrize(
+    "training, grad_bytes, state_bytes",
+    [
+        ({}, 4, 12),  # megatron-core's own fp32 main params, fp32 moments
+        ({"use_precision_aware_optimizer": True}, 4, 4 + 4 + 2),
+        (
+            {
+                "use_precision_aware_optimizer": True,
+                "exp_avg_dtype": "bf16",
+                "exp_avg_sq_dtype": "bf16",
+                "main_grads_dtype": "bf16",
+                "grad_reduce_in_fp32": False,
+            },
+            2,
+            2 + 2 + 2,
+        ),
+        ({"use_precision_aware_optimizer": True, "main_params_dtype": "fp16"}, 4, 4 + 4 + 2),
+    ],
+    ids=["fp32-main", "precision-aware", "bf16-states", "fp16-master"],
+)
+def test_precision_aware_optimizer_in_closed_form(training, grad_bytes, state_bytes):
+    job = small_job(
+        implementation={"transformer_impl": "transformer_engine"},
+        training={"distributed_optimizer": True, "global_batch_size": 8, **training},
+        cluster={"num_gpus": 2},
+    )
+    rt, m = memories(job)[0]
+    p = sum(param_numels(rt.trace))
+    assert m.grads == rounded(grad_bytes * p)  # (a multiple of lcm(dp, 128) elements already)
+    shard = p // 2
+    tensors = len(param_numels(rt.trace))
+    # Each parameter's shard is a tensor per state (rounded to 512-byte blocks), beside
+    # one-element flags and the one-element scales of the states stored below fp32 (up to two
+    # blocks a parameter more); a byte per element off would be far more (shard > 100,000).
+    slack = 5 * BLOCK * tensors + 8 * BLOCK
+    assert shard > 2 * slack
+    assert 0 <= m.optimizer - state_bytes * shard <= slack, m.optimizer - state_bytes * shard
+
+
 def test_optimizer_instances_shard_the_state_over_an_instance():
     # dp 4 in 2 instances: each rank keeps the state of half the buffer (2 ranks per instance)
     # instead of a quarter; parameters and gradient buffers stay whole. MoE: the expert buffers

@@ -624,3 +624,18 @@ def test_options_that_act_only_with_another_are_noted_not_reported():
         "--tp-comm-overlap",
         "--tp-comm-overlap-cfg ub.yaml",
     ]
+
+
+def test_overlap_param_gather_needs_what_megatron_lm_asserts_and_a_job_file_what_core_does():
+    from tests.helpers import small_job
+
+    # Megatron-LM's arguments.py asserts --overlap-grad-reduce with --overlap-param-gather.
+    opt = f"{BASE} --use-distributed-optimizer --overlap-param-gather"
+    assert "--overlap-param-gather needs --overlap-grad-reduce" in error(opt)
+    assert job(opt + " --overlap-grad-reduce")[0].training.overlap_param_gather
+    # megatron-core (as Megatron-Bridge drives it) overlaps the distributed optimizer's
+    # parameter all-gathers without overlapping the gradient reduction.
+    tr = small_job(training={"distributed_optimizer": True, "overlap_param_gather": True}).training
+    assert tr.overlap_param_gather and not tr.overlap_grad_reduce
+    with pytest.raises(ConfigError, match="overlap_param_gather needs training.distributed_opt"):
+        small_job(training={"overlap_param_gather": True})

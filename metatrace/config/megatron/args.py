@@ -669,6 +669,10 @@ def _training(v, job, notes, problems) -> None:
             "--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
             "parameters without FP8)"
         )
+    if "--overlap-param-gather" in v and "--overlap-grad-reduce" not in v:
+        problems.append(
+            "--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it)"
+        )
     _recompute(v, t, notes)
     # bf16 accumulates and reduces gradients in fp32 unless asked otherwise (notes 6.10);
     # config.py derives that default, the flags override it.
