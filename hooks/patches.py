@@ -190,6 +190,15 @@ PATCHES += (
         "the comparison a TypeError. The stand-ins restate TE_RELEASE.",
     ),
     Patch(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBuffer.__init__",
+        lambda orig: _nominal_fp8_grad_dtype(orig),
+        Versions((0, 16, 1)),
+        "DistributedDataParallel gives a parameter's gradients its dtype (without "
+        "grad_reduce_in_fp32); TE's FP8 parameters (fp8_param_gather) report their nominal "
+        "dtype, bf16, while the stand-ins' are float8_e4m3fn tensors: 2 bytes a gradient, not 1.",
+    ),
+    Patch(
         "megatron.core.optimizer",
         "is_te_min_version",
         lambda orig: _te_min_version(orig),
@@ -949,6 +958,15 @@ def _nvte_env_isolated():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _nominal_fp8_grad_dtype(orig):
+    def __init__(self, ddp_config, param_dtype, grad_dtype, *args, **kwargs):
+        if grad_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            grad_dtype = torch.bfloat16  # metatrace's FP8 training is over bf16 parameters
+        orig(self, ddp_config, param_dtype, grad_dtype, *args, **kwargs)
+
+    return __init__
 
 
 TE_RELEASE = (2, 8)

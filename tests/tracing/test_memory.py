@@ -416,3 +416,30 @@ def test_padded_buckets_for_nccl_bus_bandwidth():
     plain, padded = grads(False), grads(True)
     assert plain % (4 * 128) == 0 and padded % (4 * 2**16) == 0
     assert 0 < padded - plain < 4 * 2**16
+
+
+def test_fp8_parameters_have_gradients_of_their_nominal_dtype():
+    # TE's FP8 parameters (fp8_param_gather) report their nominal dtype, bf16, and
+    # DistributedDataParallel gives their gradients that dtype: 2 bytes each without
+    # grad_reduce_in_fp32, as for bf16 parameters (the stand-ins hold float8_e4m3fn data).
+    grads = {}
+    for gather in (False, True):
+        job = small_job(
+            implementation={"transformer_impl": "transformer_engine"},
+            training={
+                "precision": "fp8",
+                "fp8_param_gather": gather,
+                "grad_reduce_in_fp32": False,
+                "distributed_optimizer": True,
+                "global_batch_size": 8,
+            },
+            cluster={"num_gpus": 2},
+        )
+        rt, m = memories(job)[0]
+        grads[gather] = m.grads
+        assert (
+            any(p.dtype == "float8_e4m3fn" for mod in rt.trace.modules for p in mod.params)
+            == gather
+        )
+    p = sum(param_numels(rt.trace))
+    assert grads[True] == grads[False] == rounded(2 * p)
