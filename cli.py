@@ -238,11 +238,16 @@ def _check_depth(args) -> None:
 def _load_job(args):
     """The job from --config or from Megatron-LM arguments, checked by megatron-core too;
     warnings go to stderr."""
+    job = _read_job(args)
+    _check_with_megatron(job)
+    return job
+
+
+def _check_with_megatron(job) -> None:
+    """megatron-core's own checks (imports it: seconds), once the command line is checked."""
     from metatrace.tracing.checks import check_with_megatron
 
-    job = _read_job(args)
     check_with_megatron(job)
-    return job
 
 
 def _read_job(args):
@@ -312,7 +317,7 @@ def cmd_run(args, console=None) -> int:
     if args.chrome_trace:
         _check_output_path(args.chrome_trace, "--chrome-trace")
     _check_jobs(args)
-    job = _load_job(args)
+    job = _read_job(args)
     if args.chrome_trace:
         from metatrace.analysis.timing import peak_flops
 
@@ -326,6 +331,7 @@ def cmd_run(args, console=None) -> int:
 
         for path in stage_paths(args.memory_snapshot, job.parallel.pp):
             _check_output_path(path, "--memory-snapshot")
+    _check_with_megatron(job)  # after every check of the command line
     console = _console(args, console)
     progress = _progress(console, args)
     search = None
@@ -402,10 +408,11 @@ def cmd_groups(args, console=None) -> int:
     from metatrace.world import World
 
     _check_depth(args)
-    job = _load_job(args)
+    job = _read_job(args)
     world = World.from_job(job)
     if args.rank is not None and not 0 <= args.rank < world.size:
         raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")
+    _check_with_megatron(job)
     console = _console(args, console)
     console.print(section("Configuration"))
     console.print(build_summary(job, world))
@@ -428,10 +435,11 @@ def cmd_tree(args, console=None) -> int:
     from metatrace.world import World
 
     _check_depth(args)
-    job = _load_job(args)
+    job = _read_job(args)
     world = World.from_job(job)
     if not 0 <= args.rank < world.size:
         raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")
+    _check_with_megatron(job)
     role = next(r for r in world.roles() if args.rank in r.ranks)
     console = _console(args, console)
     rt = trace_role(job, world, role, rank=args.rank, iteration=False)
@@ -467,13 +475,9 @@ def cmd_measure(args, console=None) -> int:
     return 0
 
 
-def _side_report(side: str, args, progress) -> dict:
-    """The JSON report of one side of `metatrace diff`: read, or traced."""
+def _side(side: str, args):
+    """One side of `metatrace diff`: a JSON report (read), or a job (read, not traced yet)."""
     import json
-
-    from metatrace.analysis.analyze import analyze
-    from metatrace.export.report import job_report
-    from metatrace.tracing.trace import trace_job
 
     if os.path.isfile(side) and side.endswith(".json"):
         try:
@@ -497,11 +501,21 @@ def _side_report(side: str, args, progress) -> dict:
     vars(side_args).update(given)
     if given["config"]:
         vars(side_args).update(world_size=None, gpu=None, gpus_per_node=None, env=[])
-    job = _load_job(side_args)
+    return _read_job(side_args)
+
+
+def _side_report(side: str, given, args, progress) -> dict:
+    """The JSON report of one side of `metatrace diff` (`given`: what _side returned)."""
+    from metatrace.analysis.analyze import analyze
+    from metatrace.export.report import job_report
+    from metatrace.tracing.trace import trace_job
+
+    if isinstance(given, dict):
+        return given
     if progress:
         progress(f"tracing {side}")
     return job_report(
-        analyze(trace_job(job, full_model=False, progress=progress, workers=args.jobs))
+        analyze(trace_job(given, full_model=False, progress=progress, workers=args.jobs))
     )
 
 
@@ -531,8 +545,14 @@ def cmd_diff(args, console=None) -> int:
         _check_output_path(args.json)
     console = _console(args, console)
     progress = _progress(console, args)
-    a = _side_report(args.a, args, progress)
-    b = _side_report(args.b, args, progress)
+    # Both sides read and checked before either is traced.
+    sides = [_side(side, args) for side in (args.a, args.b)]
+    for given in sides:
+        if not isinstance(given, dict):
+            _check_with_megatron(given)
+    a, b = (
+        _side_report(side, given, args, progress) for side, given in zip((args.a, args.b), sides)
+    )
     diff = diff_reports(a, b)
     render_diff(diff, console, all_rows=args.all)
     if args.json:

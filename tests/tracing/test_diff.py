@@ -132,14 +132,3 @@ def test_megatron_arguments_as_a_side(tmp_path):
     keys = {c["key"]: (c["a"], c["b"]) for c in diff["config"]}
     assert keys["parallel.pp"] == (1, 2)
     assert diff["a"]["source"] == "--megatron-args"
-
-
-@pytest.mark.parametrize(
-    "side, message",
-    [("missing.yaml", "no such file"), ("not_report.json", "is not a JSON report")],
-)
-def test_bad_side_is_exit_2(tmp_path, capsys, side, message):
-    (tmp_path / "not_report.json").write_text('{"a": 1}')
-    code, _ = run("diff", DEBUG, str(tmp_path / side))
-    assert code == 2
-    assert message in capsys.readouterr().err

@@ -186,27 +186,3 @@ def test_cli_writes_the_rank_with_the_highest_peak_and_one_file_per_stage(tmp_pa
         path = tmp_path / f"stage{stage}.pickle"
         assert f"rank {rank} (pipeline stage {stage}: " in text and str(path) in text
         assert max(allocated_over_time(pickle.loads(path.read_bytes()))) == peaks[rank]
-
-
-@pytest.mark.parametrize(
-    "path, message",
-    [
-        ("{tmp}/missing/snap.pickle", "--memory-snapshot {tmp}/missing/snap.pickle: directory"),
-        ("{tmp}", "--memory-snapshot {tmp} is a directory"),
-        (
-            "{tmp}/stage{{stage}}/snap.pickle",
-            "--memory-snapshot {tmp}/stage0/snap.pickle: directory",
-        ),
-    ],
-)
-def test_bad_snapshot_paths_exit_2_before_tracing(tmp_path, capsys, monkeypatch, path, message):
-    import metatrace.tracing.trace
-
-    def no_tracing(*args, **kwargs):
-        raise AssertionError("traced before checking the path")
-
-    monkeypatch.setattr(metatrace.tracing.trace, "trace_job", no_tracing)
-    path = path.format(tmp=tmp_path)
-    code, _ = run("run", "--config", DEBUG, "--memory-snapshot", path)
-    assert code == 2
-    assert message.format(tmp=tmp_path) in capsys.readouterr().err

@@ -104,3 +104,60 @@ def test_megatron_args_errors(args, message):
     result = metatrace(*args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def in_process(*argv):
+    """main() in this process: (exit code, what it printed)."""
+    import io
+
+    from rich.console import Console
+
+    from metatrace.cli import main
+
+    out = io.StringIO()
+    return main(list(argv), Console(file=out, width=120, color_system=None)), out.getvalue()
+
+
+@pytest.fixture
+def no_megatron_checks(monkeypatch):
+    """megatron-core's checks (seconds: they import it) must not run before the command line
+    is checked; they fail the test if they do."""
+    import metatrace.cli
+
+    def checked(job):
+        raise AssertionError("megatron-core's checks ran before the command line was checked")
+
+    monkeypatch.setattr(metatrace.cli, "_check_with_megatron", checked)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["tree", "--config", DEBUG, "--rank", "4"], "--rank 4 is not a rank of this job (0 to 3)"),
+        (
+            ["groups", "--config", DEBUG, "--rank", "9"],
+            "--rank 9 is not a rank of this job (0 to 3)",
+        ),
+        (["diff", DEBUG, "{tmp}/missing.yaml"], "no such file"),
+        (["diff", DEBUG, "{tmp}/not_report.json"], "is not a JSON report"),
+        (
+            ["run", "--config", DEBUG, "--memory-snapshot", "{tmp}/missing/snap.pickle"],
+            "--memory-snapshot {tmp}/missing/snap.pickle: directory",
+        ),
+        (
+            ["run", "--config", DEBUG, "--memory-snapshot", "{tmp}"],
+            "--memory-snapshot {tmp} is a directory",
+        ),
+        (
+            ["run", "--config", DEBUG, "--memory-snapshot", "{tmp}/stage{{stage}}/snap.pickle"],
+            "--memory-snapshot {tmp}/stage0/snap.pickle: directory",
+        ),
+    ],
+)
+def test_bad_command_lines_exit_2_before_megatron_core(
+    tmp_path, capsys, no_megatron_checks, argv, message
+):
+    (tmp_path / "not_report.json").write_text('{"a": 1}')
+    code, _ = in_process(*(a.format(tmp=tmp_path) for a in argv))
+    assert code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
