@@ -20,6 +20,25 @@ def test_every_preset_resolves_with_its_own_keys():
         assert job.model.preset == name
 
 
+def test_every_example_job_file_resolves():
+    import glob
+    import os
+
+    from tests.helpers import EXAMPLES
+
+    paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
+    assert len(paths) >= 10
+    for path in paths:
+        job = load_job(path)
+        assert (
+            job.cluster.num_gpus
+            == job.parallel.tp * job.parallel.pp * job.parallel.cp * job.parallel.dp
+        ), path
+    fp8 = load_job(os.path.join(EXAMPLES, "llama3-8b-h100-fp8.yaml"))
+    assert fp8.training.use_precision_aware_optimizer and fp8.training.fp8_param_gather
+    assert (fp8.training.main_grads_dtype, fp8.training.exp_avg_dtype) == ("bf16", "bf16")
+
+
 def test_explicit_keys_override_the_preset():
     job = small_job(model={"num_layers": 5, "hidden_size": 128})
     assert (job.model.num_layers, job.model.hidden_size) == (5, 128)
