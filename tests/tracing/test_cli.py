@@ -150,3 +150,19 @@ def test_fail_on_oom_exit_code_follows_the_verdict(tmp_path):
     oom = metatrace("run", "--config", small, "--no-full-model", "--fail-on-oom", "-q")
     assert oom.returncode == 1 and "Out of memory" in oom.stdout
     assert metatrace("run", "--config", small, "--no-full-model").returncode == 0
+
+
+def test_megatron_core_refusing_the_optimizer_is_exit_2(tmp_path):
+    # megatron-core's OptimizerConfig checks run with its TransformerConfig checks.
+    path = write_job(
+        tmp_path,
+        "model: {preset: debug}\n"
+        "training: {seq_length: 64, use_precision_aware_optimizer: true}\n"
+        "implementation: {transformer_impl: transformer_engine}\n",
+    )
+    result = metatrace("run", "--config", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        "megatron-core rejects this optimizer configuration: --use-precision-aware-optimizer "
+        "only supported with distributed optimizer" in result.stderr
+    )
