@@ -27,7 +27,7 @@ def test_every_example_job_file_resolves():
     from tests.helpers import EXAMPLES
 
     paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
-    assert len(paths) >= 10
+    assert {"debug.yaml", "llama3-8b-h100-fp8.yaml"} <= {os.path.basename(p) for p in paths}
     for path in paths:
         job = load_job(path)
         assert (

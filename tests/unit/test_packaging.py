@@ -8,6 +8,13 @@ import zipfile
 from tests.helpers import ROOT
 
 
+def installed(tmp_path, env, *argv):
+    """Python run with `argv` outside the checkout, where only the installed wheel is found."""
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
+
+
 def test_wheel_holds_only_the_metatrace_package(tmp_path):
     build = subprocess.run(
         [
@@ -54,14 +61,7 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
         "import metatrace.cli, metatrace.config.presets, metatrace.hooks.recorder as r; "
         "print(r.__file__)"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
+    run = installed(tmp_path, env, "-c", probe)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == str(target / "metatrace" / "hooks" / "recorder.py")
     # The report's JSON Schema is package data, read where the package is installed.
@@ -71,35 +71,13 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
         "print(s['properties']['schema_version']['const'] == m.SCHEMA_VERSION, "
         "r.files('metatrace.export'))"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", schema],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
+    run = installed(tmp_path, env, "-c", schema)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", str(target / "metatrace" / "export")]
     # The flag table reads Megatron-LM's parser attributes from package data too.
     flags = "import metatrace.config.megatron.flags as f; print(len(f.FLAGS))"
-    run = subprocess.run(
-        [sys.executable, "-c", flags],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[
-        -2000:
-    ]  # 930 + 10 older
-    version = subprocess.run(
-        [sys.executable, "-m", "metatrace", "--version"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
+    run = installed(tmp_path, env, "-c", flags)
+    # 930 flags of Megatron-LM's parsers (core_v0.16.1 and HEAD) + 10 of older releases.
+    assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[-2000:]
+    version = installed(tmp_path, env, "-m", "metatrace", "--version")
     assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")
