@@ -790,6 +790,56 @@ PATCHES += (
     ),
 )
 
+
+def _without_statement(statement: str):
+    """The original function recompiled from its source without `statement` (one line that must
+    occur exactly once, else PatchError: the source changed and the patch needs a look)."""
+
+    def make(orig):
+        import inspect
+        import textwrap
+
+        if getattr(orig, "_metatrace_without", None) == statement:
+            return orig  # megatron_patches nested: already the patched function
+        source = textwrap.dedent(inspect.getsource(orig))
+        if source.count(statement) != 1:
+            raise PatchError(
+                f"{orig.__qualname__}: expected the statement {statement!r} once in its source, "
+                f"found it {source.count(statement)} times; update the patch"
+            )
+        indent = source[: source.index(statement)].rsplit("\n", 1)[1]
+        source = source.replace(indent + statement, indent + "pass", 1)
+        namespace = dict(vars(inspect.getmodule(orig)))
+        exec(compile(source, inspect.getsourcefile(orig) or "<patched>", "exec"), namespace)
+        replacement = namespace[orig.__name__]
+        replacement.__qualname__ = orig.__qualname__
+        replacement._metatrace_without = statement
+        return replacement
+
+    return make
+
+
+_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
+PATCHES += (
+    Patch(
+        _FSDP,
+        "ParamAndGradBuffer._init_each_parameter_group_buffers",
+        _without_statement("assert not p.is_meta, (self.param_to_name[p], module_reset_flag)"),
+        Versions((0, 16, 1)),
+        "Megatron-FSDP asserts that no parameter is left on meta once its buffers exist (it "
+        "initialises meta parameters with --init-model-with-meta-device); on meta they all are, "
+        "and the buffers are built from them all the same.",
+    ),
+    Patch(
+        _FSDP,
+        "validate_uneven_dtensor",
+        _no_op,
+        Versions((0, 16, 1)),
+        "checks each sharded parameter's DTensor chunk boundaries by all-gathering them and "
+        "reading the result (.item() on meta); a check only, nothing is allocated or kept.",
+    ),
+)
+
 _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 

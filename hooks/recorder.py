@@ -216,11 +216,19 @@ def module_infos(chunks: dict[str, torch.nn.Module]) -> tuple[ModuleInfo, ...]:
                     embedding_copy=bool(getattr(p, "shared", False))
                     and bool(getattr(p, "shared_embedding", False)),
                 )
-                for p_name, p in mod.named_parameters(recurse=False)
+                for p_name, p in _model_params(mod)
             )
             fqn = _join(prefix, name)
             infos.append(ModuleInfo(fqn, type(mod).__name__, params, layer_of.get(id(mod))))
     return tuple(infos)
+
+
+def _model_params(mod: torch.nn.Module):
+    """(name, parameter) of `mod` as the model computes with them. Between its steps
+    Megatron-FSDP puts DTensors over the optimizer's main weights in the modules' place; each
+    keeps the model's own parameter (`orig_param`: its dtype, its tensor-parallel shape)."""
+    for name, p in mod.named_parameters(recurse=False):
+        yield name, getattr(p, "orig_param", p)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -280,6 +280,8 @@ def single_gpu_job(job):
         num_distributed_optimizer_instances=1,  # one GPU: one instance
         defer_embedding_wgrad_compute=False,  # megatron-core refuses it without pipelining
     )
+    # One GPU shards nothing: Megatron-FSDP there is DDP with a replicated optimizer.
+    tr = dataclasses.replace(tr, megatron_fsdp=False)
     if not tr.fp8_param_gather:
         # On one GPU the distributed optimizer shards nothing and the view shows no optimizer
         # state; megatron-core maps parameters to its buckets in O(buckets x parameters), which
@@ -327,25 +329,53 @@ def ddp_config(job):
         average_in_collective=tr.ddp_average_in_collective,
         pad_buckets_for_high_nccl_busbw=tr.ddp_pad_buckets_for_high_nccl_busbw,
         fp8_param_gather=tr.precision == "fp8" and tr.fp8_param_gather,
+        use_megatron_fsdp=tr.megatron_fsdp,
+        data_parallel_sharding_strategy=tr.fsdp_sharding_strategy
+        if tr.megatron_fsdp
+        else "no_shard",
+        fsdp_double_buffer=tr.fsdp_double_buffer,
+        suggested_communication_unit_size=tr.fsdp_communication_unit_size,
     )
 
 
 def wrap_ddp(job, config, chunks):
     """megatron-core's DistributedDataParallel around each chunk, as Megatron-LM's get_model
     wraps them: its contiguous gradient buffers (and parameter buffers with the distributed
-    optimizer) are allocated here, and bucketing is off for every chunk after the first."""
+    optimizer) are allocated here, and bucketing is off for every chunk after the first. With
+    Megatron-FSDP, megatron-core's FullyShardedDataParallel instead (transformer layers as its
+    units with optim_grads_params), which allocates its sharded buffers here."""
     from megatron.core.distributed import DistributedDataParallel
 
-    ddp = ddp_config(job)
+    wrapper = DistributedDataParallel
+    if job.training.megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        wrapper = FullyShardedDataParallel
     return [
-        DistributedDataParallel(
+        wrapper(
             config=config,
-            ddp_config=ddp,
+            ddp_config=ddp_config(job),  # MegatronFSDP writes its overlap settings into it
             module=chunk,
             disable_bucketing=index > 0 or job.training.overlap_param_gather_with_optimizer_step,
         )
         for index, chunk in enumerate(chunks)
     ]
+
+
+def is_fsdp(chunk) -> bool:
+    """Whether `chunk` is wrapped in megatron-core's Megatron-FSDP."""
+    return hasattr(chunk, "megatron_fsdp_dist_index")
+
+
+_FSDP_BUFFERS = {
+    # ParameterGroup attribute -> part of the static memory
+    "model_weight_buffer": "params",
+    "transpose_weight_buffer": "params",
+    "hsdp_wbuf": "params",
+    "main_weight_buffer": "optimizer",
+    "main_grad_buffer": "grads",
+    "hsdp_gbuf": "grads",
+}
 
 
 def optimizer_config(job):
@@ -414,6 +444,8 @@ def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
     by part: "grads" (DDP's gradient buffers; its parameter buffers hold the parameters
     themselves), "optimizer" (main parameters, optimizer state, scaler and flag tensors)."""
     grads, state = [], []
+    if any(is_fsdp(chunk) for chunk in model):
+        return _fsdp_static_tensors(model, optimizer)
     for chunk in model:
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             grads.append(buffer.grad_data)
@@ -431,3 +463,22 @@ def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
                 state.append(p)
                 state.extend(v for v in inner.optimizer.state[p].values() if torch.is_tensor(v))
     return {"grads": grads, "optimizer": state}
+
+
+def _fsdp_static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
+    """static_tensors under Megatron-FSDP, whose chunks' parameters are DTensors over the main
+    weights between iterations: "params" are the model-weight buffers (the shard each rank keeps,
+    or every parameter without parameter sharding) and the modules' own buffers, "grads" the
+    main-gradient buffers, "optimizer" the main-weight buffers and the optimizer's state."""
+    parts: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "optimizer": []}
+    for chunk in model:
+        buffers = chunk.param_and_grad_buffer
+        for group in buffers.parameter_groups:
+            for name, part in _FSDP_BUFFERS.items():
+                buffer = getattr(group, name, None)
+                if buffer is not None and buffer.data is not None:
+                    parts[part].append(buffer.data)
+        parts["params"].extend(chunk.module.buffers())
+    rest = static_tensors([], optimizer)  # the optimizer's tensors, DTensors among them
+    parts["optimizer"].extend(getattr(t, "_local_tensor", t) for t in rest["optimizer"])
+    return parts

@@ -58,18 +58,29 @@ class Lifetimes:
 
 
 def lifetimes(memory: tuple[MemEvent, ...]) -> Lifetimes:
-    size: dict[int, int] = {}
-    largest: dict[int, int] = {}
-    allocated: dict[int, int] = {}
-    freed: dict[int, int] = {}
+    """Lifetimes of the storages in `memory`. A storage that shrinks to nothing and grows
+    again (`resize_(0)`, then back: Megatron-FSDP's parameter and gradient buckets between
+    their uses, megatron-core's CheckpointWithoutOutput outputs until their recompute) lives
+    once per time it grows from nothing: its first life has its own id, each later one the key
+    (id, n), so that memory freed in between is not taken for memory held."""
+    size: dict = {}
+    largest: dict = {}
+    allocated: dict = {}
+    freed: dict = {}
+    current: dict[int, object] = {}  # storage id -> key of its current life
+    lives: dict[int, int] = {}
     for e in memory:
-        now = size.get(e.storage, 0) + e.delta
-        size[e.storage] = now
+        key = current.get(e.storage, e.storage)
+        if e.delta > 0 and key in freed:  # grown again from nothing: a new life
+            lives[e.storage] = lives.get(e.storage, 0) + 1
+            key = current[e.storage] = (e.storage, lives[e.storage])
+        now = size.get(key, 0) + e.delta
+        size[key] = now
         if e.delta > 0:
-            allocated.setdefault(e.storage, e.seq)
-            largest[e.storage] = max(largest.get(e.storage, 0), now)
-        elif now <= 0 and e.storage in allocated:
-            freed[e.storage] = e.seq
+            allocated.setdefault(key, e.seq)
+            largest[key] = max(largest.get(key, 0), now)
+        elif now <= 0 and key in allocated:
+            freed[key] = e.seq
     return Lifetimes(bytes=largest, allocated=allocated, freed=freed)
 
 

@@ -340,6 +340,7 @@ def _check_training(job, split_ok: bool):
     if tr.overlap_param_gather and not tr.distributed_optimizer:
         yield "training.overlap_param_gather needs training.distributed_optimizer"
     yield from _check_optimizer(job)
+    yield from _check_fsdp(job)
     yield from _check_recompute(job, split_ok)
     yield from _check_offload(job)
 
@@ -392,6 +393,43 @@ def _check_optimizer(job):
         yield "training.grad_reduce_in_fp32 contradicts training.main_grads_dtype = bf16"
     if tr.clip_grad < 0:
         yield f"training.clip_grad = {tr.clip_grad} must not be negative"
+
+
+def _check_fsdp(job):
+    tr = job.training
+    given = [
+        name
+        for name, default in (
+            ("fsdp_double_buffer", False),
+            ("fsdp_communication_unit_size", None),
+        )
+        if getattr(tr, name) != default
+    ]
+    if not tr.megatron_fsdp:
+        if given:
+            yield f"training.{given[0]} applies with training.megatron_fsdp only"
+        return
+    if tr.fsdp_sharding_strategy == "no_shard":
+        # MegatronFSDP keeps no model-weight buffer without sharding, and the distributed
+        # optimizer's step_with_ready_grads calls start_param_sync, which gathers into it.
+        yield (
+            "training.fsdp_sharding_strategy no_shard: megatron-core 0.16.1's Megatron-FSDP fails "
+            "at the first optimizer step (start_param_sync finds no model-weight buffer); use "
+            "optim, optim_grads or optim_grads_params, or DDP (megatron_fsdp: false)"
+        )
+    unit = tr.fsdp_communication_unit_size
+    if unit is not None and unit < 1:
+        yield f"training.fsdp_communication_unit_size = {unit} must be at least 1"
+    if tr.num_distributed_optimizer_instances > 1:
+        yield (
+            "training.megatron_fsdp with num_distributed_optimizer_instances > 1 (hybrid "
+            "sharding, HSDP) is not modelled yet"
+        )
+    if tr.overlap_param_gather_with_optimizer_step:
+        yield (
+            "training.overlap_param_gather_with_optimizer_step is the distributed optimizer's "
+            "(DDP) option; Megatron-FSDP gathers parameters itself"
+        )
 
 
 def _check_fp8(job):

@@ -260,6 +260,24 @@ class Training:
     """Pad each gradient bucket to a multiple that keeps NCCL's bus bandwidth high
     (--ddp-pad-buckets-for-high-nccl-busbw): lcm(dp, 128, 2**16) elements with the
     distributed optimizer."""
+    megatron_fsdp: bool = False
+    """Megatron-FSDP (--use-megatron-fsdp): megatron-core's FullyShardedDataParallel in place of
+    DDP, with the distributed optimizer. Parameters, gradients and optimizer state are sharded
+    over the data-parallel group as fsdp_sharding_strategy says; with optim_grads_params each
+    transformer layer's parameters are all-gathered before its forward and its backward and
+    freed after them, and its gradients reduce-scattered after its backward."""
+    fsdp_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = (
+        "optim_grads_params"
+    )
+    """With megatron_fsdp: what is sharded (ZeRO-0 to ZeRO-3): nothing, the optimizer state, also
+    the gradients, also the parameters (--data-parallel-sharding-strategy; Megatron-LM
+    core_v0.16.1's default is no_shard, later ones' optim_grads_params)."""
+    fsdp_double_buffer: bool = False
+    """With megatron_fsdp: persistent double buffers for the parameter all-gathers and gradient
+    reduce-scatters instead of buckets allocated per layer (--fsdp-double-buffer)."""
+    fsdp_communication_unit_size: int | None = None
+    """With megatron_fsdp: elements to all-gather at once, which sets how far ahead parameters
+    are prefetched (--suggested-communication-unit-size; default: megatron-core's)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam (Megatron-LM's default) or SGD with momentum."""
     sgd_momentum: float = 0.9

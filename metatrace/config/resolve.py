@@ -102,6 +102,8 @@ def resolve(job: Job) -> Job:
             grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
             and training.main_grads_dtype == "fp32",
         )
+    if training.megatron_fsdp:
+        training = _megatron_fsdp(training, notes)
     if par.overlap_p2p_comm is None:
         par = dataclasses.replace(par, overlap_p2p_comm=par.vpp is not None)
     if par.microbatch_group_size is None and par.vpp is not None:
@@ -185,6 +187,31 @@ _MODEL_DEFAULTS = {
     "attention_dropout": 0.1,
 }
 _REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def _megatron_fsdp(tr, notes: list[str]):
+    """What Megatron-FSDP sets around it: the distributed optimizer (Megatron-LM forces it), the
+    overlapped gradient reduce-scatter when gradients are sharded and the overlapped parameter
+    all-gather when parameters are (megatron-core's MegatronFSDP.__init__ sets both in its
+    DDP config), and no gradient-accumulation fusion or averaging in the collective
+    (Megatron-Bridge turns both off; megatron-core 0.16.1's own linear layers would run
+    `torch.matmul(bf16, bf16, out=fp32 main_grad)`, which torch refuses)."""
+    strategy = tr.fsdp_sharding_strategy
+    changes = {"distributed_optimizer": True}
+    if strategy in ("optim_grads", "optim_grads_params"):
+        changes["overlap_grad_reduce"] = True
+    if strategy == "optim_grads_params":
+        changes["overlap_param_gather"] = True
+    changes["gradient_accumulation_fusion"] = False
+    changes["ddp_average_in_collective"] = False
+    turned = [k for k, value in changes.items() if getattr(tr, k) != value]
+    if turned:
+        notes.append(
+            f"Megatron-FSDP ({strategy}) sets "
+            + ", ".join(f"training.{k} = {str(changes[k]).lower()}" for k in turned)
+            + " (megatron-core and Megatron-LM/Bridge do)"
+        )
+    return dataclasses.replace(tr, **changes)
 
 
 def _resolve_model(model: Model) -> Model:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from metatrace.analysis.memory import StepProfile
+from metatrace.models.build import is_fsdp
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,7 @@ class _Replay:
         self.chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
         self.calls = [0] * len(model)
         # DDP's gradient hooks per chunk, in backward order (last parameter first).
-        self.hooks = [
-            [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
-            for chunk in model
-        ]
+        self.hooks = [_gradient_hooks(chunk) for chunk in model]
         self.launches = [_launches_reductions(chunk) for chunk in model]
         # --defer-embedding-wgrad-compute (trace.run_microbatch): the entries one micro-batch
         # appends to the last chunk's buffers, and the bytes it keeps until the flush.
@@ -241,7 +239,7 @@ class _Replay:
         """What DDP's forward pre-hooks do in the first forward of an iteration with
         overlap_param_gather: finish (dispatching where not yet dispatched) the parameter
         all-gather of every bucket, in the order the forward reaches them."""
-        if not chunk.use_forward_hook:
+        if not getattr(chunk, "use_forward_hook", False):  # Megatron-FSDP: in the steps
             return
         skip_next = (
             chunk.ddp_config.align_param_gather or chunk.overlap_param_gather_with_optimizer_step
@@ -272,7 +270,8 @@ class _Replay:
             # The hooks accumulate into main_grad (in place, nothing allocated) and, with
             # overlap_grad_reduce, launch a bucket's reduction once every parameter of the last
             # micro-batch has its gradient: only that micro-batch needs them run.
-            for param, hook in self.hooks[v] if self.launches[v]() else ():
+            launches = self.launches[v]()
+            for param, hook in self.hooks[v] if launches else ():
                 if param.requires_grad:
                     zero = zeros.get(param.dtype)
                     if zero is None:
@@ -282,6 +281,8 @@ class _Replay:
                     param.grad = zero.expand(param.shape)
                     hook()
             del zeros
+            if launches and is_fsdp(self.model[v]):
+                _fsdp_reduce(self.model[v])
             grads = []
             for x in inputs:
                 if x is None:
@@ -311,12 +312,48 @@ class Unrecorded:
     label = window
 
 
+def _gradient_hooks(chunk) -> list:
+    """(parameter, DDP's gradient hook) of `chunk`, in backward order (last parameter first).
+    Megatron-FSDP has none to run: its gradient handling is in the traced steps (their
+    temporaries, and the reduce-scatters of sharded gradients among the micro-batch's
+    collectives), but for _fsdp_reduce."""
+    if is_fsdp(chunk):
+        return []
+    return [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
+
+
+def _fsdp_reduce(chunk) -> None:
+    """Megatron-FSDP without sharded gradients (no_shard, optim) and with overlap_grad_reduce:
+    its post-backward hooks of the iteration's last micro-batch hand every parameter's gradient
+    to its reduction pipeline, which reduces each bucket once all of its gradients are in."""
+    fsdp = chunk.module
+    params = [p for p in fsdp.raw_param.values() if p.requires_grad]
+    fsdp.grad_reduce_pipeline.reduce_gradients(
+        params, suggested_queue_capacity=fsdp.suggested_RS_queue_capacity
+    )
+
+
+def gathered_once(model) -> None:
+    """Megatron-FSDP's state from the second iteration on, for strategies that keep whole
+    parameters (optim, optim_grads): the previous optimizer step gathered them into the
+    model-weight buffers (in place) and the steps gather nothing more. Run once after building,
+    before anything is traced. (optim_grads_params gathers each layer in every step.)"""
+    for chunk in model:
+        if is_fsdp(chunk) and chunk.ddp_config.data_parallel_sharding_strategy in (
+            "optim",
+            "optim_grads",
+        ):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _steady_state(chunk) -> None:
     """Make the iteration a steady-state one (the second or later). In its first iteration,
     megatron-core's DDP (0.13 and later) counts which gradient hooks fire and launches every
     bucket reduction only when the gradients are finalized; from the second on, a bucket's
     reduction launches from the hooks in backward, as soon as its gradients are ready. Each hook
     fires once per parameter in the last micro-batch (as the replay runs them)."""
+    if is_fsdp(chunk):
+        return
     for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
         if hasattr(group, "golden_per_param_grad_ready_counts") and group.is_first_batch:
             group.golden_per_param_grad_ready_counts = {p: 1 for p in group.params}
@@ -324,7 +361,12 @@ def _steady_state(chunk) -> None:
 
 
 def _launches_reductions(chunk):
-    """Whether a backward step of `chunk` now would launch DDP's bucket reductions."""
+    """Whether a backward step of `chunk` now would launch DDP's bucket reductions (Megatron-
+    FSDP's, for gradients it reduces after the last micro-batch only)."""
+    if is_fsdp(chunk):
+        fsdp = chunk.module
+        delayed = fsdp.is_delay_grad_reduce and chunk.ddp_config.overlap_grad_reduce
+        return lambda: delayed and getattr(fsdp, "is_last_microbatch", False)
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
     overlap = chunk.ddp_config.overlap_grad_reduce
     return lambda: overlap and any(g.is_last_microbatch for g in groups)

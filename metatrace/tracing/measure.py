@@ -250,7 +250,8 @@ def _live_ptrs() -> set[int]:
     import torch
 
     return {
-        o.untyped_storage().data_ptr()
+        # A DTensor (Megatron-FSDP's parameters) has no storage of its own: its local tensor's.
+        getattr(o, "_local_tensor", o).untyped_storage().data_ptr()
         for o in gc.get_objects()
         if issubclass(type(o), torch.Tensor) and o.device.type != "meta"  # see trace._live_tensors
     }
@@ -258,7 +259,12 @@ def _live_ptrs() -> set[int]:
 
 def _live_ptrs_safe(model) -> set[int]:
     """Storages alive now: every tensor the garbage collector knows, the parameters surely."""
-    ptrs = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    ptrs = {
+        # Megatron-FSDP's parameters are DTensors between steps: their local tensors hold data
+        getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
+        for chunk in model
+        for p in chunk.parameters()
+    }
     with contextlib.suppress(RuntimeError):
         ptrs |= _live_ptrs()
     return ptrs
@@ -287,7 +293,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         wrap_ddp,
     )
     from metatrace.models.te_runtime import te_process
-    from metatrace.tracing.iteration import run_iteration
+    from metatrace.tracing.iteration import gathered_once, run_iteration
     from metatrace.tracing.trace import run_microbatch
     from metatrace.world import World
 
@@ -320,6 +326,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             if cuda:
                 allocated["model"] = torch.cuda.memory_allocated()
         optimizer = build_optimizer(job, model)
+        gathered_once(model)
         probe = _Probe()
         with contextlib.ExitStack() as stack:
             saved = stack.enter_context(counting_saved(probe, _live_ptrs_safe(model)))

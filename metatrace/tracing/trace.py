@@ -138,7 +138,7 @@ def trace_role(
         wrap_ddp,
     )
     from metatrace.models.te_runtime import te_process
-    from metatrace.tracing.iteration import Unrecorded, run_iteration
+    from metatrace.tracing.iteration import Unrecorded, gathered_once, run_iteration
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -157,13 +157,14 @@ def trace_role(
         model = wrap_ddp(job, config, chunks)
         optimizer = build_optimizer(job, model)
         static = static_tensors(model, optimizer)
+        gathered_once(model)
         prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
         models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
         devices = (device, *also_track)
         groups = named_groups()
         # With overlap_param_gather, DDP's forward pre-hooks all-gather the parameters once per
         # iteration: not part of a micro-batch (the iteration below issues them).
-        hooked = [chunk for chunk in model if chunk.use_forward_hook]
+        hooked = [chunk for chunk in model if getattr(chunk, "use_forward_hook", False)]
         for chunk in hooked:
             chunk.disable_forward_pre_hook(param_sync=False)
         with Recorder(

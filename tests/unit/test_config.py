@@ -27,7 +27,8 @@ def test_every_example_job_file_resolves():
     from tests.helpers import EXAMPLES
 
     paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
-    assert {"debug.yaml", "llama3-8b-h100-fp8.yaml"} <= {os.path.basename(p) for p in paths}
+    names = {os.path.basename(p) for p in paths}
+    assert {"debug.yaml", "llama3-8b-h100-fp8.yaml", "llama3-8b-h100-fsdp.yaml"} <= names
     for path in paths:
         job = load_job(path)
         assert (
@@ -37,6 +38,9 @@ def test_every_example_job_file_resolves():
     fp8 = load_job(os.path.join(EXAMPLES, "llama3-8b-h100-fp8.yaml"))
     assert fp8.training.use_precision_aware_optimizer and fp8.training.fp8_param_gather
     assert (fp8.training.main_grads_dtype, fp8.training.exp_avg_dtype) == ("bf16", "bf16")
+    fsdp = load_job(os.path.join(EXAMPLES, "llama3-8b-h100-fsdp.yaml")).training
+    assert fsdp.megatron_fsdp and fsdp.fsdp_sharding_strategy == "optim_grads_params"
+    assert (fsdp.fp8_recipe, fsdp.global_batch_size, fsdp.seq_length) == ("tensorwise", 128, 8192)
 
 
 def test_explicit_keys_override_the_preset():
@@ -344,3 +348,51 @@ def test_chunk_layer_counts_follow_megatron_core():
             training={"global_batch_size": 4},
         )
     ) == [1, 1, 1, 0]
+
+
+def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
+    job = small_job(training={"megatron_fsdp": True})
+    tr = job.training
+    assert tr.fsdp_sharding_strategy == "optim_grads_params"
+    assert tr.distributed_optimizer and tr.overlap_grad_reduce and tr.overlap_param_gather
+    assert not tr.gradient_accumulation_fusion
+    assert any(n.startswith("Megatron-FSDP (optim_grads_params) sets") for n in job.notes)
+    tr = small_job(training={"megatron_fsdp": True, "fsdp_sharding_strategy": "optim"}).training
+    assert tr.distributed_optimizer and not tr.overlap_grad_reduce and not tr.overlap_param_gather
+    # Set already: nothing to say.
+    quiet = small_job(
+        training={
+            "megatron_fsdp": True,
+            "fsdp_sharding_strategy": "optim",
+            "distributed_optimizer": True,
+            "gradient_accumulation_fusion": False,
+        }
+    )
+    assert not [n for n in quiet.notes if "Megatron-FSDP" in n]
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"fsdp_double_buffer": True}, "fsdp_double_buffer applies with training.megatron_fsdp"),
+        (
+            {"fsdp_communication_unit_size": 1000},
+            "fsdp_communication_unit_size applies with training.megatron_fsdp",
+        ),
+        (
+            {"megatron_fsdp": True, "fsdp_communication_unit_size": 0},
+            "fsdp_communication_unit_size = 0 must be at least 1",
+        ),
+        (
+            {"megatron_fsdp": True, "fsdp_sharding_strategy": "no_shard"},
+            "fails at the first optimizer step",
+        ),
+        (
+            {"megatron_fsdp": True, "num_distributed_optimizer_instances": 2},
+            "hybrid sharding, HSDP) is not modelled yet",
+        ),
+    ],
+)
+def test_megatron_fsdp_refusals(training, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        small_job(cluster={"num_gpus": 4}, training=training)

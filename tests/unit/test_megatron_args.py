@@ -639,3 +639,31 @@ def test_overlap_param_gather_needs_what_megatron_lm_asserts_and_a_job_file_what
     assert tr.overlap_param_gather and not tr.overlap_grad_reduce
     with pytest.raises(ConfigError, match="overlap_param_gather needs training.distributed_opt"):
         small_job(training={"overlap_param_gather": True})
+
+
+def test_megatron_fsdp_flags_map_to_their_keys_and_act_only_with_it():
+    tr = job(
+        BASE + " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+        "--fsdp-double-buffer --suggested-communication-unit-size 500000000"
+    )[0].training
+    assert (tr.megatron_fsdp, tr.fsdp_sharding_strategy, tr.fsdp_double_buffer) == (
+        True,
+        "optim_grads",
+        True,
+    )
+    assert tr.fsdp_communication_unit_size == 500_000_000
+    # What megatron-core's MegatronFSDP and Megatron-LM set around it.
+    assert tr.distributed_optimizer and tr.overlap_grad_reduce and not tr.overlap_param_gather
+    assert not tr.gradient_accumulation_fusion
+    resolved, notes = job(BASE + " --use-megatron-fsdp")
+    assert resolved.training.fsdp_sharding_strategy == "optim_grads_params"
+    assert resolved.training.overlap_param_gather
+    assert any("--data-parallel-sharding-strategy not given" in n for n in notes)
+    assert resolved.not_modelled == ()
+    resolved, notes = job(BASE + " --fsdp-double-buffer --data-parallel-sharding-strategy optim")
+    assert not resolved.training.megatron_fsdp and not resolved.training.fsdp_double_buffer
+    assert any("are ignored without --use-megatron-fsdp" in n for n in notes)
+    with pytest.raises(ConfigError, match="no_shard: megatron-core 0.16.1's Megatron-FSDP fails"):
+        job(BASE + " --use-megatron-fsdp --data-parallel-sharding-strategy no_shard")
+    fsdp2, _ = job(BASE + " --use-torch-fsdp2 --untie-embeddings-and-output-weights")
+    assert [n.option for n in fsdp2.not_modelled] == ["--use-torch-fsdp2"]

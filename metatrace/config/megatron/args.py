@@ -683,6 +683,33 @@ def _training(v, job, notes, problems) -> None:
     if v.get("--optimizer") in ("adam", "sgd"):
         t["optimizer"] = v["--optimizer"]
     _offloading(v, t, notes, problems)
+    _megatron_fsdp(v, t, notes)
+
+
+_FSDP_OPTIONS = {
+    "--data-parallel-sharding-strategy": "fsdp_sharding_strategy",
+    "--fsdp-double-buffer": "fsdp_double_buffer",
+    "--suggested-communication-unit-size": "fsdp_communication_unit_size",
+}
+
+
+def _megatron_fsdp(v, t, notes) -> None:
+    """--use-megatron-fsdp and its options (which act only with it)."""
+    given = [f for f in _FSDP_OPTIONS if f in v]
+    if "--use-megatron-fsdp" not in v:
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without --use-megatron-fsdp")
+        return
+    t["megatron_fsdp"] = True
+    for flag, key in _FSDP_OPTIONS.items():
+        if flag in v:
+            t[key] = v[flag]
+    if "--data-parallel-sharding-strategy" not in v:
+        notes.append(
+            "--data-parallel-sharding-strategy not given: optim_grads_params, the default of "
+            "Megatron-LM after core_v0.16.1 (core_v0.16.1's no_shard fails at the first "
+            "optimizer step with megatron-core 0.16.1)"
+        )
 
 
 def _offloading(v, t, notes, problems) -> None:

@@ -203,6 +203,10 @@ _MODELLED: dict[str, str | None] = {
     "--wgrad-deferral-limit": "training.wgrad_deferral_limit",
     "--no-create-attention-mask-in-dataloader": "training.create_attention_mask_in_dataloader",
     "--fine-grained-activation-offloading": None,
+    "--use-megatron-fsdp": None,
+    "--data-parallel-sharding-strategy": None,
+    "--fsdp-double-buffer": None,
+    "--suggested-communication-unit-size": None,
     "--offload-modules": None,
     "--min-offloaded-tensor-size": None,
     # implementation (notes 4.10, 4.11)
@@ -506,7 +510,7 @@ _NO_EFFECT: dict[str, str] = {
     ),
     "no effect in megatron-core 0.16.1 (deprecated, read nowhere, or read only by features "
     "not in use)": (
-        "--apply-residual-connection-post-layernorm --data-parallel-sharding-strategy "
+        "--apply-residual-connection-post-layernorm "
         "--disable-async-tensor-model-parallel-allreduce --moe-extended-tp --mtp-standalone "
         "--no-async-tensor-model-parallel-allreduce --no-scatter-gather-tensors-in-pipeline "
         "--onnx-safe --use-flash-attn --use-mcore-models "
@@ -547,17 +551,17 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag "
         "--no-tp-comm-overlap-rs --no-tp-comm-split-ag --no-tp-comm-split-rs"
     ),
-    ("FSDP (sharded parameters, gradients and optimizer state)", "lowers"): (
-        "--use-megatron-fsdp --use-torch-fsdp2"
+    ("torch FSDP2 (sharded parameters, gradients and optimizer state)", "lowers"): (
+        "--use-torch-fsdp2"
     ),
     ("FSDP options", "either"): (
-        "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward "
+        "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
         "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
         "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
         "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
-        "--suggested-communication-unit-size --fsdp-db-use-persist-buf-on-alloc-fail"
+        "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     ("NCCL user-buffer registration (buffers from NCCL's pool)", "unknown"): (
         "--use-nccl-ub --disable-symmetric-registration"
@@ -909,13 +913,13 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps"
     ),
     "--use-megatron-fsdp --use-torch-fsdp2 --use-custom-fsdp": (
-        "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward "
+        "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
         "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
         "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
         "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
-        "--suggested-communication-unit-size --fsdp-db-use-persist-buf-on-alloc-fail"
+        "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     "--optimizer-cpu-offload": (
         "--optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
