@@ -162,3 +162,16 @@ def test_prediction_matches_megatron_fsdp_running_on_cpu(strategy):
     assert predicted.saved > 0
     peak = predicted.peak - predicted.cuda_only
     assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
+
+
+def test_double_buffer_keeps_two_layers_of_parameters_and_gradients_for_good(analyses):
+    """--fsdp-double-buffer: megatron-core's FixedPoolAllocator keeps two layer-sized buckets of
+    gathered bf16 parameters and two of fp32 gradients for the whole run instead of allocating
+    them per layer."""
+    a = analyses["optim_grads_params"]
+    layer = sum(p.numel for m in a.roles[0].traced.trace.modules if m.layer == 1 for p in m.params)
+    double = analyze(
+        trace_job(fsdp_job("optim_grads_params", fsdp_double_buffer=True), full_model=False)
+    ).roles[0]
+    kept = double.memory.workspaces - a.roles[0].memory.workspaces
+    assert within(kept, 2 * layer * (2 + 4))
