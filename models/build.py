@@ -333,8 +333,11 @@ def ddp_config(job):
         data_parallel_sharding_strategy=tr.fsdp_sharding_strategy
         if tr.megatron_fsdp
         else "no_shard",
-        fsdp_double_buffer=tr.fsdp_double_buffer,
-        suggested_communication_unit_size=tr.fsdp_communication_unit_size,
+        # Megatron-FSDP's options; the DDP config's own defaults without it.
+        fsdp_double_buffer=tr.megatron_fsdp and tr.fsdp_double_buffer,
+        suggested_communication_unit_size=tr.fsdp_communication_unit_size
+        if tr.megatron_fsdp
+        else None,
     )
 
 

@@ -391,8 +391,17 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
             {"megatron_fsdp": True, "num_distributed_optimizer_instances": 2},
             "hybrid sharding, HSDP) is not modelled yet",
         ),
+        (
+            {"megatron_fsdp": True, "parallel": {"tp": 2}},
+            "parallel.tp = 2, pp = 1 is not modelled yet",
+        ),
+        (
+            {"megatron_fsdp": True, "parallel": {"pp": 2}},
+            "parallel.tp = 1, pp = 2 is not modelled yet",
+        ),
     ],
 )
 def test_megatron_fsdp_refusals(training, message):
+    parallel = training.pop("parallel", {})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        small_job(cluster={"num_gpus": 4}, training=training)
+        small_job(cluster={"num_gpus": 4}, parallel=parallel, training=training)
