@@ -140,6 +140,25 @@ def _log_moved(handler, t: torch.Tensor) -> None:
     )
 
 
+def log_layer_offload(group: int, t: torch.Tensor) -> None:
+    """Transformer Engine's layer-wise offloading (metatrace.models.te_cpu_offload) copies `t`,
+    saved by transformer layer `group`, to the host."""
+    if not _LOGS:
+        return
+    log = _LOGS[-1]
+    log.moved.append(
+        Moved(
+            chunk=0,
+            group=group,
+            name="layer",
+            shape=tuple(t.shape),
+            dtype=str(t.dtype).removeprefix("torch."),
+            bytes=t.numel() * t.element_size(),
+            source=log.storage(t),
+        )
+    )
+
+
 def reload(orig):
     def reload(self, state, non_blocking=None):
         device, host, _ = state

@@ -703,6 +703,28 @@ def _offload_standin(name: str):
     return make
 
 
+# Transformer Engine's layer-wise CPU activation offloading (--cpu-offloading-num-layers;
+# metatrace.models.te_cpu_offload restates TE 2.8's handler).
+PATCHES += (
+    Patch(
+        "megatron.core.transformer.transformer_block",
+        "get_cpu_offload_context",
+        _standin("metatrace.models.te_cpu_offload", "get_cpu_offload_context"),
+        Versions((0, 16)),
+        "bound from Transformer Engine at import (None without it, and TransformerBlock then "
+        "asserts cpu_offloading off); the stand-in's context sees what metatrace's TE stand-ins "
+        "mark for offloading.",
+    ),
+    Patch(
+        "megatron.core.transformer.mlp",
+        "HAVE_TE",
+        lambda orig: True,
+        Versions((0, 16)),
+        "gates only whether the fused SwiGLU marks its input for TE's layer-wise offloading "
+        "(mlp.py:210), itself gated by cpu_offloading.",
+    ),
+)
+
 _FGO = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 PATCHES += (
     Patch(

@@ -98,6 +98,12 @@ def transformer_config(job):
         fine_grained_activation_offloading=bool(tr.activation_offload_modules),
         offload_modules=list(tr.activation_offload_modules or ()),
         min_offloaded_tensor_size=tr.min_offloaded_tensor_size,
+        # Layer-wise offloading through Transformer Engine (Megatron-LM: activations only; the
+        # weights' option does nothing in TE 2.8).
+        cpu_offloading=tr.cpu_offloading_num_layers > 0,
+        cpu_offloading_num_layers=tr.cpu_offloading_num_layers,
+        cpu_offloading_activations=True,
+        cpu_offloading_weights=False,
         transformer_impl=impl.transformer_impl,
         attention_backend=AttnBackend[job.attention_kernel],
         apply_rope_fusion=impl.rope_fusion and m.position_embedding_type == "rope",

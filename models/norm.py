@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from metatrace.models.te_cpu_offload import mark_if_offloading
+
 
 def norm_forward(x2: torch.Tensor, weight, bias, eps: float, rms: bool):
     """x2 [rows, h] -> (y [rows, h] in x2's dtype, mean [rows] fp32 or None, rstd [rows] fp32)."""
@@ -67,10 +69,12 @@ def _rms_backward(dy2, x2, rstd, weight):
 
 class NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms):
+    def forward(ctx, x, weight, bias, eps, rms, te=False):
         x = x.contiguous()  # the kernels' input.contiguous(): a copy only for a strided input
         x2 = x.view(-1, x.shape[-1])
         y, mean, rstd = norm_forward(x2, weight, bias, eps, rms)
+        if te:
+            mark_if_offloading(x, mean, rstd)  # TE's norm ops under cpu_offloading
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.rms = rms
         return y.view(x.shape)
@@ -82,12 +86,15 @@ class NormFunction(torch.autograd.Function):
         dx, dw, db = norm_backward(
             dy.reshape(-1, h), x.view(-1, h), weight, bias, mean, rstd, ctx.rms
         )
-        return dx.view(x.shape), dw, db, None, None
+        return dx.view(x.shape), dw, db, None, None, None
 
 
 class NormBase(torch.nn.Module):
     """A LayerNorm or RMSNorm with parameters `weight` (and `bias` for LayerNorm) of shape
     [hidden_size] in the config's params_dtype, on the (remapped) CUDA device."""
+
+    te = False
+    """Transformer Engine's: marks what it saves for TE's layer-wise CPU offloading."""
 
     def __init__(self, config, hidden_size: int, eps: float, rms: bool, sequence_parallel: bool):
         super().__init__()
@@ -109,4 +116,4 @@ class NormBase(torch.nn.Module):
             p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return NormFunction.apply(x, self.weight, self.bias, self.eps, self.rms)
+        return NormFunction.apply(x, self.weight, self.bias, self.eps, self.rms, self.te)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from metatrace.hooks import flops
 from metatrace.models.te_attention_kernel import cu_seqlens, sbhd_flops
 from metatrace.models.te_cp import context_parallel_attention
+from metatrace.models.te_cpu_offload import mark_if_offloading
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -77,6 +78,7 @@ class _FusedAttention(torch.autograd.Function):
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         cu = cu_seqlens(config, b, s, q.device)
         cu_kv = cu_seqlens(config, b, k.shape[0], q.device)
+        mark_if_offloading(q, k, v, out, stats, rng)  # TE's FusedAttnFunc under cpu_offloading
         ctx.save_for_backward(q, k, v, out, cu, cu_kv, stats, rng)
         ctx.layout = layout
         return out.view(s, b, h * v.shape[-1])
@@ -143,6 +145,7 @@ def flash_attention(q, k, v, layout, causal=True):
         qb, kb, vb = qkv[0], qkv[1], qkv[2]
     else:
         qb, kb, vb = (x.transpose(0, 1).contiguous() for x in (q, k, v))
+    mark_if_offloading(qb, kb, vb)  # TE's FlashAttention under cpu_offloading
     if d % 8:
         qb, kb, vb = (F.pad(x, (0, 8 - d % 8)) for x in (qb, kb, vb))
     out = _FlashAttnFunc.apply(qb, kb, vb, d, causal)  # [b, s, h, d]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from metatrace.hooks import flops
 from metatrace.models.norm import norm_backward, norm_forward
+from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8 import (
     F32,
     U8,
@@ -128,6 +129,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         else:
             dist.all_reduce(out, group=mode.group)
     kept = q.tensors()
+    mark_if_offloading(x2 if mode.norm is not None else None, mu, rsigma, *kept)
     ctx.save_for_backward(
         x2 if mode.norm is not None else None, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept
     )

@@ -62,6 +62,7 @@ from megatron.core.transformer.mlp import MLP
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models.norm import norm_backward, norm_forward
+from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8 import F32, quantize, reduce_amax, register
 from metatrace.models.te_fp8_linear import _amax_all_reduce, _gather_rowwise, _gathered_input
 from metatrace.models.te_linear import (
@@ -159,6 +160,7 @@ def _forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
     act = torch.empty((h1.shape[0], f), dtype=h1.dtype, device=h1.device)  # [N, f/t]
     # fc2 BasicLinear (no TP mode: the next op reduces), keeps its input.
     out = _tp_reduce(torch.mm(act, w2.t()), mode)  # [N, h] -> [Ns, h]
+    mark_if_offloading(x2, rstd, mean, y, h1, act)  # the ops' marks under cpu_offloading
     ctx.save_for_backward(x2, rstd, mean, y, h1, act)
     return out
 
@@ -419,6 +421,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
     out = _tp_reduce(out, mode)  # [Ns, h]
     kept = [_parts(q1), _parts(wq1), _parts(q2), _parts(wq2)]
     ctx.parts, ctx.local_rows = [len(k) for k in kept], shape[0]
+    mark_if_offloading(x2, rstd, mean, h1, *kept[0], *kept[2])  # inputs, not the weights
     ctx.save_for_backward(x2, rstd, mean, h1, *(t for k in kept for t in k))
     return out
 

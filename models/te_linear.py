@@ -37,6 +37,7 @@ import torch.distributed as dist
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models.norm import NormBase, norm_backward, norm_forward
+from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8_linear import fp8_backward, fp8_forward
 from metatrace.models.te_runtime import fuses_wgrad, te_wgrad, te_workspace
 
@@ -107,6 +108,7 @@ class _LinearFunction(torch.autograd.Function):
                 out = _reduce_scatter(out, mode)
             else:
                 dist.all_reduce(out, group=mode.group)
+        mark_if_offloading(x2, mu, rsigma, ln_out)  # TE's cpu_offloading marks
         ctx.save_for_backward(x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma)
         return _output_view(out, x)
 
@@ -498,6 +500,8 @@ class TELayerNormColumnParallelLinear(_TELinearBase):
 class LayerNorm(NormBase):
     """transformer_engine.pytorch.LayerNorm, as megatron-core's TENorm builds it."""
 
+    te = True
+
     def __init__(self, config, hidden_size, eps):
         super().__init__(
             config, hidden_size, eps, rms=False, sequence_parallel=config.sequence_parallel
@@ -506,6 +510,8 @@ class LayerNorm(NormBase):
 
 class RMSNorm(NormBase):
     """transformer_engine.pytorch.RMSNorm, as megatron-core's TENorm builds it."""
+
+    te = True
 
     def __init__(self, config, hidden_size, eps):
         super().__init__(

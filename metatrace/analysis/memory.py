@@ -239,10 +239,7 @@ def offload_summary(
     kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
     per_microbatch = sum(moved) - (kept if last_stage else 0)
     per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
-    host = [
-        sum(1 << max(0, m.bytes - 1).bit_length() for m in record.moved if m.chunk == v)
-        for v in range(chunks)
-    ]
+    host = [_pinned(m for m in record.moved if m.chunk == v) for v in range(chunks)]
     changes = []
     for w in iteration.windows:
         if w.chunk is not None and w.chunk < chunks and w.phase in ("forward", "backward"):
@@ -255,11 +252,28 @@ def offload_summary(
     return OffloadSummary(per_microbatch, per_iteration, pinned)
 
 
+def _pinned(moved) -> int:
+    """Pinned host bytes of these copies: PyTorch's caching host allocator rounds each block up
+    to a power of two."""
+    return sum(1 << max(0, m.bytes - 1).bit_length() for m in moved)
+
+
+def layer_offload_summary(record: OffloadRecord, *, microbatches: int) -> OffloadSummary:
+    """Transformer Engine's layer-wise offloading (pipeline parallel size 1): every micro-batch
+    copies the same tensors out and back, one micro-batch's copies are in flight at a time
+    (each freed when its reload replaces it, and reused by the next from the allocator's
+    cache)."""
+    per_microbatch = sum(m.bytes for m in record.moved)
+    return OffloadSummary(per_microbatch, microbatches * per_microbatch, _pinned(record.moved))
+
+
 def role_offload(job, rt) -> OffloadSummary | None:
     """offload_summary of a traced role (metatrace.tracing.trace.RoleTrace); None when the job does not
     offload or no iteration was traced."""
     if rt.offload is None or rt.iteration is None:
         return None
+    if job.training.cpu_offloading_num_layers:
+        return layer_offload_summary(rt.offload, microbatches=job.num_microbatches)
     return offload_summary(
         rt.offload,
         rt.iteration,

@@ -434,6 +434,15 @@ def _check_fsdp(job):
             f"training.megatron_fsdp with parallel.tp = {par.tp}, pp = {par.pp} is not "
             "modelled yet (tp 1 and pp 1 only)"
         )
+    if tr.precision == "fp8" and tr.fp8_param_gather:
+        # Megatron-FSDP recognises FP8 parameters as Transformer Engine's Float8Tensor (bf16
+        # nominal dtype, FP8 data); metatrace's stand-in FP8 parameters are float8_e4m3fn
+        # tensors, for which its buffers have no entry (KeyError while building them).
+        yield (
+            "training.fp8_param_gather with training.megatron_fsdp is not modelled yet; without "
+            "it the prediction gathers bf16 weights (twice the all-gather traffic and the "
+            "gathered layers' weights)"
+        )
 
 
 def _check_fp8(job):
@@ -786,10 +795,29 @@ def _check_deferred_wgrad(job, per_step):
             )
 
 
+def _check_layer_offload(job):
+    tr = job.training
+    n = tr.cpu_offloading_num_layers
+    if not n:
+        return
+    layers = job.model.num_layers
+    what = f"training.cpu_offloading_num_layers = {n}"
+    if not 0 < n < layers:
+        yield f"{what} must be between 1 and num_layers - 1 ({layers - 1})"
+    if job.parallel.pp > 1:
+        yield f"{what} needs parallel.pp 1 (megatron-core: no pipeline parallelism with it)"
+    if tr.recompute.granularity is not None:
+        yield f"{what} does not work with training.recompute (megatron-core refuses it)"
+    if tr.activation_offload_modules:
+        yield f"{what} and training.activation_offload_modules exclude each other"
+
+
 def _check_offload(job):
     """Fine-grained activation offloading: what megatron-core 0.16.1 refuses (TransformerConfig:
     unknown modules, attn_proj without core_attn) is left to its own checks; these are the set-ups
-    that fail while running."""
+    that fail while running. Layer-wise offloading: what TransformerConfig and TransformerBlock
+    refuse."""
+    yield from _check_layer_offload(job)
     tr = job.training
     modules = tr.activation_offload_modules or []
     if not modules:

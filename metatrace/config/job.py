@@ -238,6 +238,13 @@ class Training:
     min_offloaded_tensor_size: int = 1024 * 1024
     """With activation_offload_modules: saved tensors with fewer elements stay on the GPU
     (--min-offloaded-tensor-size)."""
+    cpu_offloading_num_layers: int = 0
+    """Transformer Engine's layer-wise activation offloading (--cpu-offloading-num-layers): what
+    the first N transformer layers save for backward (the tensors TE's modules mark: linear and
+    norm inputs, attention's q, k, v and output) goes to pinned host memory during the forward
+    and comes back during the backward, a few layers at a time (with the local spec: the linear
+    layers' inputs). Needs pipeline parallel size 1, no recompute and fewer than num_layers;
+    0: off."""
     distributed_optimizer: bool = False
     """Shard optimizer state over the data-parallel group (ZeRO-1)."""
     overlap_grad_reduce: bool = False

@@ -120,6 +120,9 @@ def memory_lower_bound(job) -> int:
     layers = job.model.num_layers // job.parallel.pp
     if {"attn_norm", "qkv_linear"} & set(job.training.activation_offload_modules or ()):
         layers = 0  # activation offloading moves the layer inputs to the host
+    # Transformer Engine's layer-wise offloading (pp 1): when the forward ends, the inputs of
+    # the first cpu_offloading_num_layers layers are on the host.
+    layers -= job.training.cpu_offloading_num_layers if layers else 0
     return _fixed_bytes(job) + layers * _layer_input(job) * _in_flight(job)
 
 
@@ -128,7 +131,7 @@ def memory_estimate(job) -> int:
     bytes per layer with sequence parallel and fused attention (10 + 24/t without), the layer
     input alone with full recompute."""
     par, tr = job.parallel, job.training
-    layers = job.model.num_layers // par.pp
+    layers = job.model.num_layers // par.pp - tr.cpu_offloading_num_layers  # those on the host
     if tr.recompute.granularity == "full":
         per_layer = _layer_input(job)
     else:

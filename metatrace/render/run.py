@@ -115,7 +115,18 @@ def build_summary(job, world) -> Table:
         f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
         f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration) · "
         f"{tr.precision} · {recompute}"
-        + (" · distributed optimizer" if tr.distributed_optimizer else ""),
+        + (" · distributed optimizer" if tr.distributed_optimizer else "")
+        + (f" · Megatron-FSDP {tr.fsdp_sharding_strategy}" if tr.megatron_fsdp else "")
+        + (
+            f" · first {tr.cpu_offloading_num_layers} layers' activations offloaded"
+            if tr.cpu_offloading_num_layers
+            else ""
+        )
+        + (
+            f" · offloading {', '.join(tr.activation_offload_modules)}"
+            if tr.activation_offload_modules
+            else ""
+        ),
     )
     table.add_row(
         "cluster",
@@ -389,8 +400,8 @@ def build_memory_table(roles) -> Group:
 
 
 def build_offload_lines(analysis) -> list[Text]:
-    """One line on fine-grained activation offloading's PCIe traffic and pinned host memory per
-    stage (none when the job does not offload)."""
+    """One line on activation offloading's PCIe traffic and pinned host memory per stage (none
+    when the job does not offload)."""
     job = analysis.job
     parts = []
     for ra in analysis.roles:
@@ -402,10 +413,14 @@ def build_offload_lines(analysis) -> list[Text]:
             )
     if not parts:
         return []
-    modules = ", ".join(job.training.activation_offload_modules)
+    layers = job.training.cpu_offloading_num_layers
+    if layers:
+        what = f"first {layers} layers, Transformer Engine"
+    else:
+        what = ", ".join(job.training.activation_offload_modules)
     return [
         Text(
-            f"Activation offloading ({modules}), each way over PCIe per GPU and host memory pinned "
+            f"Activation offloading ({what}), each way over PCIe per GPU and host memory pinned "
             f"for good: {'; '.join(parts)}.",
             style="dim",
         )

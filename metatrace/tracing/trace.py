@@ -144,6 +144,7 @@ def trace_role(
     start = time.perf_counter()
     config = transformer_config(job)
     offloading = config.fine_grained_activation_offloading
+    layer_offloading = config.cpu_offloading  # TE's: the traced micro-batch is the steady state
     workspace = cublas_workspace_bytes(job)
     te = job.implementation.transformer_impl == "transformer_engine"
     compiled = job.implementation.torch_compile
@@ -177,7 +178,8 @@ def trace_role(
                     stack.enter_context(chunk.no_sync())
                 # What megatron-core's activation offloading moves, in its warm-up mode (every
                 # group offloaded, reloads on demand; memory.offload_slots has the steady state).
-                log = stack.enter_context(OffloadLog(rec)) if offloading else None
+                logged = offloading or layer_offloading
+                log = stack.enter_context(OffloadLog(rec)) if logged else None
                 shapes, deferred = run_microbatch(job, config, model, rec=rec)
         trace = rec.trace()
         record = log.record() if log is not None else None
@@ -186,12 +188,13 @@ def trace_role(
         steady = None
         if iteration:
             last_stage = role.pp_stage == job.parallel.pp - 1
-            slots = offload_slots(trace, record, last_stage=last_stage) if record else ()
-            reloads = record.reloads if record else frozenset()
+            fine_grained = record if offloading else None
+            slots = offload_slots(trace, record, last_stage=last_stage) if fine_grained else ()
+            reloads = record.reloads if fine_grained else frozenset()
             if real_steps:
                 for chunk in hooked:
                     chunk.enable_forward_pre_hook()
-                if record is not None:
+                if fine_grained is not None:
                     # The offload manager learns the group order in the first iteration and
                     # runs its steady state from the second on.
                     run_iteration(

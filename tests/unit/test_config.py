@@ -28,7 +28,8 @@ def test_every_example_job_file_resolves():
 
     paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
     names = {os.path.basename(p) for p in paths}
-    assert {"debug.yaml", "llama3-8b-h100-fp8.yaml", "llama3-8b-h100-fsdp.yaml"} <= names
+    expected = {"debug.yaml", "llama3-8b-h100-fp8.yaml", "llama3-8b-h100-fsdp.yaml"}
+    assert expected | {"llama3-70b-gb200-fsdp-offload.yaml"} <= names
     for path in paths:
         job = load_job(path)
         assert (
@@ -41,6 +42,9 @@ def test_every_example_job_file_resolves():
     fsdp = load_job(os.path.join(EXAMPLES, "llama3-8b-h100-fsdp.yaml")).training
     assert fsdp.megatron_fsdp and fsdp.fsdp_sharding_strategy == "optim_grads_params"
     assert (fsdp.fp8_recipe, fsdp.global_batch_size, fsdp.seq_length) == ("tensorwise", 128, 8192)
+    offload = load_job(os.path.join(EXAMPLES, "llama3-70b-gb200-fsdp-offload.yaml"))
+    assert offload.training.megatron_fsdp and offload.training.cpu_offloading_num_layers == 20
+    assert (offload.parallel.dp, offload.cluster.gpu) == (64, "gb200")
 
 
 def test_explicit_keys_override_the_preset():
@@ -405,3 +409,26 @@ def test_megatron_fsdp_refusals(training, message):
     parallel = training.pop("parallel", {})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         small_job(cluster={"num_gpus": 4}, parallel=parallel, training=training)
+
+
+def test_the_launch_script_example_is_the_yaml_examples_job():
+    """examples/pretrain_llama3_70b_gb200_fsdp.sh (Megatron-LM flags) and
+    examples/llama3-70b-gb200-fsdp-offload.yaml describe the same training."""
+    import dataclasses
+    import os
+
+    from metatrace.config.megatron.args import job_from_args
+    from metatrace.config.megatron.script import read_args_file
+    from tests.helpers import EXAMPLES
+
+    script = os.path.join(EXAMPLES, "pretrain_llama3_70b_gb200_fsdp.sh")
+    job, _ = job_from_args(read_args_file(script), world_size=64, gpu="gb200", gpus_per_node=4)
+    yaml = load_job(os.path.join(EXAMPLES, "llama3-70b-gb200-fsdp-offload.yaml"))
+    assert job.not_modelled == ()
+    for section in ("parallel", "cluster"):
+        assert getattr(job, section) == getattr(yaml, section), section
+    fields = [f.name for f in dataclasses.fields(job.training)]
+    differ = [f for f in fields if getattr(job.training, f) != getattr(yaml.training, f)]
+    assert differ == []
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups"):
+        assert getattr(job.model, name) == getattr(yaml.model, name), name

@@ -191,6 +191,7 @@ _MODELLED: dict[str, str | None] = {
     "--optimizer": None,
     "--sgd-momentum": "training.sgd_momentum",
     "--use-precision-aware-optimizer": "training.use_precision_aware_optimizer",
+    "--cpu-offloading-num-layers": "training.cpu_offloading_num_layers",
     "--main-grads-dtype": "training.main_grads_dtype",
     "--main-params-dtype": "training.main_params_dtype",
     "--exp-avg-dtype": "training.exp_avg_dtype",
@@ -570,7 +571,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
         "--use-torch-optimizer-for-cpu-offload"
     ),
-    ("layer-wise CPU activation offloading", "lowers"): "--cpu-offloading-num-layers",
     ("fine-grained activation offloading options of newer Megatron-LM", "either"): (
         "--activation-offload-fraction --delay-offload-until-cuda-graph "
         "--delta-offload-bytes-across-pp-ranks --fine-grained-offloading-max-inflight-offloads"
