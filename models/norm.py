@@ -70,7 +70,9 @@ def _rms_backward(dy2, x2, rstd, weight):
 class NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms, te=False):
-        x = x.contiguous()  # the kernels' input.contiguous(): a copy only for a strided input
+        # The kernels' input.contiguous() (a copy only for a strided input), as a view of its
+        # own: TE's norm ops save and mark a reshaped view, not the caller's tensor.
+        x = x.contiguous().view(x.shape)
         x2 = x.view(-1, x.shape[-1])
         y, mean, rstd = norm_forward(x2, weight, bias, eps, rms)
         if te:

@@ -71,6 +71,10 @@ class Quantized:
     def tensors(self) -> list:
         return [*self.rowwise, *self.columnwise, *self.shared]
 
+    def data(self) -> list:
+        """TE's get_data_tensors: the FP8 data buffers (each usage's first), not the scales."""
+        return [*self.rowwise[:1], *self.columnwise[:1]]
+
 
 def quantize(
     shape,

@@ -129,7 +129,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         else:
             dist.all_reduce(out, group=mode.group)
     kept = q.tensors()
-    mark_if_offloading(x2 if mode.norm is not None else None, mu, rsigma, *kept)
+    mark_if_offloading(x2 if mode.norm is not None else None, mu, rsigma, *q.data())
     ctx.save_for_backward(
         x2 if mode.norm is not None else None, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept
     )

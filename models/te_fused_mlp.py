@@ -421,7 +421,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
     out = _tp_reduce(out, mode)  # [Ns, h]
     kept = [_parts(q1), _parts(wq1), _parts(q2), _parts(wq2)]
     ctx.parts, ctx.local_rows = [len(k) for k in kept], shape[0]
-    mark_if_offloading(x2, rstd, mean, h1, *kept[0], *kept[2])  # inputs, not the weights
+    mark_if_offloading(x2, rstd, mean, h1, *q1.data(), *q2.data())  # not weights, not scales
     ctx.save_for_backward(x2, rstd, mean, h1, *(t for k in kept for t in k))
     return out
 

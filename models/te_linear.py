@@ -108,7 +108,9 @@ class _LinearFunction(torch.autograd.Function):
                 out = _reduce_scatter(out, mode)
             else:
                 dist.all_reduce(out, group=mode.group)
-        mark_if_offloading(x2, mu, rsigma, ln_out)  # TE's cpu_offloading marks
+        # TE's cpu_offloading marks: Linear its input as given (saved_inputmat is inp, so the
+        # mark stays on the caller's tensor), LayerNormLinear the input it saves and the norm's.
+        mark_if_offloading(x if mode.norm is None else None, x2, mu, rsigma, ln_out)
         ctx.save_for_backward(x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma)
         return _output_view(out, x)
 

@@ -93,3 +93,13 @@ def test_prediction_matches_megatron_core_offloading_on_cpu(offloaded):
     assert predict(base, 0).saved - predicted.saved == offloaded * LOCAL_LAYER
     peak = predicted.peak - predicted.cuda_only
     assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
+
+
+def test_fp8_moves_the_quantized_data_not_the_scales():
+    """Under FP8 TE marks the quantized inputs' data tensors (get_data_tensors): the uint8
+    copies go to the host, their fp32 scales stay on the GPU."""
+    job = offload_job(2, 1, training={"precision": "fp8", "fp8_recipe": "tensorwise"})
+    moved = trace_job(job, full_model=False, workers=1).roles[0].offload.moved
+    fp8 = [m for m in moved if m.dtype == "uint8"]
+    assert fp8 and all(m.shape[0] in (N, H, 2 * F, F) for m in fp8)
+    assert not [m for m in moved if m.shape == (1,)]
