@@ -123,34 +123,27 @@ def offload(orig):
 
 
 def _log_moved(handler, t: torch.Tensor) -> None:
-    log = _LOGS[-1]
     manager = _manager_class().get_instance()
     handlers = manager._cached_chunks_forward
     group = handler._groups_to_offload[-1]
-    log.moved.append(
-        Moved(
-            chunk=handlers.index(handler) if handler in handlers else -1,
-            group=handler.offload_groups.index(group),
-            name=group._name,
-            shape=tuple(t.shape),
-            dtype=str(t.dtype).removeprefix("torch."),
-            bytes=t.numel() * t.element_size(),
-            source=log.storage(t),
-        )
-    )
+    chunk = handlers.index(handler) if handler in handlers else -1
+    _append(chunk, handler.offload_groups.index(group), group._name, t)
 
 
 def log_layer_offload(group: int, t: torch.Tensor) -> None:
     """Transformer Engine's layer-wise offloading (metatrace.models.te_cpu_offload) copies `t`,
     saved by transformer layer `group`, to the host."""
-    if not _LOGS:
-        return
+    if _LOGS:
+        _append(0, group, "layer", t)
+
+
+def _append(chunk: int, group: int, name: str, t: torch.Tensor) -> None:
     log = _LOGS[-1]
     log.moved.append(
         Moved(
-            chunk=0,
+            chunk=chunk,
             group=group,
-            name="layer",
+            name=name,
             shape=tuple(t.shape),
             dtype=str(t.dtype).removeprefix("torch."),
             bytes=t.numel() * t.element_size(),
