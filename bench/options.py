@@ -49,10 +49,17 @@ NEWLY_COVERED = (
     "--fp8-amax-history-len",
     "--ddp-pad-buckets-for-high-nccl-busbw",
     "--deterministic-mode",
+    "--tp-comm-overlap",
 )
 
 # (name, base extra, option extra, gpu)
 CASES = (
+    (
+        "TP overlap with userbuffers (the buffers themselves are outside the allocator)",
+        " --sequence-parallel",
+        " --tp-comm-overlap",
+        "h100",
+    ),
     ("fused cross entropy (native, compiled)", "", " --cross-entropy-loss-fusion", "h100"),
     (
         "fused cross entropy (Transformer Engine)",

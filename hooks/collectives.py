@@ -12,6 +12,7 @@ unclassified by the recorder, never dropped.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -108,3 +109,21 @@ def resolve_group(handle) -> dist.ProcessGroup | None:
         return dist.ProcessGroup.unbox(handle)
     except (RuntimeError, TypeError):
         return None
+
+
+_OVERLAP: list[str] = []
+
+
+@contextlib.contextmanager
+def overlapped(what: str):
+    """Collectives issued inside run beside `what` (e.g. Transformer Engine's userbuffers
+    overlap them with the GEMM): the recorder marks them so."""
+    _OVERLAP.append(what)
+    try:
+        yield
+    finally:
+        _OVERLAP.pop()
+
+
+def current_overlap() -> str | None:
+    return _OVERLAP[-1] if _OVERLAP else None

@@ -38,6 +38,7 @@ from metatrace.hooks.collectives import (
     COLLECTIVES,
     COMPUTE_NAMESPACES,
     NOT_COLLECTIVES,
+    current_overlap,
     message_tensors,
     op_key,
     resolve_group,
@@ -97,6 +98,8 @@ class _Storages:
         self.by_cdata: dict[int, int] = {}
         self.live: dict[int, list] = {}  # sid -> [weakref to the storage, rounded bytes, cdata]
         self.static: set[int] = set()
+        self.outside: set[int] = set()
+        """Storages (by _cdata) outside PyTorch's allocator (userbuffers): zero bytes here."""
         self.next_sid = 0
 
     def see(self, t: torch.Tensor) -> int | None:
@@ -115,7 +118,7 @@ class _Storages:
         if sid is None:
             sid = self.next_sid
             self.next_sid += 1
-            nbytes = round_block(storage.nbytes())
+            nbytes = 0 if cdata in self.outside else round_block(storage.nbytes())
             self.by_cdata[cdata] = sid
             self.live[sid] = [weakref.ref(storage, partial(self._storage_dead, sid)), nbytes, cdata]
             if nbytes:
@@ -140,6 +143,8 @@ class _Storages:
     def resized(self, sid: int, storage) -> None:
         """Storage `sid` may have grown or shrunk in place (resize_)."""
         info = self.live[sid]
+        if info[2] in self.outside:
+            return
         nbytes = round_block(storage.nbytes())
         if nbytes != info[1]:
             delta, info[1] = nbytes - info[1], nbytes
@@ -255,6 +260,7 @@ class Recorder:
         groups: dict[str, tuple[str, tuple[int, ...]]],
         rank: int,
         static: dict[str, list[torch.Tensor]] | None = None,
+        outside: list[torch.Tensor] = (),
     ):
         self.chunks = chunks
         self._static_tensors = dict(static or {})
@@ -263,6 +269,7 @@ class Recorder:
         self.groups = groups
         self.rank = rank
         self.storages = _Storages(self.device_types, self._on_memory)
+        self.storages.outside = {t.untyped_storage()._cdata for t in outside}
         self._fqn = {}
         for prefix, root in chunks.items():
             for name, mod in root.named_modules():
@@ -564,6 +571,7 @@ class Recorder:
                 module=module,
                 peer=peer,
                 output_bytes=output_bytes,
+                overlap=current_overlap(),
             )
         )
 

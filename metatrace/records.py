@@ -91,6 +91,9 @@ class Collective:
     output_bytes: int | None = None
     """All-to-all: bytes of the output (what arrives), which differs from the message (what
     leaves) when the split sizes do."""
+    overlap: str | None = None
+    """What the issuing kernel overlaps it with (e.g. "GEMM (userbuffers)"), None if it
+    runs on its own."""
 
 
 @dataclass(frozen=True, slots=True)

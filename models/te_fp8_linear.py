@@ -32,7 +32,7 @@ from metatrace.models.te_fp8 import (
     register,
     weight_workspace,
 )
-from metatrace.models.te_runtime import te_wgrad
+from metatrace.models.te_runtime import te_wgrad, ub_reduce_scatter, userbuffer
 
 
 def _coalesced_gather(pairs, mode, device):
@@ -112,7 +112,13 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     if column_sp:
         if recipe == "tensorwise":
             _amax_all_reduce(mode, device)
-        gathered = _gather_rowwise(q, shape, mode, recipe, arch, device)
+        if "ag_fprop" in mode.ub:  # the FP8 data into the userbuffer (per-tensor recipes only)
+            mode.ub_gather(q.row_data(), "fprop")
+        else:
+            gathered = _gather_rowwise(q, shape, mode, recipe, arch, device)
+    rs_out = None
+    if "rs_fprop" in mode.ub:  # TE allocates the reduce-scatter's output before the GEMM
+        rs_out = torch.empty((shape[0] // mode.tp, weight.shape[0]), dtype=x2.dtype, device=device)
     if weight.element_size() > 1:
         weight_workspace(module, weight, recipe, arch)  # FP8 parameters need none
     rows = shape[0] * (mode.tp if column_sp else 1)
@@ -121,7 +127,10 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
-    if mode.parallel == "row" and mode.tp > 1:
+    if rs_out is not None:
+        ub_reduce_scatter(rs_out, out, mode.group)
+        out = rs_out
+    elif mode.parallel == "row" and mode.tp > 1:
         if mode.sequence_parallel:
             local = torch.empty((rows // mode.tp, out.shape[1]), dtype=out.dtype, device=device)
             dist.reduce_scatter_tensor(local, out, group=mode.group)
@@ -152,6 +161,14 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
         local = quantize(local_shape, recipe, arch, rowwise=True, columnwise=False, device=device)
         if recipe == "tensorwise":
             _amax_all_reduce(mode, device)
+        if "ag_dgrad" in mode.ub:
+            # Gathered into the userbuffer for dgrad; wgrad's column-wise copy (a transpose
+            # on Hopper; Blackwell's GEMM reads the row-wise data) is made from it.
+            mode.ub_gather(local.row_data(), "dgrad")
+            extra = []
+            if needs_wgrad and arch != "sm100":
+                extra.append(torch.empty(full[::-1], dtype=U8, device=device))
+            return [*local.tensors(), *extra]
         # make_empty allocates the data and, for column-wise use on Hopper, the transpose.
         gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device)
         dist.all_gather_into_tensor(gathered.row_data(), local.row_data(), group=mode.group)
@@ -182,8 +199,11 @@ def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
     """Column parallel + SP: the saved local input gathered again in FP8 for wgrad."""
     full = (local_rows * mode.tp, in_features)
     if recipe in ("delayed", "tensorwise"):
-        data = torch.empty(full, dtype=U8, device=device)
-        dist.all_gather_into_tensor(data, kept[0], group=mode.group)
+        if "bulk_dgrad" in mode.ub:  # into the userbuffer, beside the dgrad GEMM
+            data = mode.ub_gather(kept[0], "dgrad")
+        else:
+            data = torch.empty(full, dtype=U8, device=device)
+            dist.all_gather_into_tensor(data, kept[0], group=mode.group)
         return [data] + (
             [torch.empty(full[::-1], dtype=U8, device=device)] if arch != "sm100" else []
         )
@@ -225,17 +245,30 @@ def fp8_backward(ctx, grad):
     if column_sp and needs_wgrad:
         inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
     rows = ctx.local_rows * (mode.tp if column_sp else 1)
-    dgrad = torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
+    dinput = None
+    if "rs_dgrad" in mode.ub:  # the reduce-scatter's output, before the GEMM
+        dinput = torch.empty((ctx.local_rows, in_features), dtype=grad.dtype, device=device)
+    if "bulk_wgrad" in mode.ub:  # dgrad into the wgrad GEMM's (bf16) userbuffer
+        dgrad = userbuffer(f"{mode.ub_name}_wgrad", (rows, in_features), grad.dtype)
+        dgrad.zero_()
+    else:
+        dgrad = torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
     # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
     gemm = flops.gemm(rows, weight.shape[0], in_features)
     flops.report(gemm * (2 if needs_wgrad else 1), fp8=True)
-    dinput = dgrad
-    if mode.parallel == "column" and mode.tp > 1:
+    if dinput is not None:
+        ub_reduce_scatter(dinput, dgrad, mode.group)
+    elif "bulk_wgrad" in mode.ub:
+        pass  # reduce-scattered beside the wgrad GEMM, below
+    elif mode.parallel == "column" and mode.tp > 1:
         if mode.sequence_parallel:
             dinput = torch.empty((ctx.local_rows, in_features), dtype=dgrad.dtype, device=device)
             dist.reduce_scatter_tensor(dinput, dgrad, group=mode.group)
         else:
             dist.all_reduce(dgrad, group=mode.group)
+            dinput = dgrad
+    else:
+        dinput = dgrad
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (
@@ -243,6 +276,9 @@ def fp8_backward(ctx, grad):
         if needs_wgrad
         else None
     )
+    if dinput is None:  # TE clones the reduce-scattered chunk out of the userbuffer
+        dinput = torch.empty((ctx.local_rows, in_features), dtype=dgrad.dtype, device=device)
+        ub_reduce_scatter(dinput, dgrad, mode.group)
     del dy_buffers, inputs
     dln_w = dln_b = None
     if mode.norm is not None:

@@ -39,7 +39,14 @@ from metatrace.hooks.remap import library_kernel
 from metatrace.models.norm import NormBase, norm_backward, norm_forward
 from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8_linear import fp8_backward, fp8_forward
-from metatrace.models.te_runtime import fuses_wgrad, te_wgrad, te_workspace
+from metatrace.models.te_runtime import (
+    fuses_wgrad,
+    te_wgrad,
+    te_workspace,
+    ub_all_gather,
+    ub_reduce_scatter,
+    userbuffer,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,14 @@ class _Mode:
     eps: float = 1e-5
     fp8: str | None = None  # the FP8 recipe of the enclosing autocast region, if any
     arch: str = "sm90"
+    # TE's userbuffers overlaps (tp_comm_overlap): some of ag_fprop, rs_fprop, ag_dgrad,
+    # rs_dgrad, bulk_dgrad, bulk_wgrad; ub_name: megatron-core's buffer name (qkv, fc1, ...)
+    ub: frozenset = frozenset()
+    ub_name: str | None = None
+
+    def ub_gather(self, x2, gemm: str):
+        """All-gather into userbuffer {ub_name}_{gemm} (no allocation)."""
+        return ub_all_gather(f"{self.ub_name}_{gemm}", x2, self.group, self.tp)
 
 
 def _gather(x2, mode):
@@ -97,13 +112,23 @@ class _LinearFunction(torch.autograd.Function):
             )
         inp = ln_out if ln_out is not None else x2
         column_sp = mode.parallel == "column" and mode.sequence_parallel
-        total = _gather(inp, mode) if column_sp else inp  # [N, in]
+        total = inp  # [N, in]
+        if column_sp:
+            total = mode.ub_gather(inp, "fprop") if "ag_fprop" in mode.ub else _gather(inp, mode)
+        rs_out = None
+        if "rs_fprop" in mode.ub:  # TE allocates the reduce-scatter's output before the GEMM
+            rs_out = torch.empty(
+                (x2.shape[0] // mode.tp, weight.shape[0]), dtype=x2.dtype, device=x2.device
+            )
         if bias is not None:
             out = torch.addmm(bias, total, weight.t())  # bias in the GEMM epilogue (column)
         else:
             out = torch.mm(total, weight.t())  # [N, out]
         del total  # the gathered input is freed right after the GEMM
-        if mode.parallel == "row" and mode.tp > 1:
+        if rs_out is not None:
+            ub_reduce_scatter(rs_out, out, mode.group)
+            out = rs_out
+        elif mode.parallel == "row" and mode.tp > 1:
             if mode.sequence_parallel:
                 out = _reduce_scatter(out, mode)
             else:
@@ -121,21 +146,41 @@ class _LinearFunction(torch.autograd.Function):
             return (*fp8_backward(ctx, grad), None, None)
         x2, weight, bias, ln_weight, ln_bias, ln_out, mu, rsigma = ctx.saved_tensors
         dy = grad.contiguous().view(-1, grad.shape[-1])
-        if mode.parallel == "row" and mode.sequence_parallel:
-            dy = _gather(dy, mode)  # [N, out]
+        if mode.parallel == "row" and mode.sequence_parallel:  # [N, out]
+            dy = mode.ub_gather(dy, "dgrad") if "ag_dgrad" in mode.ub else _gather(dy, mode)
         saved_input = ln_out if ln_out is not None else x2
         column_sp = mode.parallel == "column" and mode.sequence_parallel
-        total = _gather(saved_input, mode) if column_sp else saved_input  # before the dgrad GEMM
-        dgrad = torch.mm(dy, weight)  # [N, in]
-        dinput = dgrad
-        if mode.parallel == "column" and mode.tp > 1:
+        total = saved_input  # gathered before the dgrad GEMM
+        if column_sp:
+            bulk = "bulk_dgrad" in mode.ub
+            total = mode.ub_gather(saved_input, "dgrad") if bulk else _gather(saved_input, mode)
+        rows, in_features = dy.shape[0], weight.shape[1]
+        dinput = None
+        if "rs_dgrad" in mode.ub:  # the reduce-scatter's output, before the GEMM
+            dinput = torch.empty((rows // mode.tp, in_features), dtype=dy.dtype, device=dy.device)
+        if "bulk_wgrad" in mode.ub:  # dgrad into the wgrad GEMM's userbuffer
+            dgrad = userbuffer(f"{mode.ub_name}_wgrad", (rows, in_features), dy.dtype)
+            torch.mm(dy, weight, out=dgrad)
+        else:
+            dgrad = torch.mm(dy, weight)  # [N, in]
+        if dinput is not None:
+            ub_reduce_scatter(dinput, dgrad, mode.group)
+        elif "bulk_wgrad" in mode.ub:
+            pass  # reduce-scattered beside the wgrad GEMM, below
+        elif mode.parallel == "column" and mode.tp > 1:
             if mode.sequence_parallel:
                 dinput = _reduce_scatter(dgrad, mode)
             else:
                 dist.all_reduce(dgrad, group=mode.group)
+                dinput = dgrad
+        else:
+            dinput = dgrad
         if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
             flops.report(flops.gemm(dy.shape[1], dy.shape[0], total.shape[1]))
         wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
+        if dinput is None:  # TE clones the reduce-scattered chunk out of the userbuffer
+            dinput = torch.empty((rows // mode.tp, in_features), dtype=dy.dtype, device=dy.device)
+            ub_reduce_scatter(dinput, dgrad, mode.group)
         bgrad = dy.sum(0) if bias is not None else None
         del total
         dln_w = dln_b = None
@@ -230,6 +275,34 @@ class _TELinearBase(torch.nn.Module):
                 self.bias.sequence_parallel = self.sequence_parallel
         for p in self.parameters():
             p.allreduce = True
+        self.ub, self.ub_name = frozenset(), None
+
+    def _userbuffers(
+        self, name, *, ag, rs=False, rs_dgrad=False, bulk_dgrad=False, bulk_wgrad=False
+    ):
+        """TE 2.8's userbuffers overlaps for this module (Linear / LayerNormLinear __init__),
+        from the ub_* arguments megatron-core passes with config.tp_comm_overlap."""
+        sp = self.sequence_parallel
+        column, row = self.parallel_mode == "column", self.parallel_mode == "row"
+        flags = {
+            "ag_fprop": column and sp and ag,
+            "rs_dgrad": column and sp and rs_dgrad,
+            "bulk_dgrad": column and sp and bulk_dgrad and not rs_dgrad,
+            "bulk_wgrad": column and sp and bulk_wgrad and not rs_dgrad,
+            "rs_fprop": row and sp and rs,
+            "ag_dgrad": row and sp and ag,
+        }
+        self.ub = frozenset(k for k, on in flags.items() if on)
+        self.ub_name = name if self.ub else None
+
+    def _linear_userbuffers(self, config, name, parallel_mode, is_expert):
+        """megatron-core's TELinear: ub_overlap_ag / ub_overlap_rs from the config, off for
+        experts and duplicated layers."""
+        # (megatron-core turns the overlap off for other buffer names; MLA is refused for it)
+        if name not in ("qkv", "proj", "fc1", "fc2"):
+            return
+        if config.tp_comm_overlap and parallel_mode != "duplicated" and not is_expert:
+            self._userbuffers(name, ag=config.tp_comm_overlap_ag, rs=config.tp_comm_overlap_rs)
 
     def _setup_parallel(
         self, config, in_features, out_features, *, parallel_mode, tp_group, is_expert, **kwargs
@@ -306,6 +379,8 @@ class _TELinearBase(torch.nn.Module):
             eps=eps,
             fp8=active_recipe(),
             arch=getattr(self.config, "metatrace_gpu_arch", "sm90"),
+            ub=self.ub,
+            ub_name=self.ub_name,
         )
 
     def _run(self, x, ln_weight=None, ln_bias=None, norm=None, eps=1e-5):
@@ -366,6 +441,7 @@ class TELinear(_TELinearBase):
             skip_bias_add=skip_bias_add,
             init_method=init_method,
         )
+        self._linear_userbuffers(config, tp_comm_buffer_name, parallel_mode, is_expert)
         if parallel_mode == "duplicated":
             for p in self.parameters():
                 p.sequence_parallel = config.sequence_parallel
@@ -403,6 +479,7 @@ class TEColumnParallelLinear(_TELinearBase):
             init_method=init_method,
             stride=stride,
         )
+        self._linear_userbuffers(config, tp_comm_buffer_name, "column", is_expert)
 
 
 class TERowParallelLinear(_TELinearBase):
@@ -436,6 +513,7 @@ class TERowParallelLinear(_TELinearBase):
             skip_bias_add=skip_bias_add,
             init_method=init_method,
         )
+        self._linear_userbuffers(config, tp_comm_buffer_name, "row", is_expert)
 
 
 class TELayerNormColumnParallelLinear(_TELinearBase):
@@ -492,6 +570,17 @@ class TELayerNormColumnParallelLinear(_TELinearBase):
         for p in (self.layer_norm_weight, self.layer_norm_bias):
             if p is not None:
                 p.sequence_parallel = self.sequence_parallel
+        if config.tp_comm_overlap:  # megatron-core's ub_* arguments to LayerNormLinear
+            disabled = (tp_comm_buffer_name == "qkv" and config.tp_comm_overlap_disable_qkv) or (
+                tp_comm_buffer_name == "fc1" and config.tp_comm_overlap_disable_fc1
+            )
+            self._userbuffers(
+                tp_comm_buffer_name,
+                ag=config.tp_comm_overlap_ag and not disabled,
+                rs_dgrad=config.tp_comm_overlap_rs_dgrad and not disabled,
+                bulk_dgrad=config.tp_comm_bulk_dgrad,
+                bulk_wgrad=config.tp_comm_bulk_wgrad,
+            )
 
     def forward(self, x):
         return self._run(

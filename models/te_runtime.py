@@ -11,6 +11,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
+
+from metatrace.hooks.collectives import overlapped
+
+UB_OVERLAP = "GEMM (userbuffers)"
+"""What TE's userbuffers overlap their collectives with (the recorder's mark)."""
 
 
 class _Process:
@@ -20,19 +26,27 @@ class _Process:
     installed = True
     workspace: torch.Tensor | None = None
     dummy_wgrads: dict = {}
+    userbuffers: dict[str, torch.Tensor] = {}
+    """TE's userbuffers by GEMM name (initialize_ub): flat byte buffers outside PyTorch's
+    allocator; the linear stand-ins gather into views of them."""
 
 
 _PROCESS = _Process()
 
 
 @contextlib.contextmanager
-def te_process(installed: bool = True):
+def te_process(installed: bool = True, userbuffers=(), device=None):
     """A fresh TE process state while active; `installed` says whether the simulated run has
-    Transformer Engine (megatron-core's own layers then take TE's dummy weight gradients)."""
+    Transformer Engine (megatron-core's own layers then take TE's dummy weight gradients).
+    `userbuffers`: (name, bytes) of the buffers initialize_ub allocates (metatrace.config.
+    userbuffers), made on `device` here, before any model exists, as Megatron-LM does."""
     global _PROCESS
     saved, _PROCESS = _PROCESS, _Process()
     _PROCESS.installed = installed
     _PROCESS.dummy_wgrads = {}
+    _PROCESS.userbuffers = {
+        name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in userbuffers
+    }
     try:
         yield _PROCESS
     finally:
@@ -46,13 +60,18 @@ def te_installed() -> bool:
 
 def te_workspace(module, device) -> None:
     """Transformer Engine's cuBLAS workspace (get_workspace): allocated by the first TE GEMM and
-    kept: 32 MiB + 1 KiB on sm90 and later, 4 MiB before (TE 2.8)."""
+    kept: 32 MiB + 1 KiB on sm90 and later, 4 MiB before (TE 2.8); with userbuffers,
+    initialize_ub repeats it for its three streams."""
     if _PROCESS.workspace is not None:
         return
     config = getattr(module, "config", None)
     arch = getattr(config, "metatrace_gpu_arch", "sm90")
     hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
     nbytes = 32 * 1024 * 1024 + 1024 if hopper_or_later else 4_194_304
+    if _PROCESS.userbuffers:
+        from metatrace.config.userbuffers import UB_STREAMS
+
+        nbytes *= UB_STREAMS
     _PROCESS.workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
@@ -92,3 +111,35 @@ def fuses_wgrad(module, weight) -> bool:
         and hasattr(weight, "main_grad")
         and hasattr(weight, "grad_added_to_main_grad")
     )
+
+
+def userbuffer_tensors() -> list[torch.Tensor]:
+    """The userbuffers of the current TE process: memory outside PyTorch's allocator."""
+    return list(_PROCESS.userbuffers.values())
+
+
+def userbuffer(name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A `shape` view of userbuffer `name` (TE's get_buffer): no allocation."""
+    buf = _PROCESS.userbuffers[name]
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if nbytes > buf.numel():
+        raise RuntimeError(f"userbuffer {name} holds {buf.numel()} bytes, {nbytes} asked")
+    return buf[:nbytes].view(dtype).view(tuple(shape))
+
+
+def ub_all_gather(name: str, local: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """TE's fill_userbuffers_buffer_for_all_gather and the overlapped all-gather: `local`
+    [M, ...] gathered into a [M x tp, ...] view of userbuffer `name`."""
+    out = userbuffer(name, (local.shape[0] * tp, *local.shape[1:]), local.dtype)
+    with overlapped(UB_OVERLAP):
+        dist.all_gather_into_tensor(out, local, group=group)
+    return out
+
+
+def ub_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group) -> None:
+    """A reduce-scatter TE's userbuffers run beside a GEMM."""
+    with overlapped(UB_OVERLAP):
+        dist.reduce_scatter_tensor(out, full, group=group)

@@ -155,6 +155,8 @@ def _in_windows(trace: Trace):
 
 
 def _overlap(job, c: Collective, dimension: str) -> str | None:
+    if c.overlap is not None:  # marked where it was issued (TE's userbuffers)
+        return c.overlap
     tr, par = job.training, job.parallel
     if dimension == "dp" and c.op in ("reduce_scatter", "all_reduce") and tr.overlap_grad_reduce:
         if c.phase == "backward":

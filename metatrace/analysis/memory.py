@@ -443,7 +443,10 @@ class Verdict:
     worst_ranks: tuple[int, ...]
     """Ranks with that peak."""
     oom_ranks: tuple[int, ...]
-    """Ranks whose peak plus the overhead exceeds the capacity."""
+    """Ranks whose peak plus the overhead (and the userbuffers) exceeds the capacity."""
+    userbuffers: int = 0
+    """Transformer Engine's userbuffers on every GPU (tp_comm_overlap): outside PyTorch's
+    allocator, so not in the peak, but on the GPU."""
 
     @property
     def fits(self) -> bool:
@@ -452,7 +455,7 @@ class Verdict:
     @property
     def headroom(self) -> int:
         """Capacity left on the tightest rank (negative: how much is missing)."""
-        return self.capacity - self.overhead - self.worst
+        return self.capacity - self.overhead - self.userbuffers - self.worst
 
 
 _DIRECTIONS = {
@@ -479,9 +482,12 @@ def not_modelled_text(items: list[dict]) -> str:
 
 def verdict(job, roles) -> Verdict:
     """`roles`: (ranks, RoleMemory) for every role."""
+    from metatrace.config.userbuffers import userbuffer_bytes
+
     capacity = round(job.cluster.gpu_memory_gib * GiB)
     overhead = round(job.cluster.reserved_overhead_gib * GiB)
+    outside = userbuffer_bytes(job)
     worst = max(m.peak for _, m in roles)
     worst_ranks = sorted(r for ranks, m in roles if m.peak == worst for r in ranks)
-    oom = sorted(r for ranks, m in roles if m.peak + overhead > capacity for r in ranks)
-    return Verdict(capacity, overhead, worst, tuple(worst_ranks), tuple(oom))
+    oom = sorted(r for ranks, m in roles if m.peak + overhead + outside > capacity for r in ranks)
+    return Verdict(capacity, overhead, worst, tuple(worst_ranks), tuple(oom), outside)

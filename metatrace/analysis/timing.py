@@ -10,7 +10,8 @@ Assumptions, all approximate:
   latency) one after another with the compute: the traced micro-batch's own calls, per step, so
   a step's share of a role's exposed TP/CP/EP seconds per iteration is exactly what it issued
   (those per-iteration seconds are the steps' sums times the micro-batches). What Megatron
-  overlaps (the context-parallel ring) adds nothing;
+  overlaps (the context-parallel ring; with tp_comm_overlap, the TP collectives Transformer
+  Engine's userbuffers run beside the linear layers' GEMMs) adds nothing;
 - each pipeline stage runs its steps in the order the replayed iteration recorded them
   (megatron-core's own 1F1B or interleaved order for that stage), each as early as its
   dependencies allow: chunk v of stage s is virtual stage k = v·pp + s; the forward step of

@@ -159,6 +159,45 @@ def _check_parallel(job):
                 f"sequence parallel splits training.seq_length / cp = {local_seq} over "
                 f"parallel.tp = {par.tp}, which does not divide it"
             )
+    yield from _check_tp_overlap(job)
+
+
+def _check_tp_overlap(job):
+    """Transformer Engine's userbuffers, as Megatron-LM and TE 2.8's initialize_ub check them."""
+    from metatrace.config.userbuffers import UbError, userbuffers
+
+    par = job.parallel
+    if not par.tp_comm_overlap:
+        return  # its options alone change nothing (resolve notes them)
+    if not (par.sequence_parallel and par.tp > 1):
+        yield (
+            "parallel.tp_comm_overlap needs parallel.sequence_parallel with parallel.tp > 1 "
+            "(Megatron-LM asserts it: the overlapped collectives are sequence parallelism's)"
+        )
+    if job.implementation.transformer_impl != "transformer_engine":
+        yield "parallel.tp_comm_overlap needs implementation.transformer_impl: transformer_engine"
+    elif job.implementation.te_op_fuser:
+        yield (
+            "parallel.tp_comm_overlap with implementation.te_op_fuser is not modelled yet "
+            "(the op fuser's userbuffers linear ops)"
+        )
+    if job.model.multi_latent_attention:
+        yield (
+            "parallel.tp_comm_overlap with model.multi_latent_attention is not modelled yet "
+            "(megatron-core turns the overlap off for MLA's projections, and with it for the "
+            "layers built after them)"
+        )
+    tr = job.training
+    if tr.precision == "fp8" and tr.fp8_recipe in ("mxfp8", "blockwise"):
+        yield (
+            f"parallel.tp_comm_overlap with training.fp8_recipe {tr.fp8_recipe} is not modelled "
+            "yet (userbuffers gather the data and NCCL the scales); per-tensor recipes "
+            "(delayed, tensorwise) are"
+        )
+    try:
+        userbuffers(job)
+    except UbError as e:
+        yield str(e)
 
 
 def _check_cp_comm(job):

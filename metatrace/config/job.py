@@ -130,6 +130,52 @@ class Model:
     """Weight of the multi-token-prediction loss."""
 
 
+UbMethod = Literal["ring_exchange", "pipeline", "bulk", "external"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UbGemm:
+    """One GEMM's entry of Transformer Engine's userbuffers configuration (initialize_ub's
+    ub_cfgs; Megatron-LM's --tp-comm-overlap-cfg YAML). `method` and `fp8_buf` decide the
+    buffer's size; the other keys tune speed only and change no memory or traffic."""
+
+    method: UbMethod | None = None
+    """ring_exchange (peer-to-peer), pipeline (split GEMM and collective), bulk, external;
+    default: TE's for the GEMM."""
+    fp8_buf: bool | None = None
+    """Under FP8, an FP8 (1-byte) buffer; TE honours it for all-gather GEMMs (always FP8) and
+    for pipeline reduce-scatters."""
+    is_reduce_scatter: bool | None = None
+    num_sm: int | None = None
+    cga_size: int | None = None
+    set_sm_margin: bool | None = None
+    num_splits: int | None = None
+    aggregate: bool | None = None
+    atomic_gemm: bool | None = None
+    use_ce: bool | None = None
+    comm_priority: int | None = None
+    gemm_priority: int | None = None
+    pipeline_rs_overlap_first_gemm: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UbConfig:
+    """Transformer Engine's userbuffers configuration per GEMM of a transformer layer."""
+
+    qkv_fprop: UbGemm | None = None
+    qkv_dgrad: UbGemm | None = None
+    qkv_wgrad: UbGemm | None = None
+    proj_fprop: UbGemm | None = None
+    proj_dgrad: UbGemm | None = None
+    proj_wgrad: UbGemm | None = None
+    fc1_fprop: UbGemm | None = None
+    fc1_dgrad: UbGemm | None = None
+    fc1_wgrad: UbGemm | None = None
+    fc2_fprop: UbGemm | None = None
+    fc2_dgrad: UbGemm | None = None
+    fc2_wgrad: UbGemm | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     tp: int = 1
@@ -177,6 +223,25 @@ class Parallel:
     group (Megatron-LM's default) or all-to-all over the EP group."""
     moe_shared_expert_overlap: bool = False
     """Overlap the shared experts' computation with the token dispatch (alltoall)."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine's TP communication overlap (--tp-comm-overlap): its linear layers
+    all-gather and reduce-scatter through userbuffers, overlapped with their GEMMs; the buffers
+    live outside PyTorch's allocator. Needs sequence_parallel and tp > 1."""
+    tp_comm_overlap_ag: bool = True
+    """With tp_comm_overlap: all-gathers before column-parallel GEMMs (and the output
+    gradient's before row-parallel dgrad) through userbuffers."""
+    tp_comm_overlap_rs: bool = True
+    """With tp_comm_overlap: reduce-scatters after row-parallel GEMMs through userbuffers."""
+    tp_comm_overlap_rs_dgrad: bool = False
+    """With tp_comm_overlap: the column-parallel dgrad's reduce-scatter pipelined with the dgrad
+    GEMM (replaces the bulk overlaps)."""
+    tp_comm_bulk_dgrad: bool = True
+    """With tp_comm_overlap: the input's all-gather in backward beside the dgrad GEMM."""
+    tp_comm_bulk_wgrad: bool = True
+    """With tp_comm_overlap: dgrad's reduce-scatter beside the wgrad GEMM."""
+    tp_comm_overlap_cfg: UbConfig | None = None
+    """With tp_comm_overlap: the userbuffers configuration per GEMM (Megatron-LM's
+    --tp-comm-overlap-cfg file; Megatron-Bridge's TransformerLayerTPOverlapCfg)."""
 
 
 @dataclass(frozen=True, kw_only=True)

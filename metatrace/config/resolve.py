@@ -11,7 +11,7 @@ import math
 
 from metatrace.config.checks import check_job, layout_stages
 from metatrace.config.hardware import GPU_LINKS_GBPS, GPU_MEMORY_GIB
-from metatrace.config.job import GATED_ACTIVATIONS, Job, Model
+from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel
 from metatrace.errors import ConfigError
 
 
@@ -94,6 +94,11 @@ def resolve(job: Job) -> Job:
     if par.sequence_parallel and par.tp == 1:
         par = dataclasses.replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
+    if not par.tp_comm_overlap:
+        defaults = Parallel()
+        for key in _UB_OPTIONS:
+            if getattr(par, key) != getattr(defaults, key):
+                notes.append(f"parallel.{key} acts only with parallel.tp_comm_overlap: ignored")
     if training.grad_reduce_in_fp32 is None:
         # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
         # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
@@ -187,6 +192,16 @@ _MODEL_DEFAULTS = {
     "attention_dropout": 0.1,
 }
 _REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+_UB_OPTIONS = (
+    "tp_comm_overlap_ag",
+    "tp_comm_overlap_rs",
+    "tp_comm_overlap_rs_dgrad",
+    "tp_comm_bulk_dgrad",
+    "tp_comm_bulk_wgrad",
+    "tp_comm_overlap_cfg",
+)
 
 
 def _megatron_fsdp(tr, notes: list[str]):

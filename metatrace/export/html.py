@@ -186,7 +186,9 @@ def _verdict(report) -> str:
         return '<p class="note">No iteration was traced: no memory verdict.</p>'
     cl = report["cluster"]
     gpu = f"{cl['gpu']} ({cl['gpu_memory_gib']:g} GiB)"
-    overhead = f"{cl['reserved_overhead_gib']:g} GiB reserved overhead"
+    from metatrace.render.format import overhead_text
+
+    overhead = overhead_text(cl["reserved_overhead_gib"], v.get("userbuffer_bytes", 0))
     if v["fits"]:
         text = (
             f"Fits on {gpu}: highest peak {size(v['highest_peak_bytes'])} on ranks "

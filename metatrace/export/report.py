@@ -113,6 +113,7 @@ def _verdict(job, v) -> dict:
         "fits": v.fits,
         "gpu_memory_bytes": v.capacity,
         "reserved_overhead_bytes": v.overhead,
+        "userbuffer_bytes": v.userbuffers,
         "highest_peak_bytes": v.worst,
         "highest_peak_ranks": list(v.worst_ranks),
         "headroom_bytes": v.headroom,

@@ -143,3 +143,11 @@ def seconds(value: float) -> str:
 
 def op(name: str) -> str:
     return _OP.get(name, name)
+
+
+def overhead_text(reserved_gib: float, userbuffers: int) -> str:
+    """What the verdict adds to the peak: the reserved overhead, and the userbuffers."""
+    text = f"{reserved_gib:g} GiB reserved overhead"
+    if userbuffers:
+        text += f" + {size(userbuffers)} of userbuffers (outside PyTorch's allocator)"
+    return text

@@ -429,10 +429,11 @@ def build_offload_lines(analysis) -> list[Text]:
 
 def build_verdict(analysis) -> Text:
     from metatrace.analysis.memory import not_modelled_text
+    from metatrace.render.format import overhead_text
 
     job, v = analysis.job, analysis.verdict
     gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
-    overhead = f"{job.cluster.reserved_overhead_gib:g} GiB reserved overhead"
+    overhead = overhead_text(job.cluster.reserved_overhead_gib, v.userbuffers)
     if v.fits:
         text = Text(
             f"Fits on {gpu}: highest peak {size(v.worst)} on ranks {rank_span(v.worst_ranks)}, "

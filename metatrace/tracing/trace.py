@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from metatrace.config.hardware import cublas_workspace_bytes
+from metatrace.config.userbuffers import userbuffers
 from metatrace.records import JobTrace, RoleTrace
 from metatrace.world import Role, World
 
@@ -152,7 +153,7 @@ def trace_role(
         megatron_patches(compiled=compiled),
         remap_cuda(device),
         fake_world(world.layout, rank),
-        te_process(te),
+        te_process(te, [(b.name, b.nbytes) for b in userbuffers(job)], device) as te_state,
     ):
         chunks = build_model_chunks(job=job, config=config, device=device)
         model = wrap_ddp(job, config, chunks)
@@ -168,8 +169,14 @@ def trace_role(
         hooked = [chunk for chunk in model if getattr(chunk, "use_forward_hook", False)]
         for chunk in hooked:
             chunk.disable_forward_pre_hook(param_sync=False)
+        outside = list(te_state.userbuffers.values())
         with Recorder(
-            chunks=models, devices=devices, groups=groups, rank=rank, static=static
+            chunks=models,
+            devices=devices,
+            groups=groups,
+            rank=rank,
+            static=static,
+            outside=outside,
         ) as rec:
             with contextlib.ExitStack() as stack:
                 # The workspaces live on after the recorder stops, as they do on a GPU.
@@ -210,7 +217,12 @@ def trace_role(
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
             with Recorder(
-                chunks=models, devices=devices, groups=groups, rank=rank, static=static
+                chunks=models,
+                devices=devices,
+                groups=groups,
+                rank=rank,
+                static=static,
+                outside=outside,
             ) as rec:
                 run_iteration(
                     job,

@@ -29,7 +29,8 @@ def test_every_example_job_file_resolves():
     paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
     names = {os.path.basename(p) for p in paths}
     expected = {"debug.yaml", "llama3-8b-h100-fp8.yaml", "llama3-8b-h100-fsdp.yaml"}
-    assert expected | {"llama3-70b-gb200-fsdp-offload.yaml"} <= names
+    expected |= {"llama3-70b-gb200-fsdp-offload.yaml", "llama3-70b-h100-tp-overlap.yaml"}
+    assert expected <= names
     for path in paths:
         job = load_job(path)
         assert (
@@ -45,6 +46,9 @@ def test_every_example_job_file_resolves():
     offload = load_job(os.path.join(EXAMPLES, "llama3-70b-gb200-fsdp-offload.yaml"))
     assert offload.training.megatron_fsdp and offload.training.cpu_offloading_num_layers == 20
     assert (offload.parallel.dp, offload.cluster.gpu) == (64, "gb200")
+    overlap = load_job(os.path.join(EXAMPLES, "llama3-70b-h100-tp-overlap.yaml")).parallel
+    assert overlap.tp_comm_overlap and overlap.tp_comm_overlap_cfg.proj_fprop.method == "pipeline"
+    assert (overlap.tp, overlap.pp, overlap.vpp, overlap.cp, overlap.dp) == (4, 4, 5, 2, 2)
 
 
 def test_explicit_keys_override_the_preset():

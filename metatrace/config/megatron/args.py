@@ -571,6 +571,13 @@ def _parallel(v, job, notes, problems, world_size) -> None:
                 f"--num-layers = {layers} of them"
             )
         p["cp_comm_type"] = {"allgather": "all_gather"}.get(kinds[0], kinds[0])
+    path = v.get("--tp-comm-overlap-cfg")
+    if path is not None and not v.get("--tp-comm-overlap"):
+        notes.append("--tp-comm-overlap-cfg changes nothing without --tp-comm-overlap")
+    elif path is not None:
+        cfg = _read_ub_cfg(path, problems)
+        if cfg is not None:
+            p["tp_comm_overlap_cfg"] = cfg
     # Expert parallelism (notes 2): EP needs experts; ETP alone lays out the expert grid of a
     # dense model.
     ep = v.get("--expert-model-parallel-size", 1)
@@ -599,6 +606,29 @@ def _parallel(v, job, notes, problems, world_size) -> None:
         )
     if "--expert-tensor-parallel-size" in v:
         p["etp"] = etp
+
+
+def _read_ub_cfg(path: str, problems: list[str]) -> dict | None:
+    """--tp-comm-overlap-cfg: the YAML file Megatron-LM hands Transformer Engine as ub_cfgs
+    ({gemm name: settings}); checked as parallel.tp_comm_overlap_cfg."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        problems.append(f"--tp-comm-overlap-cfg {path}: cannot read it ({e.strerror})")
+        return None
+    except yaml.YAMLError as e:
+        problems.append(f"--tp-comm-overlap-cfg {path}: not valid YAML ({e})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(
+            f"--tp-comm-overlap-cfg {path}: expected a mapping of GEMM names (qkv_fprop, ...) "
+            "to their settings"
+        )
+        return None
+    return data
 
 
 def _virtual_pipeline(v, p, problems, pp) -> None:

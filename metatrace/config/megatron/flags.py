@@ -124,6 +124,17 @@ _MODELLED: dict[str, str | None] = {
     "--use-tp-pp-dp-mapping": "parallel.rank_order",
     "--microbatch-group-size-per-virtual-pipeline-stage": "parallel.microbatch_group_size",
     "--no-overlap-p2p-communication": "parallel.overlap_p2p_comm",
+    "--tp-comm-overlap": "parallel.tp_comm_overlap",
+    "--tp-comm-overlap-cfg": None,  # a YAML file read into parallel.tp_comm_overlap_cfg
+    "--tp-comm-overlap-rs-dgrad": "parallel.tp_comm_overlap_rs_dgrad",
+    "--disable-tp-comm-overlap-ag": "parallel.tp_comm_overlap_ag",
+    "--no-tp-comm-overlap-ag": "parallel.tp_comm_overlap_ag",
+    "--disable-tp-comm-overlap-rs": "parallel.tp_comm_overlap_rs",
+    "--no-tp-comm-overlap-rs": "parallel.tp_comm_overlap_rs",
+    "--disable-tp-comm-bulk-dgrad": "parallel.tp_comm_bulk_dgrad",
+    "--no-tp-comm-bulk-dgrad": "parallel.tp_comm_bulk_dgrad",
+    "--disable-tp-comm-bulk-wgrad": "parallel.tp_comm_bulk_wgrad",
+    "--no-tp-comm-bulk-wgrad": "parallel.tp_comm_bulk_wgrad",
     "--overlap-p2p-communication-warmup-flush": "parallel.overlap_p2p_comm_warmup_flush",
     # mixture of experts
     "--num-experts": None,
@@ -486,6 +497,11 @@ _NO_EFFECT: dict[str, str] = {
         "--no-persist-layer-norm --pipeline-model-parallel-comm-backend --sharp-enabled-group "
         "--symmetric-ar-type --te-rng-tracker --tp-comm-bootstrap-backend --use-sharp "
     ),
+    "Transformer Engine before 1.6 only (megatron-core 0.16 passes tp_comm_overlap_ag and "
+    "tp_comm_overlap_rs instead)": (
+        "--disable-tp-comm-split-ag --disable-tp-comm-split-rs --no-tp-comm-split-ag "
+        "--no-tp-comm-split-rs"
+    ),
     "run length and exit conditions": (
         "--exit-duration-in-mins --exit-interval --exit-signal --exit-signal-handler "
         "--exit-signal-handler-for-dataloader --exit-signal-handler-for-training "
@@ -544,13 +560,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("CUDA graphs (static buffers, graph memory pools)", "raises"): (
         "--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps "
         "--enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph"
-    ),
-    ("TP communication overlap with userbuffers", "either"): (
-        "--tp-comm-overlap --tp-comm-overlap-cfg --tp-comm-overlap-rs-dgrad "
-        "--disable-tp-comm-bulk-dgrad --disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag "
-        "--disable-tp-comm-overlap-rs --disable-tp-comm-split-ag --disable-tp-comm-split-rs "
-        "--no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag "
-        "--no-tp-comm-overlap-rs --no-tp-comm-split-ag --no-tp-comm-split-rs"
     ),
     ("torch FSDP2 (sharded parameters, gradients and optimizer state)", "lowers"): (
         "--use-torch-fsdp2"
@@ -902,13 +911,6 @@ _OLDER: dict[str, tuple[int | str, Class, str, Direction | None]] = {
 # Class-3 options (and values) that act only with another option: given without any of these
 # (with a value other than its default), they change nothing and are noted as ignored.
 _NEEDS_GROUPS: dict[str, str] = {
-    "--tp-comm-overlap": (
-        "--tp-comm-overlap-cfg --tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad "
-        "--disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
-        "--disable-tp-comm-split-ag --disable-tp-comm-split-rs --no-tp-comm-bulk-dgrad "
-        "--no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs "
-        "--no-tp-comm-split-ag --no-tp-comm-split-rs"
-    ),
     "--enable-cuda-graph --external-cuda-graph --cuda-graph-impl": (
         "--cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps"
     ),
