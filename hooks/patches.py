@@ -813,6 +813,31 @@ PATCHES += (
 )
 
 
+# Megatron-FSDP with FP8 parameters (fp8_param_gather): metatrace's FP8 weights are TE's
+# Float8Tensor to it (metatrace.models.te_fp8_param).
+_MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+PATCHES += tuple(
+    Patch(
+        f"{_MFSDP}.{module}",
+        "is_float8tensor",
+        _standin("metatrace.models.te_fp8_param", "is_float8tensor"),
+        Versions((0, 16)),
+        "tests for Transformer Engine's QuantizedTensor (False without TE): metatrace's FP8 "
+        "weights then get a gradient buffer of their FP8 dtype, for which FSDP has no entry.",
+    )
+    for module in ("mixed_precision", "param_and_grad_buffer", "megatron_fsdp")
+) + (
+    Patch(
+        f"{_MFSDP}.param_and_grad_buffer",
+        "fp8_quantize",
+        _standin("metatrace.models.te_fp8_param", "fp8_quantize"),
+        Versions((0, 16)),
+        "casts the main weights into the FP8 shards with TE's cast_master_weights_to_fp8, or "
+        "without TE a fallback that needs TE's Float8Tensor; restated for meta.",
+    ),
+)
+
+
 def _without_statement(statement: str):
     """The original function recompiled from its source without `statement` (one line that must
     occur exactly once, else PatchError: the source changed and the patch needs a look)."""

@@ -199,6 +199,9 @@ def transformer_config(job):
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+    # Megatron-FSDP's sharding strategy: FP8 weights are then TE's Float8Tensor as FSDP sees it.
+    tr = job.training
+    config.metatrace_fsdp_strategy = tr.fsdp_sharding_strategy if tr.megatron_fsdp else None
     # The TransformerConfig field of Megatron-LM after core_v0.16.1 (megatron-core 0.16.1 takes
     # it only as a spec argument); models.specs builds dense MLPs as TEFusedMLP with it.
     config.use_transformer_engine_op_fuser = job.implementation.te_op_fuser

@@ -32,6 +32,7 @@ from metatrace.models.te_fp8 import (
     register,
     weight_workspace,
 )
+from metatrace.models.te_fp8_param import drop_blackwell_transpose, ensure_transpose
 from metatrace.models.te_runtime import te_wgrad, ub_reduce_scatter, userbuffer
 
 
@@ -121,6 +122,8 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         rs_out = torch.empty((shape[0] // mode.tp, weight.shape[0]), dtype=x2.dtype, device=device)
     if weight.element_size() > 1:
         weight_workspace(module, weight, recipe, arch)  # FP8 parameters need none
+    elif needs_wgrad and torch.is_grad_enabled():
+        ensure_transpose(weight, arch)  # after Megatron-FSDP discarded it
     rows = shape[0] * (mode.tp if column_sp else 1)
     out = torch.zeros((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
     flops.report(flops.gemm(rows, weight.shape[1], weight.shape[0]), fp8=True)
@@ -238,6 +241,7 @@ def fp8_backward(ctx, grad):
     dy = grad.contiguous().view(-1, grad.shape[-1])
     needs_wgrad = weight.requires_grad
     dy_buffers = _quantized_grad(dy, mode, recipe, arch, needs_wgrad)
+    ensure_transpose(weight, arch)  # dgrad reads it (recomputed layers: discarded since)
     bgrad = torch.zeros_like(bias) if bias is not None else None  # fused into bgrad_quantize
     column_sp = mode.parallel == "column" and mode.sequence_parallel
     in_features = weight.shape[1]
@@ -285,6 +289,7 @@ def fp8_backward(ctx, grad):
         dinput, dln_w, dln_b = norm_backward(
             dinput, x2, ln_weight, ln_bias, mu, rsigma, mode.norm == "RMSNorm"
         )
+    drop_blackwell_transpose(weight, arch)
     if recipe == "delayed" and ctx.first_in_region:
         reduce_amax(ctx.region, 2, device)
     return dinput.view(ctx.x_shape), wgrad, bgrad, dln_w, dln_b

@@ -253,6 +253,8 @@ class _TELinearBase(torch.nn.Module):
         )
         if self.fp8_param:
             self._register_fp8_param_buffers(config, out_features, in_features, device)
+            if getattr(config, "metatrace_fsdp_strategy", None):
+                self._fsdp_fp8_weight(config.metatrace_fsdp_strategy)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -356,6 +358,24 @@ class _TELinearBase(torch.nn.Module):
         rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0) :]
         for i, t in enumerate(rest + q.shared):
             self.register_buffer(f"_fp8_param_buffer{i}", t, persistent=False)
+
+    def _fsdp_fp8_weight(self, strategy: str) -> None:
+        """Under Megatron-FSDP the FP8 weight is TE's Float8Tensor as FSDP handles it
+        (models.te_fp8_param): its scale, and on Hopper its transpose, are the tensor's own.
+        FSDP discards the transpose when it releases a transformer layer (optim_grads_params
+        only, so the steady state starts without it) and TE makes it again when needed."""
+        from metatrace.models.te_fp8_param import fp8_parameter
+
+        weight = self._parameters["weight"] = fp8_parameter(self.weight)
+        arch = getattr(self.config, "metatrace_gpu_arch", "sm90")
+        if arch == "sm100":  # one buffer serves both usages: the scale is buffer 0
+            weight._scale_inv = self._fp8_param_buffer0
+            return
+        weight._scale_inv = self._fp8_param_buffer1
+        if strategy == "optim_grads_params":
+            del self._fp8_param_buffer0
+        else:
+            weight._transpose, weight._transpose_invalid = self._fp8_param_buffer0, False
 
     def _apply(self, fn, recurse=True):
         """TE's quantized parameters stay FP8 under module.bfloat16() (Float16Module)."""

@@ -175,3 +175,77 @@ def test_double_buffer_keeps_two_layers_of_parameters_and_gradients_for_good(ana
     ).roles[0]
     kept = double.memory.workspaces - a.roles[0].memory.workspaces
     assert within(kept, 2 * layer * (2 + 4))
+
+
+# ----------------------------------------------------------------------------- FP8 parameters
+
+# FP8 weights of the debug preset's two layers: qkv 128x64, proj 64x64, fc1 256x64, fc2 64x128.
+FP8_WEIGHTS, FP8_ELEMENTS = 8, 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+SCALE = 512  # each FP8 weight's fp32 scale_inv, one allocator block
+
+
+def fp8_fsdp(strategy, gpu, fp8_params):
+    job = small_job(
+        cluster={"num_gpus": DP, "gpu": gpu},
+        implementation={"transformer_impl": "transformer_engine"},
+        training={
+            "megatron_fsdp": True,
+            "fsdp_sharding_strategy": strategy,
+            "global_batch_size": 16,
+            "precision": "fp8",
+            "fp8_recipe": "tensorwise",
+            "fp8_param_gather": fp8_params,
+        },
+    )
+    return analyze(trace_job(job, full_model=False, workers=1))
+
+
+@pytest.mark.parametrize(
+    "strategy, gpu, params_change",
+    [
+        # uint8 data instead of bf16 (1/dp of it), a scale per weight
+        ("optim_grads_params", "h100", -FP8_ELEMENTS // DP + FP8_WEIGHTS * SCALE),
+        # whole uint8 data, and on Hopper its transpose kept beside it
+        ("optim", "h100", FP8_WEIGHTS * SCALE),
+        ("optim_grads", "h100", FP8_WEIGHTS * SCALE),
+        ("optim", "b200", -FP8_ELEMENTS + FP8_WEIGHTS * SCALE),
+    ],
+)
+def test_fp8_parameters_keep_one_byte_data_in_fsdps_buffers(strategy, gpu, params_change):
+    bf16, fp8 = (fp8_fsdp(strategy, gpu, p) for p in (False, True))
+    m16, m8 = bf16.roles[0].memory, fp8.roles[0].memory
+    assert m8.params - m16.params == params_change
+    assert m8.grads == pytest.approx(m16.grads, rel=0.01)  # fp32 main gradients either way
+    assert m8.optimizer == pytest.approx(m16.optimizer, rel=0.01)
+
+
+def test_fp8_parameters_are_gathered_as_uint8_and_their_amaxes_reduced_once():
+    a = fp8_fsdp("optim_grads_params", "h100", True)
+    items = dp_items(a)
+    gathers = [it for it in items if it.op == "all_gather" and it.dtype == "uint8"]
+    # One layer's FP8 weights (padded) per call: before each layer's forward and backward in
+    # both micro-batches, and once more per layer after the optimizer step.
+    assert {it.message for it in gathers} and all(
+        within(it.message, FP8_ELEMENTS // 2) for it in gathers
+    )
+    assert sum(it.count for it in gathers if it.per_microbatch) == 2 * 2 * 2
+    assert sum(it.count for it in gathers if not it.per_microbatch) == 2
+    amax = [it for it in items if it.op == "all_reduce" and it.message == 4 * FP8_WEIGHTS]
+    assert [(it.dtype, it.count) for it in amax] == [("float32", 1)]
+
+
+@pytest.mark.parametrize("recipe, message", [("mxfp8", "fails"), ("blockwise", "not modelled")])
+def test_fp8_parameters_other_recipes_are_refused(recipe, message):
+    from metatrace.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        small_job(
+            cluster={"num_gpus": DP, "gpu": "b200"},
+            implementation={"transformer_impl": "transformer_engine"},
+            training={
+                "megatron_fsdp": True,
+                "precision": "fp8",
+                "fp8_recipe": recipe,
+                "fp8_param_gather": True,
+            },
+        )
