@@ -468,7 +468,7 @@ def test_table_invariants():
         assert flag.startswith("-") and spec.nargs in (0, 1, 3, "+", "*", "?"), flag
         assert (spec.key is not None) <= (spec.cls == "modelled"), flag
         assert (spec.direction is not None) == (spec.cls == "not_modelled"), flag
-    assert NOT_MODELLED_REASONS["--use-torch-fsdp2"].startswith("torch FSDP2")
+    assert NOT_MODELLED_REASONS["--cuda-graph-impl"].startswith("CUDA graphs")
     assert "--use-flash-attn" not in NOT_MODELLED_REASONS  # a no-op in 0.16.1
     assert FLAGS["--no-overlap-p2p-communication"].const is False  # store_false
     assert FLAGS["--no-rl-skip-bos-token"].const is False  # the "no" half of a boolean pair
@@ -495,7 +495,7 @@ def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
         assert (spec.dest, spec.versions == "HEAD") == (row["dest"], row["in_core_v0.16.1"] == "no")
         assert (spec.nargs in (0, "?")) == (row["nargs"] == "0"), row["flag"]
     counts = Counter(spec.cls for spec in FLAGS.values() if spec.versions != "older")
-    assert sum(counts.values()) == 930 and counts["refused"] == 7  # 5 + -h/--help
+    assert sum(counts.values()) == 930 and counts["refused"] == 8  # 6 + -h/--help
     assert min(counts["modelled"], counts["no_effect"], counts["not_modelled"]) > 100
 
 
@@ -664,5 +664,6 @@ def test_megatron_fsdp_flags_map_to_their_keys_and_act_only_with_it():
     assert any("are ignored without --use-megatron-fsdp" in n for n in notes)
     with pytest.raises(ConfigError, match="no_shard: megatron-core 0.16.1's Megatron-FSDP fails"):
         job(BASE + " --use-megatron-fsdp --data-parallel-sharding-strategy no_shard")
-    fsdp2, _ = job(BASE + " --use-torch-fsdp2 --untie-embeddings-and-output-weights")
-    assert [n.option for n in fsdp2.not_modelled] == ["--use-torch-fsdp2"]
+    # megatron-core 0.16.1's finalize_model_grads breaks torch FSDP2 (TypeError).
+    message = error(BASE + " --use-torch-fsdp2 --untie-embeddings-and-output-weights")
+    assert "fails in megatron-core 0.16.1" in message and "force_all_reduce" in message

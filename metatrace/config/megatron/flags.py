@@ -281,6 +281,11 @@ _REFUSED = {
     "--recompute-activations",
     "--init-method-xavier-uniform": "--init-method-xavier-uniform is broken in Megatron-LM (its "
     "TransformerConfig gets an unknown keyword, notes 4.1)",
+    # megatron-core 0.16.1: finalize_model_grads calls finish_grad_sync(force_all_reduce=...),
+    # which TorchFullyShardedDataParallel inherits from _BaseDataParallel without the argument.
+    "--use-torch-fsdp2": "--use-torch-fsdp2 fails in megatron-core 0.16.1 at the end of the first "
+    "backward (finalize_model_grads passes force_all_reduce to TorchFullyShardedDataParallel's "
+    "finish_grad_sync, which takes no argument: TypeError); use --use-megatron-fsdp",
 }
 
 # --------------------------------------------------------------------------- 2. no effect
@@ -560,9 +565,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("CUDA graphs (static buffers, graph memory pools)", "raises"): (
         "--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps "
         "--enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph"
-    ),
-    ("torch FSDP2 (sharded parameters, gradients and optimizer state)", "lowers"): (
-        "--use-torch-fsdp2"
     ),
     ("FSDP options", "either"): (
         "--torch-fsdp2-no-reshard-after-forward "
