@@ -165,13 +165,14 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
         if recipe == "tensorwise":
             _amax_all_reduce(mode, device)
         if "ag_dgrad" in mode.ub:
-            # Gathered into the userbuffer for dgrad; wgrad's column-wise copy (a transpose
-            # on Hopper; Blackwell's GEMM reads the row-wise data) is made from it.
+            # Gathered into the userbuffer for dgrad (the local copy goes when
+            # grad_output_preprocess returns); wgrad's column-wise copy (a transpose on Hopper;
+            # Blackwell's GEMM reads the row-wise data) is made from it.
             mode.ub_gather(local.row_data(), "dgrad")
-            extra = []
+            del local
             if needs_wgrad and arch != "sm100":
-                extra.append(torch.empty(full[::-1], dtype=U8, device=device))
-            return [*local.tensors(), *extra]
+                return [torch.empty(full[::-1], dtype=U8, device=device)]
+            return []
         # make_empty allocates the data and, for column-wise use on Hopper, the transpose.
         gathered = quantize(full, recipe, arch, rowwise=True, columnwise=True, device=device)
         dist.all_gather_into_tensor(gathered.row_data(), local.row_data(), group=mode.group)

@@ -399,7 +399,9 @@ class _TELinearBase(torch.nn.Module):
             eps=eps,
             fp8=active_recipe(),
             arch=getattr(self.config, "metatrace_gpu_arch", "sm90"),
-            ub=self.ub,
+            # LayerNormLinear gathers through NCCL when grad is off (a recomputed forward's
+            # first pass under full recompute): layernorm_linear.py ub_overlap_ag_fprop.
+            ub=self.ub - {"ag_fprop"} if norm and not torch.is_grad_enabled() else self.ub,
             ub_name=self.ub_name,
         )
 

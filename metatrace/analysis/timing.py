@@ -27,7 +27,10 @@ Assumptions, all approximate:
   norm's and the loss's all-reduces), one after another, plus the update itself, bound by
   memory bandwidth: it reads and writes the optimizer state (main parameters, moments) and
   reads the gradients and writes the parameters once, at config.GPU_HBM_TBPS. Overlapped
-  gradient reduction and parameter gathering are assumed hidden.
+  gradient reduction and parameter gathering are assumed hidden;
+- activation offloading's copies (a micro-batch's offloaded bytes, split evenly over the
+  rank's chunks) run on their own stream over the host link (cluster.host_link_gbps) beside
+  the step: to the host in forward, back in backward. A step lasts at least its copies.
 Bubble: a stage's idle time during the forward-backward part of the iteration (from the first
 step's start to the last step's end on any stage), as a fraction of that part. With equal
 stages and no communication it is Megatron's (pp - 1) / (m + pp - 1) for 1F1B and
@@ -78,6 +81,9 @@ class Span:
     """The rank's highest allocated memory during the step (replayed iteration)."""
     calls: tuple[Call, ...] = ()
     """The collectives inside the step, at offsets from its start."""
+    offload_seconds: float = 0.0
+    """Activation offloading's host copies beside the step (to the host in forward, back in
+    backward); the step takes at least this long."""
 
 
 @dataclass(frozen=True)
@@ -331,10 +337,11 @@ def job_timing(job_trace) -> Timing | None:
             [(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows if w.chunk is not None]
         )
     none = (0, 0.0, 0.0, ())
+    copies = {rt.role.pp_stage: _offload_seconds(job, rt) for rt in roles}
 
     def duration(s, phase, chunk):
         _, comp, exposed, _ = kinds.get((s, phase, chunk), none)
-        return comp + exposed
+        return max(comp + exposed, copies[s].get(phase, 0.0))
 
     simulated = simulate(
         orders, duration, pp=pp, vpp=vpp, p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0]
@@ -359,6 +366,7 @@ def job_timing(job_trace) -> Timing | None:
                     exposed,
                     peaks.get((phase, chunk, mb), 0),
                     placed,
+                    copies[s].get(phase, 0.0),
                 )
             )
             transfers.extend(_transfers(s, phase, chunk, mb, end, sends[s], pp, vpp))
@@ -395,6 +403,33 @@ def job_timing(job_trace) -> Timing | None:
         peak_tflops=peak[0] / 1e12,
         efficiency=eff,
     )
+
+
+def _offload_seconds(job, rt) -> dict[str, float]:
+    """{phase: seconds of one step's activation-offloading copies} of a role (none without
+    offloading, or without a host-link bandwidth)."""
+    from metatrace.analysis.memory import role_offload
+
+    summary = role_offload(job, rt)
+    gbps = job.cluster.host_link_gbps
+    if summary is None or not gbps:
+        return {}
+    per_step = summary.d2h_per_microbatch / max(1, len(rt.chunks)) * 8 / (gbps * 1e9)
+    return {"forward": per_step, "backward": per_step}
+
+
+def offload_exposed_seconds(timing: Timing) -> float:
+    """Seconds per iteration that offloading's copies add to the slowest stage's steps (the
+    copies outlast the compute and communication)."""
+    worst = 0.0
+    for st in timing.stages:
+        extra = sum(
+            max(0.0, sp.offload_seconds - sp.compute_seconds - sp.comm_seconds)
+            for sp in st.spans
+            if sp.phase in STEP_PHASES
+        )
+        worst = max(worst, extra)
+    return worst
 
 
 def _transfers(s, phase, chunk, mb, end, sends, pp, vpp):

@@ -181,6 +181,13 @@ def _check_tp_overlap(job):
             "parallel.tp_comm_overlap with implementation.te_op_fuser is not modelled yet "
             "(the op fuser's userbuffers linear ops)"
         )
+    if job.model.mtp_num_layers:
+        # megatron-core asserts a buffer name for every TE linear under tp_comm_overlap; MTP's
+        # eh_proj has none (multi_token_prediction.py).
+        yield (
+            "parallel.tp_comm_overlap with multi-token prediction fails in megatron-core 0.16.1 "
+            "(its eh_proj linear has no userbuffer name: 'Buffer name should be set')"
+        )
     if job.model.multi_latent_attention:
         yield (
             "parallel.tp_comm_overlap with model.multi_latent_attention is not modelled yet "
@@ -194,6 +201,26 @@ def _check_tp_overlap(job):
             "yet (userbuffers gather the data and NCCL the scales); per-tensor recipes "
             "(delayed, tensorwise) are"
         )
+    if tr.precision == "fp8" and par.tp_comm_overlap_rs_dgrad:
+        yield (
+            "parallel.tp_comm_overlap_rs_dgrad under FP8 is not modelled yet (Transformer "
+            "Engine then writes dgrad in FP8 into an FP8 userbuffer)"
+        )
+    cfg = par.tp_comm_overlap_cfg
+    for name, gemm in vars(cfg).items() if cfg is not None else ():
+        if gemm is None:
+            continue
+        if gemm.atomic_gemm and tr.precision != "fp8":
+            yield (
+                f"parallel.tp_comm_overlap_cfg.{name}.atomic_gemm: Transformer Engine supports "
+                "atomic GEMM overlap for FP8 only"
+            )
+        if tr.precision == "fp8" and gemm.fp8_buf and name in ("proj_fprop", "fc2_fprop"):
+            yield (
+                f"parallel.tp_comm_overlap_cfg.{name}.fp8_buf under FP8 is not modelled yet "
+                "(Transformer Engine then writes the GEMM output in FP8 and reduce-scatters it "
+                "in FP8)"
+            )
     try:
         userbuffers(job)
     except UbError as e:

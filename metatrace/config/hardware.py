@@ -47,6 +47,22 @@ GPU_LINKS_GBPS = {
 }
 
 
+# The link between a GPU and host memory, per direction, in Gb/s: what activation offloading
+# copies over. PCIe 4.0 x16 (32 GB/s), PCIe 5.0 x16 (64 GB/s), or on GB200 NVLink-C2C to the
+# Grace CPU (450 GB/s each way); set cluster.host_link_gbps for yours.
+GPU_HOST_GBPS = {
+    "a100-40gb": 256,
+    "a100": 256,
+    "h100": 512,
+    "h800": 512,
+    "h200": 512,
+    "b200": 512,
+    "gb200": 3600,
+    "l40s": 256,
+    "mi300x": 512,
+}
+
+
 # Peak dense (no sparsity) bf16 tensor-core throughput per GPU, TFLOP/s, from the vendors' data
 # sheets (SXM / OAM parts). The time model (metatrace.analysis.timing) runs every counted FLOP at this
 # peak times cluster.compute_efficiency; FP8 GEMMs run at twice it on GPU_FP8_ARCHS.

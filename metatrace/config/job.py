@@ -467,6 +467,9 @@ class Cluster:
     """Link bandwidth per GPU and direction inside a node, Gb/s (default for `gpu`)."""
     inter_node_gbps: float | None = None
     """Network bandwidth per GPU and direction across nodes, Gb/s (default for `gpu`)."""
+    host_link_gbps: float | None = None
+    """Bandwidth between a GPU and host memory per direction, Gb/s (PCIe, or NVLink-C2C on
+    GB200; default for `gpu`): the time model's activation-offloading copies."""
     cublas_workspace_config: str | None = None
     """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
     workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""

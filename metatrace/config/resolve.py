@@ -10,7 +10,7 @@ import difflib
 import math
 
 from metatrace.config.checks import check_job, layout_stages
-from metatrace.config.hardware import GPU_LINKS_GBPS, GPU_MEMORY_GIB
+from metatrace.config.hardware import GPU_HOST_GBPS, GPU_LINKS_GBPS, GPU_MEMORY_GIB
 from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel
 from metatrace.errors import ConfigError
 
@@ -77,8 +77,10 @@ def resolve(job: Job) -> Job:
             intra_node_gbps=cl.intra_node_gbps if cl.intra_node_gbps is not None else intra,
             inter_node_gbps=cl.inter_node_gbps if cl.inter_node_gbps is not None else inter,
         )
-    for name in ("intra_node_gbps", "inter_node_gbps"):
-        if getattr(cl, name) <= 0:
+    if cl.host_link_gbps is None and cl.gpu in GPU_HOST_GBPS:
+        cl = dataclasses.replace(cl, host_link_gbps=float(GPU_HOST_GBPS[cl.gpu]))
+    for name in ("intra_node_gbps", "inter_node_gbps", "host_link_gbps"):
+        if getattr(cl, name) is not None and getattr(cl, name) <= 0:
             raise ConfigError(f"'cluster.{name}' must be positive, got {getattr(cl, name)}")
 
     if training.global_batch_size is None:

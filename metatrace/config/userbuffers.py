@@ -15,8 +15,11 @@ allocator, so `torch.cuda.max_memory_allocated` does not see it):
 - a dgrad configured with a method other than bulk becomes a reduce-scatter GEMM (and its wgrad
   an all-gather one with a bf16 buffer).
 TE also widens its cuBLAS workspace to three streams (`get_workspace().repeat(3)`), inside
-PyTorch's allocator. What the userbuffers library keeps besides (flags, a few MiB per
-communicator) is not counted.
+PyTorch's allocator. Not counted: what the userbuffers library keeps besides (its one shared
+communicator's flags) and CUDA VMM's rounding of multicast buffers to its allocation
+granularity. The 2·tp−1 chunks of a ring-exchange reduce-scatter are TE's C++ allocation
+(CommOverlapP2PBase); its sources are not on the package index, and the headers here show the
+chunk count (`_num_ubuf_chunks`) but not the rule.
 """
 
 from __future__ import annotations

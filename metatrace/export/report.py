@@ -225,6 +225,7 @@ def _add_timing(report: dict, analysis) -> None:
             "busy_seconds": st.busy_seconds,
             "optimizer_seconds": st.optimizer_seconds,
             "flops_per_microbatch": sum(w.flops for w in rt.trace.windows if w.chunk is not None),
+            "offload_copy_seconds": max((sp.offload_seconds for sp in st.spans), default=0.0),
         }
     report["timing"] = {
         "iteration_seconds": timing.iteration_seconds,

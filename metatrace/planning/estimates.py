@@ -108,10 +108,12 @@ def _layer_input(job) -> int:
 
 def _fixed_bytes(job) -> int:
     """Static memory and PyTorch's cuBLAS workspace of the thread running the forward (always
-    allocated)."""
+    allocated), and Transformer Engine's userbuffers (outside the allocator, on the GPU all the
+    same: the verdict adds them too)."""
     from metatrace.config.hardware import cublas_workspace_bytes
+    from metatrace.config.userbuffers import userbuffer_bytes
 
-    return static_bytes(job) + cublas_workspace_bytes(job)
+    return static_bytes(job) + cublas_workspace_bytes(job) + userbuffer_bytes(job)
 
 
 def memory_lower_bound(job) -> int:

@@ -137,12 +137,27 @@ def build_timing_line(analysis) -> Text | None:
     schedule = f"interleaved 1F1B, vpp {par.vpp}" if par.vpp else "1F1B"
     if par.pp == 1:
         schedule = "no pipeline"
-    return Text(
+    text = Text(
         f"Estimated iteration time {seconds(t.iteration_seconds)} (compute at "
         f"{t.efficiency:.0%} of {t.peak_tflops:,.0f} TFLOP/s peak, exposed communication as "
         f"above, {schedule}), pipeline bubble {t.bubble_fraction:.1%}",
         style="bold",
     )
+    step = max((sp.offload_seconds for st in t.stages for sp in st.spans), default=0.0)
+    if step:
+        from metatrace.analysis.timing import offload_exposed_seconds
+
+        gbps = analysis.job.cluster.host_link_gbps
+        exposed = offload_exposed_seconds(t)
+        effect = (
+            f"adding {seconds(exposed)} per iteration" if exposed else "hidden behind the steps"
+        )
+        text.append(
+            f"\nActivation offloading's host copies: {seconds(step)} per step each way at "
+            f"{gbps / 8:g} GB/s, {effect}",
+            style="",
+        )
+    return text
 
 
 # ----------------------------------------------------------------------------- pipeline

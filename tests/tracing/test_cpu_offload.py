@@ -103,3 +103,19 @@ def test_fp8_moves_the_quantized_data_not_the_scales():
     fp8 = [m for m in moved if m.dtype == "uint8"]
     assert fp8 and all(m.shape[0] in (N, H, 2 * F, F) for m in fp8)
     assert not [m for m in moved if m.shape == (1,)]
+
+
+def test_the_time_model_runs_the_copies_beside_the_steps():
+    """Each step lasts at least its copies over the host link: a slow enough link makes them
+    the steps' duration."""
+    from metatrace.analysis.timing import offload_exposed_seconds
+
+    fast = analysis(offload_job(4, 2, cluster={"host_link_gbps": 1e9}))
+    slow = analysis(offload_job(4, 2, cluster={"host_link_gbps": 1e-3}))
+    moved = 2 * sum(TE_LAYER.values())  # per micro-batch, each way
+    copy = moved * 8 / (1e-3 * 1e9)
+    steps = [sp for sp in slow.timing.stages[0].spans if sp.phase in ("forward", "backward")]
+    assert all(sp.offload_seconds == pytest.approx(copy) for sp in steps)
+    assert all(sp.end - sp.start == pytest.approx(copy) for sp in steps)
+    assert offload_exposed_seconds(fast.timing) == 0.0
+    assert slow.timing.iteration_seconds > fast.timing.iteration_seconds + len(steps) * copy * 0.9

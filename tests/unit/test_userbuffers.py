@@ -87,12 +87,23 @@ def test_unknown_setting_names_the_closest():
         ub_job(cfg={"qkv_fprop": {"methd": "bulk"}})
 
 
+def test_what_te_or_megatron_core_refuses_or_is_not_modelled_with_fp8_is_refused():
+    with pytest.raises(ConfigError, match="tp_comm_overlap_rs_dgrad under FP8"):
+        ub_job(precision="fp8", tp_comm_overlap_rs_dgrad=True)
+    with pytest.raises(ConfigError, match="fc2_fprop.fp8_buf under FP8"):
+        ub_job(precision="fp8", cfg={"fc2_fprop": {"method": "pipeline", "fp8_buf": True}})
+    with pytest.raises(ConfigError, match="atomic GEMM overlap for FP8 only"):
+        ub_job(cfg={"qkv_fprop": {"atomic_gemm": True}})
+    assert ub_job(precision="fp8", cfg={"qkv_fprop": {"atomic_gemm": True}})
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
         ({"parallel": {"sequence_parallel": False}}, "needs parallel.sequence_parallel"),
         ({"implementation": {"transformer_impl": "local"}}, "needs implementation"),
         ({"training": {"precision": "fp8", "fp8_recipe": "mxfp8"}}, "not modelled yet"),
+        ({"model": {"mtp_num_layers": 1}}, "multi-token prediction fails in megatron-core"),
     ],
 )
 def test_what_megatron_lm_refuses_or_is_not_modelled_is_refused(changes, message):
