@@ -415,9 +415,18 @@ def test_megatron_fsdp_refusals(training, message):
         small_job(cluster={"num_gpus": 4}, parallel=parallel, training=training)
 
 
-def test_the_launch_script_example_is_the_yaml_examples_job():
-    """examples/pretrain_llama3_70b_gb200_fsdp.sh (Megatron-LM flags) and
-    examples/llama3-70b-gb200-fsdp-offload.yaml describe the same training."""
+@pytest.mark.parametrize(
+    "script, job_file, gpu, per_node",
+    [
+        ("pretrain_llama3_70b_gb200_fsdp.sh", "llama3-70b-gb200-fsdp-offload.yaml", "gb200", 4),
+        ("pretrain_llama3_70b_h100_tp_overlap.sh", "llama3-70b-h100-tp-overlap.yaml", "h100", 8),
+    ],
+)
+def test_the_launch_script_examples_are_the_yaml_examples_jobs(
+    monkeypatch, script, job_file, gpu, per_node
+):
+    """Each Megatron-LM launch script of examples/ (its flags; a userbuffers configuration
+    file by its path from the repository's root) and its job file describe the same training."""
     import dataclasses
     import os
 
@@ -425,9 +434,10 @@ def test_the_launch_script_example_is_the_yaml_examples_job():
     from metatrace.config.megatron.script import read_args_file
     from tests.helpers import EXAMPLES
 
-    script = os.path.join(EXAMPLES, "pretrain_llama3_70b_gb200_fsdp.sh")
-    job, _ = job_from_args(read_args_file(script), world_size=64, gpu="gb200", gpus_per_node=4)
-    yaml = load_job(os.path.join(EXAMPLES, "llama3-70b-gb200-fsdp-offload.yaml"))
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))
+    args = read_args_file(os.path.join(EXAMPLES, script))
+    job, _ = job_from_args(args, world_size=64, gpu=gpu, gpus_per_node=per_node)
+    yaml = load_job(os.path.join(EXAMPLES, job_file))
     assert job.not_modelled == ()
     for section in ("parallel", "cluster"):
         assert getattr(job, section) == getattr(yaml, section), section
