@@ -813,6 +813,19 @@ PATCHES += (
 )
 
 
+# Megatron-FSDP with tensor parallelism: its adapter bound megatron-core's TELinear at import.
+PATCHES += (
+    Patch(
+        "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        "TELinear",
+        _standin("metatrace.models.te_linear", "TELinear"),
+        Versions((0, 16)),
+        "bound at import from megatron-core's TE extensions (a class over a MagicMock without "
+        "TE); with tp > 1 _fix_tensor_parallel_attributes tests every module against it to mark "
+        "duplicated linear layers' parameters.",
+    ),
+)
+
 # Megatron-FSDP with FP8 parameters (fp8_param_gather): metatrace's FP8 weights are TE's
 # Float8Tensor to it (metatrace.models.te_fp8_param).
 _MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"

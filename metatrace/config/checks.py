@@ -492,13 +492,13 @@ def _check_fsdp(job):
             "sharding, HSDP) is not modelled yet"
         )
     par = job.parallel
-    if par.tp > 1 or par.pp > 1:
-        # Traced, megatron-core's wrapper fails: with tp > 1 it tests each module against
-        # Transformer Engine's TELinear (None without TE); with pp > 1 its device mesh takes
-        # every rank of the world for the data-parallel ranks of one stage.
+    if par.pp > 1:
+        # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as
+        # "(dp_cp ep tp)": the world must be dp x cp x ep x tp, with no pipeline stages.
         yield (
-            f"training.megatron_fsdp with parallel.tp = {par.tp}, pp = {par.pp} is not "
-            "modelled yet (tp 1 and pp 1 only)"
+            f"training.megatron_fsdp with parallel.pp = {par.pp}: megatron-core 0.16.1's "
+            "Megatron-FSDP fails while building its device mesh (it lays the whole world out "
+            "as dp x cp x ep x tp, without pipeline stages); use pp 1"
         )
     if tr.precision == "fp8" and tr.fp8_param_gather and tr.fp8_recipe == "mxfp8":
         # TE 2.8's cast_master_weights_to_fp8 raises NotImplementedError for MXFP8.

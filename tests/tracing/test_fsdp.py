@@ -249,3 +249,42 @@ def test_fp8_parameters_other_recipes_are_refused(recipe, message):
                 "fp8_param_gather": True,
             },
         )
+
+
+# ----------------------------------------------------------------------------- with tp
+
+
+def test_with_tensor_parallelism_each_rank_keeps_its_shard_of_its_tp_slice():
+    """tp 2 x dp 2: parameters sharded over tp and then over the 2 data-parallel ranks; every
+    layer's all-gather moves the rank's tp slice."""
+    tp, dp = 2, 2
+    job = small_job(
+        cluster={"num_gpus": tp * dp},
+        parallel={"tp": tp, "sequence_parallel": True},
+        implementation={"transformer_impl": "transformer_engine"},
+        training={"megatron_fsdp": True, "global_batch_size": 16},
+    )
+    a = analyze(trace_job(job, full_model=False, workers=1))
+    n = a.total_params  # every rank holds 1 / tp of them before sharding (the norms aside)
+    memory = a.roles[0].memory
+    params, grads, optimizer = CLOSED["optim_grads_params"]
+    scale = DP / (tp * dp)  # CLOSED is per rank over dp 4
+    assert within(memory.params, params * scale * n, slack=0.03)
+    assert within(memory.grads, grads * scale * n, slack=0.03)
+    assert within(memory.optimizer, optimizer * scale * n, slack=0.03)
+    layer = [it for it in dp_items(a) if it.op == "all_gather" and it.per_microbatch]
+    tp1 = [
+        it for it in dp_items(fsdp_analysis_tp1()) if it.op == "all_gather" and it.per_microbatch
+    ]
+    assert min(it.message for it in layer) * tp == pytest.approx(
+        min(it.message for it in tp1), rel=0.02
+    )
+
+
+def fsdp_analysis_tp1():
+    job = small_job(
+        cluster={"num_gpus": 4},
+        implementation={"transformer_impl": "transformer_engine"},
+        training={"megatron_fsdp": True, "global_batch_size": 16},
+    )
+    return analyze(trace_job(job, full_model=False, workers=1))
