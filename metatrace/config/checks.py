@@ -486,11 +486,6 @@ def _check_fsdp(job):
     unit = tr.fsdp_communication_unit_size
     if unit is not None and unit < 1:
         yield f"training.fsdp_communication_unit_size = {unit} must be at least 1"
-    if tr.num_distributed_optimizer_instances > 1:
-        yield (
-            "training.megatron_fsdp with num_distributed_optimizer_instances > 1 (hybrid "
-            "sharding, HSDP) is not modelled yet"
-        )
     par = job.parallel
     if par.pp > 1:
         # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as

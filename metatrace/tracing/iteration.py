@@ -283,6 +283,8 @@ class _Replay:
             del zeros
             if launches and is_fsdp(self.model[v]):
                 _fsdp_reduce(self.model[v])
+            if _hsdp_last_microbatch(self.model[v]):
+                _hsdp_outer_reduce(self.model[v])
             grads = []
             for x in inputs:
                 if x is None:
@@ -331,6 +333,34 @@ def _fsdp_reduce(chunk) -> None:
     fsdp.grad_reduce_pipeline.reduce_gradients(
         params, suggested_queue_capacity=fsdp.suggested_RS_queue_capacity
     )
+
+
+def _hsdp_last_microbatch(chunk) -> bool:
+    """Megatron-FSDP with hybrid sharding (HSDP), in the iteration's last micro-batch: the
+    one whose backward reduces the gradients across the instances too."""
+    if not is_fsdp(chunk):
+        return False
+    fsdp = chunk.module
+    return fsdp.dist_index.use_hybrid_fsdp and getattr(fsdp, "is_last_microbatch", False)
+
+
+def _hsdp_outer_reduce(chunk) -> None:
+    """The outer data-parallel reduction of HSDP (megatron-core 0.16.1's
+    GradReducePipeline._bucket_group_gradient_reduce with outer_fsdp_group_grad_reduce): each
+    gradient bucket's shard all-reduced in place across the instances (outer no_shard, the
+    default: --outer-dp-sharding-strategy is not modelled)."""
+    fsdp = chunk.module
+    buffer = fsdp.param_and_grad_buffer
+    group = buffer.dist_index.get_outer_fsdp_group()
+    op = (
+        torch.distributed.ReduceOp.AVG
+        if buffer.ddp_config.average_in_collective
+        else torch.distributed.ReduceOp.SUM
+    )
+    for param_group in buffer.parameter_groups:
+        gbuf = param_group.main_grad_buffer
+        if gbuf is not None and gbuf.data is not None and param_group.requires_grad:
+            torch.distributed.all_reduce(gbuf.data, group=group, op=op)
 
 
 def gathered_once(model) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -169,15 +170,17 @@ def trace_role(
         hooked = [chunk for chunk in model if getattr(chunk, "use_forward_hook", False)]
         for chunk in hooked:
             chunk.disable_forward_pre_hook(param_sync=False)
-        outside = list(te_state.userbuffers.values())
-        with Recorder(
+        # The micro-batch's recorder and the iteration's see the same model and world; TE's
+        # userbuffers are outside PyTorch's allocator.
+        recorder = functools.partial(
+            Recorder,
             chunks=models,
             devices=devices,
             groups=groups,
             rank=rank,
-            static=static,
-            outside=outside,
-        ) as rec:
+            outside=list(te_state.userbuffers.values()),
+        )
+        with recorder(static=static) as rec:
             with contextlib.ExitStack() as stack:
                 # The workspaces live on after the recorder stops, as they do on a GPU.
                 workspaces = stack.enter_context(cublas_workspaces(device, workspace))
@@ -216,14 +219,7 @@ def trace_role(
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
-            with Recorder(
-                chunks=models,
-                devices=devices,
-                groups=groups,
-                rank=rank,
-                static=static,
-                outside=outside,
-            ) as rec:
+            with recorder(static=static) as rec:
                 run_iteration(
                     job,
                     config,

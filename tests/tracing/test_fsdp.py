@@ -288,3 +288,36 @@ def fsdp_analysis_tp1():
         training={"megatron_fsdp": True, "global_batch_size": 16},
     )
     return analyze(trace_job(job, full_model=False, workers=1))
+
+
+# ----------------------------------------------------------------------------- hybrid sharding
+
+
+def test_hybrid_sharding_shards_within_an_instance_and_all_reduces_across():
+    """HSDP (num_distributed_optimizer_instances 2 over dp 4): everything sharded over the 2
+    ranks of an instance; in the last micro-batch each rank's gradient shard is all-reduced
+    across the instances, once per iteration."""
+    job = small_job(
+        cluster={"num_gpus": DP},
+        training={
+            "megatron_fsdp": True,
+            "num_distributed_optimizer_instances": 2,
+            "global_batch_size": 16,
+        },
+    )
+    a = analyze(trace_job(job, full_model=False, workers=1))
+    n, memory = a.total_params, a.roles[0].memory
+    params, grads, optimizer = CLOSED["optim_grads_params"]
+    assert within(memory.params, 2 * params * n)
+    assert within(memory.grads, 2 * grads * n)
+    assert within(memory.optimizer, 2 * optimizer * n)
+    items = dp_items(a)
+    inner = {it.group for it in items if it.op in ("all_gather", "reduce_scatter")}
+    assert inner == {"intra_dp_cp"}
+    outer = [it for it in items if it.group == "inter_dist_opt"]
+    assert {(it.op, it.dtype, it.per_microbatch) for it in outer} == {
+        ("all_reduce", "float32", False)
+    }
+    # every gradient buffer's shard once (the memory rounds each buffer to 512-byte blocks)
+    reduced = sum(it.count * it.message for it in outer)
+    assert 0 <= memory.grads - reduced < 512 * sum(it.count for it in outer)

@@ -398,10 +398,6 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
             "fails at the first optimizer step",
         ),
         (
-            {"megatron_fsdp": True, "num_distributed_optimizer_instances": 2},
-            "hybrid sharding, HSDP) is not modelled yet",
-        ),
-        (
             {"megatron_fsdp": True, "parallel": {"pp": 2}},
             "parallel.pp = 2: megatron-core 0.16.1's Megatron-FSDP fails while building its "
             "device mesh",
