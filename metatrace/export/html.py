@@ -185,23 +185,18 @@ def _verdict(report) -> str:
     if v is None:
         return '<p class="note">No iteration was traced: no memory verdict.</p>'
     cl = report["cluster"]
-    gpu = f"{cl['gpu']} ({cl['gpu_memory_gib']:g} GiB)"
-    from metatrace.render.format import overhead_text
+    from metatrace.render.format import verdict_text
 
-    overhead = overhead_text(cl["reserved_overhead_gib"], v.get("userbuffer_bytes", 0))
-    if v["fits"]:
-        text = (
-            f"Fits on {gpu}: highest peak {size(v['highest_peak_bytes'])} on ranks "
-            f"{rank_span(v['highest_peak_ranks'])}, + {overhead}; headroom "
-            f"{size(v['headroom_bytes'])}."
-        )
-    else:
-        text = (
-            f"Out of memory on {gpu} by {size(-v['headroom_bytes'])} on ranks "
-            f"{rank_span(v['out_of_memory_ranks'])}: highest peak "
-            f"{size(v['highest_peak_bytes'])} (ranks {rank_span(v['highest_peak_ranks'])}) "
-            f"+ {overhead}."
-        )
+    text = verdict_text(
+        f"{cl['gpu']} ({cl['gpu_memory_gib']:g} GiB)",
+        fits=v["fits"],
+        worst=v["highest_peak_bytes"],
+        worst_ranks=v["highest_peak_ranks"],
+        oom_ranks=v["out_of_memory_ranks"],
+        headroom=v["headroom_bytes"],
+        reserved_gib=cl["reserved_overhead_gib"],
+        userbuffers=v.get("userbuffer_bytes", 0),
+    )
     out = f'<p class="verdict {"fits" if v["fits"] else "oom"}">{esc(text)}</p>'
     if v.get("not_modelled"):
         from metatrace.analysis.memory import not_modelled_text

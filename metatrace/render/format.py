@@ -145,9 +145,38 @@ def op(name: str) -> str:
     return _OP.get(name, name)
 
 
-def overhead_text(reserved_gib: float, userbuffers: int) -> str:
-    """What the verdict adds to the peak: the reserved overhead, and the userbuffers."""
-    text = f"{reserved_gib:g} GiB reserved overhead"
+def verdict_text(
+    gpu: str,
+    *,
+    fits: bool,
+    worst: int,
+    worst_ranks,
+    oom_ranks,
+    headroom: int,
+    reserved_gib: float,
+    userbuffers: int,
+) -> str:
+    """The verdict's sentence (terminal and HTML): the GPU ("h100 (79.1 GiB)"), the highest
+    peak, what is added to it (the reserved overhead, Transformer Engine's userbuffers), and
+    the headroom or what is missing; when only the reserved overhead's assumed size is missing
+    room, how small the overhead must be for the job to fit."""
+    added = f"{reserved_gib:g} GiB reserved overhead"
     if userbuffers:
-        text += f" + {size(userbuffers)} of userbuffers (outside PyTorch's allocator)"
+        added += f" + {size(userbuffers)} of userbuffers (outside PyTorch's allocator)"
+    if fits:
+        return (
+            f"Fits on {gpu}: highest peak {size(worst)} on ranks {rank_span(worst_ranks)}, "
+            f"+ {added}; headroom {size(headroom)}."
+        )
+    text = (
+        f"Out of memory on {gpu} by {size(-headroom)} on ranks {rank_span(oom_ranks)}: "
+        f"highest peak {size(worst)} (ranks {rank_span(worst_ranks)}) + {added}."
+    )
+    reserved = round(reserved_gib * 2**30)
+    if -headroom < reserved:
+        text += (
+            f" It fits if the CUDA context, NCCL and fragmentation take less than "
+            f"{size(reserved + headroom)} (cluster.reserved_overhead_gib assumes "
+            f"{reserved_gib:g} GiB)."
+        )
     return text

@@ -429,23 +429,20 @@ def build_offload_lines(analysis) -> list[Text]:
 
 def build_verdict(analysis) -> Text:
     from metatrace.analysis.memory import not_modelled_text
-    from metatrace.render.format import overhead_text
+    from metatrace.render.format import verdict_text
 
     job, v = analysis.job, analysis.verdict
-    gpu = f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)"
-    overhead = overhead_text(job.cluster.reserved_overhead_gib, v.userbuffers)
-    if v.fits:
-        text = Text(
-            f"Fits on {gpu}: highest peak {size(v.worst)} on ranks {rank_span(v.worst_ranks)}, "
-            f"+ {overhead}; headroom {size(v.headroom)}.",
-            style="bold green",
-        )
-    else:
-        text = Text(
-            f"Out of memory on {gpu} by {size(-v.headroom)} on ranks {rank_span(v.oom_ranks)}: "
-            f"highest peak {size(v.worst)} (ranks {rank_span(v.worst_ranks)}) + {overhead}.",
-            style="bold red",
-        )
+    sentence = verdict_text(
+        f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)",
+        fits=v.fits,
+        worst=v.worst,
+        worst_ranks=v.worst_ranks,
+        oom_ranks=v.oom_ranks,
+        headroom=v.headroom,
+        reserved_gib=job.cluster.reserved_overhead_gib,
+        userbuffers=v.userbuffers,
+    )
+    text = Text(sentence, style="bold green" if v.fits else "bold red")
     if job.not_modelled:
         items = [dataclasses.asdict(n) for n in job.not_modelled]
         text.append("\n" + not_modelled_text(items), style="bold yellow")
