@@ -33,7 +33,7 @@ from metatrace.models.te_fp8 import (
     weight_workspace,
 )
 from metatrace.models.te_fp8_param import drop_blackwell_transpose, ensure_transpose
-from metatrace.models.te_runtime import te_wgrad, ub_reduce_scatter, userbuffer
+from metatrace.models.te_runtime import bulk_reduced, dgrad_and_input, te_wgrad, ub_reduce_scatter
 
 
 def _coalesced_gather(pairs, mode, device):
@@ -250,30 +250,22 @@ def fp8_backward(ctx, grad):
     if column_sp and needs_wgrad:
         inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
     rows = ctx.local_rows * (mode.tp if column_sp else 1)
-    dinput = None
-    if "rs_dgrad" in mode.ub:  # the reduce-scatter's output, before the GEMM
-        dinput = torch.empty((ctx.local_rows, in_features), dtype=grad.dtype, device=device)
-    if "bulk_wgrad" in mode.ub:  # dgrad into the wgrad GEMM's (bf16) userbuffer
-        dgrad = userbuffer(f"{mode.ub_name}_wgrad", (rows, in_features), grad.dtype)
-        dgrad.zero_()
-    else:
-        dgrad = torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
+    # bf16 dgrad (into the wgrad GEMM's bf16 userbuffer under bulk_wgrad)
+    dgrad, dinput = dgrad_and_input(
+        mode,
+        rows,
+        in_features,
+        grad.dtype,
+        device,
+        lambda out: (
+            out.zero_()
+            if out is not None
+            else torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
+        ),
+    )
     # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
     gemm = flops.gemm(rows, weight.shape[0], in_features)
     flops.report(gemm * (2 if needs_wgrad else 1), fp8=True)
-    if dinput is not None:
-        ub_reduce_scatter(dinput, dgrad, mode.group)
-    elif "bulk_wgrad" in mode.ub:
-        pass  # reduce-scattered beside the wgrad GEMM, below
-    elif mode.parallel == "column" and mode.tp > 1:
-        if mode.sequence_parallel:
-            dinput = torch.empty((ctx.local_rows, in_features), dtype=dgrad.dtype, device=device)
-            dist.reduce_scatter_tensor(dinput, dgrad, group=mode.group)
-        else:
-            dist.all_reduce(dgrad, group=mode.group)
-            dinput = dgrad
-    else:
-        dinput = dgrad
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (
@@ -281,9 +273,7 @@ def fp8_backward(ctx, grad):
         if needs_wgrad
         else None
     )
-    if dinput is None:  # TE clones the reduce-scattered chunk out of the userbuffer
-        dinput = torch.empty((ctx.local_rows, in_features), dtype=dgrad.dtype, device=device)
-        ub_reduce_scatter(dinput, dgrad, mode.group)
+    dinput = bulk_reduced(mode, dgrad, dinput)
     del dy_buffers, inputs
     dln_w = dln_b = None
     if mode.norm is not None:

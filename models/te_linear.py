@@ -40,12 +40,13 @@ from metatrace.models.norm import NormBase, norm_backward, norm_forward
 from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8_linear import fp8_backward, fp8_forward
 from metatrace.models.te_runtime import (
+    bulk_reduced,
+    dgrad_and_input,
     fuses_wgrad,
     te_wgrad,
     te_workspace,
     ub_all_gather,
     ub_reduce_scatter,
-    userbuffer,
 )
 
 
@@ -154,33 +155,18 @@ class _LinearFunction(torch.autograd.Function):
         if column_sp:
             bulk = "bulk_dgrad" in mode.ub
             total = mode.ub_gather(saved_input, "dgrad") if bulk else _gather(saved_input, mode)
-        rows, in_features = dy.shape[0], weight.shape[1]
-        dinput = None
-        if "rs_dgrad" in mode.ub:  # the reduce-scatter's output, before the GEMM
-            dinput = torch.empty((rows // mode.tp, in_features), dtype=dy.dtype, device=dy.device)
-        if "bulk_wgrad" in mode.ub:  # dgrad into the wgrad GEMM's userbuffer
-            dgrad = userbuffer(f"{mode.ub_name}_wgrad", (rows, in_features), dy.dtype)
-            torch.mm(dy, weight, out=dgrad)
-        else:
-            dgrad = torch.mm(dy, weight)  # [N, in]
-        if dinput is not None:
-            ub_reduce_scatter(dinput, dgrad, mode.group)
-        elif "bulk_wgrad" in mode.ub:
-            pass  # reduce-scattered beside the wgrad GEMM, below
-        elif mode.parallel == "column" and mode.tp > 1:
-            if mode.sequence_parallel:
-                dinput = _reduce_scatter(dgrad, mode)
-            else:
-                dist.all_reduce(dgrad, group=mode.group)
-                dinput = dgrad
-        else:
-            dinput = dgrad
+        dgrad, dinput = dgrad_and_input(  # [N, in]
+            mode,
+            dy.shape[0],
+            weight.shape[1],
+            dy.dtype,
+            dy.device,
+            lambda out: torch.mm(dy, weight, out=out) if out is not None else torch.mm(dy, weight),
+        )
         if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
             flops.report(flops.gemm(dy.shape[1], dy.shape[0], total.shape[1]))
         wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
-        if dinput is None:  # TE clones the reduce-scattered chunk out of the userbuffer
-            dinput = torch.empty((rows // mode.tp, in_features), dtype=dy.dtype, device=dy.device)
-            ub_reduce_scatter(dinput, dgrad, mode.group)
+        dinput = bulk_reduced(mode, dgrad, dinput)
         bgrad = dy.sum(0) if bias is not None else None
         del total
         dln_w = dln_b = None

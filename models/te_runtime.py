@@ -143,3 +143,41 @@ def ub_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group) -> None:
     """A reduce-scatter TE's userbuffers run beside a GEMM."""
     with overlapped(UB_OVERLAP):
         dist.reduce_scatter_tensor(out, full, group=group)
+
+
+def dgrad_and_input(mode, rows: int, in_features: int, dtype, device, gemm):
+    """The dgrad GEMM of a TE linear stand-in (`mode`: its _Mode) and what becomes of it before
+    the wgrad GEMM, as TE 2.8 does: returns (dgrad [rows, in], the input gradient). `gemm(out)`
+    runs the GEMM into `out` (the wgrad userbuffer under bulk_wgrad) or, with out None, into a
+    new tensor. With ub_overlap_rs_dgrad the reduce-scatter's output comes before the GEMM;
+    under bulk_wgrad the input gradient is None: `bulk_reduced` makes it after the wgrad GEMM.
+    Column parallel otherwise reduce-scatters (SP) or all-reduces dgrad in place."""
+    dinput = None
+    if "rs_dgrad" in mode.ub:
+        dinput = torch.empty((rows // mode.tp, in_features), dtype=dtype, device=device)
+    bulk = "bulk_wgrad" in mode.ub
+    dgrad = gemm(userbuffer(f"{mode.ub_name}_wgrad", (rows, in_features), dtype) if bulk else None)
+    if dinput is not None:
+        ub_reduce_scatter(dinput, dgrad, mode.group)
+    elif bulk:
+        pass
+    elif mode.parallel == "column" and mode.tp > 1 and mode.sequence_parallel:
+        dinput = torch.empty((rows // mode.tp, in_features), dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(dinput, dgrad, group=mode.group)
+    else:
+        if mode.parallel == "column" and mode.tp > 1:
+            dist.all_reduce(dgrad, group=mode.group)
+        dinput = dgrad
+    return dgrad, dinput
+
+
+def bulk_reduced(mode, dgrad, dinput):
+    """After the wgrad GEMM: under bulk_wgrad (dinput None) the reduce-scatter TE ran beside it,
+    and the clone of the local chunk out of the userbuffer."""
+    if dinput is not None:
+        return dinput
+    out = torch.empty(
+        (dgrad.shape[0] // mode.tp, dgrad.shape[1]), dtype=dgrad.dtype, device=dgrad.device
+    )
+    ub_reduce_scatter(out, dgrad, mode.group)
+    return out
