@@ -50,10 +50,24 @@ NEWLY_COVERED = (
     "--ddp-pad-buckets-for-high-nccl-busbw",
     "--deterministic-mode",
     "--tp-comm-overlap",
+    "--optimizer-cpu-offload",
+    "--optimizer-offload-fraction",
 )
 
 # (name, base extra, option extra, gpu)
 CASES = (
+    (
+        "optimizer CPU offload (all of the state on the host)",
+        DISTOPT + " --use-precision-aware-optimizer",
+        " --optimizer-cpu-offload",
+        "h100",
+    ),
+    (
+        "optimizer CPU offload (half of it)",
+        DISTOPT + " --use-precision-aware-optimizer",
+        " --optimizer-cpu-offload --optimizer-offload-fraction 0.5",
+        "h100",
+    ),
     (
         "TP overlap with userbuffers (the buffers themselves are outside the allocator)",
         " --sequence-parallel",

@@ -694,13 +694,19 @@ for _name in (
     )
 
 
+def _standin_factory(module: str, name: str):
+    """A patch's `make` from `module.name(orig)`, imported when the patch is applied."""
+
+    def make(orig):
+        return getattr(importlib.import_module(module), name)(orig)
+
+    return make
+
+
 # Fine-grained activation offloading (--fine-grained-activation-offloading; metatrace.hooks.offload
 # has the stand-ins, their reasons, and the log of what moved).
 def _offload_standin(name: str):
-    def make(orig):
-        return getattr(importlib.import_module("metatrace.hooks.offload"), name)(orig)
-
-    return make
+    return _standin_factory("metatrace.hooks.offload", name)
 
 
 # Transformer Engine's layer-wise CPU activation offloading (--cpu-offloading-num-layers;
@@ -722,6 +728,28 @@ PATCHES += (
         Versions((0, 16)),
         "gates only whether the fused SwiGLU marks its input for TE's layer-wise offloading "
         "(mlp.py:210), itself gated by cpu_offloading.",
+    ),
+)
+
+# Optimizer CPU offload (--optimizer-cpu-offload; metatrace.hooks.optimizer_offload restates
+# the split and the step for meta).
+_HDO = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+PATCHES += (
+    Patch(
+        _HDO,
+        "HybridDeviceOptimizer._get_sub_optimizer_param_groups",
+        _standin_factory("metatrace.hooks.optimizer_offload", "split"),
+        Versions((0, 16, 1)),
+        "decides host or GPU by `param.is_cuda`, False on meta: every shard would be taken for "
+        "a host one and nothing offloaded; host copies would take host memory in the tracer.",
+    ),
+    Patch(
+        _HDO,
+        "HybridDeviceOptimizer.step",
+        _standin_factory("metatrace.hooks.optimizer_offload", "step"),
+        Versions((0, 16, 1)),
+        "runs the host optimizers and the copies between host and GPU, which have no meta "
+        "stand-in; the GPU part runs, the copies are logged.",
     ),
 )
 

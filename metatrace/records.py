@@ -229,6 +229,9 @@ class RoleTrace:
     offload: OffloadRecord | None = None
     """What fine-grained activation offloading moved in the traced micro-batch (None when the
     job does not offload); memory.role_offload sums it up."""
+    host_optimizer: Any = None
+    """What the optimizer CPU offload keeps on the host and moves per step
+    (metatrace.hooks.optimizer_offload.HostOptimizer; None without it)."""
 
 
 @dataclass(frozen=True)

@@ -307,6 +307,16 @@ def single_gpu_job(job):
             overlap_grad_reduce=False,
             overlap_param_gather=False,
             overlap_param_gather_with_optimizer_step=False,
+            # megatron-core's precision-aware optimizer (and the CPU offload on it) needs the
+            # distributed optimizer.
+            use_precision_aware_optimizer=False,
+            main_grads_dtype="fp32",
+            main_params_dtype="fp32",
+            exp_avg_dtype="fp32",
+            exp_avg_sq_dtype="fp32",
+            optimizer_cpu_offload=False,
+            grad_reduce_in_fp32=job.training.grad_reduce_in_fp32
+            or job.training.main_grads_dtype == "fp32",
         )
     cl = dataclasses.replace(job.cluster, num_gpus=1)
     multiple = job.model.make_vocab_size_divisible_by
@@ -422,6 +432,9 @@ def optimizer_config(job):
             clip_grad=tr.clip_grad,
             log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
             fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
+            optimizer_cpu_offload=tr.optimizer_cpu_offload,
+            optimizer_offload_fraction=tr.optimizer_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=tr.overlap_cpu_optimizer_d2h_h2d,
         )
 
 
@@ -430,12 +443,17 @@ def build_optimizer(job, model):
     built here), with the optimizer state every step after the first holds: megatron-core's
     own init_state_fn creates it, as for loading a checkpoint."""
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from metatrace.hooks.optimizer_offload import initialize_state
 
     optimizer = get_megatron_optimizer(optimizer_config(job), model, use_gloo_process_groups=False)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if inner.optimizer is None:
             continue
-        if inner.config.use_precision_aware_optimizer:
+        if isinstance(inner.optimizer, HybridDeviceOptimizer):
+            initialize_state(inner.optimizer, inner.config.main_grads_dtype)
+        elif inner.config.use_precision_aware_optimizer:
             # As TE's FusedAdam.step creates the state (TE 2.8 fused_adam.py): the master copy
             # of a bf16 parameter as int16 remainders when store_param_remainders. (megatron-core
             # 0.16.1's init_state_fn calls initialize_state(p) without that argument, which TE
@@ -461,6 +479,8 @@ def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
     """Device tensors that live for the whole run beside the modules' parameters and buffers,
     by part: "grads" (DDP's gradient buffers; its parameter buffers hold the parameters
     themselves), "optimizer" (main parameters, optimizer state, scaler and flag tensors)."""
+    from metatrace.hooks.optimizer_offload import is_host
+
     grads, state = [], []
     if any(is_fsdp(chunk) for chunk in model):
         return _fsdp_static_tensors(model, optimizer)
@@ -475,11 +495,17 @@ def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
         state.extend(t for owner in owners for t in vars(owner).values() if torch.is_tensor(t))
         if inner.optimizer is None:
             continue
-        state.extend(t for t in vars(inner.optimizer).values() if torch.is_tensor(t))
-        for group in inner.optimizer.param_groups:
+        opt = inner.optimizer
+        for owner in [opt, *getattr(opt, "sub_optimizers", [])]:  # HybridDeviceOptimizer's
+            state.extend(t for t in vars(owner).values() if torch.is_tensor(t))
+        for group in opt.param_groups:
             for p in group["params"]:
                 state.append(p)
-                state.extend(v for v in inner.optimizer.state[p].values() if torch.is_tensor(v))
+                state.extend(v for v in opt.state[p].values() if torch.is_tensor(v))
+                if getattr(opt, "gpu_optimizer", None) is not None:
+                    fp32 = opt.param_to_fp32_param.get(p)
+                    state.append(getattr(fp32, "grad", None))  # what the last step left
+    state = [t for t in state if torch.is_tensor(t) and not is_host(t)]
     return {"grads": grads, "optimizer": state}
 
 

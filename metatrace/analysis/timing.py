@@ -371,6 +371,8 @@ def job_timing(job_trace) -> Timing | None:
             )
             transfers.extend(_transfers(s, phase, chunk, mb, end, sends[s], pp, vpp))
         opt_seconds, update, opt_calls = _optimizer(job, world, rt.iteration, rt.trace.rank)
+        host = host_optimizer_seconds(job, rt.host_optimizer) or 0.0
+        opt_seconds += host  # the optimizer CPU offload's copies, in the step
         opt_peak = max(
             (v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")), default=0
         )
@@ -382,9 +384,10 @@ def job_timing(job_trace) -> Timing | None:
                 None,
                 None,
                 compute_seconds=update,
-                comm_seconds=opt_seconds - update,
+                comm_seconds=opt_seconds - update - host,
                 peak_bytes=opt_peak,
                 calls=opt_calls,
+                offload_seconds=host,
             )
         )
         busy = sum(end - start for start, end, *_ in stage)
@@ -416,6 +419,20 @@ def _offload_seconds(job, rt) -> dict[str, float]:
         return {}
     per_step = summary.d2h_per_microbatch / max(1, len(rt.chunks)) * 8 / (gbps * 1e9)
     return {"forward": per_step, "backward": per_step}
+
+
+def host_optimizer_seconds(job, host) -> float | None:
+    """Seconds of the optimizer CPU offload's copies in one optimizer step
+    (metatrace.hooks.optimizer_offload.HostOptimizer; None without it or without a host-link
+    bandwidth): the gradients to the host, then the parameters back; with
+    overlap_cpu_optimizer_d2h_h2d both directions run at once, parameter by parameter. The host
+    update between them is not timed."""
+    gbps = job.cluster.host_link_gbps
+    if host is None or not gbps:
+        return None
+    d2h, h2d = host.d2h_bytes, host.h2d_bytes
+    moved = max(d2h, h2d) if job.training.overlap_cpu_optimizer_d2h_h2d else d2h + h2d
+    return moved * 8 / (gbps * 1e9)
 
 
 def offload_exposed_seconds(timing: Timing) -> float:

@@ -455,10 +455,42 @@ def _check_optimizer(job):
                 "training.use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
                 "(implementation.transformer_impl: transformer_engine)"
             )
+    if tr.optimizer_cpu_offload:
+        yield from _check_optimizer_offload(job)
     if tr.grad_reduce_in_fp32 and tr.main_grads_dtype != "fp32":
         yield "training.grad_reduce_in_fp32 contradicts training.main_grads_dtype = bf16"
     if tr.clip_grad < 0:
         yield f"training.clip_grad = {tr.clip_grad} must not be negative"
+
+
+def _check_optimizer_offload(job):
+    tr = job.training
+    if not tr.use_precision_aware_optimizer:
+        yield (
+            "training.optimizer_cpu_offload needs training.use_precision_aware_optimizer "
+            "(Megatron-LM asserts it)"
+        )
+    if not 0.0 <= tr.optimizer_offload_fraction <= 1.0:
+        yield (
+            f"training.optimizer_offload_fraction = {tr.optimizer_offload_fraction} must be "
+            "between 0 and 1"
+        )
+    if tr.megatron_fsdp:
+        yield (
+            "training.optimizer_cpu_offload with training.megatron_fsdp is not modelled "
+            "(Megatron-FSDP hands the hybrid optimizer DTensor shards, which its split sizes "
+            "by their global shapes)"
+        )
+    if tr.fp8_param_gather:
+        # distrib_optimizer._build_model_and_main_param_groups: with the offload the shards the
+        # optimizer updates are the model's own, and an FP8 parameter's is None (current
+        # scaling) or its 8-bit data (delayed): HybridDeviceOptimizer then fails, or updates
+        # the FP8 bytes as numbers.
+        yield (
+            "training.optimizer_cpu_offload with training.fp8_param_gather: megatron-core 0.16.1 "
+            "hands the hybrid optimizer the FP8 parameters' shards (None with current scaling) "
+            "instead of high-precision ones"
+        )
 
 
 def _check_fsdp(job):

@@ -364,6 +364,19 @@ class Training:
     """Adam first-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     """Adam second-moment dtype (non-fp32 needs use_precision_aware_optimizer)."""
+    optimizer_cpu_offload: bool = False
+    """megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload; needs
+    use_precision_aware_optimizer): for the first optimizer_offload_fraction of each rank's
+    parameter shards, the fp32 master copy and Adam's moments live in host memory and the update
+    runs on the host; the gradient shards go to the host (D2H) and the updated parameters come
+    back (H2D) in every optimizer step. The rest stays on the GPU with fp32 moments."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the shard's elements whose update moves to
+    the host, taken in parameter order (--optimizer-offload-fraction; Megatron-LM's default 1.0)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With optimizer_cpu_offload: one host optimizer per parameter, so each one's update starts
+    when its gradient has arrived and its copy back overlaps the next (--overlap-cpu-optimizer-
+    d2h-h2d). Time only."""
     clip_grad: float = 1.0
     """Gradient clipping by global norm (0 turns it off)."""
     log_num_zeros_in_grad: bool = False

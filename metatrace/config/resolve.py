@@ -101,6 +101,15 @@ def resolve(job: Job) -> Job:
         for key in _UB_OPTIONS:
             if getattr(par, key) != getattr(defaults, key):
                 notes.append(f"parallel.{key} acts only with parallel.tp_comm_overlap: ignored")
+    if not training.optimizer_cpu_offload:
+        for key, default in (
+            ("optimizer_offload_fraction", 1.0),
+            ("overlap_cpu_optimizer_d2h_h2d", False),
+        ):
+            if getattr(training, key) != default:
+                notes.append(
+                    f"training.{key} acts only with training.optimizer_cpu_offload: ignored"
+                )
     if training.grad_reduce_in_fp32 is None:
         # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
         # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).

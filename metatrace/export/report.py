@@ -12,6 +12,7 @@ import json
 
 from metatrace import __version__
 from metatrace.analysis import aggregate as agg
+from metatrace.analysis.timing import STEP_PHASES
 
 SCHEMA_VERSION = 3
 
@@ -152,6 +153,8 @@ def role_report(ra, world=None) -> dict:
             "d2h_bytes_per_iteration": ra.offload.d2h_per_iteration,
             "pinned_host_bytes": ra.offload.pinned_host,
         }
+    if rt.host_optimizer is not None:
+        out["host_optimizer"] = dataclasses.asdict(rt.host_optimizer)
     return out
 
 
@@ -225,7 +228,9 @@ def _add_timing(report: dict, analysis) -> None:
             "busy_seconds": st.busy_seconds,
             "optimizer_seconds": st.optimizer_seconds,
             "flops_per_microbatch": sum(w.flops for w in rt.trace.windows if w.chunk is not None),
-            "offload_copy_seconds": max((sp.offload_seconds for sp in st.spans), default=0.0),
+            "offload_copy_seconds": max(
+                (sp.offload_seconds for sp in st.spans if sp.phase in STEP_PHASES), default=0.0
+            ),
         }
     report["timing"] = {
         "iteration_seconds": timing.iteration_seconds,

@@ -143,10 +143,12 @@ def build_timing_line(analysis) -> Text | None:
         f"above, {schedule}), pipeline bubble {t.bubble_fraction:.1%}",
         style="bold",
     )
-    step = max((sp.offload_seconds for st in t.stages for sp in st.spans), default=0.0)
-    if step:
-        from metatrace.analysis.timing import offload_exposed_seconds
+    from metatrace.analysis.timing import STEP_PHASES, offload_exposed_seconds
 
+    spans = [sp for st in t.stages for sp in st.spans]
+    step = max((sp.offload_seconds for sp in spans if sp.phase in STEP_PHASES), default=0.0)
+    host = max((sp.offload_seconds for sp in spans if sp.phase == "optimizer"), default=0.0)
+    if step:
         gbps = analysis.job.cluster.host_link_gbps
         exposed = offload_exposed_seconds(t)
         effect = (
@@ -155,6 +157,13 @@ def build_timing_line(analysis) -> Text | None:
         text.append(
             f"\nActivation offloading's host copies: {seconds(step)} per step each way at "
             f"{gbps / 8:g} GB/s, {effect}",
+            style="",
+        )
+    if host:
+        gbps = analysis.job.cluster.host_link_gbps
+        text.append(
+            f"\nOptimizer CPU offload: {seconds(host)} of copies to the host and back in the "
+            f"optimizer step at {gbps / 8:g} GB/s each way (the host's update itself not timed)",
             style="",
         )
     return text

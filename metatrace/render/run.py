@@ -28,6 +28,7 @@ from metatrace.render.format import (
     mib,
     peak_at,
     rank_span,
+    seconds,
     section,
     shape,
     size,
@@ -427,6 +428,38 @@ def build_offload_lines(analysis) -> list[Text]:
     ]
 
 
+def build_host_optimizer_lines(analysis) -> list[Text]:
+    """One line on the optimizer CPU offload: the share of the update on the host, host memory
+    and the copies per step (none without it)."""
+    from metatrace.analysis.timing import host_optimizer_seconds
+
+    job = analysis.job
+    parts = []
+    for ra in analysis.roles:
+        h = ra.traced.host_optimizer
+        if h is None:
+            continue
+        share = h.offloaded_numel / h.total_numel if h.total_numel else 0.0
+        secs = host_optimizer_seconds(job, h)
+        link = f", {seconds(secs)} over the host link" if secs is not None else ""
+        parts.append(
+            f"stage {ra.role.pp_stage} {share:.0%} of {h.total_numel / 1e6:,.1f}M shard elements, "
+            f"{size(h.host_bytes)} host memory, {size(h.d2h_bytes)} to the host and "
+            f"{size(h.h2d_bytes)} back per step{link}"
+        )
+    if not parts:
+        return []
+    return [
+        Text(
+            "Optimizer CPU offload (optimizer_offload_fraction "
+            f"{job.training.optimizer_offload_fraction:g}; master weights and Adam moments of "
+            f"that share on the host, not in Optim), per GPU: {'; '.join(parts)}. The host "
+            "update's own time is not modelled.",
+            style="dim",
+        )
+    ]
+
+
 def build_verdict(analysis) -> Text:
     from metatrace.analysis.memory import not_modelled_text
     from metatrace.render.format import verdict_text
@@ -521,7 +554,7 @@ def render_run(analysis, console, *, depth=None, expand=False) -> None:
             )
         )
         console.print(build_memory_table(analysis.roles))
-        for line in build_offload_lines(analysis):  # fine-grained activation offloading
+        for line in build_offload_lines(analysis) + build_host_optimizer_lines(analysis):
             console.print(line)
         console.print(
             section(

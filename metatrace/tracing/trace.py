@@ -128,6 +128,7 @@ def trace_role(
     from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
     from metatrace.hooks.fake_world import fake_world, named_groups
     from metatrace.hooks.offload import OffloadLog, reset_manager
+    from metatrace.hooks.optimizer_offload import offload_record
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.recorder import Recorder
     from metatrace.hooks.remap import cublas_workspaces, remap_cuda
@@ -241,6 +242,7 @@ def trace_role(
         seconds=time.perf_counter() - start,
         iteration=steady,
         offload=record,
+        host_optimizer=offload_record(optimizer) if steady is not None else None,
     )
 
 

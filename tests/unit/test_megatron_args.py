@@ -667,3 +667,20 @@ def test_megatron_fsdp_flags_map_to_their_keys_and_act_only_with_it():
     # megatron-core 0.16.1's finalize_model_grads breaks torch FSDP2 (TypeError).
     message = error(BASE + " --use-torch-fsdp2 --untie-embeddings-and-output-weights")
     assert "fails in megatron-core 0.16.1" in message and "force_all_reduce" in message
+
+
+def test_optimizer_cpu_offload_flags():
+    base = BASE + " --use-distributed-optimizer --use-precision-aware-optimizer"
+    tr = job(base + " --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d")[0].training
+    assert (tr.optimizer_cpu_offload, tr.optimizer_offload_fraction) == (True, 1.0)
+    assert tr.overlap_cpu_optimizer_d2h_h2d
+    args = base + " --optimizer-cpu-offload --optimizer-offload-fraction 0.25"
+    assert job(args)[0].training.optimizer_offload_fraction == 0.25
+    # get_megatron_optimizer picks the classes again after reading it: no effect, not noted.
+    assert not_modelled(split_args(args + " --use-torch-optimizer-for-cpu-offload")) == []
+    # Megatron-LM accepts the fraction alone (and ignores it); metatrace says so.
+    quiet, notes = job(base + " --optimizer-offload-fraction 0.5")
+    assert not quiet.training.optimizer_cpu_offload
+    assert any("acts only with training.optimizer_cpu_offload" in n for n in [*quiet.notes, *notes])
+    with pytest.raises(ConfigError, match="needs training.use_precision_aware_optimizer"):
+        job(BASE + " --use-distributed-optimizer --optimizer-cpu-offload")

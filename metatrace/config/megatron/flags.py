@@ -203,6 +203,9 @@ _MODELLED: dict[str, str | None] = {
     "--sgd-momentum": "training.sgd_momentum",
     "--use-precision-aware-optimizer": "training.use_precision_aware_optimizer",
     "--cpu-offloading-num-layers": "training.cpu_offloading_num_layers",
+    "--optimizer-cpu-offload": "training.optimizer_cpu_offload",
+    "--optimizer-offload-fraction": "training.optimizer_offload_fraction",
+    "--overlap-cpu-optimizer-d2h-h2d": "training.overlap_cpu_optimizer_d2h_h2d",
     "--main-grads-dtype": "training.main_grads_dtype",
     "--main-params-dtype": "training.main_params_dtype",
     "--exp-avg-dtype": "training.exp_avg_dtype",
@@ -530,6 +533,8 @@ _NO_EFFECT: dict[str, str] = {
         "--yarn-beta-slow --yarn-correction-range-round-to-int "
         "--yarn-original-max-position-embeddings "
     ),
+    "no effect in megatron-core 0.16.1: get_megatron_optimizer picks the Adam and SGD classes "
+    "again after reading it": "--use-torch-optimizer-for-cpu-offload ",
     "no effect in megatron-core 0.16.1 (deprecated, read nowhere, or read only by features "
     "not in use)": (
         "--apply-residual-connection-post-layernorm "
@@ -577,10 +582,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("NCCL user-buffer registration (buffers from NCCL's pool)", "unknown"): (
         "--use-nccl-ub --disable-symmetric-registration"
-    ),
-    ("optimizer CPU offload", "lowers"): (
-        "--optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
-        "--use-torch-optimizer-for-cpu-offload"
     ),
     ("fine-grained activation offloading options of newer Megatron-LM", "either"): (
         "--activation-offload-fraction --delay-offload-until-cuda-graph "
@@ -924,10 +925,6 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
         "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
         "--fsdp-db-use-persist-buf-on-alloc-fail"
-    ),
-    "--optimizer-cpu-offload": (
-        "--optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
-        "--use-torch-optimizer-for-cpu-offload"
     ),
     "--fp8-format --fp4-format": (
         "--no-fp8-wgrad --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
