@@ -38,8 +38,11 @@ def _activations():
     }
 
 
-def transformer_config(job):
-    """megatron-core's TransformerConfig for `job`; megatron-core's own checks become ConfigError."""
+def transformer_config(job, *, cuda_graphs: bool = False):
+    """megatron-core's TransformerConfig for `job`; megatron-core's own checks become ConfigError.
+    The model is traced eagerly: its CUDA-graph settings are in the config only with
+    `cuda_graphs` (megatron-core's checks of them, and the capture's static inputs:
+    metatrace.tracing.graphs)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -165,6 +168,10 @@ def transformer_config(job):
         perform_initialization=True,
         use_cpu_initialization=False,
     )
+    if cuda_graphs and tr.cuda_graph_impl != "none":
+        fields.update(
+            cuda_graph_impl=tr.cuda_graph_impl, cuda_graph_scope=tr.cuda_graph_scope or []
+        )
     config_class = TransformerConfig
     if m.multi_latent_attention:
         # Megatron-LM's core_transformer_config_from_args switches the class for MLA.
@@ -295,8 +302,9 @@ def single_gpu_job(job):
         num_distributed_optimizer_instances=1,  # one GPU: one instance
         defer_embedding_wgrad_compute=False,  # megatron-core refuses it without pipelining
     )
-    # One GPU shards nothing: Megatron-FSDP there is DDP with a replicated optimizer.
-    tr = dataclasses.replace(tr, megatron_fsdp=False)
+    # One GPU shards nothing: Megatron-FSDP there is DDP with a replicated optimizer. The view
+    # is the eager model (no CUDA graphs' static buffers).
+    tr = dataclasses.replace(tr, megatron_fsdp=False, cuda_graph_impl="none", cuda_graph_scope=None)
     if not tr.fp8_param_gather:
         # On one GPU the distributed optimizer shards nothing and the view shows no optimizer
         # state; megatron-core maps parameters to its buckets in O(buckets x parameters), which

@@ -409,6 +409,7 @@ def _check_training(job, split_ok: bool):
     yield from _check_fsdp(job)
     yield from _check_recompute(job, split_ok)
     yield from _check_offload(job)
+    yield from _check_cuda_graphs(job)
 
 
 def _check_optimizer(job):
@@ -491,6 +492,31 @@ def _check_optimizer_offload(job):
             "hands the hybrid optimizer the FP8 parameters' shards (None with current scaling) "
             "instead of high-precision ones"
         )
+
+
+def _check_cuda_graphs(job):
+    """What metatrace models of CUDA graphs (megatron-core's own refusals run with its
+    TransformerConfig: metatrace.tracing.checks)."""
+    tr = job.training
+    impl, scope = tr.cuda_graph_impl, tr.cuda_graph_scope or []
+    if impl == "none":
+        if tr.cuda_graph_scope is not None:
+            yield "training.cuda_graph_scope needs training.cuda_graph_impl"
+        return
+    what = f"training.cuda_graph_impl {impl}"
+    if impl == "transformer_engine" and job.implementation.transformer_impl != "transformer_engine":
+        yield f"{what} needs implementation.transformer_impl: transformer_engine"
+    if impl == "local" and scope != ["full_iteration"]:
+        yield (
+            f"{what} is modelled as the whole-iteration graph only (cuda_graph_scope: "
+            "[full_iteration]); megatron-core 0.16.1's per-layer local graphs are not modelled"
+        )
+    if "full_iteration" in scope and len(scope) > 1:
+        yield "training.cuda_graph_scope full_iteration goes alone"
+    if job.model.num_experts:
+        yield f"{what} with a mixture-of-experts model is not modelled yet"
+    if tr.activation_offload_modules:
+        yield f"{what} with training.activation_offload_modules is not modelled"
 
 
 def _check_fsdp(job):

@@ -405,6 +405,14 @@ class Training:
     balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
+    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
+    """CUDA graphs (--cuda-graph-impl): transformer_engine captures each transformer layer (or
+    the parts cuda_graph_scope names) with TE's make_graphed_callables; local with megatron-core's
+    own graphs, here only as a whole-iteration graph (cuda_graph_scope: [full_iteration])."""
+    cuda_graph_scope: list[Literal["attn", "mlp", "full_iteration"]] | None = None
+    """What is captured (--cuda-graph-scope): attn (a layer's attention part), mlp (its MLP
+    part), both or omitted: the whole layer; full_iteration (local): the whole forward-backward
+    of an iteration, every micro-batch."""
     create_attention_mask_in_dataloader: bool = True
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
     the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""

@@ -127,7 +127,9 @@ def build_summary(job, world) -> Table:
             f" · offloading {', '.join(tr.activation_offload_modules)}"
             if tr.activation_offload_modules
             else ""
-        ),
+        )
+        + (" · optimizer CPU offload" if tr.optimizer_cpu_offload else "")
+        + _graphs_summary(tr),
     )
     table.add_row(
         "cluster",
@@ -398,6 +400,15 @@ def build_memory_table(roles) -> Group:
         style="dim",
     )
     return Group(table, where, legend)
+
+
+def _graphs_summary(tr) -> str:
+    if tr.cuda_graph_impl == "local":
+        return " · CUDA graph of the whole iteration (static batches in Wkspc)"
+    if tr.cuda_graph_impl == "transformer_engine":
+        what = " and ".join(tr.cuda_graph_scope or []) or "whole layers"
+        return f" · CUDA graphs of {what} (static inputs in Wkspc)"
+    return ""
 
 
 def build_offload_lines(analysis) -> list[Text]:

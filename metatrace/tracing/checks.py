@@ -11,7 +11,7 @@ def check_with_megatron(job) -> None:
     from metatrace.hooks.patches import megatron_patches
     from metatrace.models.build import optimizer_config, transformer_config
 
-    transformer_config(job)
+    transformer_config(job, cuda_graphs=True)
     with megatron_patches():
         try:
             optimizer_config(job)

@@ -141,6 +141,7 @@ def trace_role(
         wrap_ddp,
     )
     from metatrace.models.te_runtime import te_process
+    from metatrace.tracing.graphs import capture_plan, static_buffers
     from metatrace.tracing.iteration import Unrecorded, gathered_once, run_iteration
 
     rank = role.rank if rank is None else rank
@@ -161,6 +162,7 @@ def trace_role(
         model = wrap_ddp(job, config, chunks)
         optimizer = build_optimizer(job, model)
         static = static_tensors(model, optimizer)
+        plan = capture_plan(job, config, model)  # CUDA graphs' static inputs (graphs.py)
         gathered_once(model)
         prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
         models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
@@ -185,17 +187,19 @@ def trace_role(
             with contextlib.ExitStack() as stack:
                 # The workspaces live on after the recorder stops, as they do on a GPU.
                 workspaces = stack.enter_context(cublas_workspaces(device, workspace))
+                # So do CUDA graphs' static buffers.
+                captured = stack.enter_context(static_buffers(job, plan, device))
                 for chunk in model:
                     stack.enter_context(chunk.no_sync())
                 # What megatron-core's activation offloading moves, in its warm-up mode (every
                 # group offloaded, reloads on demand; memory.offload_slots has the steady state).
                 logged = offloading or layer_offloading
                 log = stack.enter_context(OffloadLog(rec)) if logged else None
-                shapes, deferred = run_microbatch(job, config, model, rec=rec)
+                shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
         trace = rec.trace()
         record = log.record() if log is not None else None
         reset_manager()  # the iteration starts with a new one, as training does
-        del workspaces
+        del workspaces, captured
         steady = None
         if iteration:
             last_stage = role.pp_stage == job.parallel.pp - 1
@@ -260,7 +264,9 @@ def _live_tensors(devices) -> list:
     ]
 
 
-def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable | None = None):
+def run_microbatch(
+    job, config, model, *, rec=None, forward_step_func: Callable | None = None, data=None
+):
     """One micro-batch through this rank's chunks, forward then backward (see module docstring).
 
     With a recorder `rec`, each chunk's forward and backward step is marked as a Window and the
@@ -284,11 +290,12 @@ def run_microbatch(job, config, model, *, rec=None, forward_step_func: Callable 
             seq_length=tr.seq_length,
             attention_mask=tr.create_attention_mask_in_dataloader,
         )
-    data = synthetic_batches(
-        micro_batch_size=tr.micro_batch_size,
-        seq_length=tr.seq_length,
-        attention_mask=tr.create_attention_mask_in_dataloader,
-    )
+    if data is None:  # else: the batches a whole-iteration CUDA graph keeps on the GPU
+        data = synthetic_batches(
+            micro_batch_size=tr.micro_batch_size,
+            seq_length=tr.seq_length,
+            attention_mask=tr.create_attention_mask_in_dataloader,
+        )
     comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
     seq = tr.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
     tensor_shape = (seq, tr.micro_batch_size, config.hidden_size)

@@ -411,14 +411,27 @@ def test_megatron_fsdp_refusals(training, message):
 
 
 @pytest.mark.parametrize(
-    "script, job_file, gpu, per_node",
+    "script, job_file, gpu, per_node, world",
     [
-        ("pretrain_llama3_70b_gb200_fsdp.sh", "llama3-70b-gb200-fsdp-offload.yaml", "gb200", 4),
-        ("pretrain_llama3_70b_h100_tp_overlap.sh", "llama3-70b-h100-tp-overlap.yaml", "h100", 8),
+        ("pretrain_llama3_70b_gb200_fsdp.sh", "llama3-70b-gb200-fsdp-offload.yaml", "gb200", 4, 64),
+        (
+            "pretrain_llama3_70b_h100_tp_overlap.sh",
+            "llama3-70b-h100-tp-overlap.yaml",
+            "h100",
+            8,
+            64,
+        ),
+        (
+            "pretrain_llama3_8b_gb200_cuda_graphs.sh",
+            "llama3-8b-gb200-cuda-graphs.yaml",
+            "gb200",
+            4,
+            8,
+        ),
     ],
 )
 def test_the_launch_script_examples_are_the_yaml_examples_jobs(
-    monkeypatch, script, job_file, gpu, per_node
+    monkeypatch, script, job_file, gpu, per_node, world
 ):
     """Each Megatron-LM launch script of examples/ (its flags; a userbuffers configuration
     file by its path from the repository's root) and its job file describe the same training."""
@@ -431,7 +444,7 @@ def test_the_launch_script_examples_are_the_yaml_examples_jobs(
 
     monkeypatch.chdir(os.path.dirname(EXAMPLES))
     args = read_args_file(os.path.join(EXAMPLES, script))
-    job, _ = job_from_args(args, world_size=64, gpu=gpu, gpus_per_node=per_node)
+    job, _ = job_from_args(args, world_size=world, gpu=gpu, gpus_per_node=per_node)
     yaml = load_job(os.path.join(EXAMPLES, job_file))
     assert job.not_modelled == ()
     for section in ("parallel", "cluster"):

@@ -468,7 +468,7 @@ def test_table_invariants():
         assert flag.startswith("-") and spec.nargs in (0, 1, 3, "+", "*", "?"), flag
         assert (spec.key is not None) <= (spec.cls == "modelled"), flag
         assert (spec.direction is not None) == (spec.cls == "not_modelled"), flag
-    assert NOT_MODELLED_REASONS["--cuda-graph-impl"].startswith("CUDA graphs")
+    assert NOT_MODELLED_REASONS["--optimizer-cuda-graph"].startswith("CUDA graph")
     assert "--use-flash-attn" not in NOT_MODELLED_REASONS  # a no-op in 0.16.1
     assert FLAGS["--no-overlap-p2p-communication"].const is False  # store_false
     assert FLAGS["--no-rl-skip-bos-token"].const is False  # the "no" half of a boolean pair
@@ -611,17 +611,17 @@ def test_options_of_recent_runs_map_to_their_keys():
 def test_options_that_act_only_with_another_are_noted_not_reported():
     quiet, notes = job(
         BASE + " --no-fp8-wgrad --tp-comm-overlap-cfg ub.yaml "
-        "--optimizer-offload-fraction 0.5 --cuda-graph-warmup-steps 5 "
+        "--optimizer-offload-fraction 0.5 --disable-symmetric-registration "
         "--moe-router-score-function sqrtsoftplus --fp8-recipe custom"
     )
     assert quiet.not_modelled == ()
     assert any(
         n == "--tp-comm-overlap-cfg changes nothing without --tp-comm-overlap" for n in notes
     )
-    loud, _ = job(BASE + " --cuda-graph-impl transformer_engine --cuda-graph-warmup-steps 5")
+    loud, _ = job(BASE + " --use-nccl-ub --disable-symmetric-registration")
     assert [n.option for n in loud.not_modelled] == [
-        "--cuda-graph-impl transformer_engine",
-        "--cuda-graph-warmup-steps 5",
+        "--use-nccl-ub",
+        "--disable-symmetric-registration",
     ]
 
 
@@ -684,3 +684,20 @@ def test_optimizer_cpu_offload_flags():
     assert any("acts only with training.optimizer_cpu_offload" in n for n in [*quiet.notes, *notes])
     with pytest.raises(ConfigError, match="needs training.use_precision_aware_optimizer"):
         job(BASE + " --use-distributed-optimizer --optimizer-cpu-offload")
+
+
+def test_cuda_graph_flags():
+    tr = job(BASE + " --cuda-graph-impl transformer_engine --cuda-graph-scope attn mlp")[0].training
+    assert (tr.cuda_graph_impl, tr.cuda_graph_scope) == ("transformer_engine", ["attn", "mlp"])
+    assert job(BASE + " --external-cuda-graph")[0].training.cuda_graph_impl == "transformer_engine"
+    full = BASE + " --cuda-graph-impl local --cuda-graph-scope full_iteration"
+    tr = job(full + " --cuda-graph-warmup-steps 2")[0].training
+    assert (tr.cuda_graph_impl, tr.cuda_graph_scope) == ("local", ["full_iteration"])
+    assert not_modelled(split_args(full + " --cuda-graph-warmup-steps 2")) == []
+    # A newer Megatron-LM's impl full_iteration is the same graph.
+    assert job(BASE + " --cuda-graph-impl full_iteration")[0].training.cuda_graph_scope == [
+        "full_iteration"
+    ]
+    quiet, notes = job(BASE + " --cuda-graph-scope attn")
+    assert quiet.training.cuda_graph_impl == "none"
+    assert any("ignored without --cuda-graph-impl" in n for n in notes)

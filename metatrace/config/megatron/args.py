@@ -285,6 +285,19 @@ def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
         out.append((flag, NotModelled(_show(flag, value), feature, direction)))
     for flag, parents in idle:
         notes.append(f"{flag} changes nothing without {' or '.join(parents)}")
+    if _graphs_not_modelled(v):
+        impl = _graph_flags(v)[0]
+        out.append(
+            (
+                "--cuda-graph-impl",
+                NotModelled(
+                    f"--cuda-graph-impl {impl}",
+                    "CUDA graphs of mixture-of-experts models or MoE scopes (the run is "
+                    "described without CUDA graphs)",
+                    "raises",
+                ),
+            )
+        )
     if "--fp8-format" in v and "--bf16" not in v:
         out.append(
             (
@@ -714,6 +727,47 @@ def _training(v, job, notes, problems) -> None:
         t["optimizer"] = v["--optimizer"]
     _offloading(v, t, notes, problems)
     _megatron_fsdp(v, t, notes)
+    _cuda_graphs(v, t, notes)
+
+
+_MOE_SCOPES = {"moe", "moe_router", "moe_preprocess", "mamba"}
+
+
+def _graph_flags(v) -> tuple[str, list[str]]:
+    """(impl, scope) of --cuda-graph-impl (or the deprecated --enable-cuda-graph: local,
+    --external-cuda-graph: transformer_engine; a newer Megatron-LM's impl full_iteration: local
+    over the whole iteration) and --cuda-graph-scope (a newer one's --cuda-graph-modules)."""
+    impl = v.get("--cuda-graph-impl", "none")
+    if impl == "none" and "--enable-cuda-graph" in v:
+        impl = "local"
+    elif impl == "none" and "--external-cuda-graph" in v:
+        impl = "transformer_engine"
+    scope = v.get("--cuda-graph-scope", v.get("--cuda-graph-modules")) or []
+    if isinstance(scope, str):
+        scope = [scope]
+    scope = [x for item in scope for x in item.strip("[]").replace(",", " ").split()]
+    if impl == "full_iteration":
+        impl, scope = "local", ["full_iteration"]
+    return impl, [x for x in scope if x != "full"]  # megatron-core: "full" is the whole layer
+
+
+def _graphs_not_modelled(v) -> bool:
+    """CUDA graphs of an MoE model or with MoE scopes: listed as not modelled."""
+    impl, scope = _graph_flags(v)
+    return impl != "none" and ("--num-experts" in v or bool(_MOE_SCOPES & set(scope)))
+
+
+def _cuda_graphs(v, t, notes) -> None:
+    impl, scope = _graph_flags(v)
+    if _graphs_not_modelled(v):
+        return  # the run is described without them, and says so
+    if impl == "none":
+        given = [f for f in ("--cuda-graph-scope", "--cuda-graph-modules") if f in v]
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without --cuda-graph-impl")
+        return
+    t["cuda_graph_impl"] = impl
+    t["cuda_graph_scope"] = scope or None
 
 
 _FSDP_OPTIONS = {

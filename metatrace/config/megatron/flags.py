@@ -204,6 +204,11 @@ _MODELLED: dict[str, str | None] = {
     "--use-precision-aware-optimizer": "training.use_precision_aware_optimizer",
     "--cpu-offloading-num-layers": "training.cpu_offloading_num_layers",
     "--optimizer-cpu-offload": "training.optimizer_cpu_offload",
+    "--cuda-graph-impl": None,
+    "--cuda-graph-scope": None,
+    "--cuda-graph-modules": None,
+    "--enable-cuda-graph": None,
+    "--external-cuda-graph": None,
     "--optimizer-offload-fraction": "training.optimizer_offload_fraction",
     "--overlap-cpu-optimizer-d2h-h2d": "training.overlap_cpu_optimizer_d2h_h2d",
     "--main-grads-dtype": "training.main_grads_dtype",
@@ -533,6 +538,9 @@ _NO_EFFECT: dict[str, str] = {
         "--yarn-beta-slow --yarn-correction-range-round-to-int "
         "--yarn-original-max-position-embeddings "
     ),
+    "CUDA graphs: eager iterations before the capture, whose peak the capture's covers": (
+        "--cuda-graph-warmup-steps "
+    ),
     "no effect in megatron-core 0.16.1: get_megatron_optimizer picks the Adam and SGD classes "
     "again after reading it": "--use-torch-optimizer-for-cpu-offload ",
     "no effect in megatron-core 0.16.1 (deprecated, read nowhere, or read only by features "
@@ -567,10 +575,7 @@ _NO_EFFECT: dict[str, str] = {
 # nothing and is not reported.
 _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     # dense recipes (the FSDP, offloading, userbuffers and CUDA-graph issue)
-    ("CUDA graphs (static buffers, graph memory pools)", "raises"): (
-        "--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps "
-        "--enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph"
-    ),
+    ("CUDA graph of the optimizer step", "raises"): "--optimizer-cuda-graph",
     ("FSDP options", "either"): (
         "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
@@ -914,9 +919,6 @@ _OLDER: dict[str, tuple[int | str, Class, str, Direction | None]] = {
 # Class-3 options (and values) that act only with another option: given without any of these
 # (with a value other than its default), they change nothing and are noted as ignored.
 _NEEDS_GROUPS: dict[str, str] = {
-    "--enable-cuda-graph --external-cuda-graph --cuda-graph-impl": (
-        "--cuda-graph-modules --cuda-graph-scope --cuda-graph-warmup-steps"
-    ),
     "--use-megatron-fsdp --use-torch-fsdp2 --use-custom-fsdp": (
         "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "

@@ -1,0 +1,112 @@
+"""CUDA graphs (training.cuda_graph_impl): the static buffers beside the eager run's memory
+(metatrace.tracing.graphs), in closed form from megatron-core 0.16.1 (TECudaGraphHelper,
+full_cuda_graph.py) and Transformer Engine 2.8 (make_graphed_callables).
+
+Debug preset: h 64, 4 heads of 16 (RoPE over all 16), seq s 64, micro-batch b 2; tp 2 with
+sequence parallelism (s' = 32), pp 2, dp 2 on 8 GPUs, global batch 16: M = 4 micro-batches."""
+
+import pytest
+
+from metatrace.analysis.memory import role_memory
+from metatrace.errors import ConfigError
+from metatrace.tracing.trace import trace_role
+from metatrace.world import World
+from tests.helpers import small_job
+
+BLOCK = 512
+S, B, H, D, M = 64, 2, 64, 16, 4
+X = (S // 2) * B * H * 2  # the hidden states [s', b, h] in bf16
+MASK = B * S * S  # bool [b, 1, s, s]
+ROPE = S * D * 4  # fp32 [s, 1, 1, d]
+
+
+def rounded(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
+def graph_job(layers=4, vpp=None, **training):
+    return small_job(
+        model={"num_layers": layers},
+        parallel={"tp": 2, "pp": 2, "sequence_parallel": True, "vpp": vpp},
+        training={"global_batch_size": 16, **training},
+        cluster={"num_gpus": 8, "gpus_per_node": 8},
+    )
+
+
+def workspaces(job) -> dict[int, int]:
+    """{pipeline stage: workspace bytes} (the kept buffers, the static ones among them)."""
+    world = World.from_job(job)
+    out = {}
+    for role in world.roles():
+        rt = trace_role(job, world, role)
+        out[role.pp_stage] = role_memory(rt.trace, rt.iteration).workspaces
+    return out
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return {vpp: workspaces(graph_job(4 * (vpp or 1), vpp)) for vpp in (None, 2)}
+
+
+def test_te_layer_graphs_keep_a_static_input_per_layer_forward_in_flight(eager):
+    # 1F1B: stage r has min(p - r, M) micro-batches in flight, 2 layers each; every static
+    # input is the hidden states and the causal mask; one rotary table, one output gradient.
+    got = workspaces(graph_job(cuda_graph_impl="transformer_engine"))
+    for stage, inflight in ((0, 2), (1, 1)):
+        sets = 2 * inflight
+        want = sets * (X + rounded(MASK)) + rounded(ROPE) + X
+        assert got[stage] - eager[None][stage] == want
+
+
+def test_te_mlp_scope_has_no_mask_or_rotary_table(eager):
+    got = workspaces(graph_job(cuda_graph_impl="transformer_engine", cuda_graph_scope=["mlp"]))
+    for stage, inflight in ((0, 2), (1, 1)):
+        assert got[stage] - eager[None][stage] == 2 * inflight * X + X
+
+
+def test_te_graphs_follow_the_interleaved_schedule(eager):
+    # Interleaved, v = 2 chunks of 2 layers: warm-up W = 2 (p - r - 1) + (v - 1) g with
+    # g = p = 2 chunk-forwards, W + 1 in flight at most: stage 0 5, stage 1 3.
+    got = workspaces(graph_job(8, 2, cuda_graph_impl="transformer_engine"))
+    for stage, inflight in ((0, 5), (1, 3)):
+        want = 2 * inflight * (X + rounded(MASK)) + rounded(ROPE) + X
+        assert got[stage] - eager[2][stage] == want
+
+
+def test_full_iteration_graph_keeps_every_micro_batch_of_the_batch(eager):
+    # StaticBufferLoader: M copies of the data loader's dict on the ranks that read data
+    # (tensor-parallel rank 0 of both stages here): tokens, labels, positions int64 [b, s],
+    # loss mask fp32, attention mask bool [b, 1, s, s]; eager mode holds them per micro-batch.
+    job = graph_job(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    got = workspaces(job)
+    batch = 3 * rounded(B * S * 8) + rounded(B * S * 4) + rounded(MASK)
+    for stage in (0, 1):
+        assert got[stage] - eager[None][stage] == M * batch
+
+
+@pytest.mark.parametrize(
+    "training, implementation, message",
+    [
+        ({"cuda_graph_impl": "local"}, {}, "whole-iteration graph only"),
+        ({"cuda_graph_impl": "transformer_engine"}, {"transformer_impl": "local"}, "needs"),
+        ({"cuda_graph_scope": ["attn"]}, {}, "needs training.cuda_graph_impl"),
+    ],
+)
+def test_what_is_refused(training, implementation, message):
+    with pytest.raises(ConfigError, match=message):
+        small_job(training=training, implementation=implementation)
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}, "full"),
+        ({"cpu_offloading_num_layers": 1}, "CPU offloading"),
+    ],
+)
+def test_megatron_core_refuses(training, message):
+    from metatrace.tracing.checks import check_with_megatron
+
+    job = small_job(training={"cuda_graph_impl": "transformer_engine", **training})
+    with pytest.raises(ConfigError, match=message):
+        check_with_megatron(job)
