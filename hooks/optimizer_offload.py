@@ -82,26 +82,24 @@ def split(orig):
         params = _params(self)
         if not _traced(params):
             return orig(self, offload_fraction)
-        on_device = [p for p in params if not is_host(p)]
-        threshold = sum(p.numel() for p in on_device) * offload_fraction
+        threshold = sum(p.numel() for p in params) * offload_fraction  # all on the GPU
         offloaded = 0
         cpu_groups, gpu_groups = [], []
         gpu_to_cpu, cpu_to_gpu, to_fp32 = {}, {}, {}
         for group in self.param_groups:
             gpu_group, cpu_group = {**group, "params": []}, {**group, "params": []}
             for orig_param in group["params"]:
-                param, host = orig_param, is_host(orig_param)
-                if offloaded < threshold and not host:
+                param, host = orig_param, offloaded < threshold
+                if host:
                     param = host_tensor(param.shape, param.dtype, param.device)
                     offloaded += param.numel()
-                    host = True
                 if self.param_update_in_fp32 and param.dtype != torch.float32:
                     if host:
                         param = host_tensor(param.shape, torch.float32, param.device)
                     else:
                         param = param.detach().clone().float()
                     to_fp32[orig_param] = param
-                if host and not is_host(orig_param):
+                if host:
                     gpu_to_cpu[orig_param] = param
                     cpu_to_gpu[param] = orig_param
                 (cpu_group if host else gpu_group)["params"].append(param)

@@ -323,8 +323,6 @@ def single_gpu_job(job):
             exp_avg_dtype="fp32",
             exp_avg_sq_dtype="fp32",
             optimizer_cpu_offload=False,
-            grad_reduce_in_fp32=job.training.grad_reduce_in_fp32
-            or job.training.main_grads_dtype == "fp32",
         )
     cl = dataclasses.replace(job.cluster, num_gpus=1)
     multiple = job.model.make_vocab_size_divisible_by
@@ -510,9 +508,9 @@ def static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
             for p in group["params"]:
                 state.append(p)
                 state.extend(v for v in opt.state[p].values() if torch.is_tensor(v))
-                if getattr(opt, "gpu_optimizer", None) is not None:
-                    fp32 = opt.param_to_fp32_param.get(p)
-                    state.append(getattr(fp32, "grad", None))  # what the last step left
+                # HybridDeviceOptimizer: the fp32 copy's gradient the last step left.
+                fp32 = getattr(opt, "param_to_fp32_param", {}).get(p)
+                state.append(getattr(fp32, "grad", None))
     state = [t for t in state if torch.is_tensor(t) and not is_host(t)]
     return {"grads": grads, "optimizer": state}
 

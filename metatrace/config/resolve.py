@@ -11,7 +11,7 @@ import math
 
 from metatrace.config.checks import check_job, layout_stages
 from metatrace.config.hardware import GPU_HOST_GBPS, GPU_LINKS_GBPS, GPU_MEMORY_GIB
-from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel
+from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel, Training
 from metatrace.errors import ConfigError
 
 
@@ -102,11 +102,9 @@ def resolve(job: Job) -> Job:
             if getattr(par, key) != getattr(defaults, key):
                 notes.append(f"parallel.{key} acts only with parallel.tp_comm_overlap: ignored")
     if not training.optimizer_cpu_offload:
-        for key, default in (
-            ("optimizer_offload_fraction", 1.0),
-            ("overlap_cpu_optimizer_d2h_h2d", False),
-        ):
-            if getattr(training, key) != default:
+        defaults = {f.name: f.default for f in dataclasses.fields(Training)}
+        for key in ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"):
+            if getattr(training, key) != defaults[key]:
                 notes.append(
                     f"training.{key} acts only with training.optimizer_cpu_offload: ignored"
                 )

@@ -13,10 +13,10 @@ good. What a captured run holds beyond the eager run's peak are the static buffe
   graph holds the attention, a bool causal mask [b, 1, s/cp, s] and the rotary table; captures
   whose backward has run hand theirs on, so there are as many as layer-forwards in flight along
   the schedule. megatron-core's own `_get_sample_arguments` lays them out here, over the traced
-  chunks. Beside them one gradient buffer per output signature (the layer's output). Each
-  layer's output is a graph output, a copy apart from the next layer's static input: one
-  [s', b, h] per layer in flight more than eager, kept in the pool (the static outputs until
-  their backward's capture); its weak reference then leaves the allocator's count.
+  chunks. Beside them one gradient buffer per output signature (the layer's output). Where
+  eager mode keeps one tensor per layer in flight (a layer's output, saved as the next one's
+  input), the capture keeps two: the output in the pool and the next layer's static input, a
+  copy of it; the static inputs are that difference.
 - megatron-core's whole-iteration graph (local, cuda_graph_scope [full_iteration]:
   full_cuda_graph.py): its StaticBufferLoader copies every micro-batch's batch (tokens, labels,
   loss mask, positions, and the data loader's attention mask) to the GPU at the start of the
@@ -37,16 +37,6 @@ import itertools
 import torch
 
 
-def graphs_in(job) -> str | None:
-    """ "te" (per-layer graphs), "full_iteration", or None."""
-    tr = job.training
-    if tr.cuda_graph_impl == "transformer_engine":
-        return "te"
-    if tr.cuda_graph_impl == "local":
-        return "full_iteration"
-    return None
-
-
 class StaticBuffers:
     """The buffers of the capture, alive while this object is."""
 
@@ -63,7 +53,7 @@ def capture_plan(job, config, model) -> list[tuple[tuple[int, ...], torch.dtype]
     """(shape, dtype) of each static buffer of TE's per-layer graphs on this rank (none for
     other set-ups), worked out before anything is recorded: megatron-core builds the sample
     inputs with temporaries of its own (the mask from a host [s/cp, s] float matrix)."""
-    if graphs_in(job) != "te":
+    if job.training.cuda_graph_impl != "transformer_engine":
         return []
     return [(tuple(t.shape), t.dtype) for t in _te_static_inputs(job, config, model)]
 
@@ -73,7 +63,8 @@ def static_buffers(job, plan, device):
     """Allocate the capture's static buffers of this rank (module doc; `plan` from capture_plan)
     inside the recorder, one allocation each; yield a StaticBuffers."""
     tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in plan]
-    batches = _static_batches(job) if graphs_in(job) == "full_iteration" else None
+    # local graphs are the whole-iteration one (metatrace.config.checks)
+    batches = _static_batches(job) if job.training.cuda_graph_impl == "local" else None
     yield StaticBuffers(tensors, batches)
 
 
