@@ -507,10 +507,14 @@ def _check_cuda_graphs(job):
     if impl == "transformer_engine" and job.implementation.transformer_impl != "transformer_engine":
         yield f"{what} needs implementation.transformer_impl: transformer_engine"
     if impl == "local" and scope != ["full_iteration"]:
-        yield (
-            f"{what} is modelled as the whole-iteration graph only (cuda_graph_scope: "
-            "[full_iteration]); megatron-core 0.16.1's per-layer local graphs are not modelled"
-        )
+        # Without TE megatron-core keeps every capture's gradient buffers strongly referenced.
+        if job.implementation.transformer_impl != "transformer_engine":
+            yield (
+                f"{what} per layer without implementation.transformer_impl: "
+                "transformer_engine is not modelled"
+            )
+        if job.model.multi_latent_attention:
+            yield f"{what} per layer with multi-latent attention is not modelled"
     if "full_iteration" in scope and len(scope) > 1:
         yield "training.cuda_graph_scope full_iteration goes alone"
     if job.model.num_experts:

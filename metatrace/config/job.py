@@ -408,7 +408,8 @@ class Training:
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     """CUDA graphs (--cuda-graph-impl): transformer_engine captures each transformer layer (or
     the parts cuda_graph_scope names) with TE's make_graphed_callables; local with megatron-core's
-    own graphs, here only as a whole-iteration graph (cuda_graph_scope: [full_iteration])."""
+    own graphs: each whole transformer layer (any scope but full_iteration; with Transformer
+    Engine) or the whole iteration (cuda_graph_scope: [full_iteration])."""
     cuda_graph_scope: list[Literal["attn", "mlp", "full_iteration"]] | None = None
     """What is captured (--cuda-graph-scope): attn (a layer's attention part), mlp (its MLP
     part), both or omitted: the whole layer; full_iteration (local): the whole forward-backward

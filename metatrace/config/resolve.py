@@ -11,7 +11,7 @@ import math
 
 from metatrace.config.checks import check_job, layout_stages
 from metatrace.config.hardware import GPU_HOST_GBPS, GPU_LINKS_GBPS, GPU_MEMORY_GIB
-from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel, Training
+from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel, Recompute, Training
 from metatrace.errors import ConfigError
 
 
@@ -167,6 +167,7 @@ def resolve(job: Job) -> Job:
     if rec.granularity == "selective" and rec.modules is None:
         rec = dataclasses.replace(rec, modules=["core_attn"])
         training = dataclasses.replace(training, recompute=rec)
+    training = _graph_warmup_recompute(training, notes)
 
     multiple = model.make_vocab_size_divisible_by * par.tp
     padded = math.ceil(model.vocab_size / multiple) * multiple
@@ -318,3 +319,30 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
             f"{len(freq)} values"
         )
     return list(freq)
+
+
+# Recompute that megatron-core runs through CheckpointWithoutOutput, which does nothing while
+# cuda_graphs.is_graph_warmup() holds.
+_OUTPUT_DISCARDING = ("layernorm", "moe_act", "mla_up_proj")
+
+
+def _graph_warmup_recompute(tr, notes: list[str]):
+    """megatron-core 0.16.1's per-layer local graphs set _IS_GRAPH_WARMUP at their first capture
+    and never clear it (_set_warmup_end does nothing), so from then on the selective recompute
+    that discards outputs is off: the captured layers save those outputs, and the capture's
+    pool holds them."""
+    rec = tr.recompute
+    per_layer = tr.cuda_graph_impl == "local" and tr.cuda_graph_scope != ["full_iteration"]
+    if not per_layer or rec.granularity != "selective":
+        return tr
+    off = [m for m in rec.modules if m in _OUTPUT_DISCARDING]
+    if not off:
+        return tr
+    kept = [m for m in rec.modules if m not in _OUTPUT_DISCARDING]
+    notes.append(
+        f"selective recompute of {', '.join(off)} is off once megatron-core 0.16.1's per-layer "
+        "local CUDA graphs are captured (it never clears its graph warm-up flag, which turns "
+        "CheckpointWithoutOutput off): traced without it"
+    )
+    rec = dataclasses.replace(rec, modules=kept) if kept else Recompute()
+    return dataclasses.replace(tr, recompute=rec)

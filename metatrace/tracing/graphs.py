@@ -53,9 +53,12 @@ def capture_plan(job, config, model) -> list[tuple[tuple[int, ...], torch.dtype]
     """(shape, dtype) of each static buffer of TE's per-layer graphs on this rank (none for
     other set-ups), worked out before anything is recorded: megatron-core builds the sample
     inputs with temporaries of its own (the mask from a host [s/cp, s] float matrix)."""
-    if job.training.cuda_graph_impl != "transformer_engine":
-        return []
-    return [(tuple(t.shape), t.dtype) for t in _te_static_inputs(job, config, model)]
+    tr = job.training
+    if tr.cuda_graph_impl == "transformer_engine":
+        return [(tuple(t.shape), t.dtype) for t in _te_static_inputs(job, config, model)]
+    if tr.cuda_graph_impl == "local" and tr.cuda_graph_scope != ["full_iteration"]:
+        return _local_layer_buffers(job, config, model)
+    return []
 
 
 @contextlib.contextmanager
@@ -63,8 +66,8 @@ def static_buffers(job, plan, device):
     """Allocate the capture's static buffers of this rank (module doc; `plan` from capture_plan)
     inside the recorder, one allocation each; yield a StaticBuffers."""
     tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in plan]
-    # local graphs are the whole-iteration one (metatrace.config.checks)
-    batches = _static_batches(job) if job.training.cuda_graph_impl == "local" else None
+    whole = job.training.cuda_graph_scope == ["full_iteration"]
+    batches = _static_batches(job) if whole else None
     yield StaticBuffers(tensors, batches)
 
 
@@ -94,10 +97,6 @@ def _static_batches(job) -> list[dict] | None:
 def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
     """megatron-core's TECudaGraphHelper sample inputs over the chunks, and TE's gradient buffer
     per output signature."""
-    from megatron.core.pipeline_parallel.schedules import (
-        get_pp_rank_microbatches,
-        get_schedule_table,
-    )
     from megatron.core.transformer import cuda_graphs
     from megatron.core.transformer.enums import CudaGraphScope
 
@@ -120,20 +119,8 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
         if not helper.flattened_callables:
             return []
         # _get_cuda_graph_input_data's order: one micro-batch without pipelining, else all.
-        pipelined = job.parallel.pp > 1
-        helper.num_microbatches = job.num_microbatches if pipelined else 1
-        _, _, warmup, _ = get_pp_rank_microbatches(
-            helper.num_microbatches,
-            helper.num_model_chunks,
-            config.microbatch_group_size_per_vp_stage,
-            False,
-        )
-        table = get_schedule_table(
-            helper.num_microbatches,
-            helper.num_model_chunks,
-            config.microbatch_group_size_per_vp_stage,
-        )
-        order = cuda_graphs.convert_schedule_table_to_order(warmup, helper.num_model_chunks, table)
+        helper.num_microbatches = job.num_microbatches if job.parallel.pp > 1 else 1
+        order = _schedule_order(config, helper.num_microbatches, helper.num_model_chunks)
         # torch.tril(torch.ones((s/cp, s))) builds the mask on the host first: not here.
         with torch.device("meta"):
             args, kwargs = helper._get_sample_arguments(order)
@@ -150,3 +137,104 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
     hidden = args[0][0]
     tensors.append(torch.empty_like(hidden, dtype=config.params_dtype, requires_grad=False))
     return tensors
+
+
+def _schedule_order(config, microbatches: int, chunks: int) -> list[int]:
+    """megatron-core's capture order over the pipeline schedule (TECudaGraphHelper's): c the
+    forward of chunk c (1-based), -c its backward."""
+    from megatron.core.pipeline_parallel.schedules import (
+        get_pp_rank_microbatches,
+        get_schedule_table,
+    )
+    from megatron.core.transformer import cuda_graphs
+
+    group = config.microbatch_group_size_per_vp_stage
+    _, _, warmup, _ = get_pp_rank_microbatches(microbatches, chunks, group, False)
+    table = get_schedule_table(microbatches, chunks, group)
+    return cuda_graphs.convert_schedule_table_to_order(warmup, chunks, table)
+
+
+def _local_layer_buffers(job, config, model) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """megatron-core 0.16.1's per-layer local graphs (CudaGraphManager, _CudaGraphRunner): the
+    buffers they hold for good beyond the eager run's, by its capture rules.
+
+    Every transformer layer has a manager (any scope but full_iteration graphs the whole layer);
+    it has a runner per micro-batch of the first iteration with pipelining, one without. Each
+    runner holds its captured output (`fwd_graph_outputs`, never weakly referenced), so all of
+    them stay allocated where eager mode holds only the layer outputs of the micro-batches in
+    flight (saved by the next layer; a chunk's output sent down the pipeline is freed). Inputs
+    that are not another graph's output come from TensorReusePool, which keeps every buffer it
+    creates: the hidden states entering a chunk and the output gradient entering its backward
+    (handed back after each capture, so one serves them all), and for a tensor that several
+    layers take (the micro-batch's attention mask, the chunk's cached rotary table) a buffer of
+    its own, created at its first capture and never handed back."""
+    from megatron.core import parallel_state as ps
+
+    from metatrace.models.build import unwrap
+
+    tr, par = job.training, job.parallel
+    sp = par.tp if par.sequence_parallel else 1
+    s_local = tr.seq_length // par.cp
+    hidden = (
+        (s_local // sp, tr.micro_batch_size, job.model.hidden_size),
+        torch.float32 if config.fp32_residual_connection else config.params_dtype,
+    )
+    mask = ((tr.micro_batch_size, 1, s_local, tr.seq_length), torch.bool)
+    chunks = [unwrap(c) for c in model]
+    layers = [len(c.decoder.layers) if getattr(c, "decoder", None) else 0 for c in chunks]
+    rope = [getattr(c, "rotary_pos_emb", None) for c in chunks]
+    n = len(chunks)
+    pipelined = par.pp > 1
+    runs = job.num_microbatches if pipelined else 1
+    order = _schedule_order(config, runs, n) if pipelined else [1, -1]
+
+    def has_mask(c):
+        vp = c if n > 1 else None
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        return tr.create_attention_mask_in_dataloader and (first or last)
+
+    def held(c):  # layer outputs eager mode holds per chunk-forward in flight
+        vp = c if n > 1 else None
+        sent = not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        return layers[c] - (1 if sent and layers[c] else 0)
+
+    free: dict = {}  # TensorReusePool: buffers handed back, by (shape, dtype)
+    created: list = []  # its strong references
+
+    def get(key):
+        if free.get(key):
+            free[key] -= 1
+        else:
+            created.append(key)
+
+    def put(key):
+        free[key] = free.get(key, 0) + 1
+
+    def shared(key, uses):  # an input several captures take: a buffer of its own
+        get(key)
+        if uses == 1:
+            put(key)
+
+    in_flight, most, rotary_done = 0, 0, set()
+    for entry in order:
+        c = abs(entry) - 1
+        if not layers[c]:
+            continue
+        if entry > 0:
+            if has_mask(c):
+                shared(mask, layers[c])
+            if rope[c] is not None and c not in rotary_done:
+                rotary_done.add(c)
+                dim = 2 * rope[c].inv_freq.numel()
+                shared(((s_local, 1, 1, dim), torch.float32), runs * layers[c])
+            get(hidden)  # the chunk's input, copied in at each replay
+            put(hidden)
+            in_flight += held(c)
+            most = max(most, in_flight)
+        else:
+            get(hidden)  # the output gradient of the chunk's last layer
+            put(hidden)
+            in_flight -= held(c)
+    outputs = runs * sum(layers) - most
+    return [hidden] * outputs + created

@@ -73,6 +73,62 @@ def test_te_graphs_follow_the_interleaved_schedule(eager):
         assert got[stage] - eager[2][stage] == want
 
 
+def test_local_layer_graphs_keep_every_runner_output(eager):
+    # megatron-core's per-layer local graphs with pipelining: a runner per (layer, micro-batch),
+    # each holding its output, 2 x M = 8 per stage, where eager mode holds, at most, 2 outputs:
+    # stage 0 has 2 micro-batches in flight and frees the one it sends (1 each), stage 1 one
+    # with both. The attention mask of each of the M micro-batches on the stages that read
+    # data, the chunk's one rotary table, and one pooled buffer for the chunk's input and
+    # output gradient.
+    got = workspaces(graph_job(cuda_graph_impl="local"))
+    for stage in (0, 1):
+        want = (8 - 2) * X + M * rounded(MASK) + rounded(ROPE) + X
+        assert got[stage] - eager[None][stage] == want
+
+
+def test_local_layer_graphs_follow_the_interleaved_schedule(eager):
+    # 2 chunks x 2 layers x M runners = 16 outputs. Stage 0 sends both chunks' outputs: 5
+    # chunk-forwards in flight hold 1 each. Stage 1, forwards c0 c0 then c1 with its backward:
+    # c0, c0, c1 in flight hold 1 + 1 + 2. Masks only on the first chunk of stage 0 and the
+    # last chunk of stage 1 (the middle chunks get no batch); a rotary table per chunk.
+    got = workspaces(graph_job(8, 2, cuda_graph_impl="local"))
+    for stage, held in ((0, 5), (1, 4)):
+        want = (16 - held) * X + M * rounded(MASK) + 2 * rounded(ROPE) + X
+        assert got[stage] - eager[2][stage] == want
+
+
+def test_local_layer_graphs_without_pipelining_reuse_one_runner_per_layer():
+    # pp 1: runners are reused, only the first micro-batch is captured, and its outputs are
+    # what eager mode holds too: one mask, one rotary table, one pooled buffer are left.
+    def job(**training):
+        return small_job(
+            model={"num_layers": 4},
+            parallel={"tp": 2, "sequence_parallel": True},
+            training={"global_batch_size": 16, **training},
+            cluster={"num_gpus": 4, "gpus_per_node": 4},
+        )
+
+    assert workspaces(job(cuda_graph_impl="local"))[0] - workspaces(job())[0] == (
+        rounded(MASK) + rounded(ROPE) + X
+    )
+
+
+def test_local_layer_graphs_turn_output_discarding_recompute_off():
+    # megatron-core 0.16.1 never clears its graph warm-up flag: CheckpointWithoutOutput stops
+    # discarding (layernorm, moe_act, mla_up_proj); core_attn recompute stays.
+    rec = {"granularity": "selective", "modules": ["core_attn", "layernorm"]}
+    job = small_job(training={"cuda_graph_impl": "local", "recompute": rec})
+    assert job.training.recompute.modules == ["core_attn"]
+    assert any("layernorm is off" in n for n in job.notes)
+    rec = {"granularity": "selective", "modules": ["layernorm"]}
+    job = small_job(training={"cuda_graph_impl": "local", "recompute": rec})
+    assert job.training.recompute.granularity is None
+    whole = {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]}
+    assert small_job(training={**whole, "recompute": rec}).training.recompute.modules == [
+        "layernorm"
+    ]
+
+
 def test_full_iteration_graph_keeps_every_micro_batch_of_the_batch(eager):
     # StaticBufferLoader: M copies of the data loader's dict on the ranks that read data
     # (tensor-parallel rank 0 of both stages here): tokens, labels, positions int64 [b, s],
@@ -87,7 +143,7 @@ def test_full_iteration_graph_keeps_every_micro_batch_of_the_batch(eager):
 @pytest.mark.parametrize(
     "training, implementation, message",
     [
-        ({"cuda_graph_impl": "local"}, {}, "whole-iteration graph only"),
+        ({"cuda_graph_impl": "local"}, {"transformer_impl": "local"}, "per layer without"),
         ({"cuda_graph_impl": "transformer_engine"}, {"transformer_impl": "local"}, "needs"),
         ({"cuda_graph_scope": ["attn"]}, {}, "needs training.cuda_graph_impl"),
     ],

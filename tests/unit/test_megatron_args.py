@@ -701,3 +701,11 @@ def test_cuda_graph_flags():
     quiet, notes = job(BASE + " --cuda-graph-scope attn")
     assert quiet.training.cuda_graph_impl == "none"
     assert any("ignored without --cuda-graph-impl" in n for n in notes)
+
+
+def test_local_layer_graph_flags():
+    # --enable-cuda-graph (deprecated) and --cuda-graph-impl local are megatron-core's
+    # per-layer graphs; "full" is the whole layer.
+    for flags in (" --enable-cuda-graph", " --cuda-graph-impl local --cuda-graph-scope full"):
+        tr = job(BASE + flags)[0].training
+        assert (tr.cuda_graph_impl, tr.cuda_graph_scope) == ("local", None)
