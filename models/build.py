@@ -365,6 +365,9 @@ def ddp_config(job):
         if tr.megatron_fsdp
         else "no_shard",
         # Megatron-FSDP's options; the DDP config's own defaults without it.
+        outer_dp_sharding_strategy=tr.fsdp_outer_sharding_strategy
+        if tr.megatron_fsdp
+        else "no_shard",
         fsdp_double_buffer=tr.megatron_fsdp and tr.fsdp_double_buffer,
         suggested_communication_unit_size=tr.fsdp_communication_unit_size
         if tr.megatron_fsdp
@@ -519,7 +522,9 @@ def _fsdp_static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
     """static_tensors under Megatron-FSDP, whose chunks' parameters are DTensors over the main
     weights between iterations: "params" are the model-weight buffers (the shard each rank keeps,
     or every parameter without parameter sharding) and the modules' own buffers, "grads" the
-    main-gradient buffers, "optimizer" the main-weight buffers and the optimizer's state."""
+    main-gradient buffers, "optimizer" the main-weight buffers and the optimizer's state. With
+    HSDP's outer sharding the instance's shards (hsdp_wbuf, hsdp_gbuf) hold the model-weight and
+    main-gradient buffers as views, which count once (by storage)."""
     parts: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "optimizer": []}
     for chunk in model:
         buffers = chunk.param_and_grad_buffer

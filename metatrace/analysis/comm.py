@@ -162,7 +162,9 @@ def _overlap(job, c: Collective, dimension: str) -> str | None:
         if c.phase == "backward":
             return "backward"
     if dimension == "dp" and c.op == "all_gather" and tr.overlap_param_gather:
-        return "forward" if c.phase == "forward" else "optimizer step"
+        # Megatron-FSDP gathers ahead of the forward and the backward; the optimizer step
+        # starts the next iteration's first gathers.
+        return c.phase if c.phase in ("forward", "backward") else "optimizer step"
     if dimension == "cp" and c.op in ("send", "recv"):
         return "attention"  # Transformer Engine's ring exchange runs beside the attention steps
     if dimension == "pp" and c.op in ("send", "recv") and par.overlap_p2p_comm:

@@ -528,6 +528,7 @@ def _check_fsdp(job):
     given = [
         name
         for name, default in (
+            ("fsdp_outer_sharding_strategy", "no_shard"),
             ("fsdp_double_buffer", False),
             ("fsdp_communication_unit_size", None),
         )
@@ -537,6 +538,8 @@ def _check_fsdp(job):
         if given:
             yield f"training.{given[0]} applies with training.megatron_fsdp only"
         return
+    if tr.fsdp_outer_sharding_strategy != "no_shard":
+        yield from _check_hsdp_outer(job)
     if tr.fsdp_sharding_strategy == "no_shard":
         # MegatronFSDP keeps no model-weight buffer without sharding, and the distributed
         # optimizer's step_with_ready_grads calls start_param_sync, which gathers into it.
@@ -568,6 +571,40 @@ def _check_fsdp(job):
         yield (
             "training.fp8_param_gather with training.megatron_fsdp and fp8_recipe blockwise is "
             "not modelled yet (Megatron-FSDP's blockwise buffers); delayed and tensorwise are"
+        )
+
+
+def _check_hsdp_outer(job):
+    """--outer-dp-sharding-strategy optim: where megatron-core 0.16.1 itself fails with it."""
+    tr = job.training
+    what = f"training.fsdp_outer_sharding_strategy {tr.fsdp_outer_sharding_strategy}"
+    if tr.num_distributed_optimizer_instances < 2:
+        # FullyShardedDataParallel._init_dist_index builds no outer group and ParamAndGradBuffer
+        # no hybrid buffers, yet the all-gather and reduce pipelines' get_fsdp_buffer return
+        # hsdp_wbuf / hsdp_gbuf whenever the strategy is not no_shard.
+        yield (
+            f"{what} needs hybrid sharding (training.num_distributed_optimizer_instances > 1): "
+            "without it megatron-core 0.16.1's Megatron-FSDP keeps no buffers sharded across "
+            "instances and fails at its first all-gather (it looks for them all the same)"
+        )
+    if tr.fsdp_sharding_strategy in ("optim", "optim_grads"):
+        # _init_each_parameter_group_buffers: the unsharded model-weight buffer's data is a
+        # slice of the hybrid weight buffer, which is sharded over the instance.
+        yield (
+            f"{what} needs training.fsdp_sharding_strategy optim_grads_params: with "
+            f"{tr.fsdp_sharding_strategy} megatron-core 0.16.1 fails while building Megatron-FSDP's "
+            "buffers (its whole model-weight buffer does not fit in its slice of the buffer "
+            "sharded within the instance: Data size mismatch)"
+        )
+    if job.model.num_experts:
+        # The expert parameters' buffers are sharded over the expert data-parallel group alone
+        # (FSDPDistributedIndex.get_dp_group(is_expert_parallel=True)), yet placed at the
+        # hybrid rank's offset in the hybrid buffer: out of range on outer ranks >= 1.
+        yield (
+            f"{what} with a mixture-of-experts model: megatron-core 0.16.1 fails while building "
+            "Megatron-FSDP's buffers on the ranks of every instance but the first (the experts' "
+            "buffers are sharded within the instance only and their slice of the hybrid buffer "
+            "is out of range: Data size mismatch); use no_shard"
         )
 
 

@@ -344,6 +344,13 @@ class Training:
     """With megatron_fsdp: what is sharded (ZeRO-0 to ZeRO-3): nothing, the optimizer state, also
     the gradients, also the parameters (--data-parallel-sharding-strategy; Megatron-LM
     core_v0.16.1's default is no_shard, later ones' optim_grads_params)."""
+    fsdp_outer_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
+    """With megatron_fsdp and hybrid sharding (num_distributed_optimizer_instances > 1): what is
+    sharded across the instances (--outer-dp-sharding-strategy). no_shard: each instance keeps
+    its own shards and the gradients are all-reduced across the instances; optim (needs
+    fsdp_sharding_strategy optim_grads_params): the main weights and optimizer state are sharded
+    over the whole data-parallel group, the gradients reduce-scattered across the instances and
+    the parameters all-gathered across them again in the iteration's first micro-batch."""
     fsdp_double_buffer: bool = False
     """With megatron_fsdp: persistent double buffers for the parameter all-gathers and gradient
     reduce-scatters instead of buckets allocated per layer (--fsdp-double-buffer)."""

@@ -292,7 +292,21 @@ def build_dp_section(analysis) -> Group | None:
             ),
         )
     lines = [Text(f"Data-parallel groups: {groups_line(world, world.groups('dp_cp'))}")]
-    if world.instances > 1:
+    tr = analysis.job.training
+    if world.instances > 1 and tr.megatron_fsdp and tr.fsdp_outer_sharding_strategy == "optim":
+        lines.append(
+            Text(
+                f"Megatron-FSDP's hybrid sharding in {world.instances} instances: parameters and "
+                f"gradients sharded over the {world.dp * world.layout.cp // world.instances} ranks "
+                f"of an instance and gathered and reduced within intra_dp_cp groups "
+                f"{groups_line(world, world.groups('intra_dp_cp'))}; the optimizer state sharded "
+                f"over all {world.dp * world.layout.cp} ranks (outer optim): gradient shards "
+                "reduce-scattered in the last micro-batch and parameter shards all-gathered in the "
+                "first across the instances in inter_dist_opt groups "
+                f"{groups_line(world, world.groups('inter_dist_opt'))}"
+            )
+        )
+    elif world.instances > 1:
         lines.append(
             Text(
                 f"Distributed optimizer in {world.instances} instances, each sharding the optimizer "

@@ -119,6 +119,12 @@ def build_summary(job, world) -> Table:
         + (" · distributed optimizer" if tr.distributed_optimizer else "")
         + (f" · Megatron-FSDP {tr.fsdp_sharding_strategy}" if tr.megatron_fsdp else "")
         + (
+            f" (HSDP: {tr.num_distributed_optimizer_instances} instances, outer "
+            f"{tr.fsdp_outer_sharding_strategy})"
+            if tr.megatron_fsdp and tr.num_distributed_optimizer_instances > 1
+            else ""
+        )
+        + (
             f" · first {tr.cpu_offloading_num_layers} layers' activations offloaded"
             if tr.cpu_offloading_num_layers
             else ""

@@ -33,6 +33,7 @@ import torch
 
 from metatrace.analysis.memory import StepProfile
 from metatrace.models.build import is_fsdp
+from metatrace.tracing import fsdp
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class _Replay:
         self.rec.set_step_phase("forward")
         if microbatch == 0:
             self._gather_params(model)
+            if fsdp.hybrid(model):
+                fsdp.outer_gather(model, backward=False)
         prof: StepProfile = self.profiles[("forward", v)]
         shape = self.shapes[v]
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
@@ -260,6 +263,8 @@ class _Replay:
         unwrap = not isinstance(input_tensor, list)
         inputs = [input_tensor] if unwrap else input_tensor
         with self.rec.window("backward", v, microbatch):
+            if microbatch == 0 and fsdp.hybrid(self.model[v]):
+                fsdp.outer_gather(self.model[v], backward=True)
             with self.rec.label(prof.module, "backward"):
                 self._hold_slot(v)
                 if prof.excess:
@@ -282,9 +287,9 @@ class _Replay:
                     hook()
             del zeros
             if launches and is_fsdp(self.model[v]):
-                _fsdp_reduce(self.model[v])
-            if _hsdp_last_microbatch(self.model[v]):
-                _hsdp_outer_reduce(self.model[v])
+                fsdp.reduce_unsharded(self.model[v])
+            if fsdp.hybrid(self.model[v]) and fsdp.last_microbatch(self.model[v]):
+                fsdp.outer_reduce(self.model[v])
             grads = []
             for x in inputs:
                 if x is None:
@@ -318,62 +323,10 @@ def _gradient_hooks(chunk) -> list:
     """(parameter, DDP's gradient hook) of `chunk`, in backward order (last parameter first).
     Megatron-FSDP has none to run: its gradient handling is in the traced steps (their
     temporaries, and the reduce-scatters of sharded gradients among the micro-batch's
-    collectives), but for _fsdp_reduce."""
+    collectives), but for metatrace.tracing.fsdp."""
     if is_fsdp(chunk):
         return []
     return [(p, chunk._make_backward_post_hook(p)) for p in reversed(list(chunk.parameters()))]
-
-
-def _fsdp_reduce(chunk) -> None:
-    """Megatron-FSDP without sharded gradients (no_shard, optim) and with overlap_grad_reduce:
-    its post-backward hooks of the iteration's last micro-batch hand every parameter's gradient
-    to its reduction pipeline, which reduces each bucket once all of its gradients are in."""
-    fsdp = chunk.module
-    params = [p for p in fsdp.raw_param.values() if p.requires_grad]
-    fsdp.grad_reduce_pipeline.reduce_gradients(
-        params, suggested_queue_capacity=fsdp.suggested_RS_queue_capacity
-    )
-
-
-def _hsdp_last_microbatch(chunk) -> bool:
-    """Megatron-FSDP with hybrid sharding (HSDP), in the iteration's last micro-batch: the
-    one whose backward reduces the gradients across the instances too."""
-    if not is_fsdp(chunk):
-        return False
-    fsdp = chunk.module
-    return fsdp.dist_index.use_hybrid_fsdp and getattr(fsdp, "is_last_microbatch", False)
-
-
-def _hsdp_outer_reduce(chunk) -> None:
-    """The outer data-parallel reduction of HSDP (megatron-core 0.16.1's
-    GradReducePipeline._bucket_group_gradient_reduce with outer_fsdp_group_grad_reduce): each
-    gradient bucket's shard all-reduced in place across the instances (outer no_shard, the
-    default: --outer-dp-sharding-strategy is not modelled)."""
-    fsdp = chunk.module
-    buffer = fsdp.param_and_grad_buffer
-    group = buffer.dist_index.get_outer_fsdp_group()
-    op = (
-        torch.distributed.ReduceOp.AVG
-        if buffer.ddp_config.average_in_collective
-        else torch.distributed.ReduceOp.SUM
-    )
-    for param_group in buffer.parameter_groups:
-        gbuf = param_group.main_grad_buffer
-        if gbuf is not None and gbuf.data is not None and param_group.requires_grad:
-            torch.distributed.all_reduce(gbuf.data, group=group, op=op)
-
-
-def gathered_once(model) -> None:
-    """Megatron-FSDP's state from the second iteration on, for strategies that keep whole
-    parameters (optim, optim_grads): the previous optimizer step gathered them into the
-    model-weight buffers (in place) and the steps gather nothing more. Run once after building,
-    before anything is traced. (optim_grads_params gathers each layer in every step.)"""
-    for chunk in model:
-        if is_fsdp(chunk) and chunk.ddp_config.data_parallel_sharding_strategy in (
-            "optim",
-            "optim_grads",
-        ):
-            chunk.start_param_sync(force_sync=True)
 
 
 def _steady_state(chunk) -> None:
@@ -394,9 +347,9 @@ def _launches_reductions(chunk):
     """Whether a backward step of `chunk` now would launch DDP's bucket reductions (Megatron-
     FSDP's, for gradients it reduces after the last micro-batch only)."""
     if is_fsdp(chunk):
-        fsdp = chunk.module
-        delayed = fsdp.is_delay_grad_reduce and chunk.ddp_config.overlap_grad_reduce
-        return lambda: delayed and getattr(fsdp, "is_last_microbatch", False)
+        wrapped = chunk.module
+        delayed = wrapped.is_delay_grad_reduce and chunk.ddp_config.overlap_grad_reduce
+        return lambda: delayed and getattr(wrapped, "is_last_microbatch", False)
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
     overlap = chunk.ddp_config.overlap_grad_reduce
     return lambda: overlap and any(g.is_last_microbatch for g in groups)
@@ -480,6 +433,7 @@ def run_iteration(
             return finalize(*args, **kwargs)
 
     config.finalize_model_grads_func = finalize_in_window
+    fsdp.new_iteration(model)
     for chunk in model:
         _steady_state(chunk)
         chunk.zero_grad_buffer()

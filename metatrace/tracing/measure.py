@@ -293,7 +293,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         wrap_ddp,
     )
     from metatrace.models.te_runtime import te_process
-    from metatrace.tracing.iteration import gathered_once, run_iteration
+    from metatrace.tracing.fsdp import gathered_once
+    from metatrace.tracing.iteration import run_iteration
     from metatrace.tracing.trace import run_microbatch
     from metatrace.world import World
 

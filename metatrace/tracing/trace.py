@@ -9,7 +9,8 @@ optimizer), and record two things:
    the output gradient, megatron-core's `backward_step`, send the input gradient back.
    Point-to-point transfers go through megatron-core's `P2PCommunicator`, so they are recorded
    as the pipeline issues them. It runs as a micro-batch that is not the last of its iteration
-   (under DDP's no_sync), so its records hold no gradient reduction;
+   (under DDP's no_sync), so its records hold no gradient reduction, nor the first (Megatron-FSDP
+   gathers across HSDP's instances there; metatrace.tracing.fsdp);
 2. a whole training iteration under megatron-core's own schedule, with every forward and
    backward step replayed from (1) (metatrace.tracing.iteration), then the optimizer step.
 """
@@ -141,8 +142,9 @@ def trace_role(
         wrap_ddp,
     )
     from metatrace.models.te_runtime import te_process
+    from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
     from metatrace.tracing.graphs import capture_plan, static_buffers
-    from metatrace.tracing.iteration import Unrecorded, gathered_once, run_iteration
+    from metatrace.tracing.iteration import Unrecorded, run_iteration
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -164,6 +166,7 @@ def trace_role(
         static = static_tensors(model, optimizer)
         plan = capture_plan(job, config, model)  # CUDA graphs' static inputs (graphs.py)
         gathered_once(model)
+        past_first_microbatch(model)  # nor the first (HSDP's outer gathers: the replay's)
         prefixes = [f"chunk{v}" if len(chunks) > 1 else "" for v in range(len(chunks))]
         models = {p: unwrap(c) for p, c in zip(prefixes, chunks)}
         devices = (device, *also_track)

@@ -42,6 +42,13 @@ BAD = [
         "model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}",
         "'training.precision' must be one of",
     ),
+    (
+        "model: {preset: debug}\ncluster: {num_gpus: 4}\ntraining: {seq_length: 64, megatron_fsdp: "
+        "true, num_distributed_optimizer_instances: 2, fsdp_sharding_strategy: optim, "
+        "fsdp_outer_sharding_strategy: optim}",
+        "training.fsdp_outer_sharding_strategy optim needs training.fsdp_sharding_strategy "
+        "optim_grads_params",
+    ),
     ("model: [oops", "not valid YAML"),
 ]
 

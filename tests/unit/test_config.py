@@ -5,7 +5,7 @@ import pytest
 from metatrace.config import job_from_dict, load_job
 from metatrace.config.presets import PRESETS
 from metatrace.errors import ConfigError
-from tests.helpers import small_job
+from tests.helpers import MOE, small_job
 
 
 def problems(data) -> str:
@@ -402,12 +402,57 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
             "parallel.pp = 2: megatron-core 0.16.1's Megatron-FSDP fails while building its "
             "device mesh",
         ),
+        (
+            {"fsdp_outer_sharding_strategy": "optim", "num_distributed_optimizer_instances": 2},
+            "fsdp_outer_sharding_strategy applies with training.megatron_fsdp only",
+        ),
+        (
+            {"megatron_fsdp": True, "fsdp_outer_sharding_strategy": "optim"},
+            "fsdp_outer_sharding_strategy optim needs hybrid sharding "
+            "(training.num_distributed_optimizer_instances > 1)",
+        ),
+        (
+            {
+                "megatron_fsdp": True,
+                "num_distributed_optimizer_instances": 2,
+                "fsdp_sharding_strategy": "optim_grads",
+                "fsdp_outer_sharding_strategy": "optim",
+            },
+            "needs training.fsdp_sharding_strategy optim_grads_params: with optim_grads "
+            "megatron-core 0.16.1 fails while building Megatron-FSDP's buffers",
+        ),
+        (
+            {
+                "megatron_fsdp": True,
+                "num_distributed_optimizer_instances": 2,
+                "fsdp_outer_sharding_strategy": "optim",
+                "model": MOE,
+            },
+            "with a mixture-of-experts model: megatron-core 0.16.1 fails while building",
+        ),
     ],
 )
 def test_megatron_fsdp_refusals(training, message):
     parallel = training.pop("parallel", {})
+    model = training.pop("model", {})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        small_job(cluster={"num_gpus": 4}, parallel=parallel, training=training)
+        small_job(cluster={"num_gpus": 4}, model=model, parallel=parallel, training=training)
+
+
+def test_outer_sharding_is_accepted_where_megatron_core_runs_it():
+    # Over dp 4 as 2 instances of 2, and as 2 instances of 1 rank (dp 2).
+    for gpus in (4, 2):
+        tr = small_job(
+            cluster={"num_gpus": gpus},
+            training={
+                "megatron_fsdp": True,
+                "num_distributed_optimizer_instances": 2,
+                "fsdp_outer_sharding_strategy": "optim",
+            },
+        ).training
+        assert tr.fsdp_outer_sharding_strategy == "optim"
+    # The default changes nothing, with or without Megatron-FSDP.
+    assert small_job().training.fsdp_outer_sharding_strategy == "no_shard"
 
 
 @pytest.mark.parametrize(

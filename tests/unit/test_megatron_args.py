@@ -669,6 +669,28 @@ def test_megatron_fsdp_flags_map_to_their_keys_and_act_only_with_it():
     assert "fails in megatron-core 0.16.1" in message and "force_all_reduce" in message
 
 
+def test_outer_dp_sharding_strategy_maps_to_its_key_with_megatron_fsdp():
+    hsdp = BASE + " --use-megatron-fsdp --num-distributed-optimizer-instances 2"
+    resolved, _ = job(hsdp + " --outer-dp-sharding-strategy optim")
+    tr = resolved.training
+    assert (tr.fsdp_outer_sharding_strategy, tr.num_distributed_optimizer_instances) == ("optim", 2)
+    assert resolved.not_modelled == ()
+    assert job(hsdp)[0].training.fsdp_outer_sharding_strategy == "no_shard"
+    # megatron-core reads it with Megatron-FSDP only.
+    resolved, notes = job(BASE + " --outer-dp-sharding-strategy optim")
+    assert resolved.training.fsdp_outer_sharding_strategy == "no_shard"
+    assert "--outer-dp-sharding-strategy are ignored without --use-megatron-fsdp" in notes
+    # Where megatron-core 0.16.1 fails with it: said before anything is built.
+    with pytest.raises(ConfigError, match="needs hybrid sharding"):
+        job(BASE + " --use-megatron-fsdp --outer-dp-sharding-strategy optim")
+    with pytest.raises(
+        ConfigError, match="needs training.fsdp_sharding_strategy optim_grads_params"
+    ):
+        job(hsdp + " --data-parallel-sharding-strategy optim --outer-dp-sharding-strategy optim")
+    message = error(hsdp + " --outer-dp-sharding-strategy optim_grads")
+    assert "--outer-dp-sharding-strategy must be one of no_shard, optim" in message
+
+
 def test_optimizer_cpu_offload_flags():
     base = BASE + " --use-distributed-optimizer --use-precision-aware-optimizer"
     tr = job(base + " --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d")[0].training

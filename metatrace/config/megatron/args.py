@@ -772,6 +772,7 @@ def _cuda_graphs(v, t, notes) -> None:
 
 _FSDP_OPTIONS = {
     "--data-parallel-sharding-strategy": "fsdp_sharding_strategy",
+    "--outer-dp-sharding-strategy": "fsdp_outer_sharding_strategy",
     "--fsdp-double-buffer": "fsdp_double_buffer",
     "--suggested-communication-unit-size": "fsdp_communication_unit_size",
 }

@@ -225,6 +225,7 @@ _MODELLED: dict[str, str | None] = {
     "--fine-grained-activation-offloading": None,
     "--use-megatron-fsdp": None,
     "--data-parallel-sharding-strategy": None,
+    "--outer-dp-sharding-strategy": None,
     "--fsdp-double-buffer": None,
     "--suggested-communication-unit-size": None,
     "--offload-modules": None,
@@ -582,7 +583,7 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
         "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
         "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
-        "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
+        "--megatron-fsdp-version --no-gradient-reduce-div-fusion "
         "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     ("NCCL user-buffer registration (buffers from NCCL's pool)", "unknown"): (
@@ -925,7 +926,7 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
         "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
         "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
-        "--megatron-fsdp-version --no-gradient-reduce-div-fusion --outer-dp-sharding-strategy "
+        "--megatron-fsdp-version --no-gradient-reduce-div-fusion "
         "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     "--fp8-format --fp4-format": (

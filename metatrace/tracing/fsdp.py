@@ -1,0 +1,222 @@
+"""What Megatron-FSDP (megatron-core 0.16.1) does once per iteration around the micro-batch that
+metatrace traces, restated for the replayed iteration (metatrace.tracing.iteration).
+
+The traced micro-batch runs megatron-core's own hooks: the all-gathers within the sharding group
+before each unit's forward and backward, and the reduce-scatters after each backward. It stands
+for a micro-batch that is neither the first nor the last of its iteration. What only the first
+or the last one does is here:
+
+- the parameters every step after the first finds gathered with the optim and optim_grads
+  strategies (gathered_once);
+- without sharded gradients, the reduction of the whole gradients in the last micro-batch
+  (reduce_unsharded);
+- with hybrid sharding (HSDP, num_distributed_optimizer_instances > 1), the reduction across the
+  instances in the last micro-batch (outer_reduce) and, with --outer-dp-sharding-strategy optim,
+  the all-gathers across the instances in the first one (outer_gather).
+
+The optimizer step runs megatron-core's own code (the all-gathers it starts ahead for the next
+iteration included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metatrace.models.build import is_fsdp
+
+
+def gathered_once(model) -> None:
+    """Megatron-FSDP's state from the second iteration on, for strategies that keep whole
+    parameters (optim, optim_grads): the previous optimizer step gathered them into the
+    model-weight buffers (in place) and the steps gather nothing more. Run once after building,
+    before anything is traced. (optim_grads_params gathers each layer in every step.)"""
+    for chunk in model:
+        if is_fsdp(chunk) and chunk.ddp_config.data_parallel_sharding_strategy in (
+            "optim",
+            "optim_grads",
+        ):
+            chunk.start_param_sync(force_sync=True)
+
+
+def past_first_microbatch(model) -> None:
+    """Make the next micro-batch one after the first of its iteration: with outer sharding,
+    MegatronFSDP.all_gather_and_wait_parameters_ready gathers across the instances only while
+    its microbatch_count is 0 (the first micro-batch, and the optimizer step after
+    finish_grad_sync has reset it). Run before the traced micro-batch, whose records stand for
+    every micro-batch; the replay issues the first one's gathers (outer_gather)."""
+    for chunk in model:
+        if _outer_sharded(chunk):
+            chunk.module.microbatch_count = max(1, chunk.module.microbatch_count)
+
+
+def new_iteration(model) -> None:
+    """The state the previous iteration's finish_grad_sync leaves: microbatch_count 0, so that
+    megatron-core's own hooks (an iteration whose steps run for real) gather across the
+    instances in the first micro-batch again."""
+    for chunk in model:
+        if is_fsdp(chunk):
+            chunk.module.microbatch_count = 0
+
+
+def reduce_unsharded(chunk) -> None:
+    """Megatron-FSDP without sharded gradients (no_shard, optim) and with overlap_grad_reduce:
+    its post-backward hooks of the iteration's last micro-batch hand every parameter's gradient
+    to its reduction pipeline, which reduces each bucket once all of its gradients are in."""
+    fsdp = chunk.module
+    params = [p for p in fsdp.raw_param.values() if p.requires_grad]
+    fsdp.grad_reduce_pipeline.reduce_gradients(
+        params, suggested_queue_capacity=fsdp.suggested_RS_queue_capacity
+    )
+
+
+def hybrid(chunk) -> bool:
+    """Whether `chunk` is Megatron-FSDP with hybrid sharding (HSDP)."""
+    return is_fsdp(chunk) and chunk.module.dist_index.use_hybrid_fsdp
+
+
+def last_microbatch(chunk) -> bool:
+    """Whether Megatron-FSDP takes the running backward for the iteration's last micro-batch
+    (the schedule runs the others under its no_sync)."""
+    return getattr(chunk.module, "is_last_microbatch", False)
+
+
+def _outer_sharded(chunk) -> bool:
+    return hybrid(chunk) and chunk.ddp_config.outer_dp_sharding_strategy != "no_shard"
+
+
+def outer_reduce(chunk) -> None:
+    """HSDP's reduction across the instances in the iteration's last micro-batch, bucket group
+    by bucket group in backward order (each right after its reduce-scatter within the instance
+    in megatron-core, here after the step's), as GradReducePipeline._bucket_group_gradient_reduce
+    does with outer_fsdp_group_grad_reduce. Restates its outer part,
+    megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.GradReducePipeline._bucket_group_gradient_reduce
+    (source sha256: 47d931b5a957):
+    - outer no_shard: the gradient buffer's shard (sharded within the instance) all-reduced in
+      place across the instances;
+    - outer optim: the instance's shard (the hybrid buffer hsdp_gbuf) reduce-scattered across the
+      instances into a new tensor of the rank's shard over the whole data-parallel group, copied
+      into the main-gradient buffer (a view into hsdp_gbuf) and freed."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    buffer = chunk.module.param_and_grad_buffer
+    group = buffer.dist_index.get_outer_fsdp_group()
+    op = (
+        torch.distributed.ReduceOp.AVG
+        if buffer.ddp_config.average_in_collective
+        else torch.distributed.ReduceOp.SUM
+    )
+    sharded = buffer.ddp_config.outer_dp_sharding_strategy != "no_shard"
+    groups = buffer.parameter_groups
+    for ids in reversed(_bucket_groups(buffer)):
+        ids = [
+            i
+            for i in ids
+            if groups[i].requires_grad
+            and groups[i].main_grad_buffer is not None
+            and groups[i].main_grad_buffer.data is not None
+        ]
+        if not ids:
+            continue
+        reduced = []
+        with _coalescing_manager(group):
+            for i in ids:
+                if not sharded:
+                    torch.distributed.all_reduce(
+                        groups[i].main_grad_buffer.data, group=group, op=op
+                    )
+                    continue
+                shard = torch.empty_like(groups[i].main_grad_buffer.get_shard_from_local_buffer())
+                reduced.append(shard)
+                torch.distributed.reduce_scatter_tensor(
+                    output=shard, input=groups[i].hsdp_gbuf.data, op=op, group=group
+                )
+        for i, shard in zip(ids, reduced):
+            groups[i].main_grad_buffer.get_shard_from_local_buffer().copy_(shard)
+        del reduced
+
+
+def outer_gather(chunk, *, backward: bool) -> None:
+    """HSDP with outer optim in the iteration's first micro-batch: before a bucket is gathered
+    within the instance, the rank's shard over the whole data-parallel group (the model-weight
+    buffer, which the optimizer step updated) is all-gathered across the instances into the
+    instance's shard (hsdp_wbuf), in place, a coalesced call per bucket group
+    (AllGatherPipeline.all_gather_params with outer_fsdp_group_param_gather). The forward
+    gathers every bucket but those the optimizer step gathered ahead; the transformer layers'
+    buckets, released after their forward, are gathered once more (in megatron-core in the
+    backward, or ahead at the end of the forward): here in the backward."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    if not _outer_sharded(chunk):
+        return
+    fsdp = chunk.module
+    buffer = fsdp.param_and_grad_buffer
+    group = buffer.dist_index.get_outer_fsdp_group()
+    groups = buffer.parameter_groups
+    if backward:
+        skip = set()
+        order = reversed(_bucket_groups(buffer))
+    else:
+        skip = _gathered_ahead(fsdp)
+        order = _bucket_groups(buffer)
+    for ids in order:
+        ids = [
+            i
+            for i in ids
+            if i not in skip
+            and groups[i].hsdp_wbuf is not None
+            and (not backward or groups[i].fsdp_unit_id is not None)
+        ]
+        if not ids:
+            continue
+        with _coalescing_manager(group, async_ops=False):
+            for i in ids:
+                torch.distributed.all_gather_into_tensor(
+                    output_tensor=groups[i].hsdp_wbuf.data,
+                    input_tensor=groups[i].model_weight_buffer.data,
+                    group=group,
+                )
+
+
+def _bucket_groups(buffer) -> list[list[int]]:
+    """The bucket groups (buckets of one FSDP unit, communicated in one coalesced call), in
+    bucket order."""
+    seen, out = set(), []
+    for i in range(len(buffer.parameter_groups)):
+        ids = buffer.bucket_to_bucket_group[i]
+        if ids[0] not in seen:
+            seen.update(ids)
+            out.append(list(ids))
+    return out
+
+
+def _gathered_ahead(fsdp) -> set[int]:
+    """The buckets MegatronFSDP.start_param_sync gathers in the optimizer step for the next
+    iteration, which its first micro-batch then finds gathered: the first parameter's bucket,
+    then the bucket groups after it while fewer than suggested_AG_prefetch_size elements are
+    added (with fsdp_double_buffer, within two FSDP units). Restates the prefetch of
+    megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.AllGatherPipeline.all_gather_params
+    (source sha256: 8d0f74c98658)."""
+    buffer = fsdp.param_and_grad_buffer
+    groups = buffer.parameter_groups
+
+    def size(ids):
+        return sum(groups[i].model_weight_buffer.bucket_index.size for i in ids)
+
+    first = next(iter(fsdp.raw_param.values()))
+    ahead = [buffer.param_to_param_group[first]]
+    base = size(ahead)
+    double = buffer.ddp_config.fsdp_double_buffer
+    units = {
+        groups[i].fsdp_unit_id for i in ahead if groups[i].fsdp_unit_id in buffer.double_buf_units
+    }
+    nxt = ahead[-1] + 1
+    while nxt < len(groups) and size(ahead) - base < fsdp.suggested_AG_prefetch_size:
+        if double:
+            units.add(groups[nxt].fsdp_unit_id)
+            if len(units) > 2:
+                break
+        ahead = sorted(set(ahead) | set(buffer.bucket_to_bucket_group[nxt]))
+        nxt = ahead[0] + 1
+        while nxt in ahead:  # the first bucket after the run of gathered ones
+            nxt += 1
+    return set(ahead)
