@@ -41,6 +41,10 @@ def merged(*parts):
         # Qwen3-30B-A3B: "30.5B total, 3.3B activated" (Qwen/Qwen3-30B-A3B model card): 48 layers
         # of 128 experts 2048 -> 768, top 8, QK norm, untied 151936 vocabulary.
         ("qwen3-30b-a3b", {"pp": 4, "ep": 8}, 30_532_122_624, 3_353_032_704),
+        # Qwen3-235B-A22B: "235B in total and 22B activated" (Qwen/Qwen3-235B-A22B model
+        # card): 94 layers of 128 experts 4096 -> 1536, top 8, 64 query heads and 4 KV heads of
+        # 128, QK norm, untied 151936 vocabulary.
+        ("qwen3-235b-a22b", {"pp": 2, "ep": 8}, 235_093_634_560, 22_190_763_520),
     ],
 )
 def test_moe_preset_totals_are_the_published_counts(preset, layout, total, active):

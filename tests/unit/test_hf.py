@@ -40,7 +40,8 @@ def model_section(job) -> dict:
 
 
 # Presets whose published totals tests already trace (tests/tracing: test_params.py: llama2-7b;
-# test_moe.py: mixtral-8x7b 46,702,792,704 and qwen3-30b-a3b 30,532,122,624; test_mla.py:
+# test_moe.py: mixtral-8x7b 46,702,792,704, qwen3-30b-a3b 30,532,122,624 and qwen3-235b-a22b
+# 235,093,634,560; test_mla.py:
 # deepseek-v3 671,026,404,352): the HF import must give the same resolved model section, hence
 # the same model. llama3-8b is traced in tests/tracing/test_hf.py and compared here too.
 @pytest.mark.parametrize(
@@ -50,6 +51,7 @@ def model_section(job) -> dict:
         ("Meta-Llama-3-8B", "llama3-8b"),
         ("Mixtral-8x7B-v0.1", "mixtral-8x7b"),
         ("Qwen3-30B-A3B", "qwen3-30b-a3b"),
+        ("Qwen3-235B-A22B", "qwen3-235b-a22b"),
     ],
 )
 def test_hf_import_is_the_preset(repo, preset):
