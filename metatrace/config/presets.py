@@ -27,6 +27,20 @@ _LLAMA = {
     "attention_dropout": 0.0,
 }
 
+# What the Qwen3 MoE models share (their config.json files).
+_QWEN3_MOE = {
+    **_LLAMA,
+    "num_query_groups": 4,
+    "kv_channels": 128,
+    "qk_layernorm": True,
+    "norm_epsilon": 1e-6,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rotary_base": 1000000,
+    "num_experts": 128,
+    "moe_router_topk": 8,
+}
+
 PRESETS: dict[str, Preset] = {
     "debug": Preset(
         {
@@ -177,40 +191,22 @@ PRESETS: dict[str, Preset] = {
     ),
     "qwen3-30b-a3b": Preset(
         {
-            **_LLAMA,
+            **_QWEN3_MOE,
             "num_layers": 48,
             "hidden_size": 2048,
             "ffn_hidden_size": 6144,
             "num_attention_heads": 32,
-            "num_query_groups": 4,
-            "kv_channels": 128,
-            "qk_layernorm": True,
-            "norm_epsilon": 1e-6,
-            "vocab_size": 151936,
-            "max_position_embeddings": 40960,
-            "rotary_base": 1000000,
-            "num_experts": 128,
-            "moe_router_topk": 8,
             "moe_ffn_hidden_size": 768,
         },
         "Qwen/Qwen3-30B-A3B config.json (every layer sparse: decoder_sparse_step 1)",
     ),
     "qwen3-235b-a22b": Preset(
         {
-            **_LLAMA,
+            **_QWEN3_MOE,
             "num_layers": 94,
             "hidden_size": 4096,
             "ffn_hidden_size": 12288,
             "num_attention_heads": 64,
-            "num_query_groups": 4,
-            "kv_channels": 128,
-            "qk_layernorm": True,
-            "norm_epsilon": 1e-6,
-            "vocab_size": 151936,
-            "max_position_embeddings": 40960,
-            "rotary_base": 1000000,
-            "num_experts": 128,
-            "moe_router_topk": 8,
             "moe_ffn_hidden_size": 1536,
         },
         "Qwen/Qwen3-235B-A22B config.json (every layer sparse: decoder_sparse_step 1)",

@@ -33,7 +33,7 @@ LAYERS = 2
 SHAPES = [(4, 2), (8, 2), (8, 4)]
 
 
-def hsdp_job(gpus, instances, outer, **training):
+def hsdp_job(gpus, instances, outer, *, sections=None, **training):
     return small_job(
         cluster={"num_gpus": gpus},
         training={
@@ -43,6 +43,7 @@ def hsdp_job(gpus, instances, outer, **training):
             "global_batch_size": 2 * 2 * gpus,  # 2 micro-batches of 2 per rank
             **training,
         },
+        **(sections or {}),
     )
 
 
@@ -155,16 +156,13 @@ def test_the_first_forward_gathers_what_the_optimizer_step_did_not_gather_ahead(
     (embedding, output layer, final norm) and the first layer's: the first forward gathers the
     other layers across the instances, and every bucket is gathered once in all."""
     layers, inner = 4, 2
-    job = small_job(
-        model={"num_layers": layers},
-        cluster={"num_gpus": 4},
-        training={
-            "megatron_fsdp": True,
-            "num_distributed_optimizer_instances": 2,
-            "fsdp_outer_sharding_strategy": "optim",
-            "fsdp_communication_unit_size": 2,
-            "global_batch_size": 24,  # 3 micro-batches
-        },
+    job = hsdp_job(
+        4,
+        2,
+        "optim",
+        sections={"model": {"num_layers": layers}},
+        fsdp_communication_unit_size=2,
+        global_batch_size=24,  # 3 micro-batches
     )
     a = analyze(trace_job(job, full_model=False, workers=1))
     n, layer = a.total_params, layer_params(a)
@@ -184,16 +182,7 @@ def test_prediction_matches_megatron_fsdp_running_on_cpu(rank):
     is in the second instance): the peak within 1 % (see tests/tracing/test_fsdp.py for the
     layers' weights re-gathered for backward, which measure counts as saved)."""
     torch.set_num_threads(1)
-    job = small_job(
-        implementation={"transformer_impl": "local"},
-        cluster={"num_gpus": 4},
-        training={
-            "megatron_fsdp": True,
-            "num_distributed_optimizer_instances": 2,
-            "fsdp_outer_sharding_strategy": "optim",
-            "global_batch_size": 16,
-        },
-    )
+    job = hsdp_job(4, 2, "optim", sections={"implementation": {"transformer_impl": "local"}})
     predicted = predict(job, rank)
     measured = measure_rank(job, rank, iterations=2)
     assert predicted.saved > 0
