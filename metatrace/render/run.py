@@ -440,7 +440,7 @@ def build_offload_lines(analysis) -> list[Text]:
         what = ", ".join(job.training.activation_offload_modules)
     return [
         Text(
-            f"Activation offloading ({what}), each way over PCIe per GPU and host memory pinned "
+            f"Activation offloading ({what}), each way over the host link per GPU and host memory pinned "
             f"for good: {'; '.join(parts)}.",
             style="dim",
         )
