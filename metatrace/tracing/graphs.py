@@ -22,8 +22,11 @@ good. What a captured run holds beyond the eager run's peak are the static buffe
   loss mask, positions, and the data loader's attention mask) to the GPU at the start of the
   iteration and keeps them; the ranks that read data (tensor-parallel rank 0 of the first and
   last pipeline stages) hold num_microbatches of them instead of one at a time.
+- megatron-core's per-layer local graphs (CudaGraphManager): every runner's captured output,
+  which eager mode frees once its backward has run, and TensorReusePool's buffers
+  (_local_layer_buffers).
 
-Both are allocated where the traced micro-batch starts and kept, like the kernel workspaces.
+All are allocated where the traced micro-batch starts and kept, like the kernel workspaces.
 Not modelled: the graphs' own memory outside PyTorch's allocator (executables, NCCL's
 registrations), fragmentation between the two pools, the zero mask a TE-graphed layer
 allocates per call when the data loader gives none.
