@@ -506,7 +506,7 @@ def _check_cuda_graphs(job):
     what = f"training.cuda_graph_impl {impl}"
     if impl == "transformer_engine" and job.implementation.transformer_impl != "transformer_engine":
         yield f"{what} needs implementation.transformer_impl: transformer_engine"
-    if impl == "local" and scope != ["full_iteration"]:
+    if tr.local_layer_graphs:
         # Without TE megatron-core keeps every capture's gradient buffers strongly referenced.
         if job.implementation.transformer_impl != "transformer_engine":
             yield (

@@ -425,6 +425,11 @@ class Training:
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
     the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""
 
+    @property
+    def local_layer_graphs(self) -> bool:
+        """megatron-core's per-layer local CUDA graphs (local with any scope but full_iteration)."""
+        return self.cuda_graph_impl == "local" and self.cuda_graph_scope != ["full_iteration"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Implementation:

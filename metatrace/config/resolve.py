@@ -332,8 +332,7 @@ def _graph_warmup_recompute(tr, notes: list[str]):
     that discards outputs is off: the captured layers save those outputs, and the capture's
     pool holds them."""
     rec = tr.recompute
-    per_layer = tr.cuda_graph_impl == "local" and tr.cuda_graph_scope != ["full_iteration"]
-    if not per_layer or rec.granularity != "selective":
+    if not tr.local_layer_graphs or rec.granularity != "selective":
         return tr
     off = [m for m in rec.modules if m in _OUTPUT_DISCARDING]
     if not off:

@@ -409,10 +409,10 @@ def build_memory_table(roles) -> Group:
 
 
 def _graphs_summary(tr) -> str:
-    if tr.cuda_graph_impl == "local" and tr.cuda_graph_scope == ["full_iteration"]:
-        return " · CUDA graph of the whole iteration (static batches in Wkspc)"
-    if tr.cuda_graph_impl == "local":
+    if tr.local_layer_graphs:
         return " · megatron-core's CUDA graphs of whole layers (kept outputs in Wkspc)"
+    if tr.cuda_graph_impl == "local":
+        return " · CUDA graph of the whole iteration (static batches in Wkspc)"
     if tr.cuda_graph_impl == "transformer_engine":
         what = " and ".join(tr.cuda_graph_scope or []) or "whole layers"
         return f" · CUDA graphs of {what} (static inputs in Wkspc)"

@@ -53,13 +53,14 @@ class StaticBuffers:
 
 
 def capture_plan(job, config, model) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each static buffer of TE's per-layer graphs on this rank (none for
-    other set-ups), worked out before anything is recorded: megatron-core builds the sample
-    inputs with temporaries of its own (the mask from a host [s/cp, s] float matrix)."""
+    """(shape, dtype) of each static buffer of per-layer graphs on this rank (TE's or
+    megatron-core's local ones; the whole-iteration graph's batches are static_buffers'), worked
+    out before anything is recorded: megatron-core builds TE's sample inputs with temporaries of
+    its own (the mask from a host [s/cp, s] float matrix)."""
     tr = job.training
     if tr.cuda_graph_impl == "transformer_engine":
         return [(tuple(t.shape), t.dtype) for t in _te_static_inputs(job, config, model)]
-    if tr.cuda_graph_impl == "local" and tr.cuda_graph_scope != ["full_iteration"]:
+    if tr.local_layer_graphs:
         return _local_layer_buffers(job, config, model)
     return []
 
