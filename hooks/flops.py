@@ -91,6 +91,7 @@ def attention(
     *,
     causal: bool,
     backward: bool,
+    window: int | None = None,
 ) -> int:
     """FLOPs of a flash / cuDNN fused attention kernel: flop_counter's formulas for
     _scaled_dot_product_flash_attention (forward: Q K^T and P V; backward: the scores again,
@@ -105,4 +106,12 @@ def attention(
         flops = sdpa_backward_flop_count((b, heads, q_len, v_dim), q, k, v)
     else:
         flops = sdpa_flop_count(q, k, v)
+    if causal and window is not None and window < kv_len:
+        # A causal sliding window [w, 0] (TE's window_size): each query sees its last w keys
+        # (w + 1 with itself). Counted like the causal halving, as the area under the band:
+        # s^2/2 - (s - w)^2/2 = s*w - w^2/2 of the s^2 pairs (for sq = sk = s; about s*w for
+        # w << s). The kernels compute the tiles the band crosses whole (128-wide: about two
+        # key tiles per query tile for w = 128), so they do up to ~2x this useful work.
+        s = kv_len
+        return flops * (2 * s * window - window * window) // (2 * s * s)
     return flops // 2 if causal else flops

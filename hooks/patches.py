@@ -199,6 +199,15 @@ PATCHES += (
         "dtype, bf16, while the stand-ins' are float8_e4m3fn tensors: 2 bytes a gradient, not 1.",
     ),
     Patch(
+        "megatron.core.transformer.transformer_config",
+        "is_te_min_version",
+        lambda orig: _te_min_version(orig),
+        Versions((0, 16, 1)),
+        "TransformerConfig.__post_init__ compares Transformer Engine's release for MoE FP8 "
+        "(1.7), FP8 grouped GEMMs (1.11) and moe_act / layernorm recompute under FP8 (2.6): "
+        "a TypeError without TE (as optimizer_config's check above).",
+    ),
+    Patch(
         "megatron.core.optimizer",
         "is_te_min_version",
         lambda orig: _te_min_version(orig),
@@ -524,6 +533,64 @@ PATCHES += (
     ),
 )
 
+
+# The flex token dispatcher's kernels (DeepEP, HybridEP; metatrace.models.deepep): token_dispatcher
+# binds them from fused_a2a at import, None without deep_ep, and raises ImportError then.
+def _remembering_flex_init(orig):
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        _deepep().remember(self)
+
+    return __init__
+
+
+def _flex_multihot(orig):
+    def _indices_to_multihot(self, indices, probs):
+        return _deepep().indices_to_multihot(self, indices, probs)
+
+    return _indices_to_multihot
+
+
+def _deepep():
+    return importlib.import_module("metatrace.models.deepep")
+
+
+_TD = "megatron.core.transformer.moe.token_dispatcher"
+PATCHES += tuple(
+    Patch(
+        _TD,
+        name,
+        _standin("metatrace.models.deepep", name),
+        Versions((0, 16, 1)),
+        "bound from fused_a2a at import (None without deep_ep, which needs a GPU); the flex "
+        "dispatcher calls it.",
+    )
+    for name in (
+        "fused_dispatch",
+        "fused_combine",
+        "set_deepep_num_sms",
+        "hybrid_ep_dispatch",
+        "hybrid_ep_combine",
+    )
+) + (
+    Patch(
+        _TD,
+        "MoEFlexTokenDispatcher.__init__",
+        _remembering_flex_init,
+        Versions((0, 16, 1)),
+        "the kernels' arguments carry neither topk nor the expert-TP size the stand-ins size "
+        "their outputs by; the dispatcher's config is kept for them.",
+    ),
+    Patch(
+        _TD,
+        "_DeepepManager._indices_to_multihot",
+        _flex_multihot,
+        Versions((0, 16, 1)),
+        "indexes by a boolean mask (indices[mask]), whose size depends on the data; the tokens "
+        "per expert say how many.",
+    ),
+)
+
 # Transformer Engine's fused MoE kernels (--moe-permute-fusion, --moe-router-fusion;
 # metatrace.models.te_moe): moe_utils binds them from TE at import, and only when TE imports
 # (no attribute at all without it), and checks HAVE_TE before calling them.
@@ -701,6 +768,119 @@ def _standin_factory(module: str, name: str):
         return getattr(importlib.import_module(module), name)(orig)
 
     return make
+
+
+# Recompute under FP8 (CheckpointWithoutOutput(fp8=True): layernorm, mla_up_proj): random.py
+# binds these from Transformer Engine at import (missing without it).
+PATCHES += tuple(
+    Patch(
+        "megatron.core.tensor_parallel.random",
+        name,
+        _standin("metatrace.models.te_fp8", standin),
+        Versions((0, 16, 1)),
+        "imported from Transformer Engine (missing without it); CheckpointWithoutOutput with "
+        "fp8 reads the FP8 state and recomputes under the first pass's recipe.",
+        creates=True,
+    )
+    for name, standin in (
+        ("FP8GlobalStateManager", "FP8GlobalStateManager"),
+        ("fp8_autocast", "recompute_autocast"),
+        ("activation_recompute_forward", "activation_recompute_forward"),
+    )
+)
+
+
+# save_original_input (TE >= 2.6 Linear): megatron-core sets it under non-delayed FP8 on
+# attention's linear_proj, shared experts' linear_fc1 and MLA's linear_proj, each behind a test
+# that TE imported and is recent enough; the stand-ins implement it (models/te_fp8_linear.py).
+def _real_set_save_original_input(orig):
+    from megatron.core.extensions.transformer_engine import set_save_original_input
+
+    return set_save_original_input
+
+
+PATCHES += tuple(
+    Patch(
+        module,
+        name,
+        make,
+        Versions((0, 16, 1)),
+        why,
+        creates=creates,
+    )
+    for module in (
+        "megatron.core.transformer.attention",
+        "megatron.core.transformer.multi_latent_attention",
+    )
+    for name, make, why, creates in (
+        (
+            "HAVE_TE",
+            lambda orig: True,
+            "gates only set_save_original_input on linear_proj (attention.py:364, "
+            "multi_latent_attention.py:184).",
+            False,
+        ),
+        (
+            "set_save_original_input",
+            _real_set_save_original_input,
+            "None when the TE import fails (megatron-core's own function works on the stand-ins).",
+            False,
+        ),
+        (
+            "is_te_min_version",
+            lambda orig: _te_min_version(orig),
+            "TE >= 2.6 for save_original_input: a TypeError without TE (as optimizer_config's).",
+            False,
+        ),
+    )
+) + (
+    Patch(
+        "megatron.core.transformer.attention",
+        "TELinear",
+        _standin("metatrace.models.te_linear", "TELinear"),
+        Versions((0, 16, 1)),
+        "None without TE: `isinstance(linear_proj, TELinear)` needs the stand-in class.",
+    ),
+    Patch(
+        "megatron.core.extensions.transformer_engine",
+        "TELinear",
+        _standin("metatrace.models.te_linear", "TELinear"),
+        Versions((0, 16, 1)),
+        "a MagicMock without TE; SharedExpertMLP imports it at construction for "
+        "`isinstance(linear_fc1, TELinear)` (shared_experts.py:80-90), a TypeError with a mock.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.shared_experts",
+        "is_te_min_version",
+        lambda orig: _te_min_version(orig),
+        Versions((0, 16, 1)),
+        "TE >= 2.6 for save_original_input under FP8 (shared_experts.py:64-69).",
+    ),
+)
+
+
+# FP8 grouped experts (metatrace.models.te_fp8_grouped): TEGroupedMLP pads each expert's tokens
+# with TE's Fp8Padding / Fp8Unpadding, imported from the TE extension only when TE imports.
+PATCHES += tuple(
+    Patch(
+        "megatron.core.transformer.moe.experts",
+        name,
+        _standin("metatrace.models.te_fp8_grouped", name),
+        Versions((0, 15), (0, 16)),
+        "imported from megatron.core.extensions.transformer_engine when TE imports (missing "
+        "without it); TEGroupedMLP builds it under FP8 (experts.py:603-606).",
+        creates=True,
+    )
+    for name in ("Fp8Padding", "Fp8Unpadding")
+) + (
+    Patch(
+        "megatron.core.transformer.moe.experts",
+        "HAVE_TE",
+        lambda orig: True,
+        Versions((0, 15), (0, 16)),
+        "gates only the FP8 padding above (TEGroupedMLP asserts it under FP8, experts.py:604).",
+    ),
+)
 
 
 # Fine-grained activation offloading (--fine-grained-activation-offloading; metatrace.hooks.offload

@@ -31,6 +31,38 @@ def _backward_step(make) -> Patch:
     )
 
 
+def combined_schedules(no_pipelining, interleaved):
+    """megatron-core's combined 1F1B steps (overlap_moe_expert_parallel_comm), which run a
+    GPTModel's fine-grained schedule plan on CUDA streams, replaced by `no_pipelining` and
+    `interleaved` (same signatures; metatrace.tracing.overlap's); the schedules around them
+    (warm-up counts, sends, grad sync) stay megatron-core's."""
+    return patched(_combined_patches(no_pipelining, interleaved))
+
+
+def _combined_patches(no_pipelining, interleaved) -> tuple[Patch, ...]:
+    module = "megatron.core.pipeline_parallel.schedules"
+    why = (
+        "schedules.py imports the combined 1F1B steps from combined_1f1b.py; they need streams "
+        "and a schedule plan: the replay runs each as a backward then a forward step."
+    )
+    return (
+        Patch(
+            module,
+            "combined_1f1b_schedule_for_no_pipelining",
+            lambda orig: no_pipelining,
+            Versions((0, 16)),
+            why,
+        ),
+        Patch(
+            module,
+            "combined_1f1b_schedule_for_interleaved_pipelining",
+            lambda orig: interleaved,
+            Versions((0, 16)),
+            why,
+        ),
+    )
+
+
 def replayed_backward(step):
     """schedules.backward_step replaced by `step` (the replay's, same signature) while active."""
     return patched((_backward_step(lambda orig: step),))

@@ -27,11 +27,16 @@ DTYPES = {
 def _activations():
     from megatron.core.activations import squared_relu
 
+    # Megatron-LM's --quick-geglu takes fused_bias_geglu's quick_gelu, the one TransformerConfig
+    # and TEGroupedMLP compare with (activations.quick_gelu is another function).
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     # name -> (activation_func, gated_linear_unit)
     return {
         "gelu": (F.gelu, False),
         "swiglu": (F.silu, True),
         "geglu": (F.gelu, True),
+        "quick_geglu": (quick_gelu, True),  # Megatron-LM's --quick-geglu
         "relu": (F.relu, False),
         "squared_relu": (squared_relu, False),
         "silu": (F.silu, False),
@@ -51,9 +56,11 @@ def transformer_config(job, *, cuda_graphs: bool = False):
     dtype = DTYPES[tr.precision]
     rec = tr.recompute
     # Megatron-LM turns the fused bias-activation kernels on by default (bias_gelu_fusion,
-    # bias_swiglu_fusion), and off for GeLU without biases; other activations have no kernel.
+    # bias_swiglu_fusion), and off for GeLU without biases; other activations have no kernel
+    # but quick_geglu's (Megatron-LM's --quick-geglu sets bias_activation_fusion with
+    # bias_swiglu_fusion; megatron-core's weighted_bias_quick_geglu_impl, GPT-OSS).
     bias_activation_fusion = impl.bias_activation_fusion and (
-        m.activation == "swiglu" or (m.activation == "gelu" and m.add_bias_linear)
+        m.activation in ("swiglu", "quick_geglu") or (m.activation == "gelu" and m.add_bias_linear)
     )
     fields = dict(
         num_layers=m.num_layers,
@@ -66,6 +73,11 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         layernorm_epsilon=m.norm_epsilon,
         activation_func=activation_func,
         gated_linear_unit=gated,
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.activation_func_clamp_value,
+        softmax_type=m.softmax_type,
+        window_size=tuple(m.window_size) if m.window_size is not None else None,
+        window_attn_skip_freq=m.window_attn_skip_freq,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
@@ -115,7 +127,9 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         cpu_offloading_weights=False,
         transformer_impl=impl.transformer_impl,
         attention_backend=AttnBackend[job.attention_kernel],
-        apply_rope_fusion=impl.rope_fusion and m.position_embedding_type == "rope",
+        # With yarn's concentration factor != 1 megatron-core's apply_rotary_pos_emb falls back
+        # to the unfused RoPE itself (rope_utils.py, "mscale=... is not supported").
+        apply_rope_fusion=impl.rope_fusion and m.position_embedding_type in ("rope", "yarn"),
         cross_entropy_loss_fusion=impl.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=impl.cross_entropy_fusion_impl,
         cp_comm_type=par.cp_comm_type if par.cp > 1 else None,
@@ -144,6 +158,8 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         moe_layer_freq=m.moe_layer_freq if m.num_experts else 1,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=par.moe_shared_expert_overlap,
+        overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=par.delay_wgrad_compute,
         moe_router_score_function=m.moe_router_score_function,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
         moe_router_num_groups=m.moe_router_num_groups,
@@ -154,6 +170,8 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_z_loss_coeff=m.moe_z_loss_coeff,
         moe_token_dispatcher_type=par.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=par.moe_flex_dispatcher_backend,
+        moe_deepep_num_sms=par.moe_deepep_num_sms,
         moe_grouped_gemm=impl.moe_grouped_gemm,
         moe_permute_fusion=impl.moe_permute_fusion,
         moe_router_fusion=impl.moe_router_fusion,
@@ -206,6 +224,18 @@ def transformer_config(job, *, cuda_graphs: bool = False):
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+    if m.position_embedding_type == "yarn":
+        # megatron-core 0.16.1's GPTModel reads YaRN's settings as config attributes that
+        # TransformerConfig does not declare (gpt_model.py, getattr(config, "yarn_...");
+        # Megatron-Bridge's GPT-OSS provider declares them); attention.py's RoPE then scales q
+        # and k by the concentration factor (_yarn_get_concentration_factor_from_config).
+        config.yarn_rotary_scaling_factor = m.rotary_scaling_factor
+        config.yarn_original_max_position_embeddings = m.original_max_position_embeddings
+        config.yarn_beta_fast = m.beta_fast
+        config.yarn_beta_slow = m.beta_slow
+        config.yarn_mscale = m.mscale
+        config.yarn_mscale_all_dim = m.mscale_all_dim
+        config.yarn_correction_range_round_to_int = True  # values only
     # Megatron-FSDP's sharding strategy: FP8 weights are then TE's Float8Tensor as FSDP sees it.
     tr = job.training
     config.metatrace_fsdp_strategy = tr.fsdp_sharding_strategy if tr.megatron_fsdp else None
@@ -356,6 +386,8 @@ def ddp_config(job):
         # Megatron-LM's --check-for-nan-in-loss-and-grad is on by default; the check reads
         # values (a norm per bucket) and allocates nothing that matters.
         check_for_nan_in_grad=False,
+        # Megatron-LM fills the DDP config from its arguments by field name.
+        delay_wgrad_compute=job.parallel.delay_wgrad_compute,
         bucket_size=tr.ddp_bucket_size,
         average_in_collective=tr.ddp_average_in_collective,
         pad_buckets_for_high_nccl_busbw=tr.ddp_pad_buckets_for_high_nccl_busbw,

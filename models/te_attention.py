@@ -25,6 +25,13 @@ and flash-attn 2.8.3's flash_attn_interface.py (sbhd layout, no packed sequences
 
 Context parallelism is in metatrace.models.te_cp.
 
+Sliding windows (megatron-core's window_size on the layers is_layer_window_attention picks)
+change what fused and flash attention compute (their FLOPs: about s x w per head instead of
+s^2 / 2), not what they keep. Softmax sinks (softmax_type off-by-one / learnable, GPT-OSS):
+one offset per local head (a parameter when learnable); fused attention saves it as fp32
+[1, h, 1, 1] with its aux tensors and its backward allocates an fp32 gradient of that shape;
+unfused attention appends it as a last score column ([b, h, sq, sk + 1] and a padded mask).
+
 Known limitations: cuDNN's and flash-attn's own workspaces (sizes decided in C++ that is not in
 the sources) are not modelled; outputs hold zeros, not attention values.
 """
@@ -70,17 +77,20 @@ def qkv_layout(q, k, v):
 
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, config, layout, causal=True):
-        sbhd_flops(ctx, q.shape, v.shape, causal)
+    def forward(ctx, q, k, v, config, layout, causal=True, window=None, offset=None):
+        sbhd_flops(ctx, q.shape, v.shape, causal, window)
         s, b, h, _ = q.shape
         out = torch.zeros((s, b, h, v.shape[-1]), dtype=q.dtype, device=q.device)
         stats = torch.empty((b, h, s, 1), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         cu = cu_seqlens(config, b, s, q.device)
         cu_kv = cu_seqlens(config, b, k.shape[0], q.device)
-        mark_if_offloading(q, k, v, out, stats, rng)  # TE's FusedAttnFunc under cpu_offloading
-        ctx.save_for_backward(q, k, v, out, cu, cu_kv, stats, rng)
-        ctx.layout = layout
+        # Softmax sinks: the fp32 offsets [1, h, 1, 1] are the last of the aux tensors TE saves
+        # (csrc/extensions/attention.cpp, fused_attn_fwd: S, rng_state, SoftmaxOffset).
+        aux = (stats, rng) if offset is None else (stats, rng, offset)
+        mark_if_offloading(q, k, v, out, *aux)  # TE's FusedAttnFunc under cpu_offloading
+        ctx.save_for_backward(q, k, v, out, cu, cu_kv, *aux)
+        ctx.layout, ctx.sink = layout, offset is not None
         return out.view(s, b, h * v.shape[-1])
 
     @staticmethod
@@ -93,17 +103,20 @@ class _FusedAttention(torch.autograd.Function):
             dq, dk, dv = buf.select(3, 0), buf.select(3, 1), buf.select(3, 2)
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        return dq, dk, dv, None, None, None
+        # fused_attn_bwd allocates dSoftmaxOffset fp32 [1, h, 1, 1] for softmax sinks.
+        d_offset = torch.empty_like(ctx.saved_tensors[-1]) if ctx.sink else None
+        return dq, dk, dv, None, None, None, None, d_offset
 
 
 class _FlashAttnFunc(torch.autograd.Function):
     """flash-attn 2's FlashAttnFunc on bshd inputs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, head_dim, causal=True):
+    def forward(ctx, q, k, v, head_dim, causal=True, window=None):
         b, s, h, d_pad = q.shape
         # FLOPs of the unpadded head dimension (the padding to a multiple of 8 is the kernel's).
-        sbhd_flops(ctx, (s, b, h, head_dim), (k.shape[1], b, k.shape[2], head_dim), causal)
+        shape_q, shape_v = (s, b, h, head_dim), (k.shape[1], b, k.shape[2], head_dim)
+        sbhd_flops(ctx, shape_q, shape_v, causal, window)
         out_padded = torch.zeros((b, s, h, d_pad), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
@@ -128,14 +141,15 @@ class _FlashAttnFunc(torch.autograd.Function):
             for _ in range(2):  # dk_expanded, dv_expanded
                 scratch.append(torch.empty((b, k.shape[1], h, d), dtype=q.dtype, device=q.device))
         del scratch
-        return dq[..., : ctx.head_dim], dk[..., : ctx.head_dim], dv[..., : ctx.head_dim], None, None
+        d = ctx.head_dim
+        return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None
 
 
 def _round(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def flash_attention(q, k, v, layout, causal=True):
+def flash_attention(q, k, v, layout, causal=True, window=None):
     """TE's FlashAttention on sbhd q/k/v: bshd copies in, a contiguous sbhd copy out."""
     s, b, h, d = q.shape
     if layout == "sbh3d" and d == 128 and s * b >= 512:
@@ -148,7 +162,7 @@ def flash_attention(q, k, v, layout, causal=True):
     mark_if_offloading(qb, kb, vb)  # TE's FlashAttention under cpu_offloading
     if d % 8:
         qb, kb, vb = (F.pad(x, (0, 8 - d % 8)) for x in (qb, kb, vb))
-    out = _FlashAttnFunc.apply(qb, kb, vb, d, causal)  # [b, s, h, d]
+    out = _FlashAttnFunc.apply(qb, kb, vb, d, causal, window)  # [b, s, h, d]
     return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, h * d], a second copy
 
 
@@ -183,8 +197,9 @@ def _fused_softmax_applies(b, np_, sq, sk, dtype) -> bool:
     return sq % FusedSoftmaxKernels.get_batch_per_block(sq, sk, b, np_) == 0
 
 
-def unfused_attention(q, k, v, scale: float, dropout: float, training: bool):
-    """TE's UnfusedDotProductAttention for sbhd, causal, no bias."""
+def unfused_attention(q, k, v, scale: float, dropout: float, training: bool, offset=None):
+    """TE's UnfusedDotProductAttention for sbhd, causal, no bias; `offset`: softmax sinks
+    [1, np, 1, 1] (a sliding window changes the mask's values, not its shape)."""
     sq, b, np_, hn = q.shape
     sk, ng = k.shape[0], k.shape[2]
     # get_full_mask: arange difference and the boolean causal mask [1, 1, sq, sk].
@@ -202,15 +217,25 @@ def unfused_attention(q, k, v, scale: float, dropout: float, training: bool):
     scores = torch.baddbmm(buffer, q2, k2.transpose(1, 2), beta=0.0, alpha=scale)
     del buffer
     scores = scores.view(b, np_, sq, sk)
-    if _fused_softmax_applies(b, np_, sq, sk, q.dtype):
+    kv = sk
+    if offset is not None:
+        # backends.py: the sink as a last column of the scores [b, np, sq, sk + 1], the mask
+        # padded with it; the probabilities' last column dropped again (a view).
+        sink = offset.to(dtype=scores.dtype).expand(b, -1, sq, -1)
+        scores = torch.cat([scores, sink], dim=-1)
+        mask = F.pad(mask, (0, 1), mode="constant", value=False)
+        kv = sk + 1
+    if _fused_softmax_applies(b, np_, sq, kv, q.dtype):
         probs = _MaskedSoftmax.apply(scores, mask, 1.0)
     else:
         probs = torch.softmax(scores.float().masked_fill_(mask, -10000.0), dim=-1).to(q.dtype)
+    if offset is not None:
+        probs = probs[..., :-1]
     if training and dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     hv = v.shape[-1]  # the value head dimension (MLA: v_head_dim, not the query's)
     v2 = v.reshape(sk, b * np_, hv).transpose(0, 1)
-    context = torch.bmm(probs.view(b * np_, sq, sk), v2)  # [b*np, sq, hv]
+    context = torch.bmm(probs.reshape(b * np_, sq, sk), v2)  # [b*np, sq, hv]
     context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3).contiguous()
     return context.view(sq, b, np_ * hv)
 
@@ -253,6 +278,7 @@ class TEDotProductAttention(torch.nn.Module):
         self.num_gqa_groups = config.num_query_groups
         self.cp_comm_type = cp_comm_type or "p2p"
         self.cp_size = config.context_parallel_size
+        self._attention_variants(config, layer_number)
         self.cp_group = None
         if self.cp_size > 1:
             if self.cp_comm_type == "a2a+p2p":
@@ -263,6 +289,36 @@ class TEDotProductAttention(torch.nn.Module):
                     if pg_collection is not None
                     else ps.get_context_parallel_group()
                 )
+
+    def _attention_variants(self, config, layer_number) -> None:
+        """Sliding window and softmax sinks, as megatron-core's TEDotProductAttention passes them
+        to TE 2.8's DotProductAttention (window_size on the layers is_layer_window_attention
+        picks; softmax_type)."""
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        window = None
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
+            window = config.window_size[0] if config.window_size[0] >= 0 else None
+        self.window = window  # the left size of a causal window (TE makes (w, x) (w, 0))
+        self.softmax_type = config.softmax_type
+        heads = self.num_attention_heads // config.tensor_model_parallel_size
+        device = torch.cuda.current_device()
+        if self.softmax_type == "learnable":
+            # DotProductAttention.__init__: fp32 on the GPU (Float16Module casts it to bf16);
+            # one logit per local head, sharded over TP with the heads.
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, device=device))
+        elif self.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device)  # a plain fp32 attribute
+        else:
+            self.softmax_offset = None
+
+    def _offset(self):
+        """DotProductAttention.forward: softmax_offset.reshape(1, -1, 1, 1).to(torch.float32)."""
+        if self.softmax_offset is None:
+            return None
+        return self.softmax_offset.reshape(1, -1, 1, 1).to(torch.float32)
 
     def forward(
         self,
@@ -279,12 +335,17 @@ class TEDotProductAttention(torch.nn.Module):
             raise NotImplementedError("packed sequences (thd) are not modelled")
         if self.cp_size > 1:
             return context_parallel_attention(self, query, key, value)
+        offset = self._offset()
         if self.backend == "unfused":
+            dropout = self.attention_dropout
             return unfused_attention(
-                query, key, value, self.softmax_scale, self.attention_dropout, self.training
+                query, key, value, self.softmax_scale, dropout, self.training, offset
             )
         q, k, v, layout = qkv_layout(query, key, value)
         causal = "causal" in getattr(attn_mask_type, "name", self.attn_mask_type)
+        window = self.window if causal else None
         if self.backend == "flash":
-            return flash_attention(q, k, v, layout, causal)
-        return _FusedAttention.apply(q, k, v, self.config, layout, causal)
+            if offset is not None:
+                raise NotImplementedError("TE 2.8 has no flash attention with softmax sinks")
+            return flash_attention(q, k, v, layout, causal, window)
+        return _FusedAttention.apply(q, k, v, self.config, layout, causal, window, offset)

@@ -21,12 +21,12 @@ def cu_seqlens(config, batch: int, seqlen: int, device) -> torch.Tensor:
     return cache[key]
 
 
-def sbhd_flops(ctx, q_shape, v_shape, causal: bool) -> None:
+def sbhd_flops(ctx, q_shape, v_shape, causal: bool, window: int | None = None) -> None:
     """Report a fused / flash attention kernel's forward FLOPs for sbhd q and v shapes
-    (hooks/flops.py says what is counted: causal masks halve them) and keep its backward's on
-    `ctx`."""
+    (hooks/flops.py says what is counted: causal masks halve them, a sliding `window` (the left
+    size) leaves about s x w) and keep its backward's on `ctx`."""
     sq, b, h, d = q_shape
     sk, _, h_kv, dv = v_shape
     shape = (b, h, sq, sk, d, dv, h_kv)
-    flops.report(flops.attention(*shape, causal=causal, backward=False))
-    ctx.backward_flops = flops.attention(*shape, causal=causal, backward=True)
+    flops.report(flops.attention(*shape, causal=causal, backward=False, window=window))
+    ctx.backward_flops = flops.attention(*shape, causal=causal, backward=True, window=window)

@@ -156,9 +156,12 @@ def reduce_amax(region: _Region, per_module: int, device) -> None:
     """Delayed scaling: concatenate the amaxes of the region's modules, MAX-all-reduce them."""
     if region is None or region.recipe != "delayed" or not region.modules:
         return
-    # `per_module` is a TE module's count; the op fuser's BasicLinear keeps one fewer
-    # (te_fused_mlp.BasicLinearState.fp8_amax_fewer).
-    count = sum(per_module - getattr(m, "fp8_amax_fewer", 0) for m in region.modules)
+    # `per_module` is a TE module's count per GEMM (a GroupedLinear has num_gemms); the op
+    # fuser's BasicLinear keeps one fewer (te_fused_mlp.BasicLinearState.fp8_amax_fewer).
+    count = sum(
+        per_module * getattr(m, "num_gemms", 1) - getattr(m, "fp8_amax_fewer", 0)
+        for m in region.modules
+    )
     amax = torch.empty(count, dtype=F32, device=device)
     if region.group is not None and dist.get_world_size(region.group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=region.group)
@@ -174,9 +177,15 @@ def fp8_autocast(recipe: str, group):
         yield
     finally:
         STATE.region = outer
-        device = next((m.weight.device for m in region.modules), None)
+        device = next((_device(m) for m in region.modules), None)
         if device is not None:
             reduce_amax(region, 3, device)
+
+
+def _device(module):
+    """A TE module's device (GroupedLinear has weight0.. rather than weight)."""
+    weight = getattr(module, "weight", None)
+    return weight.device if weight is not None else next(module.parameters()).device
 
 
 def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
@@ -197,24 +206,28 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
 
 
 def module_state(module, recipe: str, device) -> None:
-    """Per-module scaling state TE creates on the module's first FP8 forward (kept)."""
+    """Per-module scaling state TE creates on the module's first FP8 forward (kept); a
+    GroupedLinear has the quantizers of its num_gemms GEMMs (grouped_linear.py:590-594)."""
     if getattr(module, "_fp8_meta_tensors", None) is not None:
         return
+    n = getattr(module, "num_gemms", 1)
     if recipe == "delayed":
         history = getattr(getattr(module, "config", None), "fp8_amax_history_len", 1)
-        shapes = [(3,), (history, 3), (2,), (history, 2)]
+        shapes = [(3 * n,), (history, 3 * n), (2 * n,), (history, 2 * n)]
     elif recipe == "tensorwise":
-        shapes = [(1,)] * 10  # scale and amax for each of the five quantizers
+        shapes = [(1,)] * (10 * n)  # scale and amax for each of the five quantizers
     else:
         shapes = []
     module._fp8_meta_tensors = [torch.zeros(s, dtype=F32, device=device) for s in shapes]
 
 
-def weight_workspace(module, weight, recipe: str, arch: str) -> Quantized:
-    """The FP8 weight the module keeps between micro-batches (TE's _fp8_workspaces["weight"])."""
-    cached = getattr(module, "_fp8_weight", None)
-    if cached is None or getattr(module, "_fp8_weight_recipe", None) != recipe:
-        cached = quantize(
+def weight_workspace(module, weight, recipe: str, arch: str, key: str = "weight") -> Quantized:
+    """The FP8 weight the module keeps between micro-batches (TE's _fp8_workspaces[key]:
+    "weight", or "weight{i}" per expert of a GroupedLinear), made with both usages."""
+    workspaces = module.__dict__.setdefault("_fp8_workspaces", {})
+    cached = workspaces.get(key)
+    if cached is None or cached[0] != recipe:
+        quantized = quantize(
             tuple(weight.shape),
             recipe,
             arch,
@@ -223,8 +236,60 @@ def weight_workspace(module, weight, recipe: str, arch: str) -> Quantized:
             device=weight.device,
             weight=True,
         )
-        module._fp8_weight, module._fp8_weight_recipe = cached, recipe
-    return cached
+        cached = workspaces[key] = (recipe, quantized)
+    return cached[1]
+
+
+def fp8_param_buffers(shape, recipe: str, arch: str, device) -> list:
+    """FP8 primary weights (fp8_model_init): the parameter is the quantized row-wise data; the
+    other buffers of TE's quantized parameter (the column-wise copy, scales) live with it for the
+    whole run. Created with grad enabled, so both usages exist. Returns those other buffers."""
+    q = quantize(
+        tuple(shape), recipe, arch, rowwise=True, columnwise=True, device=device, weight=True
+    )
+    # The row-wise data is the parameter itself (sm100 Float8: the one shared buffer).
+    rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0) :]
+    return rest + q.shared
+
+
+def split_quantize(
+    m_splits, cols: int, recipe: str, arch: str, *, rowwise: bool, columnwise: bool, device
+) -> list[Quantized]:
+    """TE's tex.split_quantize of a [sum(m_splits), cols] tensor, one quantizer per expert
+    (extensions/cast.cpp:496-598). Float8 (delayed, tensorwise) quantizes each expert's rows
+    into tensors of its own; MXFP8 and blockwise allocate one uint8 buffer per usage for all
+    experts (each expert's data 256-byte aligned, then each expert's scales 16-byte aligned,
+    cast.cpp:245-265, 288-308) and hand out views of it: returned as one Quantized holding the
+    bulk buffers."""
+    if recipe in ("delayed", "tensorwise"):
+        return [
+            quantize((m, cols), recipe, arch, rowwise=rowwise, columnwise=columnwise, device=device)
+            for m in m_splits
+        ]
+    out = Quantized()
+    for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if not wanted:
+            continue
+        per_expert = [
+            quantize((m, cols), recipe, "sm90", device="meta", **{usage: True}, **_other(usage))
+            for m in m_splits
+            if m
+        ]
+        offset = 0
+        for q in per_expert:  # the data, then the scales
+            offset = _rnd(offset, 256) + _nbytes(getattr(q, usage)[0])
+        for q in per_expert:
+            offset = _rnd(offset, 16) + _nbytes(getattr(q, usage)[1])
+        getattr(out, usage).append(torch.empty(offset, dtype=U8, device=device))
+    return [out]
+
+
+def _other(usage: str) -> dict:
+    return {"columnwise" if usage == "rowwise" else "rowwise": False}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def checkpoint(
@@ -238,3 +303,35 @@ def checkpoint(
 
     fn = partial(function, **kwargs) if kwargs else function
     return tensor_parallel.checkpoint(fn, distribute_saved_activations, *args)
+
+
+# ----------------------------------------------------------------------------- FP8 recompute
+
+
+class FP8GlobalStateManager:
+    """What megatron-core's CheckpointWithoutOutput(fp8=True) reads of TE's global FP8 state
+    (tensor_parallel/random.py: layernorm and MLA up-projection recompute under FP8): whether a
+    region is active and its recipe, to recompute under the same."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return STATE.region is not None
+
+    @staticmethod
+    def get_fp8_recipe() -> str | None:
+        return active_recipe()
+
+
+def recompute_autocast(enabled: bool = True, fp8_recipe: str | None = None, **_):
+    """TE's fp8_autocast as CheckpointWithoutOutput re-enters it for the recompute: the recipe of
+    the first pass; TE restores that pass's scaling state instead of reducing amaxes again
+    (fp8.py:524-568), so the region reduces nothing (no group)."""
+    if not enabled or fp8_recipe is None:
+        return contextlib.nullcontext()
+    return fp8_autocast(fp8_recipe, None)
+
+
+def activation_recompute_forward(**_):
+    """TE's activation_recompute_forward (distributed.py:243-248): it marks the passes of an FP8
+    activation recompute for TE's scaling-state bookkeeping, whose copies are not modelled."""
+    return contextlib.nullcontext()

@@ -87,8 +87,10 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     float8 = recipe in ("delayed", "tensorwise")
     column_sp = mode.parallel == "column" and mode.sequence_parallel
     needs_wgrad = weight.requires_grad
+    # save_original_input (TE Linear only): the bf16 input is saved, nothing quantized is kept
+    original = getattr(module, "save_original_input", False) and needs_wgrad
     # Float8 cannot gather transposes: under SP only the row-wise copy is made and kept.
-    columnwise = needs_wgrad and not (float8 and column_sp)
+    columnwise = needs_wgrad and not (float8 and column_sp) and not original
     shape = tuple(x2.shape)
     usage = dict(
         rowwise=True,
@@ -140,11 +142,12 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
             out = local
         else:
             dist.all_reduce(out, group=mode.group)
-    kept = q.tensors()
-    mark_if_offloading(x2 if mode.norm is not None else None, mu, rsigma, *q.data())
-    ctx.save_for_backward(
-        x2 if mode.norm is not None else None, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept
-    )
+    kept, data = (q.tensors(), q.data()) if not original else ([], [])
+    del q
+    saved_x = x2 if mode.norm is not None or original else None
+    mark_if_offloading(saved_x, mu, rsigma, *data)
+    ctx.save_for_backward(saved_x, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept)
+    ctx.original = original
     ctx.region = region
     ctx.first_in_region = region is not None and region.modules[:1] == [module]
     ctx.local_rows = shape[0]
@@ -235,6 +238,24 @@ def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
     return [*gathered.tensors(), scale_out, transposed]
 
 
+def _requantized_input(x2, mode, recipe, arch):
+    """save_original_input: TE quantizes the saved input in backward with the usage the wgrad
+    GEMM reads (linear.py:640-648, 766-770): column-wise, or row-wise for Float8 when it is
+    all-gathered (column parallel + SP)."""
+    column_sp = mode.parallel == "column" and mode.sequence_parallel
+    rowwise = column_sp and recipe in ("delayed", "tensorwise")
+    q = quantize(
+        tuple(x2.shape),
+        recipe,
+        arch,
+        rowwise=rowwise,
+        columnwise=not rowwise,
+        device=x2.device,
+        compact=column_sp and recipe == "blockwise",
+    )
+    return q.tensors()
+
+
 def fp8_backward(ctx, grad):
     mode = ctx.mode
     x2, weight, bias, ln_weight, ln_bias, mu, rsigma, *kept = ctx.saved_tensors
@@ -242,6 +263,8 @@ def fp8_backward(ctx, grad):
     dy = grad.contiguous().view(-1, grad.shape[-1])
     needs_wgrad = weight.requires_grad
     dy_buffers = _quantized_grad(dy, mode, recipe, arch, needs_wgrad)
+    if ctx.original and needs_wgrad:  # the saved bf16 input, quantized again for wgrad
+        kept = _requantized_input(x2, mode, recipe, arch)
     ensure_transpose(weight, arch)  # dgrad reads it (recomputed layers: discarded since)
     bgrad = torch.zeros_like(bias) if bias is not None else None  # fused into bgrad_quantize
     column_sp = mode.parallel == "column" and mode.sequence_parallel

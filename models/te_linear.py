@@ -324,25 +324,13 @@ class _TELinearBase(torch.nn.Module):
                 p.allreduce = not expert_parallel
 
     def _register_fp8_param_buffers(self, config, out_features, in_features, device):
-        """FP8 primary weights (fp8_model_init): the parameter is the quantized row-wise data;
-        the other buffers of TE's quantized parameter (the column-wise copy, scales) live with
-        it for the whole run. Created with grad enabled, so both usages exist."""
-        from metatrace.models.te_fp8 import quantize
+        """FP8 primary weights: the buffers of TE's quantized parameter besides its data."""
+        from metatrace.models.te_fp8 import fp8_param_buffers
 
         recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
         arch = getattr(config, "metatrace_gpu_arch", "sm90")
-        q = quantize(
-            (out_features, in_features),
-            recipe,
-            arch,
-            rowwise=True,
-            columnwise=True,
-            device=device,
-            weight=True,
-        )
-        # The row-wise data is the parameter itself (sm100 Float8: the one shared buffer).
-        rest = q.rowwise[1:] + q.columnwise[(1 if arch == "sm100" and not q.rowwise else 0) :]
-        for i, t in enumerate(rest + q.shared):
+        shape = (out_features, in_features)
+        for i, t in enumerate(fp8_param_buffers(shape, recipe, arch, device)):
             self.register_buffer(f"_fp8_param_buffer{i}", t, persistent=False)
 
     def _fsdp_fp8_weight(self, strategy: str) -> None:
@@ -413,6 +401,15 @@ class _TELinearBase(torch.nn.Module):
 
 
 class TELinear(_TELinearBase):
+    """megatron-core's TELinear (TE's Linear); its column- and row-parallel wrappers subclass it,
+    as megatron-core's do (attention and shared experts test `isinstance(.., TELinear)`)."""
+
+    save_original_input = False
+    """TE >= 2.6 Linear: save the bf16 input for backward instead of its quantized copy, and
+    quantize it again for the wgrad GEMM (megatron-core's set_save_original_input: attention's
+    linear_proj and shared experts' linear_fc1 under non-delayed FP8, layers whose norm is
+    recomputed)."""
+
     def __init__(
         self,
         input_size,
@@ -455,7 +452,7 @@ class TELinear(_TELinearBase):
                 p.sequence_parallel = config.sequence_parallel
 
 
-class TEColumnParallelLinear(_TELinearBase):
+class TEColumnParallelLinear(TELinear):
     def __init__(
         self,
         input_size,
@@ -472,7 +469,7 @@ class TEColumnParallelLinear(_TELinearBase):
         tp_group=None,
         stride=1,
     ):
-        super().__init__()
+        _TELinearBase.__init__(self)
         if gather_output:
             raise ValueError("Transformer Engine linear layers do not support gather_output = True")
         self._setup_parallel(
@@ -490,7 +487,7 @@ class TEColumnParallelLinear(_TELinearBase):
         self._linear_userbuffers(config, tp_comm_buffer_name, "column", is_expert)
 
 
-class TERowParallelLinear(_TELinearBase):
+class TERowParallelLinear(TELinear):
     def __init__(
         self,
         input_size,
@@ -505,7 +502,7 @@ class TERowParallelLinear(_TELinearBase):
         tp_comm_buffer_name=None,
         tp_group=None,
     ):
-        super().__init__()
+        _TELinearBase.__init__(self)
         if not input_is_parallel:
             raise ValueError(
                 "Transformer Engine linear layers do not support input_is_parallel = False"

@@ -169,6 +169,11 @@ def _overlap(job, c: Collective, dimension: str) -> str | None:
         return "attention"  # Transformer Engine's ring exchange runs beside the attention steps
     if dimension == "pp" and c.op in ("send", "recv") and par.overlap_p2p_comm:
         return "forward and backward"
+    if dimension == "ep" and c.op == "all_to_all" and par.overlap_moe_expert_parallel_comm:
+        # megatron-core's combined 1F1B runs each dispatch / combine beside the other
+        # micro-batch's attention or experts (model_chunk_schedule_plan.py:210-250). Counted as
+        # hidden in every step, also the first forward and last backward, which run alone.
+        return "the other micro-batch's compute (combined 1F1B)"
     return None
 
 

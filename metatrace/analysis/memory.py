@@ -21,6 +21,7 @@ Every storage is classified by when it is allocated and freed in (1):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from metatrace.records import STEP, MemEvent, OffloadRecord, Trace, Window
@@ -41,6 +42,10 @@ class StepProfile:
     allocations left out); at least held + output for a forward step."""
     module: str
     """Module active when the step reached its highest point."""
+    overlap: int = 0
+    """Forward, with overlap_moe_expert_parallel_comm: the largest attention part of one layer's
+    held bytes (attn node: norms, attention, router, shared experts), what megatron-core's
+    combined 1F1B holds beside a micro-batch's activations (metatrace.tracing.overlap)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ def step_profiles(
         left_out = persistent | reloads if phase == "backward" else persistent
         excess, module = _window_excess(trace, w, left_out)
         held = output = 0
+        kept: set = set()
         if phase == "forward":
             back = windows.get(("backward", chunk))
             until = back.first if back is not None else w.last + 1
@@ -138,11 +144,38 @@ def step_profiles(
                     continue  # a temporary of the step
                 if end >= until:
                     held += life.bytes[sid]
+                    kept.add(sid if isinstance(sid, int) else sid[0])
                 elif sid == w.output:
                     output += life.bytes[sid]
             excess = max(excess, held + output)
-        profiles[(phase, chunk)] = StepProfile(phase, chunk, held, output, excess, module)
+        overlap = _attention_part(trace, w, kept) if phase == "forward" else 0
+        profiles[(phase, chunk)] = StepProfile(phase, chunk, held, output, excess, module, overlap)
     return profiles
+
+
+_LAYER = re.compile(r"^(.*?layers\.\d+)\.(.*)$")
+# The MoE layer's parts in megatron-core's attn node (fine_grained_callables.py:427-458); the
+# rest of `mlp` (dispatch, experts, combine) is freed by the other micro-batch's mlp backward
+# before the attention backward.
+_ATTN_SIDE_OF_MLP = ("mlp.router", "mlp.shared_experts")
+
+
+def _attention_part(trace: Trace, window: Window, held: set) -> int:
+    """Largest held bytes one layer allocates in `window` outside its MLP / experts part."""
+    per_layer: dict[str, int] = {}
+    for e in trace.memory:
+        if e.seq < window.first or e.delta <= 0 or e.storage not in held:
+            continue
+        if e.seq > window.last:
+            break
+        m = _LAYER.match(e.module)
+        if m is None:
+            continue
+        part = m.group(2)
+        if part.startswith("mlp") and not part.startswith(_ATTN_SIDE_OF_MLP):
+            continue
+        per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + e.delta
+    return max(per_layer.values(), default=0)
 
 
 def deferred_bytes(trace: Trace) -> int:

@@ -11,7 +11,8 @@ Assumptions, all approximate:
   a step's share of a role's exposed TP/CP/EP seconds per iteration is exactly what it issued
   (those per-iteration seconds are the steps' sums times the micro-batches). What Megatron
   overlaps (the context-parallel ring; with tp_comm_overlap, the TP collectives Transformer
-  Engine's userbuffers run beside the linear layers' GEMMs) adds nothing;
+  Engine's userbuffers run beside the linear layers' GEMMs; with overlap_moe_expert_parallel_comm
+  the EP all-to-alls, beside the other micro-batch's layers in a combined 1F1B step) adds nothing;
 - each pipeline stage runs its steps in the order the replayed iteration recorded them
   (megatron-core's own 1F1B or interleaved order for that stage), each as early as its
   dependencies allow: chunk v of stage s is virtual stage k = v·pp + s; the forward step of

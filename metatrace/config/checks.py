@@ -61,7 +61,9 @@ def check_job(job) -> None:
         _check_parallel,
         _check_impl,
         _check_moe,
+        _check_ep_overlap,
         _check_mla,
+        _check_attention_variants,
         _check_mtp,
         _check_cluster,
     ):
@@ -765,6 +767,10 @@ _MOE_KEYS = (
     "training.moe_hottest_expert_load",
     "parallel.moe_token_dispatcher_type",
     "parallel.moe_shared_expert_overlap",
+    "parallel.moe_flex_dispatcher_backend",
+    "parallel.moe_deepep_num_sms",
+    "parallel.overlap_moe_expert_parallel_comm",
+    "parallel.delay_wgrad_compute",
 )
 
 
@@ -780,6 +786,41 @@ def _given(job, paths) -> list[str]:
         if getattr(values, key) != default:
             out.append(path)
     return out
+
+
+_FLEX_KEYS = ("parallel.moe_flex_dispatcher_backend", "parallel.moe_deepep_num_sms")
+# DeepEP's recommended configs by group size (deep_ep 1.0.0 buffer.py:166-178): up to 8 ranks
+# (one NVLink domain), else only these, asserted by Buffer.get_dispatch_config.
+_DEEPEP_RANKS = (16, 24, 32, 64, 128, 144, 160)
+
+
+def _check_flex(job):
+    """What megatron-core 0.16.1 and DeepEP assert about the flex token dispatcher."""
+    par, tr = job.parallel, job.training
+    group = par.ep * par.etp  # the dispatcher's TP x EP group (expert tensor parallelism)
+    if group == 1:  # token_dispatcher.py:1346
+        yield "parallel.moe_token_dispatcher_type: flex needs parallel.ep x etp > 1"
+    if par.moe_shared_expert_overlap:  # transformer_config.py:1090, token_dispatcher.py:1371
+        yield "parallel.moe_shared_expert_overlap works only with moe_token_dispatcher_type: alltoall"
+    if par.moe_flex_dispatcher_backend != "deepep":
+        return
+    if tr.moe_routing == "capacity":  # transformer_config.py:1074-1081
+        yield (
+            "training.moe_routing: capacity (moe_pad_expert_input_to_capacity) is refused by "
+            "megatron-core with the flex dispatcher's deepep backend"
+        )
+    if tr.precision not in ("bf16", "fp8"):  # deep_ep buffer.py:255: x must be bfloat16
+        yield f"DeepEP dispatches bf16 tokens only; training.precision is {tr.precision}"
+    if group > 8 and group not in _DEEPEP_RANKS:
+        yield (
+            f"DeepEP has no configuration for {group} ranks (ep x etp); it supports up to 8 or "
+            f"{', '.join(map(str, _DEEPEP_RANKS))}"
+        )
+    if par.moe_deepep_num_sms < 2 or par.moe_deepep_num_sms % 2:
+        yield (
+            f"parallel.moe_deepep_num_sms = {par.moe_deepep_num_sms} must be a positive even "
+            "number (DeepEP runs one channel per two SMs)"
+        )
 
 
 def _check_moe(job):
@@ -803,18 +844,15 @@ def _check_moe(job):
             f"model.num_experts = {m.num_experts}"
         )
     if par.moe_token_dispatcher_type == "flex":
-        yield (
-            "parallel.moe_token_dispatcher_type: flex (DeepEP / HybridEP kernels) is not "
-            "modelled; use alltoall or allgather"
-        )
+        yield from _check_flex(job)
+    elif _given(job, _FLEX_KEYS):
+        yield f"{', '.join(_given(job, _FLEX_KEYS))} need parallel.moe_token_dispatcher_type: flex"
     if impl.moe_grouped_gemm and impl.transformer_impl == "local":
         yield (
             "implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
             "legacy GroupedMLP (the grouped_gemm package), which is not modelled; use "
             "transformer_impl: transformer_engine"
         )
-    if tr.precision == "fp8":
-        yield "training.precision fp8 with mixture-of-experts layers is not modelled yet"
     factor = tr.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
         yield f"training.moe_expert_capacity_factor = {factor:g} must be positive"
@@ -841,6 +879,40 @@ def _check_moe(job):
 
 
 # Model keys that only multi-latent attention reads.
+def _check_ep_overlap(job):
+    """megatron-core 0.16.1's asserts for the combined 1F1B schedule and delayed weight gradients
+    (transformer_config.py:1852-1921), then what metatrace does not model beside them."""
+    m, par, tr = job.model, job.parallel, job.training
+    rc = tr.recompute
+    name = "parallel.overlap_moe_expert_parallel_comm"
+    if par.delay_wgrad_compute and not par.overlap_moe_expert_parallel_comm:
+        yield f"parallel.delay_wgrad_compute needs {name} (megatron-core's assert)"
+    if not par.overlap_moe_expert_parallel_comm or m.num_experts is None:
+        return
+    if par.pp > 1 and par.vpp is None:
+        yield f"{name} with parallel.pp > 1 needs virtual pipeline stages (parallel.vpp)"
+    if par.ep < 2:
+        yield f"{name} needs expert parallelism (parallel.ep > 1)"
+    if par.moe_token_dispatcher_type not in ("alltoall", "flex"):
+        yield f"{name} needs parallel.moe_token_dispatcher_type alltoall (or flex)"
+    if rc.granularity == "full" or rc.method is not None or rc.num_layers is not None:
+        yield f"{name} needs no full recompute (recompute.granularity/method/num_layers unset)"
+    if tr.precision == "fp32":
+        yield f"{name} needs bf16 or fp16 (training.precision)"
+    if par.moe_shared_expert_overlap:
+        yield f"{name} and parallel.moe_shared_expert_overlap exclude each other"
+    if m.mtp_num_layers not in (None, 1):
+        yield f"{name} supports model.mtp_num_layers 1 only"
+    elif m.mtp_num_layers == 1 and par.pp == 1:
+        yield f"{name} with model.mtp_num_layers needs parallel.pp > 1"
+    # Not modelled beside it: the combined schedule's replay (tracing/iteration.py) has no
+    # CUDA-graph captures nor offload slots in its combined steps.
+    if tr.cuda_graph_impl != "none":
+        yield f"{name} with training.cuda_graph_impl is not modelled"
+    if tr.activation_offload_modules or tr.cpu_offloading_num_layers:
+        yield f"{name} with activation offloading is not modelled"
+
+
 _MLA_KEYS = tuple(
     f"model.{k}"
     for k in (
@@ -861,14 +933,22 @@ _MLA_KEYS = tuple(
 
 def _check_mla(job):
     m, par = job.model, job.parallel
+    if m.position_embedding_type == "yarn" and m.multi_latent_attention:
+        yield (
+            "model.position_embedding_type yarn with multi-latent attention: MLA rotates by "
+            "model.rope_type (yarn by default); use position_embedding_type rope"
+        )
     if not m.multi_latent_attention:
-        given = _given(job, _MLA_KEYS)
+        keys = _MLA_KEYS
+        if m.position_embedding_type == "yarn":  # GPTModel's YarnRotaryEmbedding reads these
+            keys = tuple(k for k in keys if k.removeprefix("model.") not in _YARN_KEYS)
+        given = _given(job, keys)
         if given:
             yield f"{', '.join(given)} need model.multi_latent_attention"
         if m.rope_type == "yarn":
             yield (
-                "model.rope_type yarn is modelled with model.multi_latent_attention only "
-                "(megatron-core 0.16.1 asserts rope for other attention)"
+                "model.rope_type yarn is multi-latent attention's; for YaRN with other attention "
+                "set model.position_embedding_type: yarn (megatron-core's GPTModel)"
             )
         return
     if m.num_query_groups != m.num_attention_heads:
@@ -894,8 +974,85 @@ def _check_mla(job):
             "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
             "use fused or unfused"
         )
-    if job.training.precision == "fp8":
-        yield "training.precision fp8 with multi-latent attention is not modelled yet"
+
+
+_YARN_KEYS = (
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+def _check_attention_variants(job):
+    """Sliding windows, attention sinks and GPT-OSS's clamped GLU: what Transformer Engine 2.8
+    and megatron-core 0.16.1 accept, and what metatrace models of them."""
+    m, par = job.model, job.parallel
+    kernel = job.attention_kernel
+    window = m.window_size
+    if window is not None:
+        if len(window) != 2 or any(w < -1 for w in window):
+            yield (
+                f"model.window_size = {window} must be two sizes [left, right], each at least -1 "
+                "(-1: unbounded), e.g. [128, 0]"
+            )
+        elif kernel == "fused" and (window[1] not in (-1, 0) or m.attention_dropout > 0):
+            # TE 2.8 attention/dot_product_attention/utils.py, "Filter: Sliding window attention"
+            yield (
+                f"implementation.attention_backend: fused with model.window_size {window} and "
+                f"attention_dropout {m.attention_dropout:g}: cuDNN's fused attention takes "
+                "windows [left, 0] without dropout only (Transformer Engine 2.8 turns it off); "
+                "use flash or unfused"
+            )
+        if par.cp > 1:
+            yield "model.window_size with parallel.cp > 1 is not modelled"
+    freq = m.window_attn_skip_freq
+    if freq is not None:
+        if window is None:
+            yield "model.window_attn_skip_freq needs model.window_size"
+        elif isinstance(freq, int) and freq < 1:
+            yield f"model.window_attn_skip_freq = {freq} must be at least 1"
+        elif isinstance(freq, list) and (
+            len(freq) != m.num_layers or any(x not in (0, 1) for x in freq)
+        ):
+            yield (
+                f"model.window_attn_skip_freq as a list needs one 0 or 1 per layer "
+                f"({m.num_layers}), got {freq}"
+            )
+    if m.softmax_type != "vanilla":
+        if kernel == "flash":
+            # TE 2.8 utils.py, "Filter: Softmax type": only fused and unfused take sinks.
+            yield (
+                f"model.softmax_type {m.softmax_type} with implementation.attention_backend: "
+                "flash: Transformer Engine 2.8 turns flash-attn off for softmax sinks; use fused "
+                "or unfused"
+            )
+        if par.cp > 1:
+            yield f"model.softmax_type {m.softmax_type} with parallel.cp > 1 is not modelled"
+    from metatrace.config.job import GATED_ACTIVATIONS
+
+    if m.activation not in GATED_ACTIVATIONS:
+        for key in _given(job, ("model.glu_linear_offset", "model.activation_func_clamp_value")):
+            yield f"{key} needs a gated activation (swiglu, geglu, quick_geglu)"
+    clamp = m.activation_func_clamp_value
+    if clamp is not None and clamp <= 0:
+        yield f"model.activation_func_clamp_value = {clamp:g} must be positive"
+    impl = job.implementation
+    if (
+        m.num_experts
+        and m.add_bias_linear
+        and impl.moe_grouped_gemm
+        and impl.transformer_impl == "transformer_engine"
+        and impl.bias_dropout_fusion
+    ):
+        # megatron-core 0.16.1 moe/experts.py, TEGroupedMLP.__init__ asserts it.
+        yield (
+            "model.add_bias_linear with grouped expert GEMMs needs "
+            "implementation.bias_dropout_fusion: false (megatron-core's TEGroupedMLP refuses "
+            "bias-dropout fusion with expert biases)"
+        )
 
 
 def _check_mtp(job):

@@ -416,6 +416,76 @@ def _mla_rope_scaling(src: _Source) -> dict:
     return out
 
 
+def _gpt_oss_biases(src: _Source) -> dict:
+    # The experts always have biases (gate_up_proj_bias, down_proj_bias).
+    return _bias_keys(src, src.get("attention_bias", bool), True, "attention_bias")
+
+
+def _gpt_oss_window(src: _Source) -> dict:
+    """GPT-OSS: sliding_window on the layers layer_types marks sliding_attention, as megatron-core's
+    window_size [w, 0] with window_attn_skip_freq (2 for HF's alternation from a windowed
+    first layer, else the 0/1 list)."""
+    window = src.get("sliding_window", int, optional=True)
+    layers = src.get("num_hidden_layers", int)
+    types = src.get("layer_types", list, optional=True)
+    if types is None:  # transformers' GptOssConfig: alternating, sliding first
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise src.error(
+            "layer_types", f"needs one of sliding_attention / full_attention per layer ({layers})"
+        )
+    pattern = [int(t == "sliding_attention") for t in types]
+    if window is None or not any(pattern):
+        return {}
+    alternating = pattern == [int(i % 2 == 0) for i in range(layers)]
+    return {"window_size": [window, 0], "window_attn_skip_freq": 2 if alternating else pattern}
+
+
+def _gpt_oss_rope(src: _Source) -> dict:
+    """YaRN on plain attention: megatron-core's GPTModel position_embedding_type yarn."""
+    scaling = src.get("rope_scaling", dict, optional=True)
+    if scaling is None:
+        return {"position_embedding_type": "rope"}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in FREQUENCY_ONLY_ROPE:
+        return {"position_embedding_type": "rope"}
+    if kind != "yarn":
+        raise src.error("rope_scaling", f"type {kind!r} is not modelled (supported: none, yarn)")
+    out = {"position_embedding_type": "yarn"}
+    for field, value in scaling.items():
+        if field in YARN:
+
+            def fail(problem, where=f"{src.path}: 'rope_scaling.{field}'"):
+                return ConfigError(f"{where}: {problem}")
+
+            want = int if field == "original_max_position_embeddings" else float
+            out[YARN[field]] = _typed(value, want, fail)
+        elif field not in ("type", "rope_type", "truncate"):  # truncate: frequencies only
+            src.unknown.append(f"rope_scaling.{field}")
+    return out
+
+
+def _gpt_oss_moe(src: _Source) -> dict:
+    """128 / 32 experts of intermediate_size with biases, top-k then softmax over the k (HF's
+    GptOssTopKRouter: megatron-core's router without pre-softmax; both routers have a bias
+    [E], megatron-core's with add_bias_linear). GPT-OSS's activation:
+    (up + 1) * gate * sigmoid(1.702 gate), gate and up clamped by swiglu_limit, is
+    megatron-core's quick_geglu with glu_linear_offset 1 (hidden_act is not read by HF's
+    GptOssExperts)."""
+    limit = src.get("swiglu_limit", float, optional=True)
+    out = {
+        "num_experts": src.get("num_local_experts", int),
+        "moe_router_topk": src.get("num_experts_per_tok", int),
+        "moe_ffn_hidden_size": src.get("intermediate_size", int),
+        "moe_router_pre_softmax": False,
+        "activation": "quick_geglu",
+        "glu_linear_offset": 1.0,
+    }
+    if limit is not None:
+        out["activation_func_clamp_value"] = limit
+    return out
+
+
 def _mtp(src: _Source) -> dict:
     depth = src.get("num_nextn_predict_layers", int)
     return {"mtp_num_layers": depth} if depth else {}
@@ -541,6 +611,48 @@ FAMILIES: dict[str, Family] = {
             "norm_topk_prob": False,
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
+        },
+    ),
+    # GPT-OSS: biases on every linear (attention_bias; the experts always have theirs),
+    # attention sinks (HF's `sinks` parameter per head: softmax_type learnable).
+    "gpt_oss": Family(
+        _RENAMES,
+        (
+            Rule(("num_key_value_heads",), _query_groups),
+            Rule(("head_dim",), _head_dim),
+            Rule(("rope_theta",), _rope_theta),
+            Rule(("tie_word_embeddings",), _tied),
+            Rule(("attention_bias",), _gpt_oss_biases),
+            Rule(("rope_scaling", "initial_context_length"), _gpt_oss_rope),
+            Rule(("sliding_window", "layer_types"), _gpt_oss_window),
+            _MOE_ROUTER,
+            Rule(
+                (
+                    "num_local_experts",
+                    "num_experts_per_tok",
+                    "experts_per_token",
+                    "swiglu_limit",
+                    "hidden_act",
+                ),
+                _gpt_oss_moe,
+            ),
+        ),
+        {**_FIXED, "softmax_type": "learnable"},
+        # transformers' GptOssConfig defaults
+        {
+            **_BASE_DEFAULTS,
+            "rope_theta": 150000,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": True,
+            "sliding_window": 128,
+            "layer_types": None,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "swiglu_limit": 7.0,
+            "initial_context_length": 4096,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.9,
         },
     ),
     "deepseek_v3": Family(

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
-Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu", "silu"]
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+Activation = Literal["gelu", "swiglu", "geglu", "quick_geglu", "relu", "squared_relu", "silu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,9 @@ class Model:
     """The vocabulary is padded to a multiple of this times tp, as Megatron-LM does."""
     max_position_embeddings: int | None = None
     """Position table size for learned absolute positions; default training.seq_length."""
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] | None = None
-    """learned_absolute (Megatron-LM's default), rope or none."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] | None = None
+    """learned_absolute (Megatron-LM's default), rope, yarn (GPTModel's YarnRotaryEmbedding,
+    GPT-OSS; set by the yarn keys below, without multi-latent attention) or none."""
     rotary_base: int | None = None
     """RoPE base (10000 unless a preset says otherwise)."""
     rotary_percent: float = 1.0
@@ -48,7 +49,24 @@ class Model:
     norm_epsilon: float = 1e-5
     """Epsilon of the normalisation layers."""
     activation: Activation | None = None
-    """MLP activation: gelu (default), swiglu, geglu, relu, squared_relu, silu."""
+    """MLP activation: gelu (default), swiglu, geglu, quick_geglu (megatron-core's quick_gelu
+    gated, Megatron-LM's --quick-geglu; GPT-OSS), relu, squared_relu, silu."""
+    glu_linear_offset: float = 0.0
+    """Gated activations: act(x_glu) * (x_linear + offset) (GPT-OSS: 1.0). Values only."""
+    activation_func_clamp_value: float | None = None
+    """Gated activations: clamp x_glu from above and x_linear to [-v, v] before the activation
+    (GPT-OSS's swiglu_limit 7.0); omitted means no clamp."""
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """Attention softmax with a sink (Transformer Engine 2.8's softmax_type): off-by-one adds 1
+    to the denominator, learnable a trained logit per head (GPT-OSS's attention sinks: one
+    parameter [heads / tp] per layer). Not with flash attention (TE turns it off)."""
+    window_size: list[int] | None = None
+    """Sliding-window attention [left, right] (-1: unbounded; causal windows are [w, 0]);
+    omitted means full attention. GPT-OSS: [128, 0]."""
+    window_attn_skip_freq: int | list[int] | None = None
+    """Which layers keep full attention among the windowed ones: every n-th layer (an integer;
+    GPT-OSS 2: layers 2, 4, ... full, 1, 3, ... windowed) or a 0/1 list per layer (1: window);
+    omitted means every layer is windowed."""
     add_bias_linear: bool | None = None
     """Biases in all linear layers (Megatron-LM default: true)."""
     add_qkv_bias: bool | None = None
@@ -110,19 +128,20 @@ class Model:
     """MLA: value head dimension."""
     rope_type: Literal["rope", "yarn"] | None = None
     """MLA: rotary embedding kind; default yarn (megatron-core's MLATransformerConfig). Without
-    MLA only rope."""
+    MLA only rope (YaRN there is position_embedding_type: yarn)."""
     rotary_scaling_factor: float = 1.0
-    """MLA yarn: context-extension factor (Megatron-LM's default 1.0; DeepSeek-V3: 40)."""
+    """yarn (MLA, or position_embedding_type yarn): context-extension factor (Megatron-LM's
+    default 1.0; DeepSeek-V3: 40; GPT-OSS: 32)."""
     original_max_position_embeddings: int = 4096
-    """MLA yarn: the pre-extension context length."""
+    """yarn: the pre-extension context length."""
     beta_fast: float = 32.0
-    """MLA yarn: fast correction boundary."""
+    """yarn: fast correction boundary."""
     beta_slow: float = 1.0
-    """MLA yarn: slow correction boundary."""
+    """yarn: slow correction boundary."""
     mscale: float = 1.0
-    """MLA yarn: attention-scale factor."""
+    """yarn: attention-scale factor."""
     mscale_all_dim: float = 0.0
-    """MLA yarn: attention-scale factor for all dimensions (Megatron-LM's default 0)."""
+    """yarn: attention-scale factor for all dimensions (Megatron-LM's default 0)."""
     mtp_num_layers: int | None = None
     """Multi-token prediction depths (DeepSeek-V3: 1), built after the decoder on the last
     pipeline stage (or where parallel.layout puts 'm'); omitted means none."""
@@ -220,9 +239,24 @@ class Parallel:
     """Interleaved schedule: overlap also in the warm-up and flush phases."""
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
     """How MoE layers move tokens to their experts: all-gather / reduce-scatter over the TP x EP
-    group (Megatron-LM's default) or all-to-all over the EP group."""
+    group (Megatron-LM's default), all-to-all over the EP group, or flex: DeepEP / HybridEP
+    kernels over the TP x EP group, a token sent once per destination rank."""
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = "deepep"
+    """The flex dispatcher's kernels: DeepEP (dispatch, then megatron-core's permutation) or
+    HybridEP (the permutation fused into dispatch)."""
+    moe_deepep_num_sms: int = 20
+    """SMs DeepEP's kernels use (its channels are half of them; sizes its handle tensors)."""
     moe_shared_expert_overlap: bool = False
     """Overlap the shared experts' computation with the token dispatch (alltoall)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Hide the MoE all-to-alls behind the other micro-batch's compute (megatron-core's combined
+    1F1B, --overlap-moe-expert-parallel-comm): forward of one micro-batch and backward of another
+    run layer by layer together; one more micro-batch in the interleaved warm-up. Needs ep > 1,
+    the alltoall dispatcher, no layer recompute, and vpp when pp > 1."""
+    delay_wgrad_compute: bool = False
+    """With overlap_moe_expert_parallel_comm: the experts' weight gradients run after their layer
+    part's backward (TE's delay_wgrad_compute, --delay-wgrad-compute), their inputs and output
+    gradients kept until then."""
     tp_comm_overlap: bool = False
     """Transformer Engine's TP communication overlap (--tp-comm-overlap): its linear layers
     all-gather and reduce-scatter through userbuffers, overlapped with their GEMMs; the buffers

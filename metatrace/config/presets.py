@@ -41,6 +41,39 @@ _QWEN3_MOE = {
     "moe_router_topk": 8,
 }
 
+# What both GPT-OSS models share (openai/gpt-oss-{20b,120b} config.json, as Megatron-Bridge's
+# GPTOSSProvider builds them): biases on every linear (attention_bias; the experts' gate_up and
+# down biases), attention sinks (a learnable logit per head), a 128-token sliding window on
+# every other layer from the first (layer_types), YaRN (rope_scaling), and the clamped GLU
+# (up + 1) * gate * sigmoid(1.702 gate) with swiglu_limit 7 (quick_geglu).
+_GPT_OSS = {
+    **_LLAMA,
+    "add_bias_linear": True,
+    "hidden_size": 2880,
+    "ffn_hidden_size": 2880,
+    "moe_ffn_hidden_size": 2880,
+    "num_attention_heads": 64,
+    "num_query_groups": 8,
+    "kv_channels": 64,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "norm_epsilon": 1e-5,
+    "activation": "quick_geglu",
+    "glu_linear_offset": 1.0,
+    "activation_func_clamp_value": 7.0,
+    "softmax_type": "learnable",
+    # Megatron-Bridge's (128, 0) (HF's mask keeps 128 keys with the query's own, TE's (127, 0))
+    "window_size": [128, 0],
+    "window_attn_skip_freq": 2,
+    "position_embedding_type": "yarn",
+    "rotary_base": 150000,
+    "rotary_scaling_factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "moe_router_topk": 4,
+}
+
 PRESETS: dict[str, Preset] = {
     "debug": Preset(
         {
@@ -210,6 +243,14 @@ PRESETS: dict[str, Preset] = {
             "moe_ffn_hidden_size": 1536,
         },
         "Qwen/Qwen3-235B-A22B config.json (every layer sparse: decoder_sparse_step 1)",
+    ),
+    "gpt-oss-120b": Preset(
+        {**_GPT_OSS, "num_layers": 36, "num_experts": 128},
+        "openai/gpt-oss-120b config.json",
+    ),
+    "gpt-oss-20b": Preset(
+        {**_GPT_OSS, "num_layers": 24, "num_experts": 32},
+        "openai/gpt-oss-20b config.json",
     ),
     "deepseek-v3": Preset(
         {

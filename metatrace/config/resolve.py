@@ -147,14 +147,24 @@ def resolve(job: Job) -> Job:
         impl = dataclasses.replace(
             impl,
             rope_fusion=te
-            and model.position_embedding_type == "rope"
-            and (not model.multi_latent_attention or model.rope_type == "yarn"),
+            and (
+                model.position_embedding_type == "yarn"
+                or (
+                    model.position_embedding_type == "rope"
+                    and (not model.multi_latent_attention or model.rope_type == "yarn")
+                )
+            ),
         )
     kernel = impl.attention_backend
     if kernel == "auto":
         # Transformer Engine 2.8 prefers cuDNN fused attention on sm90+ and, without a
         # flash-attn it accepts (2.1.1-2.8.1), on sm80 too; the local spec has one attention.
         kernel = "fused" if te else "local"
+        window = model.window_size
+        if te and window is not None and (window[1] not in (-1, 0) or model.attention_dropout):
+            # TE 2.8 (utils.py, "Filter: Sliding window attention") turns cuDNN off for these
+            # windows; flash-attn takes them, but not softmax sinks ("Filter: Softmax type").
+            kernel = "flash" if model.softmax_type == "vanilla" else "unfused"
     if not te and kernel == "unfused":
         kernel = "local"  # megatron-core's own attention is the unfused one
     if training.precision == "fp8":
@@ -284,27 +294,35 @@ def _resolve_model(model: Model) -> Model:
     return Model(**values)
 
 
+def list_expression(text: str):
+    """Megatron-LM's layer-pattern expressions without eval: an integer, or integer lists joined
+    by + and * (e.g. "([0]*3+[1]*58)"). ValueError for anything else."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError):
+        raise ValueError(text) from None
+
+
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     """model.moe_layer_freq as a 0/1 list per layer (1: MoE), as Megatron-LM reads it: every
     n-th layer from the first, a list, or an expression of lists such as "([0]*3+[1]*58)"."""
-    import ast
-
     where = "'model.moe_layer_freq'"
     if isinstance(freq, str):
-
-        def value(node):
-            if isinstance(node, ast.Constant) and type(node.value) is int:
-                return node.value
-            if isinstance(node, ast.List):
-                return [value(e) for e in node.elts]
-            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-                left, right = value(node.left), value(node.right)
-                return left + right if isinstance(node.op, ast.Add) else left * right
-            raise ValueError
-
         try:
-            freq = value(ast.parse(freq.strip(), mode="eval").body)
-        except (SyntaxError, ValueError, TypeError):
+            freq = list_expression(freq)
+        except ValueError:
             raise ConfigError(
                 f"{where} {freq!r} is not an integer, a list or an expression such as "
                 '"([0]*3+[1]*58)"'

@@ -82,6 +82,12 @@ def build_summary(job, world) -> Table:
     position = m.position_embedding_type
     if position == "rope" and m.multi_latent_attention and m.rope_type == "yarn":
         position = f"yarn rope (x{m.rotary_scaling_factor:g})"
+    elif position == "yarn":
+        position = f"yarn rope (x{m.rotary_scaling_factor:g})"
+    if m.window_size is not None:
+        position += f", window {m.window_size[0]}"
+    if m.softmax_type != "vanilla":
+        position += f", {m.softmax_type} softmax"
     mtp = (
         f", {m.mtp_num_layers} MTP layer{'s' * (m.mtp_num_layers > 1)}" if m.mtp_num_layers else ""
     )

@@ -194,6 +194,12 @@ class _Replay:
 
         return output, loss
 
+    def hold_overlap(self, v: int):
+        """overlap_moe_expert_parallel_comm: the extra of a combined step whose forward runs
+        chunk v (StepProfile.overlap), alive while the caller holds the tensor."""
+        n = self.profiles[("forward", v)].overlap
+        return self._empty(n) if n else None
+
     def _hold_slot(self, v: int) -> None:
         if not self.slots or self.backward_steps >= self.last_backward:
             return
@@ -420,7 +426,8 @@ def run_iteration(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
-    from metatrace.hooks.training import marked_backward, replayed_backward
+    from metatrace.hooks.training import combined_schedules, marked_backward, replayed_backward
+    from metatrace.tracing import overlap
     from metatrace.tracing.steps import make_forward_step, reduce_losses, synthetic_batches
 
     tr = job.training
@@ -448,6 +455,7 @@ def run_iteration(
         step_func = _marked(rec, model, make_forward_step(**shape))
         iterators = [(batches or (lambda: synthetic_batches(**shape)))() for _ in model]
         context = marked_backward(rec)
+        hold = lambda v: None
     else:
         replay = _Replay(
             rec=rec,
@@ -461,7 +469,14 @@ def run_iteration(
         )
         step_func, iterators = replay.forward_step_func, [None] * len(model)
         context = replayed_backward(replay.backward_step)
-    with context:
+        hold = replay.hold_overlap
+    combined = contextlib.nullcontext()
+    if config.overlap_moe_expert_parallel_comm:  # metatrace.tracing.overlap
+        combined = combined_schedules(
+            overlap.combined_no_pipelining(hold), overlap.combined_interleaved(hold)
+        )
+    delayed = overlap.delayed_wgrad(model) if real_steps else contextlib.nullcontext()
+    with context, combined, delayed:
         losses = get_forward_backward_func()(
             forward_step_func=step_func,
             data_iterator=iterators,

@@ -145,6 +145,7 @@ def trace_role(
     from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
     from metatrace.tracing.graphs import capture_plan, static_buffers
     from metatrace.tracing.iteration import Unrecorded, run_iteration
+    from metatrace.tracing.overlap import delayed_wgrad
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -198,6 +199,8 @@ def trace_role(
                 # group offloaded, reloads on demand; memory.offload_slots has the steady state).
                 logged = offloading or layer_offloading
                 log = stack.enter_context(OffloadLog(rec)) if logged else None
+                # delay_wgrad_compute: backward_dw where the combined 1F1B calls it.
+                stack.enter_context(delayed_wgrad(model))
                 shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
         trace = rec.trace()
         record = log.record() if log is not None else None

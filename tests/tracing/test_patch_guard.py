@@ -24,7 +24,12 @@ from metatrace.hooks.patches import (
     patched,
 )
 
-ALL_PATCHES = PATCHES + COMPILED_PATCHES + (training._backward_step(lambda orig: orig),)
+ALL_PATCHES = (
+    PATCHES
+    + COMPILED_PATCHES
+    + (training._backward_step(lambda orig: orig),)
+    + training._combined_patches(None, None)
+)
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 RANDOM = "megatron.core.tensor_parallel.random"
 
@@ -47,6 +52,11 @@ CREATED = {
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers.get_dummy_wgrad",
     "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+    "megatron.core.transformer.moe.experts.Fp8Padding",
+    "megatron.core.tensor_parallel.random.FP8GlobalStateManager",
+    "megatron.core.tensor_parallel.random.fp8_autocast",
+    "megatron.core.tensor_parallel.random.activation_recompute_forward",
+    "megatron.core.transformer.moe.experts.Fp8Unpadding",
     *(
         f"megatron.core.transformer.moe.moe_utils.{name}"
         for name in (

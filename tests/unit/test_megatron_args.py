@@ -731,3 +731,100 @@ def test_local_layer_graph_flags():
     for flags in (" --enable-cuda-graph", " --cuda-graph-impl local --cuda-graph-scope full"):
         tr = job(BASE + flags)[0].training
         assert (tr.cuda_graph_impl, tr.cuda_graph_scope) == ("local", None)
+
+
+# --------------------------------------------------------------------------- GPT-OSS
+
+# openai/gpt-oss-120b as a Megatron-LM command line (HEAD's --position-embedding-type yarn).
+GPT_OSS = (
+    "--num-layers 36 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 "
+    "--group-query-attention --num-query-groups 8 --kv-channels 64 --seq-length 4096 "
+    "--max-position-embeddings 131072 --micro-batch-size 1 --global-batch-size 64 --bf16 "
+    "--tokenizer-type HuggingFaceTokenizer --vocab-size 201088 --normalization RMSNorm "
+    "--norm-epsilon 1e-5 --untie-embeddings-and-output-weights --hidden-dropout 0 "
+    "--attention-dropout 0 --num-experts 128 --moe-router-topk 4 --moe-ffn-hidden-size 2880 "
+    "--quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0 "
+    "--softmax-type learnable --window-size 128,0 --window-attn-skip-freq 2 "
+    "--position-embedding-type yarn --rotary-base 150000 --rotary-scaling-factor 32 "
+    "--yarn-original-max-position-embeddings 4096 --yarn-beta-fast 32 --yarn-beta-slow 1"
+)
+
+
+def test_gpt_oss_command_line_gives_the_presets_model():
+    from metatrace.config.presets import PRESETS
+
+    resolved, notes = job(GPT_OSS)
+    assert resolved.not_modelled == ()
+    dims = PRESETS["gpt-oss-120b"].dims
+    assert {k: getattr(resolved.model, k) for k in dims} == dims
+    # Each flag is read, not left at a default that equals the preset's.
+    m = resolved.model
+    assert (m.activation, m.glu_linear_offset, m.activation_func_clamp_value) == (
+        "quick_geglu",
+        1.0,
+        7.0,
+    )
+    assert (m.softmax_type, m.window_size, m.window_attn_skip_freq) == ("learnable", [128, 0], 2)
+    assert (m.position_embedding_type, m.rotary_scaling_factor) == ("yarn", 32.0)
+
+
+def problems(text, world_size=8) -> list[str]:
+    """The problems of the one ConfigError that deriving (and checking) the job raises."""
+    with pytest.raises(ConfigError) as info:
+        job(text, world_size=world_size)
+    return info.value.problems
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("--window-size 128", "--window-size expects two integers left,right"),
+        ("--window-size 128,0,0", "--window-size expects two integers left,right"),
+        ("--window-size left,0", "--window-size expects two integers left,right"),
+        ("--window-attn-skip-freq two", "--window-attn-skip-freq expects an integer or a list"),
+        # Megatron-LM's _eval_pattern allows no spaces nor names (metatrace never evals)
+        ("--window-attn-skip-freq '[1, 0]*18'", "--window-attn-skip-freq expects an integer"),
+        ("--window-attn-skip-freq '[len]*36'", "--window-attn-skip-freq expects an integer"),
+        ("--window-attn-skip-freq '([1]*3'", "--window-attn-skip-freq expects an integer"),
+        ("--window-attn-skip-freq '[1]*35'", "one 0 or 1 per layer (36)"),
+        ("--window-attn-skip-freq 0", "model.window_attn_skip_freq = 0 must be at least 1"),
+        ("--softmax-type sink", "--softmax-type must be one of vanilla, off-by-one, learnable"),
+        ("--activation-func-clamp-value high", "--activation-func-clamp-value expects a number"),
+        ("--activation-func-clamp-value -1", "activation_func_clamp_value = -1 must be positive"),
+        ("--swiglu", "--quick-geglu with --swiglu or --squared-relu: give one activation"),
+        ("--position-embedding-type spiral", "--position-embedding-type must be one of"),
+        ("--attention-backend flash", "flash: Transformer Engine 2.8 turns flash-attn off"),
+    ],
+)
+def test_bad_gpt_oss_values_give_one_clear_error(flags, expected):
+    found = problems(GPT_OSS + " " + flags)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_gpt_oss_flags_read_as_megatron_lm_reads_them():
+    m = job(GPT_OSS + " --window-size '(512,-1)' --window-attn-skip-freq '([0]+[1]*3)*9'")[0].model
+    assert m.window_size == [512, -1]
+    assert m.window_attn_skip_freq == ([0] + [1] * 3) * 9
+    # A GLU offset needs quick_geglu while the bias-activation kernel is fused (megatron-core).
+    swiglu = BASE + " --swiglu --glu-linear-offset 1"
+    assert "needs --quick-geglu, or --no-bias-swiglu-fusion" in error(swiglu)
+    assert job(swiglu + " --no-bias-swiglu-fusion")[0].model.glu_linear_offset == 1.0
+    # Without a gated activation, without a window, without yarn: Megatron-LM ignores them.
+    plain, notes = job(
+        BASE + " --disable-bias-linear --glu-linear-offset 1 --window-attn-skip-freq 2 "
+        "--yarn-beta-fast 16 --rotary-scaling-factor 4"
+    )
+    m = plain.model
+    assert (m.glu_linear_offset, m.window_attn_skip_freq, m.beta_fast) == (0.0, None, 32.0)
+    assert m.rotary_scaling_factor == 1.0 and plain.not_modelled == ()
+    assert "--glu-linear-offset are ignored without --swiglu or --quick-geglu" in notes
+    assert "--window-attn-skip-freq is ignored without --window-size" in notes
+    assert "--yarn-beta-fast are ignored without --position-embedding-type yarn" in notes
+    # mrope and relative are still reported as not modelled; yarn no longer.
+    assert [n.option for n in job(BASE + " --position-embedding-type mrope")[0].not_modelled] == [
+        "--position-embedding-type mrope"
+    ]
+    assert not_modelled(split_args(GPT_OSS)) == []
+    # Multi-latent attention rotates by --rope-type; its yarn is not GPTModel's.
+    mla = problems(BASE + " --multi-latent-attention --position-embedding-type yarn")
+    assert len(mla) == 1 and "yarn with multi-latent attention" in mla[0], mla

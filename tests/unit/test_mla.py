@@ -19,7 +19,10 @@ from tests.helpers import MLA, small_job
             "flash with multi-latent attention",
         ),
         ({"model": {**MLA, "num_query_groups": 2}}, "MLA has no grouped-query attention"),
-        ({"model": {"rope_type": "yarn"}}, "yarn is modelled with model.multi_latent_attention"),
+        (
+            {"model": {"rope_type": "yarn"}},
+            "rope_type yarn is multi-latent attention.s; for YaRN with other attention",
+        ),
         ({"model": {"kv_lora_rank": 64}}, "model.kv_lora_rank need model.multi_latent_attention"),
         (
             {"training": {"recompute": {"granularity": "selective", "modules": ["mla_up_proj"]}}},

@@ -422,11 +422,16 @@ def _model(v, job, notes, problems) -> None:
             "position embedding is rope); use --position-embedding-type none"
         )
     if position is not None:
-        # yarn and mrope rotate like rope (no parameters); relative is T5's. All three are
-        # listed as not modelled.
-        m["position_embedding_type"] = {"yarn": "rope", "mrope": "rope", "relative": "none"}.get(
-            position, position
+        # mrope rotates like rope (no parameters); relative is T5's. Both are listed as not
+        # modelled. yarn (HEAD's) is GPTModel's YarnRotaryEmbedding.
+        m["position_embedding_type"] = {"mrope": "rope", "relative": "none"}.get(position, position)
+    if "--quick-geglu" in v and ("--swiglu" in v or "--squared-relu" in v):
+        problems.append(
+            "--quick-geglu with --swiglu or --squared-relu: give one activation (Megatron-LM "
+            "asserts that --quick-geglu is not --swiglu)"
         )
+    elif "--quick-geglu" in v:
+        m["activation"] = "quick_geglu"  # GLU over fused_bias_geglu's quick_gelu (notes 1.2)
     if "--swiglu" in v and "--squared-relu" in v:
         problems.append("--swiglu and --squared-relu exclude each other (Megatron-LM asserts it)")
     elif "--swiglu" in v:
@@ -444,6 +449,84 @@ def _model(v, job, notes, problems) -> None:
         m["add_qkv_bias"] = True
     _experts(v, job, notes, problems)
     _latent_attention(v, job, notes, problems)
+    _glu_options(v, job, notes, problems)
+    _windows(v, job, notes, problems)
+
+
+def _glu_options(v, job, notes, problems) -> None:
+    """--glu-linear-offset and --activation-func-clamp-value act on gated activations only;
+    megatron-core's TransformerConfig refuses an offset with the fused bias-activation kernel
+    of any activation but quick_gelu (transformer_config.py:1505)."""
+    m = job["model"]
+    gated = "--swiglu" in v or "--quick-geglu" in v
+    fused = (
+        "--no-bias-swiglu-fusion" not in v
+        if "--swiglu" in v
+        else "--no-bias-gelu-fusion" not in v and "--disable-bias-linear" not in v
+    )
+    offset = v.get("--glu-linear-offset", 0.0)
+    if offset and "--quick-geglu" not in v and fused:
+        off = "--no-bias-swiglu-fusion" if "--swiglu" in v else "--no-bias-gelu-fusion"
+        problems.append(
+            f"--glu-linear-offset {offset:g} needs --quick-geglu, or {off}: megatron-core "
+            "refuses a GLU offset with the fused bias-activation kernel of other activations"
+        )
+    elif not gated:
+        given = [f for f in ("--glu-linear-offset", "--activation-func-clamp-value") if f in v]
+        if given:
+            notes.append(f"{', '.join(given)} are ignored without --swiglu or --quick-geglu")
+        for flag in given:
+            m.pop(FLAGS[flag].key.split(".")[-1], None)
+
+
+def _windows(v, job, notes, problems) -> None:
+    """Sliding-window attention: --window-size is Megatron-LM's tuple_type ("128,0" or
+    "(128,0)": integers split at commas), --window-attn-skip-freq its moe_freq_type (an integer,
+    or with a '[' a list expression of digits, commas, brackets, + and *)."""
+    m = job["model"]
+    text = v.get("--window-size")
+    if text is not None:
+        try:
+            window = [int(x) for x in text.strip("()").split(",")]
+        except ValueError:
+            window = []
+        if len(window) != 2:
+            problems.append(
+                f"--window-size expects two integers left,right (e.g. 128,0; -1: unbounded), "
+                f"got {text!r}"
+            )
+        m["window_size"] = window
+    text = v.get("--window-attn-skip-freq")
+    if text is None:
+        return
+    if "--window-size" not in v:
+        notes.append("--window-attn-skip-freq is ignored without --window-size")
+        return
+    try:
+        m["window_attn_skip_freq"] = _layer_freq(text)
+    except ValueError:
+        problems.append(
+            f"--window-attn-skip-freq expects an integer or a list expression such as "
+            f'"([0]+[1]*3)*3" (digits, commas, brackets, + and *), got {text!r}'
+        )
+
+
+def _layer_freq(text: str) -> int | list[int]:
+    """Megatron-LM's moe_freq_type without eval: int(text), or a list expression of integer
+    lists, + and * when the text has a '['. ValueError otherwise."""
+    import re
+
+    from metatrace.config.resolve import list_expression
+
+    if "[" not in text:
+        return int(text)
+    if re.search(r"[^,\d\[\]\(\)\+\*]", text):  # what Megatron-LM's _eval_pattern allows
+        raise ValueError(text)
+
+    out = list_expression(text)
+    if not isinstance(out, list) or not all(type(x) is int for x in out):
+        raise ValueError(text)
+    return out
 
 
 # Flags only multi-latent attention reads (megatron-core's MLATransformerConfig fields).
@@ -459,9 +542,25 @@ _MLA_FLAGS = (
 )
 
 
+# HEAD's non-MLA yarn (--position-embedding-type yarn) reads these; --yarn-* only it.
+_YARN_FLAGS = ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+_NON_MLA_YARN_FLAGS = (
+    "--yarn-original-max-position-embeddings",
+    "--yarn-beta-fast",
+    "--yarn-beta-slow",
+)
+
+
 def _latent_attention(v, job, notes, problems) -> None:
-    """Multi-latent attention: its flags mean nothing without --multi-latent-attention (the
-    yarn flags then feed HEAD's non-MLA yarn, listed as not modelled)."""
+    """Multi-latent attention: its flags mean nothing without --multi-latent-attention, but
+    for the yarn ones with --position-embedding-type yarn (HEAD's GPTModel YaRN). The --yarn-*
+    flags feed only that yarn (MLA's boundaries have no flag: notes 4.8)."""
+    yarn = v.get("--position-embedding-type") == "yarn"
+    unused = [f for f in _NON_MLA_YARN_FLAGS if f in v]
+    if unused and (not yarn or "--multi-latent-attention" in v):
+        notes.append(f"{', '.join(unused)} are ignored without --position-embedding-type yarn")
+        for flag in unused:
+            job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
     if "--multi-latent-attention" in v:
         if "--group-query-attention" in v:
             problems.append(
@@ -470,7 +569,7 @@ def _latent_attention(v, job, notes, problems) -> None:
             )
             job["model"].pop("num_query_groups", None)
         return
-    given = [f for f in _MLA_FLAGS if f in v]
+    given = [f for f in _MLA_FLAGS if f in v and not (yarn and f in _YARN_FLAGS)]
     if given:
         notes.append(f"{', '.join(given)} are ignored without --multi-latent-attention")
         for flag in given:
@@ -520,6 +619,17 @@ def _experts(v, job, notes, problems) -> None:
                 "(Megatron-LM asserts it)"
             )
         t["moe_routing"] = "capacity"
+    # --moe-enable-deepep (deprecated in megatron-core 0.16.1) is the flex dispatcher's deepep
+    # backend; megatron-core refuses it with another dispatcher or with the hybridep backend
+    # (transformer_config.py:1063-1068).
+    if v.get("--moe-enable-deepep"):
+        backend = v.get("--moe-flex-dispatcher-backend", "deepep")
+        if v.get("--moe-token-dispatcher-type") != "flex" or backend != "deepep":
+            problems.append(
+                "--moe-enable-deepep needs --moe-token-dispatcher-type flex and no other "
+                "--moe-flex-dispatcher-backend (megatron-core asserts it)"
+            )
+        job["parallel"]["moe_flex_dispatcher_backend"] = "deepep"
 
 
 def _vocabulary(v, job, notes, problems) -> None:

@@ -142,6 +142,8 @@ _MODELLED: dict[str, str | None] = {
     "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
     "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
     "--moe-shared-expert-overlap": "parallel.moe_shared_expert_overlap",
+    "--overlap-moe-expert-parallel-comm": "parallel.overlap_moe_expert_parallel_comm",
+    "--delay-wgrad-compute": "parallel.delay_wgrad_compute",
     "--moe-grouped-gemm": "implementation.moe_grouped_gemm",
     "--moe-permute-fusion": "implementation.moe_permute_fusion",
     "--moe-router-fusion": "implementation.moe_router_fusion",
@@ -157,6 +159,8 @@ _MODELLED: dict[str, str | None] = {
     "--moe-aux-loss-coeff": None,
     "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
     "--moe-token-dispatcher-type": "parallel.moe_token_dispatcher_type",
+    "--moe-flex-dispatcher-backend": "parallel.moe_flex_dispatcher_backend",
+    "--moe-enable-deepep": None,
     "--moe-expert-capacity-factor": "training.moe_expert_capacity_factor",
     "--moe-pad-expert-input-to-capacity": None,
     # multi-latent attention (its rotary scaling too) and multi-token prediction (notes 4.8)
@@ -170,6 +174,17 @@ _MODELLED: dict[str, str | None] = {
     "--rotary-scaling-factor": "model.rotary_scaling_factor",
     "--mscale": "model.mscale",
     "--mscale-all-dim": "model.mscale_all_dim",
+    # GPT-OSS: YaRN without MLA (HEAD's --position-embedding-type yarn, which also reads
+    # --rotary-scaling-factor and --mscale*), clamped GLUs, attention sinks, sliding windows
+    "--yarn-original-max-position-embeddings": "model.original_max_position_embeddings",
+    "--yarn-beta-fast": "model.beta_fast",
+    "--yarn-beta-slow": "model.beta_slow",
+    "--quick-geglu": None,
+    "--glu-linear-offset": "model.glu_linear_offset",
+    "--activation-func-clamp-value": "model.activation_func_clamp_value",
+    "--softmax-type": "model.softmax_type",
+    "--window-size": None,  # tuple_type, read in megatron_args
+    "--window-attn-skip-freq": None,  # moe_freq_type, read in megatron_args
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
     # training (notes 4.5, 4.9, 4.10, 4.12)
@@ -256,8 +271,8 @@ UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
         "either",
     ),
     "--position-embedding-type": (
-        ("yarn", "mrope", "relative"),
-        "position embeddings other than learned_absolute, rope and none",
+        ("mrope", "relative"),
+        "position embeddings other than learned_absolute, rope, yarn and none",
         "either",
     ),
     "--moe-router-score-function": (
@@ -528,16 +543,15 @@ _NO_EFFECT: dict[str, str] = {
     ),
     "values only: the same tensors and shapes": (
         "--embedding-init-method-std --fp8-amax-compute-algo --fp8-interval --fp8-margin "
-        "--glu-linear-offset --init-method-std --logits-save-dtype --logits-save-top-p "
+        "--init-method-std --logits-save-dtype --logits-save-top-p "
         "--logits-save-top-p-min-k --mhc-init-gating-factor --moe-mlp-glu-interleave-size "
         "--moe-router-bias-update-rate --moe-router-force-load-balancing "
         "--moe-router-quantile-balancing-ema --moe-shared-expert-glu-interleave-size "
         "--moe-token-drop-policy --mrope-section --no-yarn-correction-range-round-to-int "
         "--qk-clip-alpha --qk-clip-threshold --relative-attention-max-distance "
         "--relative-attention-num-buckets --rope-scaling-factor --rotary-interleaved "
-        "--rotary-seq-len-interpolation-factor --seed --use-rope-scaling --yarn-beta-fast "
-        "--yarn-beta-slow --yarn-correction-range-round-to-int "
-        "--yarn-original-max-position-embeddings "
+        "--rotary-seq-len-interpolation-factor --seed --use-rope-scaling "
+        "--yarn-correction-range-round-to-int "
     ),
     "CUDA graphs: eager iterations before the capture, whose peak the capture's covers": (
         "--cuda-graph-warmup-steps "
@@ -635,12 +649,10 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("batch-invariant kernels", "unknown"): "--batch-invariant-backend --batch-invariant-mode",
     # mixture of experts (the MoE issue)
-    ("expert-parallel all-to-all overlap and delayed weight gradients", "either"): (
-        "--overlap-moe-expert-parallel-comm --delay-wgrad-compute "
+    ("expert-parallel overlap variants (early attention release, dispatch by wgrad)", "either"): (
         "--ep-overlap-early-attn-memory-release --overlap-dispatch-backward-with-experts-wgrad"
     ),
     ("MoE flex dispatcher (DeepEP, HybridEP, NCCL EP)", "either"): (
-        "--moe-enable-deepep --moe-flex-dispatcher-backend "
         "--moe-hybridep-pad-uneven-dispatch-inputs "
         "--moe-ncclep-zero-copy --moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype "
         "--moe-combine-bwd-dtype --moe-expert-rank-capacity-factor"
@@ -666,13 +678,8 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--moe-use-upcycling --moe-upcycling-granularity"
     ),
     # model variants
-    ("sliding-window attention", "either"): "--window-size --window-attn-skip-freq",
-    ("activation variants", "either"): (
-        "--openai-gelu --quick-geglu --use-te-activation-func --activation-func-clamp-value"
-    ),
-    ("attention variants", "raises"): (
-        "--qk-l2-norm --softmax-type --attention-output-gate --qk-clip"
-    ),
+    ("activation variants", "either"): "--openai-gelu --use-te-activation-func",
+    ("attention variants", "raises"): "--qk-l2-norm --attention-output-gate --qk-clip",
     ("experimental attention variants (gated DeltaNet, DSA)", "either"): (
         "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim "
         "--linear-key-head-dim --linear-num-key-heads --linear-num-value-heads "
@@ -935,7 +942,6 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--reuse-grad-buf-for-mxfp8-param-ag --fp8-recipe --te-precision-config-file"
     ),
     "--fp4-format": "--fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
-    "--window-size": "--window-attn-skip-freq",
     "--use-mup": "--mup-embedding-mult --mup-output-mult",
     "--enable-mhc-connections": (
         "--mhc-num-residual-streams --mhc-recompute-layer-num --mhc-sinkhorn-iterations"
