@@ -878,6 +878,17 @@ def _check_moe(job):
         )
 
 
+# YaRN keys: MLA's rotary embedding, or position_embedding_type yarn.
+_YARN_KEYS = (
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
 # Model keys that only multi-latent attention reads.
 def _check_ep_overlap(job):
     """megatron-core 0.16.1's asserts for the combined 1F1B schedule and delayed weight gradients
@@ -921,12 +932,7 @@ _MLA_KEYS = tuple(
         "qk_head_dim",
         "qk_pos_emb_head_dim",
         "v_head_dim",
-        "rotary_scaling_factor",
-        "original_max_position_embeddings",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
+        *_YARN_KEYS,
     )
 )
 
@@ -974,16 +980,6 @@ def _check_mla(job):
             "Engine 2.8 turns flash-attn 2 off when the query and value head sizes differ; "
             "use fused or unfused"
         )
-
-
-_YARN_KEYS = (
-    "rotary_scaling_factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-)
 
 
 def _check_attention_variants(job):
