@@ -1,6 +1,7 @@
 """Predicted against measured memory over a small matrix of configurations (`metatrace measure`).
 
     python bench/measure_matrix.py [--device cpu|cuda] [--out FILE.jsonl] [--only SUBSTRING]
+                                   [--set=--FLAG=VALUE ...]
 
 Each case is a set of Megatron-LM `pretrain_gpt.py` arguments and a world size; the measured
 rank is the last one (world size - 1: last pipeline stage, last TP index), as in the cases of
@@ -18,6 +19,7 @@ that need Transformer Engine (fused and flash attention, FP8 where the GPU has i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -38,6 +40,14 @@ BASE = {
     "--transformer-impl": "local",
 }
 TE = {"--transformer-impl": "transformer_engine"}
+# Mixture of experts on the local spec (SequentialMLP); the router's choices are real.
+MOE = {
+    "--swiglu": True,
+    "--disable-bias-linear": True,
+    "--num-experts": 4,
+    "--moe-router-topk": 2,
+    "--moe-ffn-hidden-size": 512,
+}
 # name: (extra arguments, world size, needs a GPU)
 CASES = {
     "tp1": ({}, 1, False),
@@ -55,9 +65,28 @@ CASES = {
     ),
     "selective recompute": ({"--recompute-granularity": "selective"}, 1, False),
     "dist-opt dp2": ({"--use-distributed-optimizer": True}, 2, False),
+    "moe allgather": (MOE, 1, False),
+    "moe alltoall ep2": (
+        {**MOE, "--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall"},
+        2,
+        False,
+    ),
+    "moe shared experts": ({**MOE, "--moe-shared-expert-intermediate-size": 256}, 1, False),
     "te fused attention": ({**TE, "--attention-backend": "fused"}, 1, True),
     "te flash attention": ({**TE, "--attention-backend": "flash"}, 1, True),
     "te fp8": ({**TE, "--fp8-format": "hybrid"}, 1, True),
+    # megatron-core allows moe_act recompute with grouped expert GEMMs only (TEGroupedMLP).
+    "te moe moe_act recompute": (
+        {
+            **TE,
+            **MOE,
+            "--moe-grouped-gemm": True,
+            "--recompute-granularity": "selective",
+            "--recompute-modules": "moe_act",
+        },
+        1,
+        True,
+    ),
 }
 
 
@@ -105,6 +134,13 @@ def main() -> int:
     parser.add_argument("--gpu", default="h100", help="GPU model of the prediction (default h100)")
     parser.add_argument("--out", metavar="FILE", help="write the cases as JSON lines")
     parser.add_argument("--only", metavar="SUBSTRING")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="override a base argument, e.g. --set=--hidden-size=2048 (repeatable)",
+    )
     opts = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -112,12 +148,16 @@ def main() -> int:
 
     if opts.device == "cpu":
         torch.set_num_threads(1)
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    for item in opts.set:
+        flag, _, value = item.partition("=")
+        BASE[flag] = int(value) if value.isdigit() else value
     rows = []
     print(f"{'case':<22} {'predicted':>12} {'measured':>12} {'error':>8}   saved/µb pred = meas")
     for name, (extra, world, needs_gpu) in CASES.items():
         if opts.only and opts.only not in name:
             continue
-        if needs_gpu and opts.device == "cpu":
+        if needs_gpu and (opts.device == "cpu" or not have_te):
             print(f"{name:<22} skipped: needs Transformer Engine on a GPU")
             continue
         start = time.perf_counter()

@@ -191,6 +191,29 @@ def remap_cuda(device: str | torch.device = "meta"):
     finally:
         for name, orig in _orig_cuda.items():
             setattr(torch.cuda, name, orig)
+        _forget_null_streams()
+
+
+# Streams megatron-core 0.16.1 creates once and keeps on a class: a stand-in created while
+# remapping would outlive it and break a later run on a GPU in the same process (metatrace
+# measure traces on meta, then runs on CUDA). (module, class, attribute)
+_CLASS_STREAMS = (
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher",
+        "cuda_dtoh_stream",
+    ),
+    ("megatron.core.extensions.transformer_engine", "TEDotProductAttention", "cp_stream"),
+)
+
+
+def _forget_null_streams() -> None:
+    import sys
+
+    for module, cls, attr in _CLASS_STREAMS:
+        owner = getattr(sys.modules.get(module), cls, None)
+        if isinstance(getattr(owner, attr, None), _NullStream):
+            setattr(owner, attr, None)
 
 
 _READ_BACK = {

@@ -55,13 +55,6 @@ def transformer_config(job, *, cuda_graphs: bool = False):
     activation_func, gated = _activations()[m.activation]
     dtype = DTYPES[tr.precision]
     rec = tr.recompute
-    # Megatron-LM turns the fused bias-activation kernels on by default (bias_gelu_fusion,
-    # bias_swiglu_fusion), and off for GeLU without biases; other activations have no kernel
-    # but quick_geglu's (Megatron-LM's --quick-geglu sets bias_activation_fusion with
-    # bias_swiglu_fusion; megatron-core's weighted_bias_quick_geglu_impl, GPT-OSS).
-    bias_activation_fusion = impl.bias_activation_fusion and (
-        m.activation in ("swiglu", "quick_geglu") or (m.activation == "gelu" and m.add_bias_linear)
-    )
     fields = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -135,7 +128,7 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         cp_comm_type=par.cp_comm_type if par.cp > 1 else None,
         hierarchical_context_parallel_sizes=par.hierarchical_cp_sizes,
         # Megatron-LM command-line defaults.
-        bias_activation_fusion=bias_activation_fusion,
+        bias_activation_fusion=job.bias_activation_fusion,
         masked_softmax_fusion=impl.masked_softmax_fusion,
         bias_dropout_fusion=impl.bias_dropout_fusion,
         attention_softmax_in_fp32=impl.attention_softmax_in_fp32

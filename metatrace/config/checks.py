@@ -64,6 +64,7 @@ def check_job(job) -> None:
         _check_ep_overlap,
         _check_mla,
         _check_attention_variants,
+        _check_bias_activation_fusion,
         _check_mtp,
         _check_cluster,
     ):
@@ -1048,6 +1049,49 @@ def _check_attention_variants(job):
             "model.add_bias_linear with grouped expert GEMMs needs "
             "implementation.bias_dropout_fusion: false (megatron-core's TEGroupedMLP refuses "
             "bias-dropout fusion with expert biases)"
+        )
+
+
+def _check_bias_activation_fusion(job):
+    """megatron-core 0.16.1 has a fused bias-activation kernel per activation and raises at the
+    first forward where a layer has none: experts (routing probabilities applied in the
+    kernel) only for swiglu and quick_geglu (mlp.py, moe/experts.py TEGroupedMLP), SwiGLU
+    experts without a bias to add in the kernel, dense MLPs and shared experts only for gelu
+    and swiglu (mlp.py)."""
+    m = job.model
+    if not job.bias_activation_fusion:
+        return
+    off = (
+        "set implementation.bias_activation_fusion: false (Megatron-LM: "
+        f"{'--no-bias-gelu-fusion' if m.activation == 'gelu' else '--no-bias-swiglu-fusion'})"
+    )
+    if m.num_experts and m.activation not in ("swiglu", "quick_geglu"):
+        yield (
+            f"model.activation {m.activation} in mixture-of-experts layers with fused "
+            "bias-activation kernels: megatron-core fuses the routing probabilities only into "
+            f"swiglu and quick_geglu and raises for the others; {off}"
+        )
+    impl = job.implementation
+    grouped = impl.moe_grouped_gemm and impl.transformer_impl == "transformer_engine"
+    if m.num_experts and m.activation == "swiglu" and m.add_bias_linear and not grouped:
+        # SequentialMLP's experts are MLPs whose fc1 returns its bias for the kernel to add;
+        # fused_bias_swiglu.weighted_bias_swiglu_impl raises NotImplementedError for a bias.
+        yield (
+            "model.add_bias_linear with SwiGLU experts run as one MLP each (no grouped GEMM) "
+            "and fused bias-activation kernels: megatron-core's weighted SwiGLU kernel takes no "
+            "bias and "
+            f"raises; {off}, or use grouped expert GEMMs, or model.add_bias_linear: false"
+        )
+    dense = (
+        not m.num_experts
+        or m.moe_shared_expert_intermediate_size
+        or (isinstance(m.moe_layer_freq, list) and 0 in m.moe_layer_freq)
+    )
+    if dense and m.activation == "quick_geglu":
+        where = "dense MLPs" if not m.moe_shared_expert_intermediate_size else "shared experts"
+        yield (
+            f"model.activation quick_geglu in {where} with fused bias-activation kernels: "
+            f"megatron-core's MLP fuses only gelu and swiglu there and raises; {off}"
         )
 
 

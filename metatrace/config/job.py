@@ -483,8 +483,9 @@ class Implementation:
     """With cross_entropy_loss_fusion: megatron-core's fused kernel, or Transformer Engine's
     (which overwrites the logits with their gradient)."""
     bias_activation_fusion: bool = True
-    """Fused bias-GeLU / bias-SwiGLU kernels (Megatron-LM's default; --no-bias-gelu-fusion,
-    --no-bias-swiglu-fusion turn them off). Only GeLU with biases and SwiGLU have one."""
+    """Fused bias-GeLU / bias-SwiGLU / quick-GEGLU kernels (Megatron-LM's default;
+    --no-bias-gelu-fusion, --no-bias-swiglu-fusion turn them off). Only GeLU with biases,
+    SwiGLU and quick-GEGLU have one (Job.bias_activation_fusion)."""
     bias_dropout_fusion: bool = True
     """Fused bias-dropout-add (--no-bias-dropout-fusion turns it off)."""
     masked_softmax_fusion: bool = True
@@ -582,6 +583,17 @@ class Job:
     not_modelled: tuple[NotModelled, ...] = ()
     """Options of the run metatrace does not model (from Megatron-LM arguments): the prediction
     leaves them out, and the verdict says so."""
+
+    @property
+    def bias_activation_fusion(self) -> bool:
+        """megatron-core's bias_activation_fusion as Megatron-LM sets it: the fused kernels
+        are on by default (bias_gelu_fusion, bias_swiglu_fusion) and off for GeLU without
+        biases; other activations have no kernel but quick_geglu's (Megatron-LM's --quick-geglu
+        sets it with bias_swiglu_fusion; megatron-core's weighted_bias_quick_geglu_impl)."""
+        act = self.model.activation
+        return self.implementation.bias_activation_fusion and (
+            act in ("swiglu", "quick_geglu") or (act == "gelu" and self.model.add_bias_linear)
+        )
 
 
 SECTIONS = ("model", "parallel", "training", "implementation", "cluster")

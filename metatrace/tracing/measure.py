@@ -13,7 +13,8 @@ Two instruments, both independent of metatrace's recorder:
 - the peak: on the CPU, the PyTorch profiler's allocation events (profile_memory=True), every
   CPU allocation and free with its exact size, from before the model is built to the end; the
   running sum's maximum in the steady-state iterations (the second and later) is the peak. On a
-  GPU, torch.cuda.max_memory_allocated() after a reset at the start of the second iteration;
+  GPU, torch.cuda.max_memory_allocated() after a reset at the start of the second iteration,
+  less what the process held before the model was built (earlier work's leftovers);
 - the saved activations: `torch.autograd.graph.saved_tensors_hooks` around one micro-batch's
   forward, counting each storage once (untyped storage data_ptr, nbytes), storages that existed
   before the micro-batch (parameters) left out.
@@ -25,6 +26,7 @@ pipeline tensors hold whatever the allocator returned (memory does not depend on
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 from metatrace.errors import ConfigError
@@ -312,6 +314,14 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     )
     dropout = contextlib.nullcontext() if cuda else cuda_like_dropout()
     patches = megatron_patches(compiled=job.implementation.torch_compile)
+    base = 0  # on a GPU: what earlier work in this process still holds, not the rank's
+    if cuda:
+        gc.collect()
+        torch.cuda.synchronize()
+        # cuBLAS workspaces are the process's, made at its first GEMM: free them so that the
+        # rank makes its own, as a training process does.
+        torch._C._cuda_clearCublasWorkspaces()
+        base = torch.cuda.memory_allocated()
     with (
         profiler as prof,
         patches,
@@ -357,15 +367,16 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
                 )
         del model, optimizer
     if cuda:
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - base
+        gc.collect()
         return Measured(
             peak=peak,
             peak_blocks=peak,
             saved=saved_bytes,
             saved_blocks=saved_blocks,
             device=device,
-            model=allocated["model"],
-            steady=allocated["steady"],
+            model=allocated["model"] - base,
+            steady=allocated["steady"] - base,
         )
     events, marks = _profiler_log(prof, marker)
     iterations_at = marks[marker + "iteration"]

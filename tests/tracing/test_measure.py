@@ -152,3 +152,18 @@ def test_cuda_path(tmp_path, capsys):
         pytest.skip("no GPU here: the --device cuda measurement is not exercised")
     code, text = _cli(["measure", "--config", str(config), "--rank", "0", "--device", "cuda"])
     assert code == 0 and "measured on cuda" in text
+
+
+def test_streams_megatron_core_keeps_on_a_class_do_not_outlive_the_remapping():
+    """The all-to-all dispatcher makes its device-to-host stream once, on the class: one made
+    on meta (a stand-in) broke `metatrace measure --device cuda`, which traces on meta first
+    and then runs megatron-core on the GPU in the same process (seen on an H100)."""
+    import torch
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from metatrace.hooks.remap import remap_cuda
+
+    with remap_cuda("meta"):
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()
+        assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None

@@ -176,7 +176,8 @@ def test_mtp_keeps_its_layout_and_mla_flags_need_mla():
 
 def test_moe_options_not_modelled_are_listed():
     resolved, notes = job(
-        BASE + " --num-experts 8 --moe-apply-probs-on-input --moe-layer-freq 2"
+        BASE
+        + " --num-experts 8 --no-bias-gelu-fusion --moe-apply-probs-on-input --moe-layer-freq 2"
         " --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"
     )
     assert resolved.model.moe_layer_freq == [1, 0] * 6  # 12 layers
@@ -190,7 +191,10 @@ def test_moe_options_not_modelled_are_listed():
 
 
 def test_moe_fusion_flags_map_to_the_implementation():
-    resolved, notes = job(BASE + " --num-experts 8 --moe-permute-fusion --moe-router-fusion")
+    resolved, notes = job(
+        BASE
+        + " --swiglu --disable-bias-linear --num-experts 8 --moe-permute-fusion --moe-router-fusion"
+    )
     assert resolved.implementation.moe_permute_fusion
     assert resolved.implementation.moe_router_fusion
     assert not [n for n in notes if n.startswith("warning")]
@@ -543,7 +547,8 @@ def test_flags_that_change_nothing_are_accepted_and_defaults_are_not_reported():
 
 def test_values_of_a_newer_megatron_lm_are_reported_not_refused():
     resolved, notes = job(
-        BASE + " --num-experts 4 --moe-router-score-function sqrtsoftplus "
+        BASE
+        + " --swiglu --disable-bias-linear --num-experts 4 --moe-router-score-function sqrtsoftplus "
         "--moe-router-load-balancing-type quantile_balancing"
     )
     assert resolved.model.moe_router_score_function == "softmax"
