@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
             help="an environment variable of the run (e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)",
         )
 
-    def common(p, tree: bool = True):
+    def common(p, tree: bool = True, quiet: str = "no progress messages on stderr"):
         """The job's options; with `tree`, the module tree's (--depth, --expand)."""
         source = p.add_argument_group(
             "the job (one of --config, --megatron-args, --megatron-args-file)"
@@ -68,10 +68,22 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.set_defaults(depth=None)
         p.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
-        p.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
+        p.add_argument("--quiet", "-q", action="store_true", help=quiet)
 
     run = sub.add_parser("run", help="trace every rank role and print the report")
-    common(run)
+    common(run, quiet="no progress on stderr; print only the verdict")
+    shown = run.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--summary",
+        action="store_true",
+        help="print only the summary (verdict, stages, iteration time, communication)",
+    )
+    shown.add_argument(
+        "--detail",
+        action="store_true",
+        help="also print the configuration, the module trees and the communication sections "
+        "(implied by --depth and --expand)",
+    )
     run.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     run.add_argument(
         "--html", metavar="PATH", help="also write the report as a self-contained HTML page"
@@ -116,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
         "--dim", choices=("tp", "cp", "ep", "dp", "pp"), help="only this dimension's section"
     )
     comm.add_argument("--jobs", type=int, metavar="N", help="as for run")
+    comm.add_argument(
+        "--summary",
+        action="store_true",
+        help="only the job, the iteration time and a table per dimension (no sections)",
+    )
     comm.set_defaults(func=cmd_comm)
 
     groups = sub.add_parser("groups", help="print the rank groups megatron-core forms (no tracing)")
@@ -195,6 +212,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-traces", type=int, default=16, metavar="N", help="most layouts traced (default 16)"
     )
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    plan.add_argument(
+        "--write-config",
+        metavar="PATH",
+        help="write the recommended layout as a job file (YAML) for `metatrace run --config`",
+    )
     plan.add_argument("--jobs", type=int, metavar="N", help="as for run")
     plan.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
@@ -203,11 +225,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _console(args, console):
+    """The console of the output (see metatrace.render.fit.output_console): piped, --width,
+    else COLUMNS, else the width the content needs, and no trailing blanks."""
     if console is not None:
         return console
-    from rich.console import Console
+    from metatrace.render.fit import output_console
 
-    return Console(width=args.width) if args.width else Console()
+    return output_console(getattr(args, "width", None))
 
 
 def _progress(console, args=None):
@@ -307,9 +331,13 @@ def cmd_run(args, console=None) -> int:
     from metatrace.export.report import job_report, search_report, write_json
     from metatrace.planning.search import max_micro_batch
     from metatrace.render.run import render_run, render_search
+    from metatrace.render.summary import build_run_summary, build_verdict
     from metatrace.tracing.trace import trace_job
 
     _check_depth(args)
+    if args.quiet and (args.summary or args.detail):
+        flag = "--summary" if args.summary else "--detail"
+        raise ConfigError(f"--quiet prints only the verdict; it cannot be combined with {flag}")
     if args.json:
         _check_output_path(args.json)
     if args.html:
@@ -346,7 +374,15 @@ def cmd_run(args, console=None) -> int:
         analysis = analyze(
             trace_job(job, full_model=not args.no_full_model, progress=progress, workers=args.jobs)
         )
-    render_run(analysis, console, depth=args.depth, expand=args.expand)
+    # --quiet: the verdict alone (with the search's answer and where the files went);
+    # --summary: the summary alone.
+    if args.quiet:
+        console.print(build_verdict(analysis))
+    elif args.summary:
+        console.print(build_run_summary(analysis))
+    else:
+        detail = args.detail or args.depth is not None or args.expand
+        render_run(analysis, console, depth=args.depth, expand=args.expand, detail=detail)
     if search is not None:
         render_search(job, search, console)
     if args.json or args.html:
@@ -355,17 +391,17 @@ def cmd_run(args, console=None) -> int:
             report["max_micro_batch"] = search_report(search)
     if args.json:
         write_json(report, args.json)
-        console.print(f"\nJSON report written to {args.json}")
+        console.print(f"\nJSON report written to {args.json}", soft_wrap=True)
     if args.html:
         from metatrace.export.html import role_timelines, write_html
 
         write_html(report, args.html, role_timelines(analysis))
-        console.print(f"\nHTML report written to {args.html}")
+        console.print(f"\nHTML report written to {args.html}", soft_wrap=True)
     if args.chrome_trace:
         from metatrace.export.chrome import chrome_trace
 
         write_json(chrome_trace(analysis), args.chrome_trace)
-        console.print(f"\nChrome trace written to {args.chrome_trace}")
+        console.print(f"\nChrome trace written to {args.chrome_trace}", soft_wrap=True)
     if args.memory_snapshot:
         from metatrace.export.snapshot import write_snapshots
 
@@ -390,14 +426,22 @@ def cmd_comm(args, console=None) -> int:
 
     _check_depth(args)
     _check_jobs(args)
+    if args.summary and args.dim:
+        raise ConfigError("--summary shows every dimension; it cannot be combined with --dim")
     job = _load_job(args)
     console = _console(args, console)
     job_trace = trace_job(
         job, full_model=False, progress=_progress(console, args), workers=args.jobs
     )
+    analysis = analyze(job_trace)
+    if args.summary:
+        from metatrace.render.summary import build_comm_overview
+
+        console.print(build_comm_overview(analysis))
+        return 0
     console.print(section("Configuration"))
     console.print(build_summary(job, job_trace.world))
-    render_comm(analyze(job_trace), console, dim=args.dim)
+    render_comm(analysis, console, dim=args.dim)
     return 0
 
 
@@ -504,6 +548,17 @@ def _side(side: str, args):
     return _read_job(side_args)
 
 
+def _side_label(side: str, given) -> str:
+    """A side of `metatrace diff` as the user gave it: a file by its name (a JSON report with
+    the job it came from), Megatron-LM arguments by their start."""
+    if isinstance(given, dict):
+        return f"{side} (from {given['source']})" if given.get("source") else side
+    if os.path.isfile(side):
+        return side
+    text = " ".join(side.split())
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
 def _side_report(side: str, given, args, progress) -> dict:
     """The JSON report of one side of `metatrace diff` (`given`: what _side returned)."""
     from metatrace.analysis.analyze import analyze
@@ -553,7 +608,8 @@ def cmd_diff(args, console=None) -> int:
     a, b = (
         _side_report(side, given, args, progress) for side, given in zip((args.a, args.b), sides)
     )
-    diff = diff_reports(a, b)
+    labels = (_side_label(args.a, sides[0]), _side_label(args.b, sides[1]))
+    diff = diff_reports(a, b, labels)
     render_diff(diff, console, all_rows=args.all)
     if args.json:
         write_json(diff, args.json)
@@ -606,6 +662,8 @@ def cmd_plan(args, console=None) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.json:
         _check_output_path(args.json)
+    if args.write_config:
+        _check_output_path(args.write_config, "--write-config")
     job, num_gpus = _plan_base(args)
     console = _console(args, console)
     bar = _progress_bar(args)
@@ -626,11 +684,37 @@ def cmd_plan(args, console=None) -> int:
         )
         if bar:
             bar.update(task, completed=args.max_traces, description="done")
-    render_plan(job, num_gpus, result, console, top=args.top)
+    ranked = result.ranked()
+    if args.write_config and ranked:
+        from metatrace.planning.job_file import write_job_file
+        from metatrace.render.format import size
+
+        best = ranked[0]
+        write_job_file(
+            best.candidate.job,
+            args.write_config,
+            header=[
+                f"metatrace plan: #1 of {job.source} on {num_gpus:,} GPUs: "
+                f"{best.candidate.layout.describe()}",
+                f"planned peak {size(best.peak)} ({best.peak:,} bytes), headroom "
+                f"{size(best.headroom)}",
+            ],
+            base_dir=os.path.dirname(args.config) if args.config else ".",
+        )
+    render_plan(
+        job,
+        num_gpus,
+        result,
+        console,
+        top=args.top,
+        config_path=args.write_config if ranked else None,
+    )
     if args.json:
         write_json(plan_report(result, args.top), args.json)
         console.print(f"\nJSON plan written to {args.json}")
-    return 0 if result.ranked() else 1
+    if args.write_config and not ranked:
+        console.print(f"\nNo layout fits: {args.write_config} not written")
+    return 0 if ranked else 1
 
 
 def _progress_bar(args):

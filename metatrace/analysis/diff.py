@@ -73,8 +73,9 @@ CLUSTER_FIGURES = (
 _MISSING = object()
 
 
-def diff_reports(a: dict, b: dict) -> dict:
-    """The difference b - a of two JSON reports (see the module docstring)."""
+def diff_reports(a: dict, b: dict, labels: tuple[str, str] | None = None) -> dict:
+    """The difference b - a of two JSON reports (see the module docstring); `labels`: how the
+    user gave each side (default: the job each report came from)."""
     config = config_changes(a, b)
     cluster = cluster_rows(a, b)
     roles = [role_diff(a["roles"][i], b["roles"][j]) for i, j in pair_roles(a["roles"], b["roles"])]
@@ -89,8 +90,8 @@ def diff_reports(a: dict, b: dict) -> dict:
             )
     return {
         "diff_schema_version": DIFF_SCHEMA_VERSION,
-        "a": _side(a),
-        "b": _side(b),
+        "a": _side(a, labels[0] if labels else None),
+        "b": _side(b, labels[1] if labels else None),
         "config": config,
         "cluster": cluster,
         "roles": roles,
@@ -98,8 +99,9 @@ def diff_reports(a: dict, b: dict) -> dict:
     }
 
 
-def _side(report: dict) -> dict:
+def _side(report: dict, label: str | None) -> dict:
     return {
+        "label": label if label is not None else str(report.get("source")),
         "source": report.get("source"),
         "metatrace_version": report.get("metatrace_version"),
         "schema_version": report.get("schema_version"),

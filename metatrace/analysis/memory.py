@@ -488,7 +488,11 @@ class Verdict:
     @property
     def headroom(self) -> int:
         """Capacity left on the tightest rank (negative: how much is missing)."""
-        return self.capacity - self.overhead - self.userbuffers - self.worst
+        return self.headroom_at(self.worst)
+
+    def headroom_at(self, peak: int) -> int:
+        """Capacity left on a rank that peaks at `peak` (negative: how much is missing)."""
+        return self.capacity - self.overhead - self.userbuffers - peak
 
 
 _DIRECTIONS = {

@@ -3,12 +3,16 @@
 `page(report, timelines)` is a pure function of the JSON report (`metatrace.export.report.job_report`,
 with `max_micro_batch` when --max-mbs ran) and, for the pictures of memory over the iteration,
 each role's `RoleMemory.timeline` (not part of the JSON report). Nothing is computed here that
-the report does not hold: sizes are formatted with the terminal's helpers (metatrace.render.run,
-metatrace.render.comm). The page needs no network: inline CSS, inline SVG drawn below, no
-script. Every text from the report goes through html.escape.
+the report does not hold: sizes are formatted with the terminal's helpers (metatrace.render),
+the module trees are the report's rows put back in their tree and folded as the terminal folds
+them, the charts are drawn in metatrace.export.svg. The page needs no network: inline CSS,
+inline SVG, no script (the trees collapse with <details>). Every text from the report goes
+through html.escape. It fits a 700-pixel window: the charts shrink, wide tables scroll inside
+their own box.
 
-Known limitations: no module trees (the terminal and the JSON have them); timelines longer than
-600 steps are drawn as 600 columns, each the highest level of its steps, as the terminal does.
+Known limitations: the trees leave out the TP communication column the terminal has (the
+collectives are listed per stage instead); timelines longer than 600 steps are drawn as 600
+columns, each the highest level of its steps, as the terminal does.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from __future__ import annotations
 import html
 from types import SimpleNamespace
 
+from metatrace.analysis import aggregate as agg
+from metatrace.export import svg
+from metatrace.export.svg import MIXED, PARTS, PHASE_COLOURS
+from metatrace.records import Collective
 from metatrace.render.format import (
     DIM_TITLES,
     DTYPE_SHORT,
@@ -29,43 +37,49 @@ from metatrace.render.format import (
     volume,
 )
 from metatrace.render.format import op as op_name
-
-PARTS = (
-    ("params_bytes", "Params", "parameters and module buffers", "#4e79a7"),
-    ("grads_bytes", "Grads", "DDP's main-gradient buffers", "#f28e2b"),
-    ("optimizer_bytes", "Optim", "main parameters and optimizer state", "#e15759"),
-    ("workspace_bytes", "Wkspc", "kernel workspaces and buffers kept for good", "#76b7b2"),
-    ("activations_bytes", "Activ", "held for the micro-batches in flight", "#59a14f"),
-    ("temporary_bytes", "Temp", "the running step's own", "#b07aa1"),
-)
-PHASE_COLOURS = {
-    "forward": "#4e79a7",
-    "backward": "#f28e2b",
-    "grad sync": "#9c755f",
-    "optimizer": "#e15759",
-}
-MIXED = "#bab0ac"
-WIDTH = 760
-MAX_COLUMNS = 600
+from metatrace.render.run import param_shapes
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
-       max-width: 1100px; margin: 2em auto; padding: 0 1em; }
+       max-width: 1100px; margin: 2em auto; padding: 0 1em; overflow-wrap: anywhere; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
 h3 { font-size: 1em; margin-top: 1.5em; }
+.scroll { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; margin: .5em 0; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #e4e4e4; text-align: left;
          vertical-align: top; }
-th { background: #f4f4f4; } td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f4f4f4; overflow-wrap: normal; }
+td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.zero td { color: #999; } tr.total td { font-weight: bold; }
-dl.config { display: grid; grid-template-columns: max-content auto; gap: 2px 16px; }
+dl.config { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 2px 16px; }
 dl.config dt { font-weight: bold; } dl.config dd { margin: 0; }
 .verdict { padding: .6em 1em; border-radius: 4px; font-weight: bold; }
 .fits { background: #e6f4e6; color: #1b5e20; } .oom { background: #fde8e8; color: #b71c1c; }
 .caveat { background: #fff4e0; color: #7a4b00; font-weight: normal; }
+.timing { padding: .6em 1em; border-radius: 4px; background: #eef3fa; color: #1a3d6d; }
 .note { color: #666; font-size: .9em; } .key { display: inline-block; width: .9em;
   height: .9em; margin: 0 .3em 0 1em; vertical-align: -1px; }
+svg { display: block; width: 100%; max-width: 960px; height: auto; margin: .3em 0; }
 svg text { font: 11px system-ui, sans-serif; fill: #333; }
+svg text.tick, svg text.axis { fill: #666; } svg text.capacity, svg text.peak { fill: #b71c1c; }
+.tree { margin: .3em 0 1em; font-size: .95em; max-width: 900px; }
+.tree .row, .tree summary { display: flex; flex-wrap: wrap; gap: 0 .6em; padding: 1px 0;
+  border-bottom: 1px solid #f0f0f0; }
+.tree summary { cursor: pointer; list-style: none; }
+.tree summary::-webkit-details-marker { display: none; }
+.tree summary::before, .tree .row::before { content: "▸"; width: .8em; color: #888; }
+.tree details[open] > summary::before { content: "▾"; } .tree .row::before { content: ""; }
+.tree .kids { margin-left: .5em; padding-left: .6em; border-left: 1px solid #ddd; }
+.tree .name { font-weight: 600; } .tree .type { color: #777; }
+.tree .figs { margin-left: auto; display: flex; gap: .8em; font-variant-numeric: tabular-nums; }
+.tree .fig { min-width: 6.5em; text-align: right; white-space: nowrap; }
+.tree .shapes { flex-basis: 100%; padding-left: 1.4em; color: #777; font-size: .9em; }
+.tree .head { font-weight: bold; background: #f4f4f4; }
+@media (max-width: 760px) {
+  body { margin: 1em auto; padding: 0 .6em; font-size: 13px; }
+  table { font-size: 12px; } th, td { padding: 2px 4px; } .tree .fig { min-width: 5.5em; }
+  dl.config { grid-template-columns: minmax(0, 1fr); } dl.config dd { margin-bottom: .3em; }
+}
 """
 
 
@@ -76,7 +90,7 @@ def esc(value) -> str:
 def _table(head, rows, numeric=(), classes=None) -> str:
     """A table: `head` column titles, `rows` of cells (escaped here); columns whose index is in
     `numeric` are right-aligned; `classes[i]` is row i's class."""
-    out = ["<table><thead><tr>"]
+    out = ['<div class="scroll"><table><thead><tr>']
     out += [f"<th{' class=n' if i in numeric else ''}>{esc(h)}</th>" for i, h in enumerate(head)]
     out.append("</tr></thead><tbody>")
     for i, row in enumerate(rows):
@@ -85,7 +99,7 @@ def _table(head, rows, numeric=(), classes=None) -> str:
             f"<td{' class=n' if j in numeric else ''}>{esc(c)}</td>" for j, c in enumerate(row)
         )
         out.append(f"<tr{cls}>{cells}</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "".join(out)
 
 
@@ -205,54 +219,58 @@ def _verdict(report) -> str:
     return out
 
 
+# ----------------------------------------------------------------------------- time
+
+
+def _schedule(world) -> str:
+    if world["pp"] == 1:
+        return "no pipeline"
+    return f"interleaved 1F1B, vpp {world['vpp']}" if world.get("vpp") else "1F1B"
+
+
+def timing(report) -> str:
+    """The time model's iteration time and pipeline bubble, and each stage's share."""
+    t = report.get("timing")
+    if t is None:
+        return ""
+    line = (
+        f"Estimated iteration time {seconds(t['iteration_seconds'])} (compute at "
+        f"{t['compute_efficiency']:.0%} of {t['peak_tflops']:,.0f} TFLOP/s peak, exposed "
+        f"communication included, {_schedule(report['world'])}), pipeline bubble "
+        f"{t['bubble_fraction']:.1%}"
+    )
+    rows = [
+        [
+            r["pp_stage"],
+            seconds(r["timing"]["iteration_seconds"]),
+            seconds(r["timing"]["busy_seconds"]),
+            seconds(r["timing"]["optimizer_seconds"]),
+            f"{r['timing']['bubble_fraction']:.1%}",
+            f"{r['timing']['flops_per_microbatch'] / 1e12:,.1f}",
+        ]
+        for r in report["roles"]
+        if "timing" in r
+    ]
+    head = ["Stage", "Iteration", "Busy", "Optimizer", "Bubble", "TFLOP/µb"]
+    return (
+        f'<p class="timing" id="timing"><b>{esc(line)}</b></p>'
+        + _table(head, rows, numeric=set(range(6)))
+        + '<p class="note">Per stage: Busy, the forward and backward steps with their exposed '
+        "communication; Bubble, the stage's idle share of the forward-backward part; "
+        "TFLOP/µb, the compute of one micro-batch.</p>"
+    )
+
+
 # ----------------------------------------------------------------------------- memory
 
 
 def memory_bars(report) -> str:
-    """One stacked horizontal bar per pipeline stage, its parts in order; GPU capacity and
-    capacity minus the reserved overhead as vertical lines when they fall on the scale."""
+    """The stacked bars of every stage's peak on one axis, capacity lines labelled, and their
+    key."""
     roles = [r for r in report["roles"] if "memory" in r]
     v = report["memory_verdict"]
     capacity, usable = v["gpu_memory_bytes"], v["gpu_memory_bytes"] - v["reserved_overhead_bytes"]
-    top = max(r["memory"]["peak_bytes"] for r in roles)
-    # Capacity far above every peak would squash the bars: then it is named, not drawn.
-    on_scale = capacity <= 4 * top
-    scale = max(top, capacity) if on_scale else top
-    left, right, row = 70, 90, 26
-    plot = WIDTH - left - right
-    height = row * len(roles) + 24
-    out = [
-        f'<svg width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" '
-        f'aria-label="memory per pipeline stage">'
-    ]
-    for i, r in enumerate(roles):
-        y, x, mem = 4 + i * row, float(left), r["memory"]
-        out.append(
-            f'<text x="{left - 6}" y="{y + 15}" text-anchor="end">stage {esc(r["pp_stage"])}</text>'
-        )
-        for key, label, _, colour in PARTS:
-            w = plot * mem[key] / scale
-            out.append(
-                f'<rect class="seg" data-stage="{esc(r["pp_stage"])}" x="{x:.2f}" '
-                f'y="{y}" width="{w:.2f}" height="{row - 8}" fill="{colour}"><title>'
-                f"stage {esc(r['pp_stage'])} · {esc(label)} {esc(size(mem[key]))}"
-                f"</title></rect>"
-            )
-            x += w
-        out.append(f'<text x="{x + 6:.2f}" y="{y + 15}">{esc(size(mem["peak_bytes"]))}</text>')
-    if on_scale:
-        # Labels on either side of their lines: the two lines are often a few pixels apart.
-        for value, label, style, anchor in (
-            (usable, "capacity − reserved", ' stroke-dasharray="4 3"', "end"),
-            (capacity, "GPU capacity", "", "start"),
-        ):
-            x = left + plot * value / scale
-            out.append(
-                f'<line x1="{x:.2f}" y1="0" x2="{x:.2f}" y2="{height - 12}" '
-                f'stroke="#b71c1c"{style}/><text x="{x:.2f}" y="{height - 2}" '
-                f'text-anchor="{anchor}">{esc(label)}</text>'
-            )
-    out.append("</svg>")
+    chart, on_scale = svg.memory_bars(roles, capacity, usable)
     keys = "".join(_key(colour, label) for _, label, _, colour in PARTS)
     note = (
         ""
@@ -262,7 +280,7 @@ def memory_bars(report) -> str:
             "the scale."
         )
     )
-    return "".join(out) + f'<p class="note">{keys}.{esc(note)}</p>'
+    return chart + f'<p class="note">{keys}.{esc(note)}</p>'
 
 
 def _memory_table(report) -> str:
@@ -288,73 +306,27 @@ def _memory_table(report) -> str:
     )
 
 
-def _columns(steps):
-    """At most MAX_COLUMNS (phase or None when mixed, highest level) columns."""
-    n = max(1, -(-len(steps) // MAX_COLUMNS))
-    out = []
-    for i in range(0, len(steps), n):
-        group = steps[i : i + n]
-        phases = {p for p, _ in group}
-        out.append((phases.pop() if len(phases) == 1 else None, max(b for _, b in group)))
-    return out
-
-
-def timeline_chart(stage, peak: int, steps, floor: int, top: int) -> str:
-    """Memory over the iteration of one stage: a step line from `floor` to `top`, a strip
-    below coloured by phase, the peak as a dashed line."""
-    left, right, height, strip = 70, 10, 120, 8
-    plot_w, plot_h = WIDTH - left - right, height - strip - 14
-    cols = _columns(steps)
-    span = max(1, top - floor)
-
-    def y(level):
-        return 4 + plot_h * (1 - (level - floor) / span)
-
-    dx = plot_w / max(1, len(cols))
-    points = []
-    for i, (_, level) in enumerate(cols):
-        points += [
-            f"{left + i * dx:.2f},{y(level):.2f}",
-            f"{left + (i + 1) * dx:.2f},{y(level):.2f}",
-        ]
-    out = [
-        f'<svg width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" '
-        f'aria-label="memory over the iteration, stage {esc(stage)}">',
-        f'<text x="{left - 6}" y="{y(top) + 4:.2f}" text-anchor="end">{esc(size(top))}</text>',
-        f'<text x="{left - 6}" y="{y(floor):.2f}" text-anchor="end">{esc(size(floor))}</text>',
-        f'<line x1="{left}" y1="{y(peak):.2f}" x2="{WIDTH - right}" y2="{y(peak):.2f}" '
-        f'stroke="#b71c1c" stroke-dasharray="4 3"><title>peak {esc(size(peak))}</title></line>',
-        f'<polyline fill="none" stroke="#222" stroke-width="1.2" points="{" ".join(points)}"/>',
-    ]
-    base = 4 + plot_h + 4
-    for i, (phase, _) in enumerate(cols):
-        colour = PHASE_COLOURS.get(phase, MIXED)
-        out.append(
-            f'<rect x="{left + i * dx:.2f}" y="{base:.2f}" width="{dx:.2f}" '
-            f'height="{strip}" fill="{colour}"/>'
-        )
-    out.append("</svg>")
-    return "".join(out)
-
-
 def _timelines(report, timelines) -> str:
     roles = report["roles"]
     if timelines is None or len(timelines) != len(roles) or not all(timelines):
         return '<p class="note">The steps of the iteration are not in the JSON report.</p>'
+    # One scale for every stage, so that the charts compare as the bars above do.
+    top = max(
+        max(r["memory"]["peak_bytes"], *(b for _, b in steps)) for r, steps in zip(roles, timelines)
+    )
     out = []
     for r, steps in zip(roles, timelines):
         peak = r["memory"]["peak_bytes"]
-        floor, top = min(b for _, b in steps), max(peak, max(b for _, b in steps))
         out.append(
             f"<h3>Stage {esc(r['pp_stage'])} · peak {esc(size(peak))} · {len(steps):,} steps</h3>"
         )
-        out.append(timeline_chart(r["pp_stage"], peak, steps, floor, top))
+        out.append(svg.timeline_chart(r["pp_stage"], peak, steps, top))
     keys = "".join(_key(c, p) for p, c in PHASE_COLOURS.items()) + _key(MIXED, "mixed")
     return "".join(out) + (
         f'<p class="note">{keys}. Each step is the highest live memory of a chunk\'s forward '
         "or backward step of one micro-batch, in schedule order, then the optimizer step; "
-        "workspaces included. Each chart spans its own stage's lowest to highest level (the bars "
-        "above compare the stages).</p>"
+        "workspaces included. Every chart has the same scale, from 0 to above the highest "
+        "level of all stages.</p>"
     )
 
 
@@ -427,6 +399,117 @@ def comm_table(report) -> str:
         f"{esc(format(cl['inter_node_gbps'], 'g'))} Gb/s across nodes; latency, congestion and "
         "in-network reduction ignored.</p>"
     )
+
+
+# ----------------------------------------------------------------------------- module trees
+
+
+def module_roots(role) -> list[agg.ModuleRow]:
+    """A role's module trees rebuilt from its report's rows (listed parents first), each with
+    the collectives it issued, so that identical layers fold as they do in the terminal."""
+    issued: dict[str, list[Collective]] = {}
+    for i, c in enumerate(role.get("collectives_per_microbatch", ())):
+        issued.setdefault(c["module"], []).append(
+            Collective(
+                seq=i,
+                op=c["op"],
+                aten=c["aten"],
+                group=c["group"],
+                ranks=tuple(c["ranks"]),
+                shape=tuple(c["shape"]),
+                dtype=c["dtype"],
+                bytes=c["bytes"],
+                count=c["count"],
+                phase=c["phase"],
+                module=c["module"],
+                peer=c.get("peer"),
+            )
+        )
+    rows: dict[str, agg.ModuleRow] = {}
+    roots = []
+    for m in role.get("modules", ()):
+        row = agg.ModuleRow(
+            fqn=m["fqn"],
+            type=m["type"],
+            layer=m["layer"],
+            params=m["params"],
+            param_bytes=m["param_bytes"],
+            param_shapes=tuple((name, tuple(d)) for name, d in m["param_shapes"].items()),
+            activation_bytes=m["activation_bytes"],
+            collectives=tuple(issued.get(m["fqn"], ())),
+            peaks=dict(m["peak_bytes"]),
+            params_total=m["params_total"],
+            param_bytes_total=m.get("param_bytes_total", 0),
+            activation_bytes_total=m["activation_bytes_total"],
+        )
+        rows[row.fqn] = row
+        parent = agg.parent_of(row.fqn)
+        if parent in rows:
+            rows[parent].children.append(row)
+        else:
+            roots.append(row)
+    return roots
+
+
+def _idle(row: agg.ModuleRow) -> bool:
+    """megatron-core's IdentityOp / IdentityFuncOp slots that hold and do nothing: left out,
+    as the terminal leaves them out without --expand."""
+    return (
+        row.type.startswith("Identity")
+        and not row.params_total
+        and not row.activation_bytes_total
+        and not any(r.collectives for r in agg.walk([row]))
+    )
+
+
+OPEN_LEVELS = 3
+"""Tree levels shown open: the model, its blocks and the list of layers; the layers closed."""
+
+
+def _node(fold: agg.Fold, label: str, level: int) -> str:
+    row = fold.row
+    line = (
+        f'<span class="name">{esc(label)}</span><span class="type">{esc(row.type)}</span>'
+        f'<span class="figs"><span class="fig">'
+        f"{esc(size(row.param_bytes_total)) if row.params_total else ''}</span>"
+        f'<span class="fig">'
+        f"{esc(size(row.activation_bytes_total)) if row.activation_bytes_total else ''}"
+        "</span></span>"
+    )
+    if row.params:
+        line += f'<span class="shapes">{esc(param_shapes(row))}</span>'
+    kids = [f for f in agg.fold_children(row) if not _idle(f.row)]
+    if not kids:
+        return f'<div class="row">{line}</div>'
+    inner = "".join(
+        _node(k, k.first if k.count == 1 else f"{k.first}-{k.last} (× {k.count})", level + 1)
+        for k in kids
+    )
+    opened = " open" if level < OPEN_LEVELS else ""
+    return f'<details{opened}><summary>{line}</summary><div class="kids">{inner}</div></details>'
+
+
+def module_tree(role, note: bool = True) -> str:
+    """The role's module trees, collapsible: parameters and activations of each subtree, and
+    (with `note`) what the columns hold."""
+    roots = module_roots(role)
+    if not roots:
+        return ""
+    head = (
+        '<div class="row head"><span class="name">Module</span><span class="type">Type</span>'
+        '<span class="figs"><span class="fig">Params</span><span class="fig">Act/µb</span>'
+        "</span></div>"
+    )
+    body = "".join(_node(agg.Fold(r, 1, r.name, r.name, None), r.fqn or "model", 0) for r in roots)
+    return f'<div class="tree">{head}{body}</div>' + (TREE_NOTE if note else "")
+
+
+TREE_NOTE = (
+    '<p class="note">Params: bytes of the parameters of the module and its children; Act/µb: '
+    "activations they save for backward per micro-batch; below a module, its own parameters' "
+    "shapes. A run of identical layers is shown once, as first-last (× count), with the figures "
+    "of one of them.</p>"
+)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -548,6 +631,9 @@ def _stages(report) -> str:
                 f"{esc(peak_at(SimpleNamespace(**m['peak_at']), r['vpp_chunks']))}.</p>"
             )
         out.append(_stage_comm(r))
+        tree = module_tree(r, note=r is report["roles"][-1])
+        if tree:
+            out.append(f"<p>Modules of one GPU (rank {esc(r['traced_rank'])}):</p>{tree}")
     return "".join(out)
 
 
@@ -559,7 +645,7 @@ def _full_model(report) -> str:
         f"<h2>Full model without parallelism</h2><p>{full['params']['count']:,} parameters "
         f"({esc(size(full['params']['bytes']))}) · activations "
         f"{esc(size(full['activations_per_microbatch_bytes']))} per micro-batch on one "
-        "GPU.</p>"
+        "GPU.</p>" + module_tree(full)
     )
 
 
@@ -610,6 +696,7 @@ def page(report: dict, timelines=None) -> str:
         f"{esc(report['schema_version'])} · job {esc(report['source'])}</p>",
         _configuration(report),
         _verdict(report),
+        timing(report),
         _memory(report, timelines),
         comm_table(report),
         _stages(report),

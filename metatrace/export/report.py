@@ -47,6 +47,7 @@ def _modules(tree) -> list[dict]:
                 "param_bytes": row.param_bytes,
                 "param_shapes": {name: list(s) for name, s in row.param_shapes},
                 "params_total": row.params_total,
+                "param_bytes_total": row.param_bytes_total,
                 "activation_bytes": row.activation_bytes,
                 "activation_bytes_total": row.activation_bytes_total,
                 "peak_bytes": row.peaks,

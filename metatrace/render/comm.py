@@ -5,11 +5,10 @@ rank-group tables (`metatrace groups`). Figures come from the Analysis
 
 from __future__ import annotations
 
-from rich import box
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
+from metatrace.render.fit import FitTable, Kind
 from metatrace.render.format import (
     DIM_NAMES,
     DIM_TITLES,
@@ -50,32 +49,29 @@ def groups_line(world, groups, limit: int = 4) -> str:
     return f"{shown}{more} ({len(groups)} groups of {len(groups[0])} GPUs; {where})"
 
 
-def _table(*columns) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+_KIND: dict[str, Kind] = {
+    "Dimension": "name",
+    "GPUs": "name",
+    "Layers": "name",
+    "Phase": "name",
+    "Collective": "name",
+    "Group": "prose",
+    "When": "prose",
+    "Module": "module",
+    "Message": "prose",
+    "Boundary tensor": "prose",
+    "Overlapped with": "prose",
+    "Kind": "prose",
+    "Groups (GPUs)": "prose",
+}
+
+
+def _table(*columns) -> FitTable:
+    """Figures right-aligned and whole; module paths shortened from the left; messages, group
+    lists and kinds wrap between their items."""
+    table = FitTable()
     for col in columns:
-        left = col in (
-            "Dimension",
-            "GPUs",
-            "Module",
-            "Phase",
-            "Collective",
-            "Message",
-            "When",
-            "Overlapped with",
-            "Boundary tensor",
-            "Group",
-            "Kind",
-            "Groups (GPUs)",
-        )
-        wraps = col in (
-            "Groups (GPUs)",
-            "Module",
-            "Message",
-            "Overlapped with",
-            "Kind",
-            "Boundary tensor",
-        )
-        table.add_column(col, justify="left" if left else "right", no_wrap=not wraps)
+        table.add_column(col, _KIND.get(col, "number"))
     return table
 
 
@@ -514,7 +510,7 @@ GROUP_TITLES = {
 }
 
 
-def build_groups(world, *, rank: int | None = None, limit: int | None = 16) -> Table:
+def build_groups(world, *, rank: int | None = None, limit: int | None = 16) -> FitTable:
     """Every kind of group as megatron-core forms it; with `rank`, only that rank's groups."""
     table = _table("Kind", "Groups", "Size", "Cross nodes", "Groups (GPUs)")
     for kind in world.kinds():

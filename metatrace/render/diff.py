@@ -192,9 +192,19 @@ def _role_title(pair: dict) -> str:
     )
 
 
+def _side_label(side: dict) -> str:
+    return str(side.get("label", side["source"]))
+
+
 def render_diff(diff: dict, console, *, all_rows: bool = False) -> None:
-    console.print(Text.assemble(("A ", "bold"), str(diff["a"]["source"])))
-    console.print(Text.assemble(("B ", "bold"), str(diff["b"]["source"])))
+    """The diff; an identical pair is one line unless `all_rows` asks for every figure."""
+    a, b = _side_label(diff["a"]), _side_label(diff["b"])
+    if not diff["changes"] and not all_rows:
+        line = Text.assemble(("Same configuration and figures: ", "bold"), f"{a} and {b}")
+        console.print(line, soft_wrap=True)
+        return
+    console.print(Text.assemble(("A ", "bold"), a))
+    console.print(Text.assemble(("B ", "bold"), b))
     console.print(section("Configuration changes"))
     console.print(build_config_changes(diff["config"]))
     console.print(section("Cluster (communication: all GPUs, one iteration)"))

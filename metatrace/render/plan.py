@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from metatrace.config.megatron.to_args import launcher, layout_arg_groups
 from metatrace.render.format import DIM_TITLES, seconds, section, size
 
 
@@ -111,7 +112,31 @@ def build_reasons(result, top: int) -> Group:
     return Group(*lines)
 
 
-def render_plan(job, num_gpus: int, result, console, *, top: int) -> None:
+def build_commands(best, config_path: str | None) -> Group:
+    """How to run the recommended layout: `metatrace run` on the written job file, and
+    torchrun with its Megatron-LM flags (one subject a line, continued with backslashes)."""
+    job = best.candidate.job
+    lines = []
+    if config_path:
+        lines.append(Text(f"metatrace run --config {config_path}"))
+    lines.append(
+        Text(
+            "# Megatron-LM: the layout's flags; add the model's, tokenizer's and data's",
+            style="dim",
+        )
+    )
+    groups = [launcher(job), *layout_arg_groups(job)]
+    for i, group in enumerate(groups):
+        indent = "    " if i else ""
+        tail = " \\" if i < len(groups) - 1 else ""
+        lines.append(Text(indent + " ".join(group) + tail))
+    return Group(*lines)
+
+
+def render_plan(
+    job, num_gpus: int, result, console, *, top: int, config_path: str | None = None
+) -> None:
+    """The plan; `config_path`: where the job file of #1 was written (--write-config)."""
     cl, tr = job.cluster, job.training
     console.print(
         section(
@@ -136,3 +161,6 @@ def render_plan(job, num_gpus: int, result, console, *, top: int) -> None:
             style="dim",
         )
     )
+    best = result.ranked()[0]
+    console.print(section(f"Run #1: {best.candidate.layout.describe()}"))
+    console.print(build_commands(best, config_path), soft_wrap=True)

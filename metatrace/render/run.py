@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from rich import box
@@ -17,6 +16,7 @@ from rich.text import Text
 from metatrace.analysis import aggregate as agg
 from metatrace.records import STEP
 from metatrace.render.comm import render_comm
+from metatrace.render.fit import FitTable
 from metatrace.render.format import (
     PARAM_SHORT,
     TP_GROUPS,
@@ -33,6 +33,7 @@ from metatrace.render.format import (
     shape,
     size,
 )
+from metatrace.render.summary import build_run_summary, build_verdict
 
 
 def param_shapes(row: agg.ModuleRow) -> str:
@@ -185,17 +186,17 @@ def build_module_table(
     depth: int | None = None,
     expand: bool = False,
     step: tuple = (),
-) -> Table:
+) -> FitTable:
     """Module tree as a table: parameters and activations of each subtree, and (per rank) the
     TP collectives each module issues. `depth` counts the model itself as 0."""
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
-    table.add_column("Module", no_wrap=True)
-    table.add_column("Type", no_wrap=True)
-    table.add_column("Parameters")
-    table.add_column("Param MiB", justify="right", no_wrap=True)
-    table.add_column("Act MiB", justify="right", no_wrap=True)
+    table = FitTable()
+    table.add_column("Module", "module")
+    table.add_column("Type", "type")
+    table.add_column("Parameters", "prose")
+    table.add_column("Param MiB")
+    table.add_column("Act MiB")
     if tp_columns:
-        table.add_column("TP communication (MiB)", no_wrap=True)
+        table.add_column("TP communication (MiB)", "prose")
     for root in roots:
         label = root.fqn or "model"
         _add_rows(
@@ -328,18 +329,18 @@ def build_totals_line(s: agg.RoleSummary) -> Text:
     )
 
 
-def build_roles_table(analysis) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, just in (
-        ("Stage", "right"),
-        ("Ranks", "left"),
-        ("Layers", "left"),
-        ("Parameters", "right"),
-        ("Param MiB", "right"),
-        ("Act MiB/µb", "right"),
-        ("Collectives/µb", "right"),
+def build_roles_table(analysis) -> FitTable:
+    table = FitTable()
+    for col, kind in (
+        ("Stage", "number"),
+        ("Ranks", "name"),
+        ("Layers", "name"),
+        ("Parameters", "number"),
+        ("Param MiB", "number"),
+        ("Act MiB/µb", "number"),
+        ("Collectives/µb", "number"),
     ):
-        table.add_column(col, justify=just)
+        table.add_column(col, kind)
     for ra in analysis.roles:
         s = ra.summary
         table.add_row(
@@ -370,23 +371,11 @@ def build_memory_table(roles) -> Group:
     """Every role's memory over one iteration, in parts that add up to its peak, and where each
     role peaks. `roles`: RoleAnalysis with their memory."""
     name, unit = _unit(max(ra.memory.peak for ra in roles))
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, just in (
-        ("Stage", "right"),
-        ("Ranks", "left"),
-        ("Params", "right"),
-        ("Grads", "right"),
-        ("Optim", "right"),
-        ("Wkspc", "right"),
-        ("Activ", "right"),
-        ("µb", "right"),
-        ("Temp", "right"),
-        (f"Peak {name}", "right"),
-    ):
-        table.add_column(col, justify=just, no_wrap=True)
-    where = Table.grid(padding=(0, 1))
-    where.add_column(justify="right", style="dim", no_wrap=True)
-    where.add_column(style="dim")
+    table = FitTable()
+    for col in ("Stage", "Ranks", "Params", "Grads", "Optim", "Wkspc", "Activ", "µb", "Temp"):
+        table.add_column(col, "name" if col == "Ranks" else "number")
+    table.add_column(f"Peak {name}")
+    where = []
     for ra in roles:
         m = ra.memory
         table.add_row(
@@ -401,8 +390,11 @@ def build_memory_table(roles) -> Group:
             _amount(m.temporary, unit),
             Text(_amount(m.peak, unit), style="bold"),
         )
-        where.add_row(
-            f"stage {ra.role.pp_stage} peaks in", peak_at(m.peak_at, len(ra.traced.chunks))
+        where.append(
+            Text(
+                f"stage {ra.role.pp_stage} peaks in {peak_at(m.peak_at, len(ra.traced.chunks))}",
+                style="dim",
+            )
         )
     legend = Text(
         f"{name} per GPU. Params: parameters and module buffers; Grads: DDP's main-grad buffers; "
@@ -411,7 +403,7 @@ def build_memory_table(roles) -> Group:
         "Peak: the highest torch.cuda.max_memory_allocated() expected.",
         style="dim",
     )
-    return Group(table, where, legend)
+    return Group(table, *where, legend)
 
 
 def _graphs_summary(tr) -> str:
@@ -485,63 +477,68 @@ def build_host_optimizer_lines(analysis) -> list[Text]:
     ]
 
 
-def build_verdict(analysis) -> Text:
-    from metatrace.analysis.memory import not_modelled_text
-    from metatrace.render.format import verdict_text
-
-    job, v = analysis.job, analysis.verdict
-    sentence = verdict_text(
-        f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)",
-        fits=v.fits,
-        worst=v.worst,
-        worst_ranks=v.worst_ranks,
-        oom_ranks=v.oom_ranks,
-        headroom=v.headroom,
-        reserved_gib=job.cluster.reserved_overhead_gib,
-        userbuffers=v.userbuffers,
-    )
-    text = Text(sentence, style="bold green" if v.fits else "bold red")
-    if job.not_modelled:
-        items = [dataclasses.asdict(n) for n in job.not_modelled]
-        text.append("\n" + not_modelled_text(items), style="bold yellow")
-    return text
-
-
 _BARS = " ▁▂▃▄▅▆▇█"
 _MARK = {"forward": "F", "backward": "B", "grad sync": "G", "optimizer": "O"}
 
 
-def build_timeline(roles, columns: int = 64) -> Group:
-    """Memory over the iteration per stage: one column per group of consecutive steps (its
-    highest level), on a common scale; F/B/O below say what the steps were. `roles`:
+def build_timeline(roles, width: int | None = None) -> Timeline:
+    """Memory over the iteration per stage, as wide as the console (or `width`). `roles`:
     RoleAnalysis with their memory."""
-    top = max(ra.memory.peak for ra in roles)
-    floor = min(level for ra in roles for _, level in ra.memory.timeline)
-    span = max(1, top - floor)
-    table = Table.grid(padding=(0, 1))
-    table.add_column(justify="right", style="bold")
-    table.add_column(no_wrap=True)
-    table.add_column(justify="right")
-    for ra in roles:
-        m = ra.memory
-        steps = m.timeline
-        n = max(1, -(-len(steps) // columns))
-        bars, marks = [], []
-        for i in range(0, len(steps), n):
-            group = steps[i : i + n]
-            level = max(b for _, b in group)
-            bars.append(_BARS[min(8, max(1, 1 + round(7 * (level - floor) / span)))])
-            kinds = {_MARK.get(p, "·") for p, _ in group}
-            marks.append(kinds.pop() if len(kinds) == 1 else "·")
-        table.add_row(f"stage {ra.role.pp_stage}", "".join(bars), size(m.peak))
-        table.add_row("", Text("".join(marks), style="dim"), "")
-    return Group(
-        table,
-        Text(
-            f"▁ {size(floor)} … █ {size(top)}; a column is the highest level of its steps.",
-            style="dim",
-        ),
+    return Timeline(
+        [(f"stage {ra.role.pp_stage}", ra.memory.timeline, ra.memory.peak) for ra in roles],
+        width,
     )
+
+
+class Timeline:
+    """Bars of memory over the iteration, one row of two-level blocks per stage on one scale
+    from 0 to the highest peak of any stage; a column is one step (several columns a step when
+    the width allows, the highest level of several steps when it does not), and the letter
+    below names the step (F forward, B backward, G gradient sync, O optimizer) that set it."""
+
+    def __init__(self, stages, width: int | None = None) -> None:
+        self.stages = stages  # (label, ((phase, bytes), ...), peak)
+        self.width = width
+
+    def __rich_console__(self, console, options):
+        top = max(1, max(peak for _, _, peak in self.stages))
+        label = max(len(name) for name, _, _ in self.stages)
+        peaks = [size(peak) for _, _, peak in self.stages]
+        room = (self.width or options.max_width) - label - max(len(p) for p in peaks) - 2
+        room = max(8, room)
+        for (name, steps, _), peak in zip(self.stages, peaks, strict=True):
+            high, low, marks = _timeline_rows(steps, top, room)
+            yield Text(f"{' ' * label} {high}".rstrip())
+            yield Text(f"{name.rjust(label)} {low} {peak}")
+            yield Text(f"{' ' * label} {marks}".rstrip(), style="dim")
+        yield Text(
+            f"Scale 0 to {size(top)} (the highest peak), shared by all stages; two rows of "
+            "blocks a stage. A column is the highest level of its steps, its letter the step "
+            "that reached it.",
+            style="dim",
+        )
+
+
+def _timeline_rows(steps, top: int, room: int) -> tuple[str, str, str]:
+    """The upper and lower rows of blocks and the letters of one stage's steps in `room`
+    columns (each step `room // len(steps)` columns when they fit, else steps grouped)."""
+    if not steps:
+        return "", "", ""
+    if len(steps) <= room:
+        each = room // len(steps)
+        groups = [[s] for s in steps]
+    else:
+        each = 1
+        n = -(-len(steps) // room)
+        groups = [list(steps[i : i + n]) for i in range(0, len(steps), n)]
+    high, low, marks = [], [], []
+    for group in groups:
+        phase, level = max(group, key=lambda s: s[1])
+        eighths = max(1, round(16 * level / top)) if level > 0 else 0
+        low.append(_BARS[min(8, eighths)] * each)
+        high.append(_BARS[max(0, eighths - 8)] * each)
+        marks.append(_MARK.get(phase, "·") + " " * (each - 1))
+    return "".join(high), "".join(low), "".join(marks)
 
 
 def build_full_model(full, *, depth=None, expand=False):
@@ -557,21 +554,27 @@ def build_full_model(full, *, depth=None, expand=False):
     )
 
 
-def render_run(analysis, console, *, depth=None, expand=False) -> None:
+def render_run(analysis, console, *, depth=None, expand=False, detail=False) -> None:
+    """The summary (metatrace.render.summary), then the memory of every stage over the
+    iteration; with `detail`, also the configuration, the module trees and the communication
+    sections before the memory, and the verdict again at the end."""
     job = analysis.job
-    console.print(section("Configuration"))
-    console.print(build_summary(job, analysis.world))
-    if analysis.full is not None:
-        console.print(section("Full model without parallelism (one GPU, one micro-batch)"))
-        console.print(build_full_model(analysis.full, depth=depth, expand=expand))
-    for group in group_roles(analysis, expand):
-        console.print(section(role_title(analysis, group)))
-        console.print(build_role_tree(group[0], depth=depth, expand=expand))
-        console.print(build_totals_line(group[0].summary))
-    console.print(section("Per pipeline stage (one micro-batch)"))
-    console.print(build_roles_table(analysis))
+    console.print(build_run_summary(analysis))
+    if detail:
+        console.print(section("Configuration"))
+        console.print(build_summary(job, analysis.world))
+        if analysis.full is not None:
+            console.print(section("Full model without parallelism (one GPU, one micro-batch)"))
+            console.print(build_full_model(analysis.full, depth=depth, expand=expand))
+        for group in group_roles(analysis, expand):
+            console.print(section(role_title(analysis, group)))
+            console.print(build_role_tree(group[0], depth=depth, expand=expand))
+            console.print(build_totals_line(group[0].summary))
+        console.print(section("Per pipeline stage (one micro-batch)"))
+        console.print(build_roles_table(analysis))
+        if analysis.iterations:
+            render_comm(analysis, console)
     if analysis.iterations:
-        render_comm(analysis, console)
         console.print(
             section(
                 f"Memory per GPU over one training iteration ({job.num_microbatches} "
@@ -587,8 +590,9 @@ def render_run(analysis, console, *, depth=None, expand=False) -> None:
             )
         )
         console.print(build_timeline(analysis.roles))
-        console.print()
-        console.print(build_verdict(analysis))
+        if detail:
+            console.print()
+            console.print(build_verdict(analysis))
 
 
 def render_search(job, search, console) -> None:

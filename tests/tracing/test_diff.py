@@ -1,6 +1,6 @@
-"""`metatrace diff` of traced jobs: an identical pair has no change, every row is the difference
-of the two JSON reports, roles pair up by layers when the pipelines differ, bad sides exit 2
-(after the good side is traced)."""
+"""`metatrace diff` of traced jobs: an identical pair has no change and prints one line, every
+row is the difference of the two JSON reports, roles pair up by layers when the pipelines
+differ, bad sides exit 2 (after the good side is traced)."""
 
 import io
 import json
@@ -53,15 +53,22 @@ def reports(tmp_path_factory):
         return json.load(fa), json.load(fb), json.load(fd), text
 
 
-def test_a_job_diffed_with_itself_has_no_change(tmp_path):
-    out = str(tmp_path / "same.json")
-    code, text = run("diff", DEBUG, DEBUG, "--json", out, "--quiet")
+def test_a_job_diffed_with_its_report_has_no_change_and_is_one_line(tmp_path):
+    report, out = str(tmp_path / "debug.json"), str(tmp_path / "same.json")
+    assert run("run", "--config", DEBUG, "--no-full-model", "--json", report, "--quiet")[0] == 0
+    code, text = run("diff", report, DEBUG, "--json", out, "--quiet")
     assert code == 0
     with open(out) as f:
         diff = json.load(f)
     assert diff["changes"] == [] and diff["config"] == []
     assert all(not row["changed"] for row in diff["cluster"])
-    assert "No differences." in text and "Same configuration." in text
+    # Each side as the user gave it: the JSON file with the job it came from, the job file.
+    assert (diff["a"]["label"], diff["b"]["label"]) == (f"{report} (from {DEBUG})", DEBUG)
+    assert (
+        text.splitlines()[0]
+        == f"Same configuration and figures: {report} (from {DEBUG}) and {DEBUG}"
+    )
+    assert len([line for line in text.splitlines() if line]) == 2  # and the JSON's path
 
 
 def test_every_row_is_the_difference_of_the_two_reports(reports):
@@ -125,10 +132,11 @@ def test_megatron_arguments_as_a_side(tmp_path):
         "--tensor-model-parallel-size 2 --vocab-size 1000 --tokenizer-type NullTokenizer"
     )
     out = str(tmp_path / "d.json")
-    code, _ = run("diff", args, DEBUG, "--world-size", "2", "--json", out, "--quiet")
+    code, text = run("diff", args, DEBUG, "--world-size", "2", "--json", out, "--quiet")
     assert code == 0
     with open(out) as f:
         diff = json.load(f)
     keys = {c["key"]: (c["a"], c["b"]) for c in diff["config"]}
     assert keys["parallel.pp"] == (1, 2)
     assert diff["a"]["source"] == "--megatron-args"
+    assert diff["a"]["label"] == args[:59] + "…" and text.startswith(f"A {args[:59]}…\n")

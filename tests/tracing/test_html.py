@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from metatrace.analysis.analyze import analyze
 from metatrace.export import html as page_html
 from metatrace.export.report import job_report
-from metatrace.render.format import DIM_TITLES, size
+from metatrace.render.format import DIM_TITLES, seconds, size
 from metatrace.tracing.trace import JobTrace, trace_role
 from metatrace.world import World
 from tests.helpers import DEBUG, metatrace, small_job
@@ -44,6 +45,9 @@ class Strict(HTMLParser):
         assert decl == "DOCTYPE html", decl
 
     def handle_data(self, data):
+        if self.open[-1:] == ["style"]:  # CSS: child combinators (">") are its own
+            assert "<" not in data, data[:80]
+            return
         assert "<" not in data and ">" not in data, data[:80]
         self.text.append(data)
 
@@ -123,18 +127,41 @@ def test_every_dimension_has_a_row_with_its_figures(report, page):
     assert '<tr class="zero"><td>CP</td>' in page  # no context parallelism: greyed
 
 
-def test_bars_are_as_long_as_the_peaks(report, page):
-    parsed = parse(page)
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def charts(page: str) -> list[ET.Element]:
+    """Every <svg> of the page, parsed."""
+    return [ET.fromstring(m) for m in re.findall(r"<svg\b.*?</svg>", page, re.S)]
+
+
+def ticks(chart: ET.Element) -> list[str]:
+    return [t.text or "" for t in chart.iter("text") if t.get("class") == "tick"]
+
+
+def value_ticks(chart: ET.Element) -> list[int]:
+    """Bytes of the value axis's ticks, from labels such as "20 MiB"."""
+    out = []
+    for label in ticks(chart):
+        number, _, unit = label.partition(" ")
+        if unit:
+            out.append(round(float(number) * UNITS[unit]))
+    return out
+
+
+def test_bars_are_as_long_as_the_peaks_on_an_axis_with_values(report, page):
+    bars = charts(page)[0]
     widths: dict[str, float] = {}
-    for tag, attrs in parsed.tags:
-        if tag == "rect" and attrs.get("class") == "seg":
-            widths[attrs["data-stage"]] = widths.get(attrs["data-stage"], 0) + float(attrs["width"])
+    for rect in bars.iter("rect"):
+        stage = rect.get("data-stage")
+        widths[stage] = widths.get(stage, 0) + float(rect.get("width"))
     peaks = {str(r["pp_stage"]): r["memory"]["peak_bytes"] for r in report["roles"]}
     assert widths.keys() == peaks.keys()
-    top = max(peaks.values())
+    # Capacity is far off the scale here: the axis ends at the first tick above the highest
+    # peak, 97.6 MiB.
+    assert ticks(bars) == ["0 MiB", "20 MiB", "40 MiB", "60 MiB", "80 MiB", "100 MiB"]
     for stage, width in widths.items():
-        # The highest peak spans the plot (capacity is far off the scale here).
-        assert width == pytest.approx((760 - 70 - 90) * peaks[stage] / top, abs=0.05)
+        assert width == pytest.approx((760 - 64 - 76) * peaks[stage] / (100 * 2**20), abs=0.05)
     assert "GPU capacity 79.10 GiB (capacity − reserved 75.10 GiB) lies beyond the scale" in page
 
 
@@ -142,11 +169,91 @@ def test_capacity_lines_when_they_fall_on_the_scale(report):
     tight = copy.deepcopy(report)
     peak = tight["memory_verdict"]["highest_peak_bytes"]
     tight["memory_verdict"].update(gpu_memory_bytes=2 * peak, reserved_overhead_bytes=peak // 2)
-    svg = page_html.memory_bars(tight).split("</svg>")[0]
-    lines = [a for t, a in parse(svg + "</svg>").tags if t == "line"]
-    # x of capacity at 600 px (the scale is the capacity), capacity minus reserved at 450 px.
-    assert [float(a["x1"]) - 70 for a in lines] == pytest.approx([450, 600], abs=0.05)
-    assert "GPU capacity" in svg and "beyond the scale" not in page_html.memory_bars(tight)
+    bars = ET.fromstring(re.search(r"<svg\b.*?</svg>", page_html.memory_bars(tight), re.S)[0])
+    assert ticks(bars)[-1] == "200 MiB"  # the capacity, 195.2 MiB, is on the scale
+    lines = [a for a in bars.iter("line") if a.get("class") == "capacity"]
+    x = [float(a.get("x1")) - 64 for a in lines]
+    expected = [620 * 2 * peak / (200 * 2**20), 620 * 1.5 * peak / (200 * 2**20)]
+    assert x == pytest.approx(expected, abs=0.01)
+    labels = [t.text for t in bars.iter("text") if t.get("class") == "capacity"]
+    assert labels == [
+        f"GPU capacity {size(2 * peak)}",
+        f"capacity − reserved {size(2 * peak - peak // 2)}",
+    ]
+    assert "beyond the scale" not in page_html.memory_bars(tight)
+
+
+def test_the_stages_timelines_share_one_scale(report, page):
+    peaks = [r["memory"]["peak_bytes"] for r in report["roles"]]
+    lines = charts(page)[1:]
+    assert len(lines) == len(peaks) == 2
+    scales = [value_ticks(chart) for chart in lines]
+    # The same axis for both stages, up to the first tick above the higher peak (97.6 MiB),
+    # though stage 0 peaks at a third of it.
+    assert scales[0] == scales[1] == [0, 25 * 2**20, 50 * 2**20, 75 * 2**20, 100 * 2**20]
+    assert peaks[0] < peaks[1] / 2
+    heights = []
+    for chart in lines:
+        (peak_line,) = [ln for ln in chart.iter("line") if ln.get("stroke-dasharray")]
+        heights.append(116 - float(peak_line.get("y1")))  # the plot's base is at y=116
+        # The step axis: 10 steps (test_one_timeline_per_stage_with_every_step).
+        assert [t for t in ticks(chart) if " " not in t] == ["0", "2", "4", "6", "8", "10"]
+    assert heights == pytest.approx([100 * p / (100 * 2**20) for p in peaks], abs=0.01)
+
+
+def test_the_iteration_time_and_the_bubble(report, page):
+    t = report["timing"]
+    (line,) = re.findall(r'<p class="timing"[^>]*>(.*?)</p>', page)
+    text = re.sub("<[^>]+>", "", line)
+    assert text.startswith(f"Estimated iteration time {seconds(t['iteration_seconds'])} (")
+    assert text.endswith(f"1F1B), pipeline bubble {t['bubble_fraction']:.1%}")
+    assert seconds(t["iteration_seconds"]) == "3.1 µs"  # the debug model is tiny
+    rows = table_after(page, '<p class="timing"')
+    assert [row[4] for row in rows] == [
+        f"{r['timing']['bubble_fraction']:.1%}" for r in report["roles"]
+    ]
+    assert rows[0][1] == seconds(report["roles"][0]["timing"]["iteration_seconds"])
+
+
+class TreeNames(HTMLParser):
+    """Names of the modules in each tree (<div class="tree">), and how many are <details>."""
+
+    def __init__(self):
+        super().__init__()
+        self.trees: list[list[str]] = []
+        self.details = 0
+        self.name = False
+
+    def handle_starttag(self, tag, attrs):
+        cls = dict(attrs).get("class")
+        if tag == "div" and cls == "tree":
+            self.trees.append([])
+        self.details += tag == "details"
+        self.name = tag == "span" and cls == "name"
+
+    def handle_endtag(self, tag):
+        self.name = False
+
+    def handle_data(self, data):
+        if self.name:
+            self.trees[-1].append(data)
+
+
+def test_each_stage_has_its_module_tree(report, page):
+    parsed = TreeNames()
+    parsed.feed(page)
+    assert len(parsed.trees) == len(report["roles"]) + ("full_model" in report)
+    for names, role in zip(parsed.trees, report["roles"]):
+        # Every module but megatron-core's empty Identity slots, once (one layer per stage).
+        expected = [
+            m["fqn"].rsplit(".", 1)[-1] or "model"
+            for m in role["modules"]
+            if not m["type"].startswith("Identity")
+        ]
+        assert names[0] == "Module" and sorted(names[1:]) == sorted(expected)
+        assert {"model", "decoder", "layers", "0", "linear_qkv"} <= set(names)
+    assert "embedding" in parsed.trees[0] and "output_layer" in parsed.trees[1]
+    assert parsed.details >= 2 * 6  # model, decoder, layers, layer, attention, mlp
 
 
 def test_one_timeline_per_stage_with_every_step(report, timelines, page):
@@ -234,7 +341,9 @@ def test_the_cli_writes_the_page_next_to_the_json(tmp_path):
         str(json_path),
     )
     assert result.returncode == 0, result.stderr
-    assert f"HTML report written to {html_path}" in result.stdout.replace("\n", "")
+    # However the terminal wraps the line: compare without whitespace (the path has none).
+    squeezed = re.sub(r"\s+", "", result.stdout)
+    assert f"HTMLreportwrittento{html_path}" in squeezed
     report = json.loads(json_path.read_text())
     text = html_path.read_text(encoding="utf-8")
     parse(text)

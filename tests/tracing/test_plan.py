@@ -12,7 +12,9 @@ from rich.console import Console
 
 from metatrace.analysis.analyze import analyze
 from metatrace.cli import main
-from metatrace.config import job_from_dict
+from metatrace.config import job_from_dict, load_job
+from metatrace.config.megatron.args import job_from_args, split_args
+from metatrace.config.megatron.to_args import LAYOUT_FIELDS
 from metatrace.errors import ConfigError
 from metatrace.export.report import job_report
 from metatrace.planning import estimates as E
@@ -23,6 +25,11 @@ GPUS = 4
 # 102 MiB: 54 of the 93 valid layouts of this model fit (traced peaks 98.3 to 114.5 MiB, of
 # which two cuBLAS workspaces of 32 MiB and TE's of 32 MiB + 1 KiB are in every one).
 MEMORY_GIB = 0.1
+# Megatron-LM model flags for the printed layout flags (any model the layouts divide).
+MODEL = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 128 "
+    "--vocab-size 1000 --tokenizer-type NullTokenizer"
+)
 
 
 def _base():
@@ -115,9 +122,13 @@ def test_closed_form_static_memory_is_exact_for_a_plain_layout():
     assert E.static_bytes(job) == 18 * params
 
 
-def test_cli_plan_prints_and_writes_json(tmp_path):
+def test_cli_plan_prints_and_writes_json_config_and_flags(tmp_path):
+    """The plan's JSON; --write-config's job file, which traces to the planned peak; and the
+    printed torchrun flags, which Megatron-LM's parser (metatrace's reading of it) gives back
+    as the planned layout."""
     out = io.StringIO()
     path = tmp_path / "plan.json"
+    config = tmp_path / "best.yaml"
     code = main(
         [
             "plan",
@@ -136,13 +147,39 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
             "--quiet",
             "--json",
             str(path),
+            "--write-config",
+            str(config),
         ],
         Console(file=out, width=120, color_system=None),
     )
     assert code == 0
     data = json.loads(path.read_text())
-    assert len(data["best"]) == 1 and data["best"][0]["fits"]
-    assert data["best"][0]["description"] in out.getvalue()
+    best = data["best"][0]
+    assert len(data["best"]) == 1 and best["fits"]
+    text = out.getvalue()
+    assert best["description"] in text
+    # The job file: the planned layout, traced again to the planned peak.
+    job = load_job(config)
+    layout = best["layout"]
+    assert (job.parallel.tp, job.parallel.pp, job.parallel.dp, job.training.micro_batch_size) == (
+        layout["tp"],
+        layout["pp"],
+        layout["dp"],
+        layout["mbs"],
+    )
+    assert job.training.distributed_optimizer == layout["distributed_optimizer"]
+    assert _trace(job)["memory_verdict"]["highest_peak_bytes"] == best["peak_bytes"]
+    assert f"metatrace run --config {config}" in text
+    # The torchrun line and its continuation lines, as a shell would join them.
+    lines = text[text.index("torchrun ") :].splitlines()
+    end = next(i for i, line in enumerate(lines) if not line.endswith("\\"))
+    command = " ".join(line.rstrip("\\") for line in lines[: end + 1])
+    assert command.startswith("torchrun --nnodes 1 --nproc-per-node 2 pretrain_gpt.py ")
+    tokens = split_args(command)  # the flags of pretrain_gpt.py, as from a training script
+    assert tokens == best["megatron_args"] and "--micro-batch-size" in tokens
+    back, _ = job_from_args(split_args(MODEL) + tokens, world_size=2)
+    for section, name in LAYOUT_FIELDS:
+        assert getattr(getattr(back, section), name) == getattr(getattr(job, section), name), name
 
 
 def test_bubble_is_megatrons_closed_form():

@@ -16,7 +16,7 @@ def render(argv, width=150) -> str:
 
 
 def test_run_output(golden):
-    golden("run_debug.txt", render(["run", "--config", DEBUG]))
+    golden("run_debug.txt", render(["run", "--config", DEBUG, "--detail"]))  # everything
 
 
 def test_groups_tables(golden):

@@ -1,5 +1,5 @@
-"""The report's JSON Schema, metatrace/export/report.schema.json, against the README and the job's
-keys (traced reports against the schema are in tests/tracing/test_report_schema.py)."""
+"""The report's JSON Schema, metatrace/export/report.schema.json, against its documentation
+(docs/json-report.md, docs/job-files.md) and the job's keys (traced reports against the schema are in tests/tracing/test_report_schema.py)."""
 
 import os
 import re
@@ -20,16 +20,16 @@ def test_schema_version_is_pinned_to_the_reports(validator):
         "description": validator.schema["properties"]["schema_version"]["description"],
         "const": SCHEMA_VERSION,
     }
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "json-report.md")) as f:
         readme = f.read()
-    assert f"## The JSON report (schema version {SCHEMA_VERSION})" in readme
+    assert f"# The JSON report (schema version {SCHEMA_VERSION})" in readme
     assert "metatrace/export/report.schema.json" in readme
 
 
 def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "json-report.md")) as f:
         readme = f.read()
-    block = readme.split("## The JSON report", 1)[1].split("```")[1]
+    block = readme.split("# The JSON report", 1)[1].split("```")[1]
     documented = set()
     for line in block.splitlines():
         m = re.match(r"^([a-z_.]+(?:, [a-z_]+)*)(\[\])?(?:  |$)", line)
@@ -39,7 +39,7 @@ def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
     assert {"schema_version", "roles", "memory_verdict", "max_micro_batch"} <= documented
     missing = documented - set(validator.schema["properties"])
     assert not missing, (
-        f"README documents {missing}: add them to metatrace/export/report.schema.json"
+        f"docs/json-report.md documents {missing}: add them to metatrace/export/report.schema.json"
     )
     assert "comm" in validator.schema["properties"]["cluster"]["properties"]
 
@@ -47,7 +47,7 @@ def test_every_top_level_field_the_readme_documents_is_in_the_schema(validator):
 @pytest.mark.parametrize("section", ["model", "parallel", "training", "implementation", "cluster"])
 def test_every_job_key_is_in_the_schema_and_the_readme(validator, section):
     """A job key added to metatrace/config.py is described in the schema (a required property
-    of its section) and named in README's table of job-file keys."""
+    of its section) and named in docs/job-files.md's table of job-file keys."""
     import dataclasses
     import typing
 
@@ -57,6 +57,6 @@ def test_every_job_key_is_in_the_schema_and_the_readme(validator, section):
     node = validator.schema["properties"][section]
     assert [f for f in fields if f not in node["properties"]] == []
     assert [f for f in fields if f not in node["required"]] == []
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "job-files.md")) as f:
         row = next(line for line in f if line.startswith(f"| `{section}` |"))
     assert [f for f in fields if f"`{f}`" not in row] == []
