@@ -252,6 +252,15 @@ def fp8_param_buffers(shape, recipe: str, arch: str, device) -> list:
     return rest + q.shared
 
 
+def register_fp8_param_buffers(module, config, shape, device, prefix: str) -> None:
+    """fp8_param_buffers of a weight of `shape`, under the job's recipe and GPU, as `module`'s
+    non-persistent buffers `{prefix}0`, `{prefix}1`, ..."""
+    recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+    arch = getattr(config, "metatrace_gpu_arch", "sm90")
+    for i, t in enumerate(fp8_param_buffers(shape, recipe, arch, device)):
+        module.register_buffer(f"{prefix}{i}", t, persistent=False)
+
+
 def split_quantize(
     m_splits, cols: int, recipe: str, arch: str, *, rowwise: bool, columnwise: bool, device
 ) -> list[Quantized]:

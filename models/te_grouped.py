@@ -27,7 +27,7 @@ import torch.distributed as dist
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models import te_runtime, te_wgrad
-from metatrace.models.te_fp8 import active_recipe, fp8_param_buffers
+from metatrace.models.te_fp8 import active_recipe, register_fp8_param_buffers
 from metatrace.models.te_fp8_grouped import fp8_backward, fp8_forward
 
 _STREAMS = 4  # TE 2.8's get_num_compute_streams()
@@ -175,8 +175,6 @@ class TEGroupedLinear(torch.nn.Module):
         self.in_features, self.out_features = input_size, output_size
         device = torch.cuda.current_device()
         dtype = config.params_dtype
-        recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
-        arch = getattr(config, "metatrace_gpu_arch", "sm90")
         for i in range(num_gemms):
             w = torch.nn.Parameter(
                 torch.empty(
@@ -188,8 +186,7 @@ class TEGroupedLinear(torch.nn.Module):
             )
             if self.fp8_param:
                 shape = (output_size, input_size)
-                for j, t in enumerate(fp8_param_buffers(shape, recipe, arch, device)):
-                    self.register_buffer(f"_fp8_param_buffer{i}_{j}", t, persistent=False)
+                register_fp8_param_buffers(self, config, shape, device, f"_fp8_param_buffer{i}_")
             if config.perform_initialization and w.device.type != "meta":
                 # (on meta an initialiser writes nothing, and hundreds of experts' normal_
                 # calls cost seconds)

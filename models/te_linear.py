@@ -238,7 +238,10 @@ class _TELinearBase(torch.nn.Module):
             )
         )
         if self.fp8_param:
-            self._register_fp8_param_buffers(config, out_features, in_features, device)
+            from metatrace.models.te_fp8 import register_fp8_param_buffers
+
+            shape = (out_features, in_features)
+            register_fp8_param_buffers(self, config, shape, device, "_fp8_param_buffer")
             if getattr(config, "metatrace_fsdp_strategy", None):
                 self._fsdp_fp8_weight(config.metatrace_fsdp_strategy)
         if bias:
@@ -322,16 +325,6 @@ class _TELinearBase(torch.nn.Module):
         if is_expert:
             for p in self.parameters():
                 p.allreduce = not expert_parallel
-
-    def _register_fp8_param_buffers(self, config, out_features, in_features, device):
-        """FP8 primary weights: the buffers of TE's quantized parameter besides its data."""
-        from metatrace.models.te_fp8 import fp8_param_buffers
-
-        recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
-        arch = getattr(config, "metatrace_gpu_arch", "sm90")
-        shape = (out_features, in_features)
-        for i, t in enumerate(fp8_param_buffers(shape, recipe, arch, device)):
-            self.register_buffer(f"_fp8_param_buffer{i}", t, persistent=False)
 
     def _fsdp_fp8_weight(self, strategy: str) -> None:
         """Under Megatron-FSDP the FP8 weight is TE's Float8Tensor as FSDP handles it

@@ -402,7 +402,12 @@ def _mla_rope_scaling(src: _Source) -> dict:
             "rope_scaling",
             f"type {kind!r} is not modelled with multi-latent attention (supported: none, yarn)",
         )
-    out = {"rope_type": "yarn"}
+    return {"rope_type": "yarn", **_yarn_fields(src, scaling)}
+
+
+def _yarn_fields(src: _Source, scaling: dict, ignored: tuple[str, ...] = ()) -> dict:
+    """rope_scaling's YaRN fields as model keys; the others are reported as not read."""
+    out = {}
     for field, value in scaling.items():
         if field in YARN:
 
@@ -411,7 +416,7 @@ def _mla_rope_scaling(src: _Source) -> dict:
 
             want = int if field == "original_max_position_embeddings" else float
             out[YARN[field]] = _typed(value, want, fail)
-        elif field not in ("type", "rope_type"):
+        elif field not in ("type", "rope_type", *ignored):
             src.unknown.append(f"rope_scaling.{field}")
     return out
 
@@ -451,18 +456,8 @@ def _gpt_oss_rope(src: _Source) -> dict:
         return {"position_embedding_type": "rope"}
     if kind != "yarn":
         raise src.error("rope_scaling", f"type {kind!r} is not modelled (supported: none, yarn)")
-    out = {"position_embedding_type": "yarn"}
-    for field, value in scaling.items():
-        if field in YARN:
-
-            def fail(problem, where=f"{src.path}: 'rope_scaling.{field}'"):
-                return ConfigError(f"{where}: {problem}")
-
-            want = int if field == "original_max_position_embeddings" else float
-            out[YARN[field]] = _typed(value, want, fail)
-        elif field not in ("type", "rope_type", "truncate"):  # truncate: frequencies only
-            src.unknown.append(f"rope_scaling.{field}")
-    return out
+    # truncate changes the frequencies only
+    return {"position_embedding_type": "yarn", **_yarn_fields(src, scaling, ("truncate",))}
 
 
 def _gpt_oss_moe(src: _Source) -> dict:

@@ -368,7 +368,6 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         del model, optimizer
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
-        gc.collect()
         return Measured(
             peak=peak,
             peak_blocks=peak,
