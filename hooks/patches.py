@@ -414,7 +414,7 @@ def _counted_unpermute(orig):
 
 def _alltoall_preprocess(orig):
     def preprocess(self, routing_map):
-        if self.drop_and_pad or self.config.moe_router_padding_for_quantization:
+        if self.drop_and_pad:  # static counts: megatron-core's own path runs on meta
             return orig(self, routing_map)
         return _moe().alltoall_preprocess(self, routing_map)
 
@@ -488,7 +488,8 @@ PATCHES += (
         _alltoall_preprocess,
         Versions((0, 16, 1)),
         "dropless routing reads the tokens per expert and the all-to-all splits on the host "
-        "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py).",
+        "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py), padded "
+        "per source rank with moe_router_padding_for_quantization.",
     ),
     Patch(
         "megatron.core.transformer.moe.token_dispatcher",

@@ -169,6 +169,7 @@ def transformer_config(job, *, cuda_graphs: bool = False):
         moe_permute_fusion=impl.moe_permute_fusion,
         moe_router_fusion=impl.moe_router_fusion,
         moe_router_dtype=tr.moe_router_dtype,
+        moe_router_padding_for_quantization=tr.moe_router_padding_for_quantization,
         moe_expert_capacity_factor=tr.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=tr.moe_routing == "capacity",
         # Multi-token prediction (inert without it).

@@ -19,6 +19,12 @@ balanced share N*k/E from every source rank (as models/moe.py); how often a toke
 share a rank is not fixed by that, and is taken as for k distinct experts drawn uniformly
 (`rank_hit_probability`): a source sends ceil(N x p) tokens to each rank of the group.
 
+Router padding for FP8 (moe_router_padding_for_quantization): DeepEP's path pads after the
+dispatch, in megatron-core's own _DeepepManager._pad_routing_map (token_dispatcher.py:1251),
+which reads the host counts these stand-ins return and runs pad_routing_map on the meta routing
+map (no values needed): each local expert's rows round up to the alignment, the traffic does not
+change. HybridEP pads whenever FP8 is on (megatron-core passes pad_multiple), with or without it.
+
 Known limitations:
 - one all-to-all over the whole group is recorded per call; inter-node DeepEP sends a token once
   per destination node over RDMA and forwards it over NVLink inside the node, which moves fewer

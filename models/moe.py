@@ -16,6 +16,20 @@ routing map's values. metatrace supplies the counts from a stated assumption
   moe_pad_expert_input_to_capacity): every expert's input is padded to its capacity, no count
   depends on the data, and none of this module's substitutions are used.
 
+With `training.moe_router_padding_for_quantization` (megatron-core's
+moe_router_padding_for_quantization, alltoall dispatcher) every source rank pads its routing map
+so that what it sends each expert is a multiple of the FP8 GEMM alignment A (16, 32 for MXFP8;
+moe_utils.pad_routing_map turns the first zeros of the expert's column into ones, at most all N
+of the rank's tokens). The counts above are rounded up per source and expert, after the hottest
+expert's scaling: the hot expert gets round_up(ceil(L x share), A) from every source, the
+others round_up(share, A). The padding rows are sent in the all-to-alls like routed tokens. The
+flex dispatcher pads on the receiving side (megatron-core's _DeepepManager._pad_routing_map runs
+as it is on the counts of metatrace.models.deepep), after the traffic. pad_routing_map itself
+runs unpatched: on meta its cumsum and boolean index_put_ need no values and allocate what they
+do on a GPU, less the [masked, 2] int64 index list a CUDA index_put_ builds from the mask (a
+few KB, not modelled); on real tensors it pads the balanced map, which
+tests/tracing/test_moe_router_padding.py compares with the meta trace.
+
 `metatrace.hooks.patches` puts these into megatron-core's dispatchers (the version-specific
 part); this module holds the arithmetic. `masked_select` is sized by metatrace.hooks.meta_kernels.
 """
@@ -68,11 +82,20 @@ def balance_routing_map(routing_map: torch.Tensor, topk: int) -> None:
     routing_map.copy_(balanced.to(routing_map.device))
 
 
+def padded(count: int, align: int, tokens: int) -> int:
+    """What moe_utils.pad_routing_map makes of `count` tokens of one expert in a map of
+    `tokens` rows: the next multiple of `align`, or every row when there are not that many
+    (only zeros are turned into ones)."""
+    return min(-(-count // align) * align, max(count, tokens))
+
+
 def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     """megatron-core's MoEAlltoAllTokenDispatcher.preprocess for dropless routing, with the
     token counts of `Routing` on the host where megatron-core has them after its device-to-host
-    copies. Allocations and the all-gather of the counts over the TP x EP group stay as in
-    megatron-core (their values are not read). Restates
+    copies; with moe_router_padding_for_quantization every source rank's count per expert is
+    padded (`padded`), and num_out_tokens is their sum as megatron-core's
+    num_local_tokens_per_expert.sum() is. Allocations and the all-gather of the counts over the
+    TP x EP group stay as in megatron-core (their values are not read). Restates
     megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess
     (source sha256: 3d97a9f12969)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -81,11 +104,19 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     routing = Routing.of(d.config)
     tokens, experts, topk = routing_map.size(0), d.num_experts, d.config.moe_router_topk
     num_local_tokens_per_expert = routing_map.sum(dim=0).long()
-    d.num_out_tokens = tokens * topk
     sent = balanced_split(tokens * topk, experts)  # what every source rank sends per expert
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
     sources = d.tp_size * d.ep_size
     per_source = received_per_local_expert(routing, sent, local, alone=sources == 1)
+    if sources == 1:  # the rank sends its experts what they receive (the hottest one's gain)
+        sent = list(per_source)
+    if d.config.moe_router_padding_for_quantization:
+        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+        align = get_align_size_for_quantization(d.config)
+        sent = [padded(n, align, tokens) for n in sent]
+        per_source = [padded(n, align, tokens) for n in per_source]
+    d.num_out_tokens = sum(sent)  # tokens * topk unpadded
     if d.ep_size > 1 or d.tp_size > 1:
         gather_from_sequence_parallel_region(num_local_tokens_per_expert, group=d.tp_ep_group)
         d.input_splits = np.array(

@@ -766,6 +766,7 @@ _MOE_KEYS = (
     "training.moe_routing",
     "training.moe_expert_capacity_factor",
     "training.moe_hottest_expert_load",
+    "training.moe_router_padding_for_quantization",
     "parallel.moe_token_dispatcher_type",
     "parallel.moe_shared_expert_overlap",
     "parallel.moe_flex_dispatcher_backend",
@@ -871,11 +872,30 @@ def _check_moe(job):
         )
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
+    if tr.moe_router_padding_for_quantization:
+        yield from _check_router_padding(job)
     if impl.moe_router_fusion and tr.moe_router_dtype == "fp64":
         # transformer_engine/pytorch/router.py, fused_topk_with_score_function
         yield (
             "implementation.moe_router_fusion with training.moe_router_dtype: fp64 is refused "
             "by Transformer Engine's fused router (no float64 kernel)"
+        )
+
+
+def _check_router_padding(job):
+    """What megatron-core 0.16.1 refuses with moe_router_padding_for_quantization
+    (transformer_config.py:1621-1631): no FP8 (metatrace models no FP4), the allgather
+    dispatcher."""
+    name = "training.moe_router_padding_for_quantization"
+    if job.training.precision != "fp8":
+        yield (
+            f"{name} pads for FP8 GEMMs and needs training.precision: fp8 "
+            f"(megatron-core refuses it with {job.training.precision})"
+        )
+    if job.parallel.moe_token_dispatcher_type == "allgather":
+        yield (
+            f"{name} needs parallel.moe_token_dispatcher_type alltoall or flex (megatron-core "
+            "refuses it with the allgather dispatcher)"
         )
 
 

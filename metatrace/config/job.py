@@ -446,6 +446,12 @@ class Training:
     balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
+    moe_router_padding_for_quantization: bool = False
+    """Pad each expert's tokens from every source rank to a multiple of the FP8 GEMM alignment
+    (16 rows, 32 with mxfp8) in the routing map (--moe-router-padding-for-quantization, alias
+    --moe-router-padding-for-fp8): the alltoall dispatcher sends the padding rows through its
+    all-to-alls, the flex dispatcher pads what it received; TE's Fp8Padding then has nothing
+    left to pad. Needs precision fp8 and the alltoall or flex dispatcher."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     """CUDA graphs (--cuda-graph-impl): transformer_engine captures each transformer layer (or
     the parts cuda_graph_scope names) with TE's make_graphed_callables; local with megatron-core's

@@ -619,6 +619,12 @@ def _experts(v, job, notes, problems) -> None:
                 "(Megatron-LM asserts it)"
             )
         t["moe_routing"] = "capacity"
+    # Router padding aligns for FP8 or FP4 GEMMs; FP4 is not modelled (the job is described
+    # without it, in bf16), and the padding goes with it.
+    padding = ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8")
+    if any(v.get(f) for f in padding) and "--fp4-format" in v and "--fp8-format" not in v:
+        t.pop("moe_router_padding_for_quantization", None)
+        notes.append("--moe-router-padding-for-quantization pads for FP4, which is not modelled")
     # --moe-enable-deepep (deprecated in megatron-core 0.16.1) is the flex dispatcher's deepep
     # backend; megatron-core refuses it with another dispatcher or with the hybridep backend
     # (transformer_config.py:1063-1068).

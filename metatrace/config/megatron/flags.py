@@ -149,6 +149,8 @@ _MODELLED: dict[str, str | None] = {
     "--moe-router-fusion": "implementation.moe_router_fusion",
     "--moe-router-load-balancing-type": None,
     "--moe-router-dtype": "training.moe_router_dtype",
+    "--moe-router-padding-for-quantization": "training.moe_router_padding_for_quantization",
+    "--moe-router-padding-for-fp8": "training.moe_router_padding_for_quantization",
     "--moe-router-score-function": "model.moe_router_score_function",
     "--moe-router-topk": "model.moe_router_topk",
     "--moe-router-pre-softmax": "model.moe_router_pre_softmax",
@@ -661,9 +663,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu "
         "--moe-paged-stash-buffer-size-factor-cuda --moe-paged-stash-page-size"
     ),
-    ("MoE tokens padded for FP8/FP4", "raises"): (
-        "--moe-router-padding-for-fp8 --moe-router-padding-for-quantization"
-    ),
     ("MoE router and expert variants", "either"): (
         "--moe-router-force-biased --moe-input-jitter-eps --moe-apply-probs-on-input "
         "--moe-shared-expert-gate --moe-latent-size --use-fused-weighted-squared-relu"
@@ -980,8 +979,7 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype --moe-combine-bwd-dtype "
         "--moe-expert-rank-capacity-factor --moe-paged-stash "
         "--moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda "
-        "--moe-paged-stash-page-size --moe-router-padding-for-fp8 "
-        "--moe-router-padding-for-quantization --moe-router-force-biased --moe-input-jitter-eps "
+        "--moe-paged-stash-page-size --moe-router-force-biased --moe-input-jitter-eps "
         "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size "
         "--use-fused-weighted-squared-relu --moe-single-grouped-bias --moe-single-grouped-weight "
         "--moe-use-grouped-tensor --moe-use-legacy-grouped-gemm "
