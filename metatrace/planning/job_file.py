@@ -107,11 +107,17 @@ def _plain(value):
 
 
 def write_job_file(job, path: str, *, header: list[str], base_dir: str = ".") -> None:
-    """Write `job` to `path` as a YAML job file, `header` as its opening comment lines."""
+    """Write `job` to `path` as a YAML job file, `header` as its opening comment lines, then
+    the job's Megatron-LM launch (metatrace.config.megatron.to_args), commented out."""
     import yaml
+
+    from metatrace.config.megatron.to_args import command_lines, megatron_command
 
     data = job_file_data(job, base_dir=base_dir, out_dir=os.path.dirname(os.path.abspath(path)))
     text = "".join(f"# {line}\n" for line in header)
+    text += "#\n"
+    for line in command_lines(megatron_command(job)):
+        text += f"# {line.removeprefix('# ')}\n" if line.startswith("# ") else f"#   {line}\n"
     text += yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     try:
         with open(path, "w") as f:

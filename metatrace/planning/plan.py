@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from metatrace.config import Recompute, resolve
-from metatrace.config.megatron.to_args import layout_args
+from metatrace.config.megatron.to_args import megatron_args
 from metatrace.errors import ConfigError
 from metatrace.planning.estimates import Estimate, estimate, memory_estimate, memory_lower_bound
 from metatrace.tracing.checks import check_with_megatron
@@ -358,7 +358,7 @@ def plan_report(result: Plan, top: int) -> dict:
         return {
             "layout": dataclasses.asdict(t.candidate.layout),
             "description": t.candidate.layout.describe(),
-            "megatron_args": layout_args(t.candidate.job),
+            "megatron_args": megatron_args(t.candidate.job),
             "fits": t.fits,
             "peak_bytes": t.peak,
             "headroom_bytes": t.headroom,

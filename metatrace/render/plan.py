@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from metatrace.config.megatron.to_args import launcher, layout_arg_groups
+from metatrace.config.megatron.to_args import command_lines, megatron_command
 from metatrace.render.format import DIM_TITLES, seconds, section, size
 
 
@@ -113,23 +113,14 @@ def build_reasons(result, top: int) -> Group:
 
 
 def build_commands(best, config_path: str | None) -> Group:
-    """How to run the recommended layout: `metatrace run` on the written job file, and
-    torchrun with its Megatron-LM flags (one subject a line, continued with backslashes)."""
-    job = best.candidate.job
+    """How to run the recommended layout: `metatrace run` on the written job file, and torchrun
+    with every Megatron-LM flag of the job (one subject a line, continued with backslashes),
+    after comment lines on its data and on what no flag gives."""
     lines = []
     if config_path:
         lines.append(Text(f"metatrace run --config {config_path}"))
-    lines.append(
-        Text(
-            "# Megatron-LM: the layout's flags; add the model's, tokenizer's and data's",
-            style="dim",
-        )
-    )
-    groups = [launcher(job), *layout_arg_groups(job)]
-    for i, group in enumerate(groups):
-        indent = "    " if i else ""
-        tail = " \\" if i < len(groups) - 1 else ""
-        lines.append(Text(indent + " ".join(group) + tail))
+    for line in command_lines(megatron_command(best.candidate.job)):
+        lines.append(Text(line, style="dim" if line.startswith("#") else ""))
     return Group(*lines)
 
 

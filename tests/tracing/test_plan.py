@@ -14,7 +14,7 @@ from metatrace.analysis.analyze import analyze
 from metatrace.cli import main
 from metatrace.config import job_from_dict, load_job
 from metatrace.config.megatron.args import job_from_args, split_args
-from metatrace.config.megatron.to_args import LAYOUT_FIELDS
+from metatrace.config.megatron.to_args import LAYOUT_FIELDS, megatron_args
 from metatrace.errors import ConfigError
 from metatrace.export.report import job_report
 from metatrace.planning import estimates as E
@@ -25,11 +25,6 @@ GPUS = 4
 # 102 MiB: 54 of the 93 valid layouts of this model fit (traced peaks 98.3 to 114.5 MiB, of
 # which two cuBLAS workspaces of 32 MiB and TE's of 32 MiB + 1 KiB are in every one).
 MEMORY_GIB = 0.1
-# Megatron-LM model flags for the printed layout flags (any model the layouts divide).
-MODEL = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 128 "
-    "--vocab-size 1000 --tokenizer-type NullTokenizer"
-)
 
 
 def _base():
@@ -176,8 +171,11 @@ def test_cli_plan_prints_and_writes_json_config_and_flags(tmp_path):
     command = " ".join(line.rstrip("\\") for line in lines[: end + 1])
     assert command.startswith("torchrun --nnodes 1 --nproc-per-node 2 pretrain_gpt.py ")
     tokens = split_args(command)  # the flags of pretrain_gpt.py, as from a training script
-    assert tokens == best["megatron_args"] and "--micro-batch-size" in tokens
-    back, _ = job_from_args(split_args(MODEL) + tokens, world_size=2)
+    assert tokens == megatron_args(job) and "--micro-batch-size" in tokens
+    assert best["megatron_args"] == tokens  # the JSON has the same flags
+    # Complete: the model comes back from the line alone, and the layout.
+    back, _ = job_from_args(tokens, world_size=2)
+    assert back.model == dataclasses.replace(job.model, preset=None)
     for section, name in LAYOUT_FIELDS:
         assert getattr(getattr(back, section), name) == getattr(getattr(job, section), name), name
 
