@@ -22,11 +22,21 @@ memory in the traced micro-batch (metatrace.analysis.memory.StepProfile), with p
   tensor, memory.offload_slots).
 A step's micro-batches all have the same shapes, so one traced micro-batch stands for all; this
 keeps an iteration of hundreds of micro-batches at the cost of a few operators per step.
+
+Past a few dozen micro-batches, `replayed_iteration` replays four short iterations instead (of
+M0, M0+P, M0+2P and M0+3P micro-batches, P the schedule's group, each from the state the whole
+replay would start from) and builds the job's iteration from their steady state
+(metatrace.tracing.steady, which says why the result is exactly the whole replay's and checks
+it); where the check fails, it replays the whole iteration. Every output (memory, timeline,
+communication, time model, Chrome trace, memory snapshot) reads the same records either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +133,7 @@ class _Replay:
         self.slots = slots
         self.slot = None
         self.backward_steps = 0
+        self.microbatches = microbatches
         self.last_backward = microbatches * len(model)
 
     def _empty(self, nbytes: int) -> torch.Tensor:
@@ -137,6 +148,8 @@ class _Replay:
         v = self.chunk_of[id(model)]
         microbatch = self.calls[v]
         self.calls[v] += 1
+        if v == 0 and self.microbatches >= _LONG and microbatch and microbatch % 1000 == 0:
+            print(f"  {microbatch}/{self.microbatches} micro-batches", file=sys.stderr)
         self.rec.set_step_phase("forward")
         if microbatch == 0:
             self._gather_params(model)
@@ -417,12 +430,18 @@ def run_iteration(
     batches=None,
     deferred: Deferred | None = None,
     slots=(),
+    reduced: int | None = None,
 ) -> None:
     """One iteration as Megatron-LM's train_step runs it, recorded by `rec`.
 
     With `real_steps` the model itself runs every step (Megatron-LM's forward_step on synthetic
     batches, or on the iterators `batches()` makes, one per chunk): slow, but the reference the
-    replay is tested against, and what `metatrace measure` runs."""
+    replay is tested against, and what `metatrace measure` runs.
+
+    `reduced`: how many micro-batches' losses Megatron-LM's train_step reduces after the
+    optimizer step (default: this iteration's). The short replays of replayed_iteration reduce
+    the whole iteration's: the stacked losses are the one allocation outside the schedule's
+    loop whose size follows the micro-batch count (rounded to blocks, so not in steps)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
@@ -489,4 +508,91 @@ def run_iteration(
     rec.set_step_phase("optimizer")
     with rec.window("optimizer"), unknown_values(device):
         optimizer.step()
+        if losses and reduced is not None and reduced > len(losses):
+            # More references to the last loss: views stacked, nothing freed when they go.
+            losses = losses + [losses[-1]] * (reduced - len(losses))
         reduce_losses(losses)
+
+
+# ----------------------------------------------------------------------------- many micro-batches
+
+
+def steady_counts(job, config, deferred: Deferred | None = None) -> list[int] | None:
+    """The micro-batch counts M0 + n*P (n = 0..3) whose replays steady.fit extends to the job's
+    count M (M0 = M modulo P), or None when M is below M0.
+
+    P is the group the schedule repeats: one micro-batch (no pipelining, 1F1B), or the
+    interleaved schedule's microbatch_group_size_per_vp_stage (its last group takes what is
+    left, so M0 keeps M's remainder). M0 is past every counter the replay turns on: the warm-up
+    (at most 2*pp + P micro-batches of the interleaved schedule, one more with the combined
+    1F1B) and, with --defer-embedding-wgrad-compute and a limit, the micro-batches that fill the
+    deferral buffers."""
+    chunks = job.parallel.vpp or 1
+    period = config.microbatch_group_size_per_vp_stage if chunks > 1 else 1
+    least = 2 * job.parallel.pp + 2 * period + 2
+    limit = getattr(config, "wgrad_deferral_limit", 0)
+    if deferred is not None and deferred.activations and limit:
+        least += -(-limit // len(deferred.activations))
+    total = job.num_microbatches
+    if total < least:
+        return None
+    first = least + (total - least) % period
+    return [first + n * period for n in range(4)]
+
+
+def replayed_iteration(job, config, replay, *, deferred=None, extend: bool | None = None):
+    """The replayed iteration of the job's micro-batches: `replay(m)` records one of m
+    micro-batches (run_iteration under a new recorder; `replay(m, reduced)` one whose optimizer
+    step reduces `reduced` micro-batches' losses) and returns its Trace.
+
+    From steady.fit of four short replays, each in a forked process so that it starts from the
+    state the whole replay starts from, where that is shorter (`extend` None) or wherever the
+    count allows (True); else, or when the steady state does not check out, the whole
+    iteration, with progress on stderr when it is long."""
+    from metatrace.tracing import steady
+
+    total = job.num_microbatches
+    counts = steady_counts(job, config, deferred) if extend is not False else None
+    if counts is not None and (extend or total > sum(counts)) and hasattr(os, "fork"):
+        samples = [_forked(replay, m, total) for m in counts]
+        fitted = steady.fit(samples) if all(s is not None for s in samples) else None
+        if fitted is not None:
+            return fitted.trace((total - counts[0]) // (counts[1] - counts[0]))
+    if total >= _LONG:
+        print(
+            f"metatrace: replaying all {total} micro-batches of the iteration "
+            "(its steady state did not check out); this takes a while",
+            file=sys.stderr,
+        )
+    return replay(total)
+
+
+_LONG = 2000
+"""Micro-batches from which a whole replay says so on stderr (about 3 ms each on the debug
+model)."""
+
+
+def _forked(run, *args):
+    """run(*args) in a forked child, which leaves this process as it was: its (pickled) result,
+    or None when it failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(read)
+            data = pickle.dumps(run(*args), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(write, "wb") as out:
+                out.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as src:
+        data = src.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not data:
+        return None
+    return pickle.loads(data)

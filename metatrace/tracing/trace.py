@@ -113,6 +113,7 @@ def trace_role(
     also_track: tuple[str, ...] = (),
     iteration: bool = True,
     real_steps: bool = False,
+    extend: bool | None = None,
 ):
     """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
     and, when `iteration`, a whole iteration.
@@ -122,7 +123,9 @@ def trace_role(
     with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
     model in every step of the iteration instead of replaying the traced micro-batch (the
     reference for tests; with activation offloading after an unrecorded first iteration, the
-    offload manager's warm-up).
+    offload manager's warm-up). `extend`: build the replayed iteration from a few short replays
+    of its steady state (iteration.replayed_iteration): None where that saves time, False never
+    (the whole iteration replayed), True wherever the micro-batch count allows (for tests).
     """
     import torch
 
@@ -144,7 +147,7 @@ def trace_role(
     from metatrace.models.te_runtime import te_process
     from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
     from metatrace.tracing.graphs import capture_plan, static_buffers
-    from metatrace.tracing.iteration import Unrecorded, run_iteration
+    from metatrace.tracing.iteration import Unrecorded, replayed_iteration, run_iteration
     from metatrace.tracing.overlap import delayed_wgrad
 
     rank = role.rank if rank is None else rank
@@ -230,21 +233,31 @@ def trace_role(
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
-            with recorder(static=static) as rec:
-                run_iteration(
-                    job,
-                    config,
-                    model,
-                    optimizer,
-                    rec=rec,
-                    profiles=step_profiles(trace, reloads=reloads),
-                    deferred=deferred and dataclasses.replace(deferred, kept=deferred_bytes(trace)),
-                    shapes=shapes,
-                    device=torch.device(device),
-                    real_steps=real_steps,
-                    slots=() if real_steps else slots,
-                )
-            steady = rec.trace()
+            profiles = step_profiles(trace, reloads=reloads)
+            kept = deferred and dataclasses.replace(deferred, kept=deferred_bytes(trace))
+
+            def replay(microbatches: int, reduced: int | None = None):
+                with recorder(static=static) as rec:
+                    run_iteration(
+                        dataclasses.replace(job, num_microbatches=microbatches),
+                        config,
+                        model,
+                        optimizer,
+                        rec=rec,
+                        profiles=profiles,
+                        deferred=kept,
+                        shapes=shapes,
+                        device=torch.device(device),
+                        real_steps=real_steps,
+                        slots=() if real_steps else slots,
+                        reduced=reduced,
+                    )
+                return rec.trace()
+
+            if real_steps:
+                steady = replay(job.num_microbatches)
+            else:  # from a few short replays where the steady state allows (iteration.py)
+                steady = replayed_iteration(job, config, replay, deferred=kept, extend=extend)
     return RoleTrace(
         role=role,
         trace=trace,

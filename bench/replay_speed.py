@@ -1,0 +1,56 @@
+"""Speed of the replayed iteration against the micro-batch count: examples/debug.yaml (tp 2, pp 2)
+with 1,000, 10,000 and 100,000 micro-batches, traced and analysed (metatrace.analysis.analyze).
+Prints the wall time of the trace (the steady-state extension, iteration.replayed_iteration) and of
+the analysis, and every stage's peak; with --full also the whole replay's time and peaks, which
+must be the same peaks (1,000 and 10,000 micro-batches: the whole replay of 100,000 takes many
+minutes)."""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run(microbatches: int, extend):
+    import yaml
+
+    from metatrace.analysis.analyze import analyze
+    from metatrace.config import job_from_dict
+    from metatrace.records import JobTrace
+    from metatrace.tracing.trace import trace_role
+    from metatrace.world import World
+
+    with open(os.path.join(ROOT, "examples", "debug.yaml")) as f:
+        data = yaml.safe_load(f)
+    data["training"]["global_batch_size"] = 2 * microbatches
+    job = job_from_dict(data)
+    world = World.from_job(job)
+    start = time.perf_counter()
+    roles = tuple(trace_role(job, world, r, extend=extend) for r in world.roles())
+    traced = time.perf_counter()
+    analysis = analyze(JobTrace(job=job, world=world, roles=roles, full=None))
+    done = time.perf_counter()
+    return traced - start, done - traced, [ra.memory.peak for ra in analysis.roles]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help="also the whole replay (slow)")
+    args = parser.parse_args()
+    run(4, None)  # imports and first-use costs out of the figures
+    for m in (1_000, 10_000, 100_000):
+        trace_s, analyse_s, peaks = run(m, None)
+        print(
+            f"{m:>7} micro-batches: trace {trace_s:6.1f} s, analyse {analyse_s:5.1f} s, peaks {peaks}"
+        )
+        if args.full and m <= 10_000:
+            full_s, _, full_peaks = run(m, False)
+            same = "same" if full_peaks == peaks else "DIFFERENT"
+            print(f"{'':>7} whole replay: trace {full_s:6.1f} s, peaks {full_peaks} ({same})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""A replayed iteration of many micro-batches, built exactly from a few short replays (pure: Trace
+records in, a Trace out; no torch).
+
+megatron-core's schedules repeat a steady state: 1F1B runs its warm-up forwards, then one
+forward and one backward step per micro-batch, then the cool-down backwards; the interleaved
+schedule does the same with the chunks of a group of `microbatch_group_size_per_vp_stage`
+micro-batches. The number of micro-batches M changes only how often the loop body runs: the
+warm-up count, the first and the last micro-batch depend on the rank and on M's remainder by the
+group size, not on M. So the replayed iteration of M0 + n*P micro-batches (P the group size,
+M0 past the warm-up) is
+
+    head + block_0 + block_1 + ... + block_(n-1) + tail_n
+
+for each kind of record (collectives, saved tensors, memory events, windows): the records
+before the steady state (`head`, the same for every n), n repetitions of the loop body, and the
+records after it. Every repetition does what the one before did, with its records renumbered:
+the recorder numbers events (`seq`) and storages in order, and a repetition adds the same number
+of each; the live bytes grow by what a repetition keeps for the rest of the iteration (on the
+last stage, the loss megatron-core's forward_data_store keeps for every micro-batch, as the real
+run does); windows name the next micro-batches. Each integer field of a record in the block is
+therefore base + j*step in repetition j, and each in the tail base + n*step; every other field
+(shapes, modules, phases, operators) is the same in every repetition. Operator counts are
+affine in n the same way.
+
+`fit` reads the head, the block and the tail from replays of M0, M0+P, M0+2P and M0+3P
+micro-batches, and checks that its model rebuilds each of the four record for record (every
+field equal, the three repetitions of the block included); `Steady.trace(n)` is then the replay
+of M0 + n*P micro-batches, not an estimate: the same records, so the same peak, timeline,
+communication and time model. When the check fails, `fit` returns None and the caller replays
+the whole iteration.
+
+Known limitations: the extension assumes that nothing in the replay counts micro-batches past
+M0 + 3P (iteration.steady_counts sets M0 past the counters it knows: the warm-up, the deferred
+embedding-gradient limit); a counter that turned later would pass the check and still differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from metatrace.records import Trace
+
+KINDS = ("collectives", "saved", "memory", "windows")
+"""The Trace fields that hold one record per event, in seq order."""
+
+
+@dataclass(frozen=True)
+class _Affine:
+    """A record whose integer fields are base + n * per_n + j * per_j (n the repetitions of the
+    iteration, j the repetition a record of a run belongs to)."""
+
+    cls: type
+    base: tuple
+    per_n: tuple
+    per_j: tuple
+    moving: tuple[int, ...]
+    """Indices of the fields that change."""
+
+    def values(self, n: int, j: int = 0) -> tuple:
+        if not self.moving:
+            return self.base
+        out = list(self.base)
+        for i in self.moving:
+            out[i] += n * self.per_n[i] + j * self.per_j[i]
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One kind of record: fixed parts (one record each for every n) and runs (n repetitions of
+    a block of records), in order (module docstring)."""
+
+    parts: tuple[tuple[bool, tuple[_Affine, ...]], ...]
+    """(is a run, its records)."""
+
+    def values(self, n: int) -> list[tuple]:
+        out: list[tuple] = []
+        for run, records in self.parts:
+            for j in range(n) if run else (0,):
+                out.extend(r.values(n, j) for r in records)
+        return out
+
+    def records(self, n: int) -> list:
+        out: list = []
+        for run, records in self.parts:
+            for j in range(n) if run else (0,):
+                out.extend(r.cls(*r.values(n, j)) for r in records)
+        return out
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A replayed iteration as a function of the repetitions n of its steady state."""
+
+    base: Trace
+    """The replay of M0 micro-batches (n = 0)."""
+    series: dict
+    """{Trace field: _Series} for KINDS and for collective_flops (as (seq, flops) pairs)."""
+    counts: dict
+    """{"op_counts" | "unclassified": {operator: (base, step)}}."""
+
+    def trace(self, n: int) -> Trace:
+        """The iteration of M0 + n*P micro-batches (its records built when first read)."""
+        return ExtendedTrace(self, n)
+
+    def fields(self, n: int) -> dict:
+        """The Trace fields of the iteration of M0 + n*P micro-batches that depend on n."""
+        out: dict = {kind: tuple(self.series[kind].records(n)) for kind in KINDS}
+        for name, ops in self.counts.items():
+            out[name] = {op: b + n * step for op, (b, step) in ops.items() if b + n * step}
+        out["collective_flops"] = dict(self.series["collective_flops"].values(n))
+        return out
+
+
+_LAZY = (*KINDS, "op_counts", "unclassified", "collective_flops")
+
+
+class ExtendedTrace(Trace):
+    """What Steady.trace returns: a Trace like any other (every record of the iteration), whose
+    records are built when first read, and which pickles as its recipe (a Steady and n), so that
+    a traced role crosses from a worker process in kilobytes, not millions of records."""
+
+    recipe: tuple
+
+    def __init__(self, steady: Steady, n: int):  # not the dataclass's: the records wait
+        for f in dataclasses.fields(Trace):
+            if f.name not in _LAZY:
+                object.__setattr__(self, f.name, getattr(steady.base, f.name))
+        object.__setattr__(self, "recipe", (steady, n))
+
+    def __reduce__(self):
+        return (ExtendedTrace, self.recipe)
+
+    def _records(self) -> dict:
+        built = self.__dict__.get("_built")
+        if built is None:
+            built = self.recipe[0].fields(self.recipe[1])
+            object.__setattr__(self, "_built", built)
+        return built
+
+
+def _lazy(name: str) -> property:
+    return property(lambda self: self._records()[name])
+
+
+for _name in _LAZY:
+    setattr(ExtendedTrace, _name, _lazy(_name))
+
+
+def fit(samples: list[Trace]) -> Steady | None:
+    """The Steady of four replays of M0, M0+P, M0+2P and M0+3P micro-batches (in that order), or
+    None when they are not head + n blocks + tail with affine integer fields."""
+    if len(samples) != 4:
+        raise ValueError("fit needs the replays of M0 + n*P micro-batches for n = 0, 1, 2, 3")
+    first = samples[0]
+    for t in samples[1:]:
+        same = (t.rank, t.modules, t.static_bytes, t.static_parts)
+        if same != (first.rank, first.modules, first.static_bytes, first.static_parts):
+            return None
+    series = {}
+    for kind in (*KINDS, "collective_flops"):
+        if kind == "collective_flops":
+            records = [sorted(t.collective_flops.items()) for t in samples]
+        else:
+            records = [list(getattr(t, kind)) for t in samples]
+        s = _fit_series([[_values(r) for r in rs] for rs in records], records)
+        if s is None:
+            return None
+        series[kind] = s
+    counts = {}
+    for name in ("op_counts", "unclassified"):
+        dicts = [getattr(t, name) for t in samples]
+        ops: dict = {}
+        for op in set().union(*dicts):
+            v = [d.get(op, 0) for d in dicts]
+            step = v[1] - v[0]
+            if any(v[n] != v[0] + n * step for n in range(4)):
+                return None
+            ops[op] = (v[0], step)
+        counts[name] = ops
+    return Steady(base=first, series=series, counts=counts)
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _values(record) -> tuple:
+    if type(record) is tuple:
+        return record
+    names = _NAMES.get(type(record))
+    if names is None:
+        names = _NAMES[type(record)] = tuple(f.name for f in dataclasses.fields(record))
+    return tuple(getattr(record, name) for name in names)
+
+
+COUNTERS = frozenset({"seq", "live", "storage", "microbatch", "first", "last", "output", "held"})
+"""Integer fields that number things (events, storages, micro-batches) or add them up (live
+bytes): they may change from one repetition to the next. The others locate a repetition's
+records in the next replay (`_fit_series`)."""
+
+
+def _key(cls, row: tuple) -> tuple:
+    if cls is tuple:  # collective_flops: (seq, flops)
+        return row[1:]
+    names = _NAMES[cls]
+    return (cls, *(v for name, v in zip(names, row) if name not in COUNTERS))
+
+
+def _fit_series(rows: list[list[tuple]], records: list) -> _Series | None:
+    """The parts of one kind of record from the four samples' records (as value tuples),
+    checked against all four, or None.
+
+    The replay of M0+P holds the records of M0's and more: past their common beginning, difflib
+    aligns the two by what does not count (COUNTERS left out), and each stretch the larger one
+    inserts is a run."""
+    import difflib
+
+    a, b, c, d = rows
+    types = [type(r) for r in records[0]], [type(r) for r in records[1]]
+    # What the two replays record alike up to where they part is the same for every n; the
+    # rest aligns by what does not count.
+    cut = 0
+    while cut < min(len(a), len(b)) and a[cut] == b[cut]:
+        cut += 1
+    keys = [[_key(t, row) for t, row in zip(ts[cut:], rs[cut:])] for ts, rs in zip(types, (a, b))]
+    ops = [
+        (tag, i1 + cut, i2 + cut, j1 + cut, j2 + cut)
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+            None, keys[0], keys[1], autojunk=False
+        ).get_opcodes()
+    ]
+    if cut:
+        ops.insert(0, ("equal", 0, cut, 0, cut))
+    parts = []
+    at = [0, 0, 0, 0]  # where the part starts in each sample
+    for tag, i1, i2, j1, j2 in ops:
+        if tag == "equal":
+            fixed = []
+            for k in range(i2 - i1):
+                r = _affine(types[0][i1 + k], a[i1 + k], b[j1 + k], b[j1 + k])
+                if r is None:
+                    return None
+                fixed.append(r)
+            parts.append((False, tuple(fixed)))
+            at = [x + i2 - i1 for x in at]
+        elif tag == "insert":
+            size = j2 - j1
+            if at[2] + 2 * size > len(c):
+                return None
+            run = []
+            for q in range(size):
+                # Repetition 0 in the replays of n = 1 and 2, repetition 1 in that of n = 2.
+                x, y, z = b[at[1] + q], c[at[2] + q], c[at[2] + size + q]
+                r = _affine(types[1][j1 + q], x, y, z, at_n=1)
+                if r is None:
+                    return None
+                run.append(r)
+            parts.append((True, tuple(run)))
+            at = [x + n * size for n, x in enumerate(at)]
+        else:
+            return None
+    series = _Series(tuple(parts))
+    for n, row in enumerate(rows):
+        if series.values(n) != row:
+            return None
+    return series
+
+
+def _affine(cls, x: tuple, y: tuple, z: tuple, *, at_n: int = 0) -> _Affine | None:
+    """x at (n, j) = (at_n, 0), y at (at_n + 1, 0), z at (at_n + 1, 1) (z = y for a fixed
+    record): integer fields may change, nothing else."""
+    if not len(x) == len(y) == len(z):
+        return None
+    per_n, per_j = [], []
+    for u, v, w in zip(x, y, z):
+        if type(u) is int and type(v) is int and type(w) is int:
+            per_n.append(v - u)
+            per_j.append(w - v)
+        elif u == v == w and type(u) is type(v) is type(w):
+            per_n.append(0)
+            per_j.append(0)
+        else:
+            return None
+    moving = tuple(i for i in range(len(x)) if per_n[i] or per_j[i])
+    base = tuple(u - at_n * per_n[i] if per_n[i] else u for i, u in enumerate(x))
+    return _Affine(cls, base, tuple(per_n), tuple(per_j), moving)
