@@ -15,6 +15,19 @@ from metatrace import __version__
 from metatrace.errors import ConfigError
 
 
+def _positive_gib(text: str) -> float:
+    """A GiB figure: a finite number above 0 (argparse names the flag when this raises)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and 0 < value < 2**31):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of GiB above 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metatrace",
@@ -197,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs of the cluster")
     plan.add_argument("--gpu", metavar="NAME", help="GPU model (default h100)")
-    plan.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="memory per GPU")
+    plan.add_argument("--gpu-memory-gib", type=_positive_gib, metavar="GIB", help="memory per GPU")
     plan.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
     plan.add_argument(
         "--reserved-overhead-gib",
@@ -521,16 +534,12 @@ def cmd_measure(args, console=None) -> int:
 
 def _side(side: str, args):
     """One side of `metatrace diff`: a JSON report (read), or a job (read, not traced yet)."""
-    import json
-
     if os.path.isfile(side) and side.endswith(".json"):
-        try:
-            with open(side) as f:
-                report = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{side}: cannot read a JSON report ({e})") from None
-        if not isinstance(report, dict) or "roles" not in report or "schema_version" not in report:
-            raise ConfigError(f"{side} is not a JSON report of `metatrace run --json`")
+        from metatrace.config.read import MAX_REPORT_BYTES, parse_json, read_text
+        from metatrace.export.report import check_report
+
+        report = parse_json(read_text(side, "JSON report", MAX_REPORT_BYTES), side)
+        check_report(report, side)
         return report
     given = dict(config=None, megatron_args=None, megatron_args_file=None)
     if os.path.isfile(side):
@@ -579,12 +588,11 @@ def _megatron_file(path: str) -> bool:
     mapping of `--flag: value`."""
     if not path.endswith((".yaml", ".yml")):
         return True
-    import yaml
+    from metatrace.config.read import parse_yaml, read_text
 
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+        data = parse_yaml(read_text(path, "job file"), path)
+    except ConfigError:
         return False  # the job loader names the problem
     return isinstance(data, dict) and any(str(k).startswith("--") for k in data)
 

@@ -107,6 +107,13 @@ def _check_model(job):
         yield "model.make_vocab_size_divisible_by must be at least 1"
     if not 0.0 < m.rotary_percent <= 1.0:
         yield f"model.rotary_percent = {m.rotary_percent} must be in (0, 1]"
+    if not m.norm_epsilon > 0:
+        yield f"model.norm_epsilon = {m.norm_epsilon:g} must be more than 0"
+    if m.position_embedding_type in ("rope", "yarn"):
+        if m.rotary_base is not None and m.rotary_base < 1:
+            yield f"model.rotary_base = {m.rotary_base} must be at least 1"
+        if m.max_position_embeddings is not None and m.max_position_embeddings < 1:
+            yield f"model.max_position_embeddings = {m.max_position_embeddings} must be at least 1"
 
 
 def _check_parallel(job):
@@ -360,6 +367,10 @@ def _check_training(job, split_ok: bool):
     par = job.parallel
     if tr.seq_length < 1:
         yield f"training.seq_length = {tr.seq_length} must be at least 1"
+    if not tr.clip_grad >= 0:
+        yield f"training.clip_grad = {tr.clip_grad:g} must be at least 0 (0: no clipping)"
+    if not 0 <= tr.sgd_momentum < 1:
+        yield f"training.sgd_momentum = {tr.sgd_momentum:g} must be in [0, 1)"
     if tr.micro_batch_size < 1:
         yield f"training.micro_batch_size = {tr.micro_batch_size} must be at least 1"
         return
@@ -690,8 +701,29 @@ def _check_recompute(job, split_ok: bool):
             yield "distribute_saved_activations cannot be combined with sequence parallel"
 
 
+_MAX_GPU_GIB = 1 << 20  # far beyond any GPU (192-288 GiB in 2026); keeps bytes in range
+
+
 def _check_cluster(job):
-    efficiency = job.cluster.compute_efficiency
+    cl = job.cluster
+    if not 0 < cl.gpu_memory_gib <= _MAX_GPU_GIB:
+        yield (
+            f"cluster.gpu_memory_gib = {cl.gpu_memory_gib:g} must be more than 0 and at most "
+            f"{_MAX_GPU_GIB:,} (1 PiB)"
+        )
+    elif not 0 <= cl.reserved_overhead_gib < cl.gpu_memory_gib:
+        yield (
+            f"cluster.reserved_overhead_gib = {cl.reserved_overhead_gib:g} must be at least 0 "
+            f"and less than the GPU's memory ({cl.gpu_memory_gib:g} GiB)"
+        )
+    if cl.num_gpus > cl.gpus_per_node and cl.num_gpus % cl.gpus_per_node:
+        yield (
+            f"cluster.num_gpus = {cl.num_gpus} is not a whole number of nodes of "
+            f"cluster.gpus_per_node = {cl.gpus_per_node}: torchrun starts as many on every "
+            "node; give the GPUs per node the job uses (the groups' placement on nodes decides "
+            "which links they use)"
+        )
+    efficiency = cl.compute_efficiency
     if not 0 < efficiency <= 1:
         yield (
             f"cluster.compute_efficiency = {efficiency} must be more than 0 and at most 1 (the "

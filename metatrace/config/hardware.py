@@ -3,6 +3,8 @@ memory bandwidth; and the cuBLAS workspaces PyTorch allocates on it."""
 
 from __future__ import annotations
 
+import re
+
 # Compute capability of each GPU model (what Transformer Engine's choices depend on).
 GPU_ARCH = {
     "a100-40gb": "sm80",
@@ -96,12 +98,23 @@ GPU_HBM_TBPS = {
 }
 
 
+# PyTorch reads CUBLAS_WORKSPACE_CONFIG as every match of this, left to right, and uses its
+# default where nothing matches (a warning, no error): parseChosenWorkspaceSize in
+# aten/src/ATen/cuda/CublasHandlePool.cpp.
+CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cublas_default(gpu: str) -> str:
+    """PyTorch's default CUBLAS_WORKSPACE_CONFIG for `gpu`."""
+    return ":4096:8" if GPU_ARCH.get(gpu) in ("sm90", "sm100") else ":4096:2:16:8"
+
+
 def cublas_workspace_bytes(job) -> int:
-    """Bytes of one PyTorch cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT"
-    pairs), or PyTorch's default for the GPU (":4096:8" on sm90 and sm100, ":4096:2:16:8"
-    otherwise; aten/src/ATen/cuda/CublasHandlePool.cpp)."""
+    """Bytes of one PyTorch cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG's ":SIZE_KIB:COUNT"
+    pairs as PyTorch parses them, or its default for the GPU (":4096:8" on sm90 and sm100,
+    ":4096:2:16:8" otherwise) when it is unset or has no pair."""
     spec = job.cluster.cublas_workspace_config
-    if spec is None:
-        spec = ":4096:8" if GPU_ARCH.get(job.cluster.gpu) in ("sm90", "sm100") else ":4096:2:16:8"
-    numbers = [int(n) for n in spec.split(":")[1:]]
-    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
+    pairs = CUBLAS_PAIR.findall(spec) if spec is not None else []
+    if not pairs:
+        pairs = CUBLAS_PAIR.findall(cublas_default(job.cluster.gpu))
+    return sum(int(size) * 1024 * int(count) for size, count in pairs)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metatrace.config.read import excerpt, parse_json, read_text
 from metatrace.errors import ConfigError
 
 _MISSING = object()
@@ -732,14 +733,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def _load(path: Path) -> dict:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read Hugging Face config {path}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    data = parse_json(read_text(path, "Hugging Face config"), str(path))
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: a Hugging Face config is a JSON object, got {type(data).__name__}"
@@ -756,11 +750,13 @@ def read_hf_config(
     path = Path(path)
     data = _load(path)
     model_type = data.get("model_type")
+    if not isinstance(model_type, (str, type(None))):
+        raise ConfigError(f"{path}: 'model_type' must be a string, got {excerpt(model_type)}")
     if model_type not in FAMILIES:
         what = (
             "no 'model_type'"
             if model_type is None
-            else f"'model_type' {model_type!r} is not supported"
+            else f"'model_type' {excerpt(model_type)} is not supported"
         )
         raise ConfigError(f"{path}: {what} (supported: {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]

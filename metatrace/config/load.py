@@ -7,31 +7,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from metatrace.config.job import DERIVED, SECTIONS, Job
+from metatrace.config.read import excerpt, parse_yaml, read_text
 from metatrace.config.resolve import resolve
 from metatrace.errors import ConfigError
+
+# Every whole number of a job (a dimension, a count, a batch) is at most 2**31 - 1: PyTorch's
+# and megatron-core's CUDA kernels index many of them with 32-bit integers, no real job comes
+# near it, and it keeps products of sizes (a weight's bytes) far from 64-bit overflow.
+MAX_INT = 2**31 - 1
 
 
 def load_job(path: str | Path) -> Job:
     """Read a YAML job file, apply the preset, derive and check everything."""
-    import yaml
-
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    data = parse_yaml(read_text(path, "config file"), str(path))
     data = data if data is not None else {}
     return job_from_dict(data, source=str(path), base_dir=path.parent)
 
@@ -98,7 +94,7 @@ def _build(cls, data: Any, path: str, exclude: tuple[str, ...] = ()):
 
 
 def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}" if value is not None else "nothing (null)"
+    return f"{type(value).__name__} {excerpt(value)}" if value is not None else "nothing (null)"
 
 
 def _coerce(tp, value: Any, path: str):
@@ -123,7 +119,7 @@ def _coerce(tp, value: Any, path: str):
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             choices = ", ".join(str(a) for a in args)
-            raise ConfigError(f"'{path}' must be one of {choices}; got {value!r}{hint}")
+            raise ConfigError(f"'{path}' must be one of {choices}; got {excerpt(value)}{hint}")
         return value
     if origin is list:
         if isinstance(value, str):
@@ -138,10 +134,19 @@ def _coerce(tp, value: Any, path: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"'{path}' must be a whole number, got {_describe(value)}")
+        if abs(value) > MAX_INT:
+            raise ConfigError(
+                f"'{path}' = {excerpt(value)} is beyond {MAX_INT:,} (2**31 - 1), the largest "
+                "size or count metatrace takes"
+            )
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{path}' must be a number, got {_describe(value)}")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise ConfigError(f"'{path}' = {excerpt(value)} is beyond {MAX_INT:,}")
+        if not math.isfinite(value):
+            raise ConfigError(f"'{path}' must be a finite number, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

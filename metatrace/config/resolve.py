@@ -88,6 +88,7 @@ def resolve(job: Job) -> Job:
             training, global_batch_size=training.micro_batch_size * par.dp
         )
     notes = []
+    notes += _cublas_notes(cl)
     if par.etp != par.tp and model.num_experts is None:
         notes.append(
             f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
@@ -179,7 +180,7 @@ def resolve(job: Job) -> Job:
         training = dataclasses.replace(training, recompute=rec)
     training = _graph_warmup_recompute(training, notes)
 
-    multiple = model.make_vocab_size_divisible_by * par.tp
+    multiple = max(model.make_vocab_size_divisible_by, 1) * par.tp  # < 1: refused by checks
     padded = math.ceil(model.vocab_size / multiple) * multiple
     job = dataclasses.replace(
         job,
@@ -294,6 +295,30 @@ def _resolve_model(model: Model) -> Model:
     return Model(**values)
 
 
+def _cublas_notes(cl) -> list[str]:
+    """What PyTorch makes of cluster.cublas_workspace_config where it is not plain pairs."""
+    from metatrace.config.hardware import CUBLAS_PAIR, cublas_default
+
+    spec = cl.cublas_workspace_config
+    if spec is None:
+        return []
+    pairs = CUBLAS_PAIR.findall(spec)
+    if any(int(n) > 2**31 - 1 for pair in pairs for n in pair):
+        raise ConfigError(
+            f"CUBLAS_WORKSPACE_CONFIG {spec[:40]!r}: a number beyond 2**31 - 1, which "
+            "PyTorch cannot read (std::stoi) and the run fails on"
+        )
+    if not pairs:
+        return [
+            f"CUBLAS_WORKSPACE_CONFIG {spec[:40]!r} has no ':SIZE:COUNT' pair: PyTorch warns and "
+            f"uses its default {cublas_default(cl.gpu)}, as predicted here"
+        ]
+    return []
+
+
+_MAX_PATTERN = 1 << 20  # entries of a layer-pattern expression (one per layer)
+
+
 def list_expression(text: str):
     """Megatron-LM's layer-pattern expressions without eval: an integer, or integer lists joined
     by + and * (e.g. "([0]*3+[1]*58)"). ValueError for anything else."""
@@ -306,6 +331,11 @@ def list_expression(text: str):
             return [value(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Mult):
+                lists = [x for x in (left, right) if isinstance(x, list)]
+                times = right if isinstance(left, list) else left
+                if lists and isinstance(times, int) and len(lists[0]) * times > _MAX_PATTERN:
+                    raise ValueError(text)  # more entries than any model has layers
             return left + right if isinstance(node.op, ast.Add) else left * right
         raise ValueError(text)
 

@@ -260,6 +260,35 @@ def search_report(search) -> dict:
     }
 
 
+def check_report(report, source: str) -> None:
+    """ConfigError unless `report` is a JSON report of this schema version
+    (report.schema.json)."""
+    from importlib import resources
+
+    import jsonschema
+
+    from metatrace.config.read import excerpt
+    from metatrace.errors import ConfigError
+
+    if not isinstance(report, dict) or "schema_version" not in report or "roles" not in report:
+        raise ConfigError(f"{source} is not a JSON report of `metatrace run --json`")
+    version = report["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{source}: a report of schema version {excerpt(version)}; this metatrace reads "
+            f"version {SCHEMA_VERSION} (write it again with `metatrace run --json`)"
+        )
+    text = resources.files("metatrace.export").joinpath("report.schema.json").read_text()
+    validator = jsonschema.Draft202012Validator(json.loads(text))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(report))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "the top level"
+        raise ConfigError(
+            f"{source}: not a JSON report of `metatrace run --json` (at {where}: "
+            f"{error.message[:100]})"
+        )
+
+
 def write_json(report: dict, path: str) -> None:
     try:
         with open(path, "w") as f:

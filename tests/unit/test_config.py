@@ -86,7 +86,7 @@ def test_megatron_lm_derivations():
 
 
 def test_num_gpus_defaults_to_the_product_of_degrees():
-    job = small_job(parallel={"tp": 2, "pp": 2, "dp": 3})
+    job = small_job(parallel={"tp": 2, "pp": 2, "dp": 3}, cluster={"gpus_per_node": 4})
     assert job.cluster.num_gpus == 12
     assert job.training.global_batch_size == 2 * 3
 

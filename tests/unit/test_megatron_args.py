@@ -463,7 +463,7 @@ def test_unreadable_file_names_it(tmp_path):
         read_args_file(missing)
     bad = tmp_path / "bad.yaml"
     bad.write_text("--num-layers: [1\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not a valid YAML mapping"):
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
         read_args_file(bad)
 
 

@@ -740,16 +740,12 @@ def _parallel(v, job, notes, problems, world_size) -> None:
 def _read_ub_cfg(path: str, problems: list[str]) -> dict | None:
     """--tp-comm-overlap-cfg: the YAML file Megatron-LM hands Transformer Engine as ub_cfgs
     ({gemm name: settings}); checked as parallel.tp_comm_overlap_cfg."""
-    import yaml
+    from metatrace.config.read import parse_yaml, read_text
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        problems.append(f"--tp-comm-overlap-cfg {path}: cannot read it ({e.strerror})")
-        return None
-    except yaml.YAMLError as e:
-        problems.append(f"--tp-comm-overlap-cfg {path}: not valid YAML ({e})")
+        data = parse_yaml(read_text(path, "--tp-comm-overlap-cfg file"), path)
+    except ConfigError as e:
+        problems.append(e.problems[0])
         return None
     if not isinstance(data, dict):
         problems.append(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from metatrace.config.megatron.flags import FLAGS
+from metatrace.config.read import parse_yaml, read_text
 from metatrace.errors import ConfigError
 
 
@@ -54,23 +55,13 @@ def read_args_file(path) -> list[str]:
     """The arguments in a file: a line or training script (`split_args`), or a YAML/JSON mapping
     `{"--flag": value}` (`args_from_mapping`)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or e
-        raise ConfigError(f"cannot read arguments file {path}: {why}") from None
+    text = read_text(path, "arguments file")
     lines = [ln.strip() for ln in text.splitlines()]
     first = next((ln for ln in lines if ln and not ln.startswith("#")), "")
+    mapping = first.startswith("{") or re.match(r"""^["']?--[\w.-]+["']?\s*:""", first)
+    data = parse_yaml(text, str(path)) if mapping else None
     try:
-        if first.startswith("{") or re.match(r"""^["']?--[\w.-]+["']?\s*:""", first):
-            import yaml
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"not a valid YAML mapping: {getattr(e, 'problem', e)}") from None
-            return args_from_mapping(data)
-        return split_args(text)
+        return args_from_mapping(data) if mapping else split_args(text)
     except ConfigError as e:
         raise ConfigError([f"{path}: {e.problems[0]}", *e.problems[1:]]) from None
 

@@ -1,0 +1,172 @@
+"""Bad input of every kind (issue: bad input never wins): exit 2 with one short message, before
+anything is traced or megatron-core is imported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit.test_cli import in_process, no_megatron_checks  # noqa: F401 (a fixture)
+
+JOB = """model:
+  preset: debug
+{model}training:
+  seq_length: 64
+  global_batch_size: 8
+  micro_batch_size: 2
+{training}parallel:
+  tp: 2
+  pp: 2
+cluster:
+  num_gpus: 4
+  gpus_per_node: 2
+{cluster}"""
+
+
+def job(model: str = "", training: str = "", cluster: str = "") -> str:
+    return JOB.format(model=model, training=training, cluster=cluster)
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")
+)
+
+# (file contents, message): `metatrace run --config` of that file.
+JOB_FILES = [
+    (bytes(range(256)), "not UTF-8 text (byte 0x80 on line 2)"),
+    (("# café\n" + job()).encode("latin-1"), "not UTF-8 text (byte 0xe9 on line 1)"),
+    (job().encode("utf-16"), "UTF-16 text; save the config file as UTF-8"),
+    (BOMB.encode(), "more than 1,000,000 values (YAML aliases expanded)"),
+    (("a: " + "[" * 5000 + "]" * 5000).encode(), "nested more than 64 levels deep"),
+    ((job() + "training:\n  seq_length: 32\n").encode(), "key 'training' given twice"),
+    (job("  hidden_size: 1000000000000000000000000000000\n"), "is beyond 2,147,483,647"),
+    (job("  make_vocab_size_divisible_by: 0\n"), "make_vocab_size_divisible_by must be at least 1"),
+    (job("  num_experts: 4\n  moe_layer_freq: '[1]*1000000000000000'\n"), "moe_layer_freq"),
+    (job("  norm_epsilon: .nan\n"), "'model.norm_epsilon' must be a finite number, got nan"),
+    (job("  norm_epsilon: 0\n"), "model.norm_epsilon = 0 must be more than 0"),
+    (job("  rotary_base: 0\n"), "model.rotary_base = 0 must be at least 1"),
+    (job("  rotary_base: -5\n"), "model.rotary_base = -5 must be at least 1"),
+    (job("  max_position_embeddings: 0\n"), "max_position_embeddings = 0 must be at least 1"),
+    (job(training="  clip_grad: .nan\n"), "'training.clip_grad' must be a finite number"),
+    (job(training="  sgd_momentum: 1.5\n"), "training.sgd_momentum = 1.5 must be in [0, 1)"),
+    (job(cluster="  gpu_memory_gib: .nan\n"), "'cluster.gpu_memory_gib' must be a finite number"),
+    (job(cluster="  gpu_memory_gib: .inf\n"), "'cluster.gpu_memory_gib' must be a finite number"),
+    (job(cluster="  gpu_memory_gib: -80\n"), "cluster.gpu_memory_gib = -80 must be more than 0"),
+    (job(cluster="  gpu_memory_gib: 0\n"), "cluster.gpu_memory_gib = 0 must be more than 0"),
+    (job(cluster="  gpu_memory_gib: 1.0e+300\n"), "gpu_memory_gib = 1e+300 must be more than 0"),
+    (
+        job(cluster="  reserved_overhead_gib: -100\n"),
+        "reserved_overhead_gib = -100 must be at least 0",
+    ),
+    (
+        job(cluster="  reserved_overhead_gib: .nan\n"),
+        "'cluster.reserved_overhead_gib' must be a finite",
+    ),
+    (job(cluster="  intra_node_gbps: .nan\n"), "'cluster.intra_node_gbps' must be a finite number"),
+    (job(cluster="  inter_node_gbps: 0\n"), "'cluster.inter_node_gbps' must be positive, got 0.0"),
+    (job().replace("gpus_per_node: 2", "gpus_per_node: 3"), "is not a whole number of nodes"),
+]
+
+
+@pytest.mark.parametrize("text, message", JOB_FILES, ids=[m[:40] for _, m in JOB_FILES])
+def test_bad_job_files(tmp_path, capsys, no_megatron_checks, text, message):  # noqa: F811
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code, out = in_process("run", "--config", str(path))
+    err = capsys.readouterr().err
+    assert (code, out) == (2, "")
+    assert message in err and err.count("\n") == 1 and len(err) < 300, err
+
+
+def test_a_file_that_never_ends_is_not_read_to_its_end(capsys, no_megatron_checks):  # noqa: F811
+    assert in_process("run", "--config", "/dev/zero") == (2, "")
+    assert "/dev/zero: larger than 16 MiB; not a config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"model_type": ["llama"]}, "'model_type' must be a string, got ['llama']"),
+        ('{"model_type": "llama", "model_type": "qwen2"}', "key 'model_type' given twice"),
+        ('{"model_type": "llama", "rms_norm_eps": NaN}', "NaN is not a JSON number"),
+        (b'{"model_type": "llama\xe9"}', "not UTF-8 text"),
+    ],
+)
+def test_bad_hugging_face_configs(tmp_path, capsys, no_megatron_checks, config, message):  # noqa: F811
+    hf = tmp_path / "config.json"
+    if isinstance(config, dict):
+        config = json.dumps(config)
+    hf.write_bytes(config if isinstance(config, bytes) else config.encode())
+    path = tmp_path / "job.yaml"
+    path.write_text(job().replace("preset: debug", "hf_config: config.json"))
+    assert in_process("run", "--config", str(path)) == (2, "")
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "report, message",
+    [
+        ({"schema_version": 1, "roles": []}, "a report of schema version 1; this metatrace reads"),
+        ({"schema_version": 999, "roles": []}, "a report of schema version 999"),
+        ({"schema_version": 3, "roles": 5}, "not a JSON report of `metatrace run --json` (at"),
+        ("[" * 100000 + "]" * 100000, "nested more than 64 levels deep"),
+        ('{"schema_version": 3, "roles": [], "roles": []}', "key 'roles' given twice"),
+    ],
+)
+def test_bad_diff_reports(tmp_path, capsys, no_megatron_checks, report, message):  # noqa: F811
+    side = tmp_path / "a.json"
+    side.write_text(report if isinstance(report, str) else json.dumps(report))
+    assert in_process("diff", str(side), str(side)) == (2, "")
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-8", "many"])
+def test_plan_gpu_memory_must_be_a_positive_number(capsys, value):
+    with pytest.raises(SystemExit) as exit:
+        in_process("plan", "--config", "examples/debug.yaml", "--gpu-memory-gib", value)
+    assert exit.value.code == 2
+    assert "--gpu-memory-gib" in capsys.readouterr().err
+
+
+def test_a_layer_pattern_expression_is_bounded():
+    from metatrace.config.resolve import list_expression
+
+    assert list_expression("([0]*3+[1]*5)") == [0, 0, 0, 1, 1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        list_expression("[1]*1000000000000000")
+
+
+def test_yaml_merge_keys_still_work():
+    from metatrace.config.read import parse_yaml
+
+    assert parse_yaml("b: &b {x: 1}\nm:\n  <<: *b\n  y: 2\n", "t")["m"] == {"x": 1, "y": 2}
+
+
+@pytest.mark.parametrize(
+    "spec, workspace, noted",
+    [
+        (":4096:8", 4096 * 1024 * 8, False),
+        (":4096:2:16:8", 4096 * 1024 * 2 + 16 * 1024 * 8, False),
+        ("x:16:8y", 16 * 1024 * 8, False),  # PyTorch takes every match it finds
+        ("garbage", 4096 * 1024 * 8, True),  # no pair: PyTorch's default for sm90
+        (":4096", 4096 * 1024 * 8, True),
+    ],
+)
+def test_cublas_workspace_is_read_as_pytorch_reads_it(spec, workspace, noted):
+    import yaml
+
+    from metatrace.config.hardware import cublas_workspace_bytes
+    from metatrace.config.load import job_from_dict
+
+    data = yaml.safe_load(job(cluster=f"  gpu: h100\n  cublas_workspace_config: '{spec}'\n"))
+    resolved = job_from_dict(data)
+    assert cublas_workspace_bytes(resolved) == workspace
+    assert any("CUBLAS_WORKSPACE_CONFIG" in n for n in resolved.notes) == noted
+
+
+def test_a_cublas_size_pytorch_cannot_read_is_refused(tmp_path, capsys, no_megatron_checks):  # noqa: F811
+    path = tmp_path / "job.yaml"
+    path.write_text(job(cluster="  cublas_workspace_config: ':99999999999:8'\n"))
+    assert in_process("run", "--config", str(path)) == (2, "")
+    assert "beyond 2**31 - 1" in capsys.readouterr().err
