@@ -932,7 +932,7 @@ def _check_router_padding(job):
 
 
 # YaRN keys: MLA's rotary embedding, or position_embedding_type yarn.
-_YARN_KEYS = (
+YARN_KEYS = (
     "rotary_scaling_factor",
     "original_max_position_embeddings",
     "beta_fast",
@@ -942,7 +942,6 @@ _YARN_KEYS = (
 )
 
 
-# Model keys that only multi-latent attention reads.
 def _check_ep_overlap(job):
     """megatron-core 0.16.1's asserts for the combined 1F1B schedule and delayed weight gradients
     (transformer_config.py:1852-1921), then what metatrace does not model beside them."""
@@ -985,7 +984,7 @@ _MLA_KEYS = tuple(
         "qk_head_dim",
         "qk_pos_emb_head_dim",
         "v_head_dim",
-        *_YARN_KEYS,
+        *YARN_KEYS,
     )
 )
 
@@ -1000,7 +999,7 @@ def _check_mla(job):
     if not m.multi_latent_attention:
         keys = _MLA_KEYS
         if m.position_embedding_type == "yarn":  # GPTModel's YarnRotaryEmbedding reads these
-            keys = tuple(k for k in keys if k.removeprefix("model.") not in _YARN_KEYS)
+            keys = tuple(k for k in keys if k.removeprefix("model.") not in YARN_KEYS)
         given = _given(job, keys)
         if given:
             yield f"{', '.join(given)} need model.multi_latent_attention"

@@ -89,6 +89,12 @@ def resolve(job: Job) -> Job:
         )
     notes = []
     notes += _cublas_notes(cl)
+    if par.moe_token_dispatcher_type == "flex" and model.num_experts:
+        notes.append(
+            "warning: DeepEP's and HybridEP's communication buffers (cudaMalloc / NVSHMEM, "
+            "outside PyTorch's allocator, sized by DeepEP's C++ configs) are not in the peaks or "
+            "the verdict: the reserved overhead must hold them"
+        )
     if par.etp != par.tp and model.num_experts is None:
         notes.append(
             f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "

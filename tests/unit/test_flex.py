@@ -92,6 +92,12 @@ def test_deepep_group_sizes_are_its_configs():
         )
 
 
+def test_the_verdict_says_deepep_buffers_are_not_in_it():
+    job = small_job(model=MOE, parallel={**FLEX, "ep": 2}, cluster={"num_gpus": 2})
+    assert any(n.startswith("warning: DeepEP's and HybridEP's") for n in job.notes)
+    assert not any("DeepEP" in n for n in small_job(model=MOE, cluster={"num_gpus": 2}).notes)
+
+
 def _moe_args(extra: str) -> dict:
     args = split_args(
         GPT_ARGS + " --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 " + extra

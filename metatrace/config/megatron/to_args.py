@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from metatrace.config.checks import YARN_KEYS
 from metatrace.config.hardware import GPU_ARCH
 from metatrace.config.job import SECTIONS
 from metatrace.config.megatron.flags import FLAGS
@@ -576,12 +577,7 @@ _LATENT = {
     "qk_pos_emb_head_dim",
     "v_head_dim",
     "rope_type",
-    "rotary_scaling_factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
+    *YARN_KEYS,
     "mtp_num_layers",
     "mtp_loss_scaling_factor",
 }
