@@ -711,10 +711,10 @@ def _check_cluster(job):
             f"cluster.gpu_memory_gib = {cl.gpu_memory_gib:g} must be more than 0 and at most "
             f"{_MAX_GPU_GIB:,} (1 PiB)"
         )
-    elif not 0 <= cl.reserved_overhead_gib < cl.gpu_memory_gib:
+    if not 0 <= cl.reserved_overhead_gib <= _MAX_GPU_GIB:
         yield (
             f"cluster.reserved_overhead_gib = {cl.reserved_overhead_gib:g} must be at least 0 "
-            f"and less than the GPU's memory ({cl.gpu_memory_gib:g} GiB)"
+            f"and at most {_MAX_GPU_GIB:,}"
         )
     if cl.num_gpus > cl.gpus_per_node and cl.num_gpus % cl.gpus_per_node:
         yield (

@@ -69,15 +69,19 @@ def build_job_line(analysis) -> Text:
 
 
 def where(at, chunks: int) -> str:
-    """Where a stage peaks, short: "bwd µb 0, layers.15.mlp", "optimizer step"."""
+    """Where a stage peaks, short: "bwd µb 0, layers.15.mlp", "fwd µb 3 chunk 1, layers.2.mlp"
+    (the chunk named once, not again as the module path's "chunk1."), "optimizer step"."""
     if at.phase == "optimizer":
         return "optimizer step"
     text = PHASE_SHORT.get(at.phase, at.phase)
     if at.microbatch is not None:
         text += f" µb {at.microbatch}"
+    module = at.module or "model"
     if at.chunk is not None and chunks > 1:
         text += f" chunk {at.chunk}"
-    return f"{text}, {(at.module or 'model').removeprefix('decoder.')}"
+        chunk = f"chunk{at.chunk}"
+        module = "model" if module == chunk else module.removeprefix(chunk + ".")
+    return f"{text}, {module.removeprefix('decoder.')}"
 
 
 def signed(nbytes: int) -> str:

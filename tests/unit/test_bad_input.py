@@ -57,7 +57,7 @@ JOB_FILES = [
     (job(cluster="  gpu_memory_gib: 1.0e+300\n"), "gpu_memory_gib = 1e+300 must be more than 0"),
     (
         job(cluster="  reserved_overhead_gib: -100\n"),
-        "reserved_overhead_gib = -100 must be at least 0",
+        "reserved_overhead_gib = -100 must be at least 0 and at most",
     ),
     (
         job(cluster="  reserved_overhead_gib: .nan\n"),

@@ -1,6 +1,8 @@
 """The verdict's sentence (metatrace.render.format.verdict_text), shared by the terminal and the
 HTML report."""
 
+import pytest
+
 from metatrace.render.format import verdict_text
 
 GIB = 2**30
@@ -34,3 +36,21 @@ def test_missing_less_than_the_reserve_says_how_small_the_overhead_must_be():
 
 def test_missing_more_than_the_reserve_does_not():
     assert "It fits if" not in sentence(-5 * GIB)
+
+
+@pytest.mark.parametrize(
+    "module, chunk, chunks, text",
+    [
+        ("chunk1.decoder.layers.2.mlp", 1, 4, "fwd µb 29 chunk 1, layers.2.mlp"),
+        ("chunk3", 3, 4, "fwd µb 29 chunk 3, model"),
+        ("decoder.layers.15.mlp", None, 1, "fwd µb 29, layers.15.mlp"),
+        (None, None, 1, "fwd µb 29, model"),
+    ],
+)
+def test_where_a_stage_peaks_names_the_chunk_once(module, chunk, chunks, text):
+    from types import SimpleNamespace
+
+    from metatrace.render.summary import where
+
+    at = SimpleNamespace(phase="forward", microbatch=29, chunk=chunk, module=module)
+    assert where(at, chunks) == text
