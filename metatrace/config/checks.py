@@ -381,6 +381,12 @@ def _check_training(job, split_ok: bool):
             f"training.global_batch_size = {tr.global_batch_size} is not a multiple of "
             f"micro_batch_size x dp = {tr.micro_batch_size} x {par.dp} = {per_step}"
         )
+    elif tr.global_batch_size // per_step > MAX_MICROBATCHES:
+        yield (
+            f"training.global_batch_size = {tr.global_batch_size:,} is "
+            f"{tr.global_batch_size // per_step:,} micro-batches per iteration; metatrace "
+            f"replays at most {MAX_MICROBATCHES:,}"
+        )
     elif par.vpp is not None:
         # megatron-core's interleaved schedule: pp <= group <= M, and the last group of
         # micro-batches is whole or at least pp long.
@@ -701,6 +707,10 @@ def _check_recompute(job, split_ok: bool):
             yield "distribute_saved_activations cannot be combined with sequence parallel"
 
 
+# Micro-batches per iteration: the replayed iteration keeps some 40 memory events per
+# micro-batch and stage (tracing/steady.py), so a million is about a minute; real jobs run
+# hundreds to a few thousand.
+MAX_MICROBATCHES = 1_000_000
 _MAX_GPU_GIB = 1 << 20  # far beyond any GPU (192-288 GiB in 2026); keeps bytes in range
 
 

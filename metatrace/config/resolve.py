@@ -168,7 +168,8 @@ def resolve(job: Job) -> Job:
         # flash-attn it accepts (2.1.1-2.8.1), on sm80 too; the local spec has one attention.
         kernel = "fused" if te else "local"
         window = model.window_size
-        if te and window is not None and (window[1] not in (-1, 0) or model.attention_dropout):
+        shaped = window is not None and len(window) == 2  # checks.py refuses other shapes
+        if te and shaped and (window[1] not in (-1, 0) or model.attention_dropout):
             # TE 2.8 (utils.py, "Filter: Sliding window attention") turns cuDNN off for these
             # windows; flash-attn takes them, but not softmax sinks ("Filter: Softmax type").
             kernel = "flash" if model.softmax_type == "vanilla" else "unfused"

@@ -294,7 +294,7 @@ def write_json(report: dict, path: str) -> None:
         with open(path, "w") as f:
             # Compact and in one piece: json.dumps uses the C encoder (megabytes on large
             # clusters), json.dump writing piecewise does not.
-            f.write(json.dumps(report) + "\n")
+            f.write(json.dumps(report, allow_nan=False) + "\n")  # NaN is not JSON
     except OSError as e:
         from metatrace.errors import ConfigError
 

@@ -48,6 +48,7 @@ JOB_FILES = [
     (job("  rotary_base: 0\n"), "model.rotary_base = 0 must be at least 1"),
     (job("  rotary_base: -5\n"), "model.rotary_base = -5 must be at least 1"),
     (job("  max_position_embeddings: 0\n"), "max_position_embeddings = 0 must be at least 1"),
+    (job("  window_size: ''\n"), "model.window_size = [] must be two sizes"),  # found by fuzzing
     (job(training="  clip_grad: .nan\n"), "'training.clip_grad' must be a finite number"),
     (job(training="  sgd_momentum: 1.5\n"), "training.sgd_momentum = 1.5 must be in [0, 1)"),
     (job(cluster="  gpu_memory_gib: .nan\n"), "'cluster.gpu_memory_gib' must be a finite number"),
@@ -66,6 +67,10 @@ JOB_FILES = [
     (job(cluster="  intra_node_gbps: .nan\n"), "'cluster.intra_node_gbps' must be a finite number"),
     (job(cluster="  inter_node_gbps: 0\n"), "'cluster.inter_node_gbps' must be positive, got 0.0"),
     (job().replace("gpus_per_node: 2", "gpus_per_node: 3"), "is not a whole number of nodes"),
+    (
+        job().replace("global_batch_size: 8", "global_batch_size: 2000000002"),
+        "1,000,000,001 micro-batches per iteration; metatrace replays at most 1,000,000",
+    ),
 ]
 
 
