@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.helpers import DEBUG
 from tests.unit.test_cli import in_process, no_megatron_checks  # noqa: F401 (a fixture)
 
 JOB = """model:
@@ -129,7 +130,7 @@ def test_bad_diff_reports(tmp_path, capsys, no_megatron_checks, report, message)
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-8", "many"])
 def test_plan_gpu_memory_must_be_a_positive_number(capsys, value):
     with pytest.raises(SystemExit) as exit:
-        in_process("plan", "--config", "examples/debug.yaml", "--gpu-memory-gib", value)
+        in_process("plan", "--config", DEBUG, "--gpu-memory-gib", value)
     assert exit.value.code == 2
     assert "--gpu-memory-gib" in capsys.readouterr().err
 

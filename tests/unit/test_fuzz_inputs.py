@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 
 import pytest
@@ -18,9 +19,9 @@ from metatrace.config.load import job_from_dict
 from metatrace.config.megatron.args import job_from_args
 from metatrace.config.megatron.script import split_args
 from metatrace.errors import ConfigError
-from tests.helpers import GPT_ARGS
+from tests.helpers import EXAMPLES, GPT_ARGS
 
-with open("examples/llama2-7b-tp2-pp2.yaml") as f:
+with open(os.path.join(EXAMPLES, "llama2-7b-tp2-pp2.yaml")) as f:
     BASE = yaml.safe_load(f)
 SECTIONS = {
     name: typing.get_type_hints(Job)[name]
