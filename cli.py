@@ -28,8 +28,21 @@ def _positive_gib(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with long words of its messages (a value the user gave, quoted back) cut to
+    an excerpt."""
+
+    def error(self, message: str):  # type: ignore[override]
+        import re
+
+        from metatrace.config.read import EXCERPT
+
+        short = re.sub(rf"\S{{{EXCERPT},}}", lambda m: m.group(0)[: EXCERPT - 1] + "…", message)
+        super().error(short)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="metatrace",
         description="Per-GPU memory and communication of a Megatron-Core training job, "
         "traced on the meta device.",

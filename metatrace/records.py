@@ -174,6 +174,34 @@ class Trace:
     """{seq of a collective issued inside a Window: the window's FLOPs before it} (where the
     collective sits in the step's compute)."""
 
+    def columns(self, kind: str, names: tuple[str, ...]) -> dict[str, Any]:
+        """Fields `names` of the records of `kind` ("memory", "windows", ...) as numpy arrays,
+        one entry per record: int64 where every value is an int, else objects. What the
+        analysis of a long iteration reads (a Trace of a steady state builds them without
+        building its records: metatrace.tracing.steady)."""
+        records = getattr(self, kind)
+        return {name: column([getattr(r, name) for r in records]) for name in names}
+
+    def tally(self, kind: str, ignore: frozenset[str] = frozenset({"seq"})) -> list:
+        """[(record, how many)] that add up to the records of `kind`, for readers that count
+        them and read nothing in `ignore` (a Trace of a steady state gives a repeated record
+        once, with its repetitions)."""
+        return [(r, 1) for r in getattr(self, kind)]
+
+    def pick(self, kind: str, indices) -> list:
+        """The records of `kind` at these positions."""
+        records = getattr(self, kind)
+        return [records[i] for i in indices]
+
+
+def column(values: list) -> Any:
+    """`values` as a numpy array: int64 when they are all ints, else objects."""
+    import numpy as np
+
+    if all(type(v) is int for v in values):
+        return np.array(values, dtype=np.int64)
+    return np.fromiter(values, dtype=object, count=len(values))
+
 
 # --------------------------------------------------------------------------- offloading
 

@@ -196,9 +196,9 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
     Collectives over a group of one rank move nothing and are left out."""
     inside = _in_windows(micro)
     grouped: dict[tuple, list] = {}
-    sources = [(c, True) for c in micro.collectives if inside(c.seq)]
-    sources += [(c, False) for c in iteration.collectives]
-    for c, per_microbatch in sources:
+    sources = [(c, 1, True) for c in micro.collectives if inside(c.seq)]
+    sources += [(c, k, False) for c, k in iteration.tally("collectives")]
+    for c, times, per_microbatch in sources:
         if c.peer is None and len(c.ranks) <= 1:
             continue
         # A send or receive whose group the recorder could not name is the pipeline's (with
@@ -220,7 +220,7 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
             c.phase,
             module,
         )
-        grouped.setdefault(key, []).append((c, layer))
+        grouped.setdefault(key, []).append((c, layer, times))
     items = []
     for key, calls in grouped.items():
         dimension, op, group, ranks, peer, shape, dtype, message, arrived, per_mb, phase, module = (
@@ -230,8 +230,8 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
         sent, received = ring_bytes(op, message, n)
         if arrived is not None:  # all-to-all: what arrives from the other ranks
             received = ring_bytes(op, arrived, n)[1]
-        count = len(calls) * (job.num_microbatches if per_mb else 1)
-        layers = len({layer for _, layer in calls if layer is not None})
+        count = sum(k for *_, k in calls) * (job.num_microbatches if per_mb else 1)
+        layers = len({layer for _, layer, _ in calls if layer is not None})
         items.append(
             Item(
                 dimension,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from metatrace.records import STEP, MemEvent, OffloadRecord, Trace, Window
 
@@ -274,10 +275,11 @@ def offload_summary(
     per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
     host = [_pinned(m for m in record.moved if m.chunk == v) for v in range(chunks)]
     changes = []
-    for w in iteration.windows:
-        if w.chunk is not None and w.chunk < chunks and w.phase in ("forward", "backward"):
-            sign = 1 if w.phase == "forward" else -1
-            changes.append((w.first if sign > 0 else w.last, sign * host[w.chunk]))
+    win = iteration.columns("windows", ("phase", "chunk", "first", "last"))
+    for phase, chunk, first, last in zip(*(win[k].tolist() for k in win)):
+        if chunk is not None and chunk < chunks and phase in ("forward", "backward"):
+            sign = 1 if phase == "forward" else -1
+            changes.append((first if sign > 0 else last, sign * host[chunk]))
     pinned = now = 0
     for _, delta in sorted(changes):
         now += delta
@@ -364,45 +366,61 @@ class RoleMemory:
 
 
 def role_memory(micro: Trace, iteration: Trace) -> RoleMemory:
-    """The iteration's peak and its parts, from the two traces of a role (see module doc)."""
+    """The iteration's peak and its parts, from the two traces of a role (see module doc).
+
+    It reads the iteration's records as columns (Trace.columns): an iteration of 100,000
+    micro-batches has millions of memory events."""
+    import numpy as np
+
     workspaces = persistent_bytes(micro)
-    life = lifetimes(iteration.memory)
-    best = None
-    for e in iteration.memory:
-        if best is None or e.live > best.live:
-            best = e
-    peak = (best.live if best is not None else iteration.static_bytes) + workspaces
+    ev = iteration.columns("memory", ("seq", "delta", "live", "storage"))
+    win = iteration.columns("windows", ("phase", "chunk", "microbatch", "first", "last", "held"))
+    life = _lifetime_columns(ev)
+    best = int(np.argmax(ev["live"])) if len(ev["live"]) else None
+    best_seq = int(ev["seq"][best]) if best is not None else 0
+    peak = (int(ev["live"][best]) if best is not None else iteration.static_bytes) + workspaces
     window = None
     if best is not None:
-        for w in iteration.windows:
-            if w.first <= best.seq <= w.last:
-                window = w
-                break
-    held = {w.held: w for w in iteration.windows if w.held is not None}
+        inside = np.flatnonzero((win["first"] <= best_seq) & (best_seq <= win["last"]))
+        window = int(inside[0]) if len(inside) else None
     activations = temporary = 0
-    inflight = set()
+    inflight: set = set()
     if best is not None:
         # Storages alive right after the peak event, the static ones aside.
-        since = window.first if window is not None else _last_window_end(iteration, best.seq)
-        for sid, seq in life.allocated.items():
-            if seq > best.seq or life.freed.get(sid, best.seq + 1) <= best.seq:
-                continue
-            size = life.bytes[sid]
-            if sid in held:
-                activations += size
-                inflight.add(held[sid].microbatch)
-            elif seq >= since:
-                temporary += size
-            else:
-                activations += size
+        if window is not None:
+            since = int(win["first"][window])
+        else:
+            before = win["last"][win["last"] < best_seq]
+            since = int(before.max()) + 1 if len(before) else 0
+        alive = (life["allocated"] <= best_seq) & (life["freed"] > best_seq)
+        held_at = {}  # held storage -> its (last) window's micro-batch
+        for sid, mb in zip(win["held"].tolist(), win["microbatch"].tolist()):
+            if sid is not None:
+                held_at[sid] = mb
+        held = np.zeros(len(alive), dtype=bool)
+        if held_at:
+            ids = np.fromiter(held_at, dtype=np.int64, count=len(held_at))
+            held = (life["life"] == 0) & np.isin(life["storage"], ids)
+        size = life["bytes"]
+        activations = int(size[alive & held].sum())
+        inflight = {held_at[sid] for sid in life["storage"][alive & held].tolist()}
+        rest = alive & ~held
+        temporary = int(size[rest & (life["allocated"] >= since)].sum())
+        activations += int(size[rest & (life["allocated"] < since)].sum())
     parts = iteration.static_parts
-    if window is not None and window.phase == "forward" and window.microbatch is not None:
-        inflight.add(window.microbatch)
+    if window is not None and win["phase"][window] == "forward":
+        mb = win["microbatch"][window]
+        if mb is not None:
+            inflight.add(int(mb))
+    module, phase = STEP, "forward"
+    if best is not None:
+        event = iteration.columns("memory", ("module", "phase"))
+        module, phase = event["module"][best], event["phase"][best]
     at = PeakAt(
-        phase=window.phase if window is not None else (best.phase if best else "forward"),
-        microbatch=window.microbatch if window is not None else None,
-        chunk=window.chunk if window is not None else None,
-        module=best.module if best is not None else STEP,
+        phase=win["phase"][window] if window is not None else phase,
+        microbatch=_int(win["microbatch"][window]) if window is not None else None,
+        chunk=_int(win["chunk"][window]) if window is not None else None,
+        module=module,
     )
     return RoleMemory(
         params=parts.get("params", 0),
@@ -414,48 +432,116 @@ def role_memory(micro: Trace, iteration: Trace) -> RoleMemory:
         peak=peak,
         peak_at=at,
         inflight=len(inflight),
-        timeline=_timeline(iteration, workspaces),
-        most_steps_held=_most_held(iteration, life),
+        timeline=_timeline(iteration.static_bytes, ev, win, workspaces),
+        most_steps_held=_most_held(win, life),
     )
 
 
-def _most_held(trace: Trace, life: Lifetimes) -> int:
-    changes = []
-    for w in trace.windows:
-        if w.held is not None and w.held in life.allocated:
-            changes.append((life.allocated[w.held], 1))
-            changes.append((life.freed.get(w.held, 1 << 62), -1))
-    most = now = 0
-    for _, delta in sorted(changes):
-        now += delta
-        most = max(most, now)
-    return most
+def _int(value) -> int | None:
+    return None if value is None else int(value)
 
 
-def _timeline(trace: Trace, workspaces: int) -> tuple[tuple[str, int], ...]:
+def _lifetime_columns(ev: dict) -> dict:
+    """`lifetimes` of memory event columns (seq, delta, storage), as columns, one entry per
+    life: storage, life (0 for a storage's first, then 1, 2, ...), allocated, freed (2**62 when
+    alive at the end), bytes. Storages allocated once and freed once (or never) are read with
+    numpy; the others, few (resized storages), go through `lifetimes` itself."""
+    import numpy as np
+
+    seq, delta, storage = ev["seq"], ev["delta"], ev["storage"]
+    order = np.argsort(storage, kind="stable")
+    sid, d, sq = storage[order], delta[order], seq[order]
+    starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]]) if len(sid) else np.array([], int)
+    counts = np.diff(np.r_[starts, len(sid)])
+    first_delta = d[starts]
+    # One allocation, or one allocation and a free of all of it.
+    second = np.where(counts == 2, d[np.minimum(starts + 1, len(d) - 1)], 0)
+    simple = ((counts == 1) & (first_delta > 0)) | (
+        (counts == 2) & (first_delta > 0) & (first_delta + second <= 0) & (second < 0)
+    )
+    none = (counts == 1) & (first_delta <= 0)  # a free of what was there before: no life
+    out = {
+        "storage": [sid[starts[simple]]],
+        "life": [np.zeros(int(simple.sum()), dtype=np.int64)],
+        "allocated": [sq[starts[simple]]],
+        "freed": [
+            np.where(counts[simple] == 2, sq[np.minimum(starts[simple] + 1, len(sq) - 1)], _ALIVE)
+        ],
+        "bytes": [first_delta[simple]],
+    }
+    for g in np.flatnonzero(~simple & ~none):
+        a, b = starts[g], starts[g] + counts[g]
+        events = [
+            MemEvent(int(q), int(x), 0, "", "forward", int(sid[a])) for q, x in zip(sq[a:b], d[a:b])
+        ]
+        life = lifetimes(tuple(events))
+        for key, at in life.allocated.items():
+            s, n = key if isinstance(key, tuple) else (key, 0)
+            for name, value in (
+                ("storage", s),
+                ("life", n),
+                ("allocated", at),
+                ("freed", life.freed.get(key, _ALIVE)),
+                ("bytes", life.bytes[key]),
+            ):
+                out[name].append(np.array([value], dtype=np.int64))
+    return {name: np.concatenate(parts) for name, parts in out.items()}
+
+
+_ALIVE = 1 << 62
+"""`freed` of a storage alive at the end of the trace."""
+
+
+def _most_held(win: dict, life: dict) -> int:
+    """The most forward steps whose held activations were alive at once."""
+    import numpy as np
+
+    held = np.array([h for h in win["held"].tolist() if h is not None], dtype=np.int64)
+    first = life["life"] == 0
+    mine = first & np.isin(life["storage"], held)
+    # A held storage counted once per window that names it.
+    names = np.unique(held, return_counts=True)
+    times = np.searchsorted(names[0], life["storage"][mine])
+    repeat = names[1][times]
+    starts = np.repeat(life["allocated"][mine], repeat)
+    ends = np.repeat(life["freed"][mine], repeat)
+    if not len(starts):
+        return 0
+    at = np.concatenate([starts, ends])
+    step = np.concatenate([np.ones(len(starts), np.int64), -np.ones(len(ends), np.int64)])
+    order = np.lexsort((step, at))
+    return max(0, int(np.cumsum(step[order]).max()))
+
+
+def window_highs(static: int, ev: dict, win: dict, *, carry: bool) -> Any:
+    """Highest live bytes of each window (numpy, in window order) from memory event and
+    window columns: the level before it counts, and with `carry` the events one window read
+    are not read again by a later one (as _timeline walks the windows in order)."""
+    import numpy as np
+
+    seq, live = ev["seq"], ev["live"]
+    lo = np.searchsorted(seq, win["first"], side="left")
+    hi = np.searchsorted(seq, win["last"], side="right")
+    if carry and len(lo):
+        reach = np.maximum.accumulate(np.maximum(lo, hi))
+        lo = np.maximum(np.r_[0, reach[:-1]], lo)
+        hi = np.maximum(lo, hi)
+    before = np.where(lo > 0, live[np.maximum(lo - 1, 0)] if len(live) else 0, static)
+    top = before.copy()
+    some = np.flatnonzero(hi > lo)
+    if len(some):
+        # maximum.reduceat reads live[lo:hi] at the even places of (lo, hi, lo, hi, ...).
+        bounds = np.empty(2 * len(some), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = lo[some], hi[some]
+        highs = np.maximum.reduceat(np.r_[live, 0], bounds)[0::2]
+        top[some] = np.maximum(top[some], highs)
+    return top
+
+
+def _timeline(static: int, ev: dict, win: dict, workspaces: int) -> tuple[tuple[str, int], ...]:
     """Highest live bytes of each window, in order (a window without events keeps the level)."""
-    out = []
-    events = trace.memory
-    i, live = 0, trace.static_bytes
-    for w in trace.windows:
-        while i < len(events) and events[i].seq < w.first:
-            live = events[i].live
-            i += 1
-        top = live
-        while i < len(events) and events[i].seq <= w.last:
-            live = events[i].live
-            top = max(top, live)
-            i += 1
-        out.append((w.phase, top + workspaces))
-    return tuple(out)
-
-
-def _last_window_end(trace: Trace, seq: int) -> int:
-    end = 0
-    for w in trace.windows:
-        if w.last < seq:
-            end = max(end, w.last + 1)
-    return end
+    top = window_highs(static, ev, win, carry=True) + workspaces
+    return tuple(zip(win["phase"].tolist(), top.tolist()))
 
 
 # ----------------------------------------------------------------------------- the verdict

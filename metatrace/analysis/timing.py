@@ -252,16 +252,15 @@ def _p2p(job, world, micro: Trace, rank: int) -> dict[str, tuple[float, int]]:
 
 def _peaks(iteration: Trace, extra: int) -> dict:
     """{(phase, chunk, microbatch): highest live bytes (+ `extra`)} of the iteration's steps."""
-    events = iteration.memory
-    seqs = [e.seq for e in events]
+    from metatrace.analysis.memory import window_highs
+
+    ev = iteration.columns("memory", ("seq", "live"))
+    win = iteration.columns("windows", ("phase", "chunk", "microbatch", "first", "last"))
+    highs = window_highs(iteration.static_bytes, ev, win, carry=False) + extra
     out: dict[tuple, int] = {}
-    for w in iteration.windows:
-        i = bisect.bisect_left(seqs, w.first)
-        j = bisect.bisect_right(seqs, w.last)
-        before = events[i - 1].live if i > 0 else iteration.static_bytes
-        high = max([before, *(e.live for e in events[i:j])])
-        key = (w.phase, w.chunk, w.microbatch)
-        out[key] = max(out.get(key, 0), high + extra)
+    keys = zip(win["phase"].tolist(), win["chunk"].tolist(), win["microbatch"].tolist())
+    for key, high in zip(keys, highs.tolist()):
+        out[key] = max(out.get(key, 0), high)
     return out
 
 
@@ -279,14 +278,27 @@ def _place(compute: float, flops: int, calls) -> tuple[Call, ...]:
 
 def _optimizer(job, world, iteration: Trace, rank: int):
     """The optimizer step's seconds, the update's, and its exposed calls (see module doc)."""
+    import numpy as np
+
     from metatrace.analysis.comm import call_seconds
     from metatrace.config import GPU_HBM_TBPS
 
-    find = _inside([w for w in iteration.windows if w.chunk is not None])
+    # Outside the steps, and not the pipeline's transfers (read as columns: an iteration of
+    # many micro-batches has millions of records).
+    win = iteration.columns("windows", ("chunk", "first", "last"))
+    steps = np.array([v is not None for v in win["chunk"].tolist()], dtype=bool)
+    first, last = win["first"][steps], win["last"][steps]
+    order = np.argsort(first, kind="stable")
+    first, last = first[order], last[order]
+    col = iteration.columns("collectives", ("seq", "op"))
+    seq = col["seq"]
+    inside = np.zeros(len(seq), dtype=bool)
+    if len(first):
+        at = np.searchsorted(first, seq, side="right") - 1
+        inside = (at >= 0) & (seq <= last[np.maximum(at, 0)])
+    p2p = np.array([op in ("send", "recv") for op in col["op"].tolist()], dtype=bool)
     calls = []
-    for c in iteration.collectives:
-        if find(c.seq) is not None or c.op in ("send", "recv"):
-            continue  # inside the steps, or the pipeline's transfers
+    for c in iteration.pick("collectives", np.flatnonzero(~inside & ~p2p).tolist()):
         dim, sec, over = call_seconds(job, world, c, rank)
         if over is None and sec > 0.0:
             calls.append((c, dim, sec))
@@ -334,9 +346,9 @@ def job_timing(job_trace) -> Timing | None:
                 exposed = sum(sec for *_, sec, over in mine if over is None)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
         sends[s] = _p2p(job, world, micro, micro.rank)
-        orders.append(
-            [(w.phase, w.chunk, w.microbatch) for w in rt.iteration.windows if w.chunk is not None]
-        )
+        win = rt.iteration.columns("windows", ("phase", "chunk", "microbatch"))
+        steps = zip(win["phase"].tolist(), win["chunk"].tolist(), win["microbatch"].tolist())
+        orders.append([step for step in steps if step[1] is not None])
     none = (0, 0.0, 0.0, ())
     copies = {rt.role.pp_stage: _offload_seconds(job, rt) for rt in roles}
 

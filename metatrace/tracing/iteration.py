@@ -441,7 +441,8 @@ def run_iteration(
     `reduced`: how many micro-batches' losses Megatron-LM's train_step reduces after the
     optimizer step (default: this iteration's). The short replays of replayed_iteration reduce
     the whole iteration's: the stacked losses are the one allocation outside the schedule's
-    loop whose size follows the micro-batch count (rounded to blocks, so not in steps)."""
+    loop whose size follows the micro-batch count (rounded to blocks, so not in steps); they
+    stack their own losses into a stack of the whole iteration's size (steps.reduce_losses)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from metatrace.hooks.remap import unknown_values
@@ -508,10 +509,7 @@ def run_iteration(
     rec.set_step_phase("optimizer")
     with rec.window("optimizer"), unknown_values(device):
         optimizer.step()
-        if losses and reduced is not None and reduced > len(losses):
-            # More references to the last loss: views stacked, nothing freed when they go.
-            losses = losses + [losses[-1]] * (reduced - len(losses))
-        reduce_losses(losses)
+        reduce_losses(losses, rows=reduced)
 
 
 # ----------------------------------------------------------------------------- many micro-batches

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from metatrace.records import Trace
+from metatrace.records import Trace, column
 
 KINDS = ("collectives", "saved", "memory", "windows")
 """The Trace fields that hold one record per event, in seq order."""
@@ -81,6 +81,55 @@ class _Series:
                 out.extend(r.values(n, j) for r in records)
         return out
 
+    def columns(self, n: int, fields: tuple[str, ...], cls: type) -> dict:
+        """Trace.columns of the records of `n` repetitions, built part by part with numpy (a
+        run's integer fields as base + j*step over its repetitions j, the others repeated)."""
+        import numpy as np
+
+        index = {name: i for i, name in enumerate(_names(cls))}
+        pieces: dict[str, list] = {name: [] for name in fields}
+        for run, records in self.parts:
+            if not records:
+                continue
+            if not run:
+                values = [r.values(n, 0) for r in records]
+                for name in fields:
+                    pieces[name].append(column([v[index[name]] for v in values]))
+                continue
+            if n == 0:
+                continue
+            first = [r.values(n, 0) for r in records]
+            for name in fields:
+                i = index[name]
+                block = column([v[i] for v in first])
+                steps = [r.per_j[i] for r in records]
+                if not any(steps):
+                    pieces[name].append(np.tile(block, n))
+                    continue
+                if block.dtype == object:  # ints that move beside values that are not ints
+                    values = [v[i] for v in first]
+                    pieces[name].append(
+                        column(
+                            [
+                                v + j * step if step else v
+                                for j in range(n)
+                                for v, step in zip(values, steps)
+                            ]
+                        )
+                    )
+                    continue
+                j = np.arange(n, dtype=np.int64)[:, None]
+                pieces[name].append((block[None, :] + j * np.array(steps)[None, :]).ravel())
+        out = {}
+        for name, parts in pieces.items():
+            if not parts:
+                out[name] = column([])
+            elif all(p.dtype != object for p in parts):
+                out[name] = np.concatenate(parts)
+            else:
+                out[name] = np.concatenate([p.astype(object) for p in parts])
+        return out
+
     def records(self, n: int) -> list:
         out: list = []
         for run, records in self.parts:
@@ -106,11 +155,15 @@ class Steady:
 
     def fields(self, n: int) -> dict:
         """The Trace fields of the iteration of M0 + n*P micro-batches that depend on n."""
-        out: dict = {kind: tuple(self.series[kind].records(n)) for kind in KINDS}
-        for name, ops in self.counts.items():
-            out[name] = {op: b + n * step for op, (b, step) in ops.items() if b + n * step}
-        out["collective_flops"] = dict(self.series["collective_flops"].values(n))
-        return out
+        return {name: self.field(n, name) for name in _LAZY}
+
+    def field(self, n: int, name: str):
+        """One of them."""
+        if name in KINDS:
+            return tuple(self.series[name].records(n))
+        if name == "collective_flops":
+            return dict(self.series["collective_flops"].values(n))
+        return {op: b + n * step for op, (b, step) in self.counts[name].items() if b + n * step}
 
 
 _LAZY = (*KINDS, "op_counts", "unclassified", "collective_flops")
@@ -132,16 +185,57 @@ class ExtendedTrace(Trace):
     def __reduce__(self):
         return (ExtendedTrace, self.recipe)
 
-    def _records(self) -> dict:
+    def columns(self, kind: str, names: tuple[str, ...]) -> dict:
+        if kind in self.__dict__.get("_built", {}) or kind not in KINDS:
+            return super().columns(kind, names)
+        steady, n = self.recipe
+        series = steady.series[kind]
+        cls = next((r.cls for _, rs in series.parts for r in rs), None)
+        if cls is None:  # no records of this kind
+            return {name: column([]) for name in names}
+        return series.columns(n, names, cls)
+
+    def tally(self, kind: str, ignore: frozenset[str] = frozenset({"seq"})) -> list:
+        if kind in self.__dict__.get("_built", {}) or kind not in KINDS:
+            return super().tally(kind, ignore)
+        steady, n = self.recipe
+        out = []
+        for run, records in steady.series[kind].parts:
+            for r in records:
+                names = _names(r.cls)
+                if not run:
+                    out.append((r.cls(*r.values(n)), 1))
+                elif n and all(names[i] in ignore for i in r.moving if r.per_j[i]):
+                    out.append((r.cls(*r.values(n)), n))
+                else:
+                    out.extend((r.cls(*r.values(n, j)), 1) for j in range(n))
+        return out
+
+    def pick(self, kind: str, indices) -> list:
+        if kind in self.__dict__.get("_built", {}) or kind not in KINDS:
+            return super().pick(kind, indices)
+        indices = list(indices)
+        if not indices:
+            return []
+        series = self.recipe[0].series[kind]
+        cls = next(r.cls for _, rs in series.parts for r in rs)
+        names = _names(cls)
+        cols = series.columns(self.recipe[1], names, cls)
+        lists = {name: cols[name][indices].tolist() for name in names}
+        return [cls(*(lists[name][k] for name in names)) for k in range(len(indices))]
+
+    def _field(self, name: str):
         built = self.__dict__.get("_built")
         if built is None:
-            built = self.recipe[0].fields(self.recipe[1])
+            built = {}
             object.__setattr__(self, "_built", built)
-        return built
+        if name not in built:
+            built[name] = self.recipe[0].field(self.recipe[1], name)
+        return built[name]
 
 
 def _lazy(name: str) -> property:
-    return property(lambda self: self._records()[name])
+    return property(lambda self: self._field(name))
 
 
 for _name in _LAZY:
@@ -185,13 +279,17 @@ def fit(samples: list[Trace]) -> Steady | None:
 _NAMES: dict[type, tuple[str, ...]] = {}
 
 
+def _names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def _values(record) -> tuple:
     if type(record) is tuple:
         return record
-    names = _NAMES.get(type(record))
-    if names is None:
-        names = _NAMES[type(record)] = tuple(f.name for f in dataclasses.fields(record))
-    return tuple(getattr(record, name) for name in names)
+    return tuple(getattr(record, name) for name in _names(type(record)))
 
 
 COUNTERS = frozenset({"seq", "live", "storage", "microbatch", "first", "last", "output", "held"})
@@ -216,7 +314,7 @@ def _fit_series(rows: list[list[tuple]], records: list) -> _Series | None:
     inserts is a run."""
     import difflib
 
-    a, b, c, d = rows
+    a, b = rows[:2]
     types = [type(r) for r in records[0]], [type(r) for r in records[1]]
     # What the two replays record alike up to where they part is the same for every n; the
     # rest aligns by what does not count.
@@ -232,6 +330,37 @@ def _fit_series(rows: list[list[tuple]], records: list) -> _Series | None:
     ]
     if cut:
         ops.insert(0, ("equal", 0, cut, 0, cut))
+    series = _build(ops, rows, types)
+    if series is not None:
+        return series
+    # Where the records an insert repeats are like the ones before it (a chain of frees at the
+    # end of the iteration, one per micro-batch, the oldest last), difflib may take the wrong
+    # ones for the new: try the insert earlier.
+    full = [[_key(t, row) for t, row in zip(ts, rs)] for ts, rs in zip(types, (a, b))]
+    for k, (tag, _, _, j1, j2) in enumerate(ops):
+        if tag != "insert" or k == 0 or ops[k - 1][0] != "equal":
+            continue
+        _, e1, e2, f1, f2 = ops[k - 1]
+        for shift in range(1, e2 - e1 + 1):
+            if full[0][e2 - shift : e2] != full[1][j2 - shift : j2]:
+                break
+            moved = [
+                *ops[: k - 1],
+                *([("equal", e1, e2 - shift, f1, f2 - shift)] if shift < e2 - e1 else []),
+                ("insert", e2 - shift, e2 - shift, j1 - shift, j2 - shift),
+                ("equal", e2 - shift, e2, j2 - shift, j2),
+                *ops[k + 1 :],
+            ]
+            series = _build(moved, rows, types)
+            if series is not None:
+                return series
+    return None
+
+
+def _build(ops: list[tuple], rows: list[list[tuple]], types) -> _Series | None:
+    """The series of an alignment of the first two samples (difflib opcodes), checked against
+    all four samples, or None."""
+    a, b, c, _ = rows
     parts = []
     at = [0, 0, 0, 0]  # where the part starts in each sample
     for tag, i1, i2, j1, j2 in ops:

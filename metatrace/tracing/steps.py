@@ -134,16 +134,26 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": reporting_loss}
 
 
-def reduce_losses(losses_reduced) -> None:
+def reduce_losses(losses_reduced, rows: int | None = None) -> None:
     """Megatron-LM's train_step after the optimizer step: on the last pipeline stage, the
-    micro-batches' (loss, tokens) pairs are summed and all-reduced over the data-parallel group
-    (with context parallelism) for reporting."""
+    micro-batches' (loss, tokens) pairs are stacked, summed and all-reduced over the
+    data-parallel group (with context parallelism) for reporting.
+
+    `rows`: how many micro-batches the stack holds (default: the losses given). The stack is
+    allocated first and filled (`vstack(..., out=)`), which allocates and frees what vstack
+    does; the short replays of iteration.replayed_iteration stack their few losses into one of
+    the whole iteration's size."""
     from megatron.core import parallel_state as ps
 
     if not ps.is_pipeline_last_stage(ignore_virtual=True) or not losses_reduced:
         return
+    rows = max(rows or 0, len(losses_reduced))
     for key in losses_reduced[0]:
-        val = torch.vstack([x[key].view(-1) for x in losses_reduced]).sum(dim=0)
+        vals = [x[key].view(-1) for x in losses_reduced]
+        first = vals[0]
+        stack = torch.empty((rows, first.numel()), dtype=first.dtype, device=first.device)
+        val = torch.vstack(vals, out=stack[: len(vals)]).sum(dim=0)
+        del stack
         torch.distributed.all_reduce(
             val, group=ps.get_data_parallel_group(with_context_parallel=True)
         )

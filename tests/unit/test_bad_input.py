@@ -135,6 +135,22 @@ def test_plan_gpu_memory_must_be_a_positive_number(capsys, value):
     assert "--gpu-memory-gib" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--config", DEBUG, "--gpu-memory-gib", "x" * 5000],  # not a run option
+        ["plan", "--config", DEBUG, "--gpus-per-node", "x" * 5000],  # not an int
+    ],
+)
+def test_command_line_errors_quote_an_excerpt_of_a_long_value(capsys, argv):
+    with pytest.raises(SystemExit) as exit:
+        in_process(*argv)
+    assert exit.value.code == 2
+    message = capsys.readouterr().err.splitlines()[-1]
+    assert message.startswith("metatrace") and "x" * 50 + "…" in message
+    assert len(message) < 200
+
+
 def test_a_layer_pattern_expression_is_bounded():
     from metatrace.config.resolve import list_expression
 
