@@ -551,15 +551,17 @@ def replayed_iteration(job, config, replay, *, deferred=None, extend: bool | Non
 
     total = job.num_microbatches
     counts = steady_counts(job, config, deferred) if extend is not False else None
-    if counts is not None and (extend or total > sum(counts)) and hasattr(os, "fork"):
+    tried = counts is not None and (extend or total > sum(counts)) and hasattr(os, "fork")
+    if tried:
         samples = [_forked(replay, m, total) for m in counts]
         fitted = steady.fit(samples) if all(s is not None for s in samples) else None
         if fitted is not None:
             return fitted.trace((total - counts[0]) // (counts[1] - counts[0]))
     if total >= _LONG:
+        why = " (its steady state did not check out)" if tried else ""
         print(
-            f"metatrace: replaying all {total} micro-batches of the iteration "
-            "(its steady state did not check out); this takes a while",
+            f"metatrace: replaying all {total} micro-batches of the iteration{why}; "
+            "this takes a while",
             file=sys.stderr,
         )
     return replay(total)
