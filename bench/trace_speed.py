@@ -1,18 +1,21 @@
 """Speed of whole-cluster traces against `python -c "import megatron.core"` on the same machine.
 
-Cases: Llama-2 70B, tp 8, pp 4 (32 GPUs), seq 4096, micro-batch 1 (every pipeline stage, the
-full model, one training iteration each); Llama-2 70B on 64 GPUs, tp 8, pp 4, dp 2
-(examples/llama2-70b-64gpu.yaml); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8,
-cp 2 (examples/llama3.1-405b-16k.yaml, without the full model); Mixtral 8x7B on 64 GPUs, pp 4,
-ep 8 (examples/mixtral-8x7b-64gpu.yaml). Prints the wall time of
-`metatrace run` (import, traces, iteration replay, memory and communication tables, JSON), the ratio to the import,
-the peak RSS of any process of the run, and the trace counts per role of the first case.
-Targets (the 70B case on 32 GPUs): ratio <= 3, RSS < 1.5 GB.
+    python bench/trace_speed.py [--runs N] [--only TEXT]
+
+Cases (issue 20's targets in brackets): Llama-2 70B, tp 8, pp 4, 32 GPUs, full model included
+(examples/llama2-70b-tp8-pp4.yaml) [ratio <= 1.3]; Llama-2 70B on 64 GPUs, dp 2
+(examples/llama2-70b-64gpu.yaml); Llama 3.1 405B on 16,384 GPUs, tp 8, pp 16, vpp 8, cp 2,
+without the full model (examples/llama3.1-405b-16k.yaml) [<= 1.5]; DeepSeek-V3 on 2,048 GPUs
+without the full model (examples/deepseek-v3-2048gpu.yaml) [<= 2]; Mixtral 8x7B on 64 GPUs,
+pp 4, ep 8 (examples/mixtral-8x7b-64gpu.yaml); `metatrace plan` for Llama-2 70B on 256 H100s
+[under 20 s]; `metatrace groups` of the 70B job (traces nothing). Prints each command's wall
+time (median of --runs), its ratio to the import, and the peak RSS of its processes; then the
+trace counts per role of the first case.
 """
 
+import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -20,55 +23,80 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _example(name: str) -> str:
+    return os.path.join(ROOT, "examples", name)
+
+
 CASES = [
-    ("llama2-70b tp8 pp4, 32 GPUs", os.path.join(ROOT, "examples", "llama2-70b-tp8-pp4.yaml"), []),
     (
-        "llama2-70b tp8 pp4 dp2, 64 GPUs",
-        os.path.join(ROOT, "examples", "llama2-70b-64gpu.yaml"),
-        [],
+        "llama2-70b tp8 pp4, 32 GPUs",
+        "1.3",
+        ["run", "--config", _example("llama2-70b-tp8-pp4.yaml")],
     ),
+    ("llama2-70b tp8 pp4 dp2, 64 GPUs", "", ["run", "--config", _example("llama2-70b-64gpu.yaml")]),
     (
         "llama3.1-405b tp8 pp16 vpp8 cp2, 16,384 GPUs",
-        os.path.join(ROOT, "examples", "llama3.1-405b-16k.yaml"),
-        ["--no-full-model"],
+        "1.5",
+        ["run", "--config", _example("llama3.1-405b-16k.yaml"), "--no-full-model"],
     ),
     (
-        "mixtral-8x7b pp4 ep8, 64 GPUs",
-        os.path.join(ROOT, "examples", "mixtral-8x7b-64gpu.yaml"),
-        [],
+        "deepseek-v3, 2,048 GPUs",
+        "2",
+        ["run", "--config", _example("deepseek-v3-2048gpu.yaml"), "--no-full-model"],
     ),
+    ("mixtral-8x7b pp4 ep8, 64 GPUs", "", ["run", "--config", _example("mixtral-8x7b-64gpu.yaml")]),
+    (
+        "plan llama2-70b, 256 H100s",
+        "20 s",
+        ["plan", "--model", "llama2-70b", "--num-gpus", "256", "--gpu", "h100"],
+    ),
+    ("groups llama2-70b, 32 GPUs", "", ["groups", "--config", _example("llama2-70b-tp8-pp4.yaml")]),
 ]
-RUNS = 3
 
 
-def timed(args):
+def timed(args) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MiB of the process and the children it waited for)."""
     start = time.perf_counter()
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(args)}")
+    return seconds, usage.ru_maxrss / 1024
 
 
 def main():
-    env_python = sys.executable
-    imports = [
-        timed([env_python, "-W", "ignore", "-c", "import megatron.core"]) for _ in range(RUNS)
-    ]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1, help="runs per command (median)")
+    parser.add_argument("--only", help="cases whose name contains this")
+    args = parser.parse_args()
+    python = sys.executable
+    imports = [timed([python, "-W", "ignore", "-c", "import megatron.core"])[0] for _ in range(3)]
     base = statistics.median(imports)
-    print(f"python -c 'import megatron.core': {base:.2f} s (median of {RUNS})")
-    for name, config, extra in CASES:
+    print(f"python -c 'import megatron.core': {base:.2f} s (median of 3)")
+    first = None
+    for name, target, argv in CASES:
+        if args.only and args.only not in name:
+            continue
         out = os.path.join(tempfile.mkdtemp(), "report.json")
-        cmd = [env_python, "-m", "metatrace", "run", "--config", config, "--json", out, *extra]
-        run = statistics.median(timed(cmd) for _ in range(RUNS))
-        target = " (target <= 3)" if config == CASES[0][1] else ""
+        cmd = [python, "-m", "metatrace", *argv] + (["--json", out] if argv[0] != "groups" else [])
+        runs = [timed(cmd) for _ in range(args.runs)]
+        wall = statistics.median(r[0] for r in runs)
+        rss = max(r[1] for r in runs)
+        goal = f" (target {'<= ' if 's' not in target else 'under '}{target})" if target else ""
         print(
-            f"metatrace run ({name}): {run:.2f} s (median of {RUNS}), ratio {run / base:.2f}"
-            + target
+            f"{name:<46} {wall:7.2f} s  ratio {wall / base:5.2f}{goal:<17} peak RSS {rss:6.0f} MiB",
+            flush=True,
         )
-        if config == CASES[0][1]:
+        if first is None and argv[0] == "run":
             first = out
-    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(f"peak RSS of any process: {rss_mib:.0f} MiB (target < 1536)")
-    out = first
-    report = json.load(open(out))
+    if first is None:
+        return
+    with open(first) as f:
+        report = json.load(f)
+    print("first case, per role:")
     for role in report["roles"] + [dict(report["full_model"], pp_stage="full")]:
         ops = sum(role["op_counts"].values())
         print(
