@@ -50,7 +50,19 @@ CASES = [
     (
         "plan llama2-70b, 256 H100s",
         "20 s",
-        ["plan", "--model", "llama2-70b", "--num-gpus", "256", "--gpu", "h100"],
+        [
+            "plan",
+            "--model",
+            "llama2-70b",
+            "--num-gpus",
+            "256",
+            "--gpu",
+            "h100",
+            "--seq",
+            "4096",
+            "--global-batch",
+            "512",
+        ],
     ),
     ("groups llama2-70b, 32 GPUs", "", ["groups", "--config", _example("llama2-70b-tp8-pp4.yaml")]),
 ]
