@@ -161,7 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     comm.set_defaults(func=cmd_comm)
 
-    groups = sub.add_parser("groups", help="print the rank groups megatron-core forms (no tracing)")
+    groups = sub.add_parser(
+        "groups",
+        help="print the rank groups megatron-core forms (no tracing; megatron-core's own checks "
+        "of the model settings run with the commands that trace)",
+    )
     common(groups, tree=False)
     which = groups.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, metavar="R", help="only the groups of global rank R")
@@ -482,7 +486,8 @@ def cmd_groups(args, console=None) -> int:
     world = World.from_job(job)
     if args.rank is not None and not 0 <= args.rank < world.size:
         raise ConfigError(f"--rank {args.rank} is not a rank of this job (0 to {world.size - 1})")
-    _check_with_megatron(job)
+    # The layout's checks are metatrace's own (config.checks, World): megatron-core's checks of
+    # the model and optimizer settings, seconds of import, wait for the commands that trace.
     console = _console(args, console)
     console.print(section("Configuration"))
     console.print(build_summary(job, world))

@@ -168,3 +168,17 @@ def test_bad_command_lines_exit_2_before_megatron_core(
     code, _ = in_process(*(a.format(tmp=tmp_path) for a in argv))
     assert code == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_groups_does_not_import_megatron_core():
+    """`groups` traces nothing: it answers without megatron-core's import (seconds)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from metatrace.cli import main; "
+        f"rc = main(['groups', '--config', {DEBUG!r}]); "
+        "print(rc, 'megatron.core' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-1] == "0 False"
