@@ -23,6 +23,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from metatrace.config.hardware import cublas_workspace_bytes
 from metatrace.config.userbuffers import userbuffers
@@ -31,20 +32,47 @@ from metatrace.world import Role, World
 
 
 def trace_job(
-    job, *, device: str = "meta", full_model: bool = True, progress=None, workers: int | None = None
+    job,
+    *,
+    device: str = "meta",
+    full_model: bool = True,
+    progress=None,
+    workers: int | None = None,
+    derive: bool = True,
 ) -> JobTrace:
     """Trace every role of `job` (and the unparallelised model when `full_model`).
 
     Roles are independent: with `workers` > 1 they are traced in that many forked processes
-    (default: the CPUs available, at most 4)."""
-    from metatrace.models.build import single_gpu_job
+    (default: the CPUs available, at most 4). With `derive`, a middle pipeline stage that does
+    the same work as one traced is derived from it (metatrace.tracing.stages)."""
+    from metatrace.models.build import single_gpu_job, transformer_config
+    from metatrace.tracing import stages
 
     progress = progress or (lambda message: None)
     start = time.perf_counter()
     world = World.from_job(job)
+    keys = (
+        stages.stage_keys(job, world, transformer_config(job))
+        if derive and world.layout.pp > 2
+        else {}
+    )
+    traced: list[Role] = []
+    like: dict[int, Role] = {}  # a stage -> the traced stage it is derived from
+    for role in world.roles():
+        same = next(
+            (t for t in traced if stages.same_work(keys.get(t.pp_stage), keys.get(role.pp_stage))),
+            None,
+        )
+        if same is None:
+            traced.append(role)
+        else:
+            like[role.pp_stage] = same
     tasks = [
-        (f"pipeline stage {role.pp_stage} (rank {role.rank})", (job, world, role, device, True))
-        for role in world.roles()
+        (
+            f"pipeline stage {role.pp_stage} (rank {role.rank})",
+            (job, world, role, device, True, None, bool(like)),
+        )
+        for role in traced
     ]
     if full_model:
         # First: the whole model on one GPU is the longest trace (all layers, all experts),
@@ -55,7 +83,7 @@ def trace_job(
             0,
             (
                 "the full model on one GPU",
-                (single, single_world, single_world.roles()[0], device, False),
+                (single, single_world, single_world.roles()[0], device, False, None, False),
             ),
         )
     if workers is None:
@@ -63,7 +91,28 @@ def trace_job(
     workers = max(1, min(workers, len(tasks)))
     results = _run_tasks(tasks, workers, progress)
     full = results.pop(0) if full_model else None
-    roles = results
+    micro = {}
+    if like:
+        micro = {rt.role.pp_stage: m for rt, m in results}
+        results = [rt for rt, _ in results]
+    by_stage = {rt.role.pp_stage: rt for rt in results}
+    # The stages that do the same work as a traced one: their micro-batch derived, their
+    # iteration replayed (it depends on the stage).
+    more = []
+    for role in world.roles():
+        source = like.get(role.pp_stage)
+        if source is None:
+            continue
+        shifts = [b[0] - a[0] for a, b in zip(keys[source.pp_stage], keys[role.pp_stage])]
+        first = by_stage[source.pp_stage]
+        trace = stages.derive(first.trace, role.rank, world, shifts, first.chunks)
+        given = micro[source.pp_stage]._replace(trace=trace) if trace is not None else None
+        label = f"pipeline stage {role.pp_stage} (rank {role.rank})"
+        more.append((label, (job, world, role, device, True, given, False)))
+    if more:
+        for rt in _run_tasks(more, max(1, min(workers, len(more))), progress):
+            by_stage[rt.role.pp_stage] = rt
+    roles = [by_stage[role.pp_stage] for role in world.roles()]
     return JobTrace(
         job=job,
         world=world,
@@ -74,11 +123,11 @@ def trace_job(
 
 
 def _trace_task(args):
-    job, world, role, device, iteration = args
+    job, world, role, device, iteration, micro, keep = args
     import torch
 
     torch.set_num_threads(1)
-    return trace_role(job, world, role, device=device, iteration=iteration)
+    return trace_role(job, world, role, device=device, iteration=iteration, micro=micro, keep=keep)
 
 
 def _run_tasks(tasks, workers: int, progress) -> list:
@@ -114,9 +163,15 @@ def trace_role(
     iteration: bool = True,
     real_steps: bool = False,
     extend: bool | None = None,
+    micro: Microbatch | None = None,
+    keep: bool = False,
 ):
     """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
     and, when `iteration`, a whole iteration.
+
+    `micro`: the micro-batch's records and what the replay needs of it, derived from a stage
+    that does the same work (metatrace.tracing.stages), instead of tracing it; with `keep`,
+    return (RoleTrace, Microbatch).
 
     `device` is where the model runs (meta, or cpu for real tensors); `also_track` names more
     device types whose tensors the recorder follows (e.g. "cpu" on meta, to compare a meta trace
@@ -131,11 +186,11 @@ def trace_role(
 
     from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
     from metatrace.hooks.fake_world import fake_world, named_groups
-    from metatrace.hooks.offload import OffloadLog, reset_manager
+    from metatrace.hooks.offload import reset_manager
     from metatrace.hooks.optimizer_offload import offload_record
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.recorder import Recorder
-    from metatrace.hooks.remap import cublas_workspaces, remap_cuda
+    from metatrace.hooks.remap import remap_cuda
     from metatrace.models.build import (
         build_model_chunks,
         build_optimizer,
@@ -146,9 +201,8 @@ def trace_role(
     )
     from metatrace.models.te_runtime import te_process
     from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
-    from metatrace.tracing.graphs import capture_plan, static_buffers
+    from metatrace.tracing.graphs import capture_plan
     from metatrace.tracing.iteration import Unrecorded, replayed_iteration, run_iteration
-    from metatrace.tracing.overlap import delayed_wgrad
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -190,25 +244,21 @@ def trace_role(
             rank=rank,
             outside=list(te_state.userbuffers.values()),
         )
-        with recorder(static=static) as rec:
-            with contextlib.ExitStack() as stack:
-                # The workspaces live on after the recorder stops, as they do on a GPU.
-                workspaces = stack.enter_context(cublas_workspaces(device, workspace))
-                # So do CUDA graphs' static buffers.
-                captured = stack.enter_context(static_buffers(job, plan, device))
-                for chunk in model:
-                    stack.enter_context(chunk.no_sync())
-                # What megatron-core's activation offloading moves, in its warm-up mode (every
-                # group offloaded, reloads on demand; memory.offload_slots has the steady state).
-                logged = offloading or layer_offloading
-                log = stack.enter_context(OffloadLog(rec)) if logged else None
-                # delay_wgrad_compute: backward_dw where the combined 1F1B calls it.
-                stack.enter_context(delayed_wgrad(model))
-                shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
-        trace = rec.trace()
-        record = log.record() if log is not None else None
+        if micro is not None:
+            trace, shapes, deferred, record = micro
+        else:
+            trace, shapes, deferred, record = _microbatch(
+                job,
+                config,
+                model,
+                recorder,
+                static,
+                device,
+                workspace,
+                plan,
+                offloading or layer_offloading,
+            )
         reset_manager()  # the iteration starts with a new one, as training does
-        del workspaces, captured
         steady = None
         if iteration:
             last_stage = role.pp_stage == job.parallel.pp - 1
@@ -258,7 +308,7 @@ def trace_role(
                 steady = replay(job.num_microbatches)
             else:  # from a few short replays where the steady state allows (iteration.py)
                 steady = replayed_iteration(job, config, replay, deferred=kept, extend=extend)
-    return RoleTrace(
+    traced = RoleTrace(
         role=role,
         trace=trace,
         chunks=tuple(prefixes),
@@ -267,6 +317,45 @@ def trace_role(
         offload=record,
         host_optimizer=offload_record(optimizer) if steady is not None else None,
     )
+    return (traced, Microbatch(trace, shapes, deferred, record)) if keep else traced
+
+
+class Microbatch(NamedTuple):
+    """A traced micro-batch and what the iteration's replay takes from it."""
+
+    trace: Any
+    shapes: Any
+    """iteration.StepShape per chunk."""
+    deferred: Any
+    """iteration.Deferred, or None."""
+    record: Any
+    """The OffloadRecord of activation offloading, or None."""
+
+
+def _microbatch(job, config, model, recorder, static, device, workspace, plan, logged):
+    """Trace one micro-batch of `model` (run_microbatch under a recorder): a Microbatch."""
+    from metatrace.hooks.offload import OffloadLog
+    from metatrace.hooks.remap import cublas_workspaces
+    from metatrace.tracing.graphs import static_buffers
+    from metatrace.tracing.overlap import delayed_wgrad
+
+    with recorder(static=static) as rec:
+        with contextlib.ExitStack() as stack:
+            # The workspaces live on after the recorder stops, as they do on a GPU.
+            workspaces = stack.enter_context(cublas_workspaces(device, workspace))
+            # So do CUDA graphs' static buffers.
+            captured = stack.enter_context(static_buffers(job, plan, device))
+            for chunk in model:
+                stack.enter_context(chunk.no_sync())
+            # What megatron-core's activation offloading moves, in its warm-up mode (every
+            # group offloaded, reloads on demand; memory.offload_slots has the steady state).
+            log = stack.enter_context(OffloadLog(rec)) if logged else None
+            # delay_wgrad_compute: backward_dw where the combined 1F1B calls it.
+            stack.enter_context(delayed_wgrad(model))
+            shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
+    traced = Microbatch(rec.trace(), shapes, deferred, log.record() if log is not None else None)
+    del workspaces, captured  # after the recorder: not freed in the micro-batch
+    return traced
 
 
 def _live_tensors(devices) -> list:
