@@ -109,7 +109,8 @@ def main():
     with open(first) as f:
         report = json.load(f)
     print("first case, per role:")
-    for role in report["roles"] + [dict(report["full_model"], pp_stage="full")]:
+    full = [dict(report["full_model"], pp_stage="full")] if report.get("full_model") else []
+    for role in report["roles"] + full:
         ops = sum(role["op_counts"].values())
         print(
             f"  stage {role['pp_stage']}: layers {len(role['layers'])}, operators {ops}, "
