@@ -1060,6 +1060,10 @@ PATCHES += tuple(
 )
 
 
+_RECOMPILED: dict = {}
+"""(original function, statement) -> the code of its source without the statement."""
+
+
 def _without_statement(statement: str):
     """The original function recompiled from its source without `statement` (one line that must
     occur exactly once, else PatchError: the source changed and the patch needs a look)."""
@@ -1070,16 +1074,21 @@ def _without_statement(statement: str):
 
         if getattr(orig, "_metatrace_without", None) == statement:
             return orig  # megatron_patches nested: already the patched function
-        source = textwrap.dedent(inspect.getsource(orig))
-        if source.count(statement) != 1:
-            raise PatchError(
-                f"{orig.__qualname__}: expected the statement {statement!r} once in its source, "
-                f"found it {source.count(statement)} times; update the patch"
-            )
-        indent = source[: source.index(statement)].rsplit("\n", 1)[1]
-        source = source.replace(indent + statement, indent + "pass", 1)
+        code = _RECOMPILED.get((orig, statement))
+        if code is None:  # reading and compiling the source: milliseconds, once per process
+            source = textwrap.dedent(inspect.getsource(orig))
+            if source.count(statement) != 1:
+                raise PatchError(
+                    f"{orig.__qualname__}: expected the statement {statement!r} once in its "
+                    f"source, found it {source.count(statement)} times; update the patch"
+                )
+            indent = source[: source.index(statement)].rsplit("\n", 1)[1]
+            source = source.replace(indent + statement, indent + "pass", 1)
+            code = compile(source, inspect.getsourcefile(orig) or "<patched>", "exec")
+            _RECOMPILED[(orig, statement)] = code
+        # The module's globals as they are now (other patches of the same module applied).
         namespace = dict(vars(inspect.getmodule(orig)))
-        exec(compile(source, inspect.getsourcefile(orig) or "<patched>", "exec"), namespace)
+        exec(code, namespace)
         replacement = namespace[orig.__name__]
         replacement.__qualname__ = orig.__qualname__
         replacement._metatrace_without = statement
