@@ -1124,8 +1124,8 @@ _NVTE_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 def _resolve(patch: Patch):
     """(owner, attribute name) of the patch's target; PatchError when its module or any
     attribute on the way is missing (the last one too, unless the patch `creates` it)."""
-    try:
-        owner = importlib.import_module(patch.module)
+    try:  # sys.modules first: megatron_patches is entered thousands of times by `plan`
+        owner = sys.modules.get(patch.module) or importlib.import_module(patch.module)
     except ImportError as e:
         raise _missing(patch, f"module {patch.module} does not import ({e})") from e
     *path, attr = patch.target.split(".")
