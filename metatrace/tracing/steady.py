@@ -153,12 +153,8 @@ class Steady:
         """The iteration of M0 + n*P micro-batches (its records built when first read)."""
         return ExtendedTrace(self, n)
 
-    def fields(self, n: int) -> dict:
-        """The Trace fields of the iteration of M0 + n*P micro-batches that depend on n."""
-        return {name: self.field(n, name) for name in _LAZY}
-
     def field(self, n: int, name: str):
-        """One of them."""
+        """A Trace field of the iteration of M0 + n*P micro-batches that depends on n (_LAZY)."""
         if name in KINDS:
             return tuple(self.series[name].records(n))
         if name == "collective_flops":

@@ -88,8 +88,7 @@ def trace_job(
         )
     if workers is None:
         workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    workers = max(1, min(workers, len(tasks)))
-    results = _run_tasks(tasks, workers, progress)
+    results = _run_tasks(tasks, max(1, min(workers, len(tasks))), progress)
     full = results.pop(0) if full_model else None
     micro = {}
     if like:
