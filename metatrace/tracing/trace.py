@@ -88,29 +88,32 @@ def trace_job(
         )
     if workers is None:
         workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    results = _run_tasks(tasks, max(1, min(workers, len(tasks))), progress)
+
+    def derived(i: int, result) -> list:
+        """The stages that do the same work as the one task i traced: their micro-batch
+        derived, their iteration replayed (it depends on the stage)."""
+        if not like or (full_model and i == 0):
+            return []
+        first, micro = result
+        out = []
+        for role in world.roles():
+            if like.get(role.pp_stage) != first.role:
+                continue
+            source = first.role.pp_stage
+            shifts = [b[0] - a[0] for a, b in zip(keys[source], keys[role.pp_stage])]
+            trace = stages.derive(first.trace, role.rank, world, shifts, first.chunks)
+            given = micro._replace(trace=trace) if trace is not None else None
+            label = f"pipeline stage {role.pp_stage} (rank {role.rank})"
+            out.append((label, (job, world, role, device, True, given, False)))
+        return out
+
+    pool = max(1, min(workers, len(tasks) + len(like)))
+    results = _run_tasks(tasks, pool, progress, then=derived)
     full = results.pop(0) if full_model else None
-    micro = {}
-    if like:
-        micro = {rt.role.pp_stage: m for rt, m in results}
-        results = [rt for rt, _ in results]
-    by_stage = {rt.role.pp_stage: rt for rt in results}
-    # The stages that do the same work as a traced one: their micro-batch derived, their
-    # iteration replayed (it depends on the stage).
-    more = []
-    for role in world.roles():
-        source = like.get(role.pp_stage)
-        if source is None:
-            continue
-        shifts = [b[0] - a[0] for a, b in zip(keys[source.pp_stage], keys[role.pp_stage])]
-        first = by_stage[source.pp_stage]
-        trace = stages.derive(first.trace, role.rank, world, shifts, first.chunks)
-        given = micro[source.pp_stage]._replace(trace=trace) if trace is not None else None
-        label = f"pipeline stage {role.pp_stage} (rank {role.rank})"
-        more.append((label, (job, world, role, device, True, given, False)))
-    if more:
-        for rt in _run_tasks(more, max(1, min(workers, len(more))), progress):
-            by_stage[rt.role.pp_stage] = rt
+    by_stage = {}
+    for result in results:
+        rt = result[0] if isinstance(result, tuple) else result
+        by_stage[rt.role.pp_stage] = rt
     roles = [by_stage[role.pp_stage] for role in world.roles()]
     return JobTrace(
         job=job,
@@ -129,26 +132,40 @@ def _trace_task(args):
     return trace_role(job, world, role, device=device, iteration=iteration, micro=micro, keep=keep)
 
 
-def _run_tasks(tasks, workers: int, progress) -> list:
-    """RoleTraces of `tasks` in order, in this process or in `workers` forked ones."""
+def _run_tasks(tasks, workers: int, progress, then=None) -> list:
+    """Results of `tasks` in order, in this process or in `workers` forked ones; then those of
+    the tasks `then(i, result)` adds once task i is done (in the order they were added)."""
+    then = then or (lambda i, result: [])
     if workers == 1:
-        out = []
-        for label, args in tasks:
+        out, more = [], []
+        for i, (label, args) in enumerate(tasks):
+            progress(f"tracing {label}")
+            out.append(_trace_task(args))
+            more += then(i, out[-1])
+        for label, args in more:
             progress(f"tracing {label}")
             out.append(_trace_task(args))
         return out
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     progress(f"tracing {len(tasks)} roles in {workers} processes")
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = [pool.submit(_trace_task, args) for _, args in tasks]
-        out = []
-        for (label, _), future in zip(tasks, futures):
-            out.append(future.result())
-            progress(f"traced {label}")
-        return out
+        labels = [label for label, _ in tasks]
+        first = len(futures)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                i = futures.index(future)
+                progress(f"traced {labels[i]}")
+                for label, args in then(i, future.result()) if i < first else []:
+                    futures.append(pool.submit(_trace_task, args))
+                    labels.append(label)
+                    pending.add(futures[-1])
+        return [future.result() for future in futures]
 
 
 def trace_role(

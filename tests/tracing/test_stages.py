@@ -87,7 +87,7 @@ def test_derived_stages_are_the_traced_ones(layout, monkeypatch):
         return out
 
     monkeypatch.setattr(stages, "derive", spy)
-    fast = trace_job(job, full_model=False, workers=1)
+    fast = trace_job(job, full_model=False, workers=2)  # the derived stages follow in the pool
     full = trace_job(job, full_model=False, workers=1, derive=False)
     assert set(derived) == expected
     for a, b in zip(fast.roles, full.roles):
