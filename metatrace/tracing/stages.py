@@ -13,7 +13,8 @@ and run the same operators on the same shapes: their micro-batch's records diffe
 
 A layer's kind is everything megatron-core decides from its global layer number: dense or MoE
 (`moe_layer_freq`), windowed attention (`window_attn_skip_freq`), and any per-layer list of
-the TransformerConfig (`no_rope_freq`, ...); FP8 layers kept in BF16 at the start and end.
+the TransformerConfig (`no_rope_freq`, ...). FP8 jobs are not derived (`derivable`), so
+which FP8 layers stay in BF16 does not enter it.
 `derive` checks that every group the traced stage used is the world's group of that kind for
 its rank (and returns None otherwise: the stage is traced). Each stage's iteration is replayed
 from its own model (the schedule's warm-up depends on the stage), from the derived micro-batch."""
@@ -86,11 +87,7 @@ def _kind(config, index: int) -> tuple:
         if isinstance(value, (list, tuple)) and len(value) == n and n > 1
     )
     window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, index + 1)
-    bf16 = bool(getattr(config, "first_last_layers_bf16", False)) and (
-        index < getattr(config, "num_layers_at_start_in_bf16", 0)
-        or index >= n - getattr(config, "num_layers_at_end_in_bf16", 0)
-    )
-    return (lists, window, bf16)
+    return (lists, window)
 
 
 def derive(trace: Trace, rank: int, world, shifts: list[int], chunks) -> Trace | None:
