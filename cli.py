@@ -362,7 +362,7 @@ def cmd_run(args, console=None) -> int:
     from metatrace.planning.search import max_micro_batch
     from metatrace.render.run import render_run, render_search
     from metatrace.render.summary import build_run_summary, build_verdict
-    from metatrace.tracing.trace import trace_job
+    from metatrace.tracing.trace import shared_workers, trace_job
 
     _check_depth(args)
     if args.quiet and (args.summary or args.detail):
@@ -394,11 +394,12 @@ def cmd_run(args, console=None) -> int:
     progress = _progress(console, args)
     search = None
     if args.max_mbs:
-        search = max_micro_batch(
-            job,
-            lambda j: trace_job(j, full_model=False, progress=progress, workers=args.jobs),
-            progress,
-        )
+        with shared_workers():
+            search = max_micro_batch(
+                job,
+                lambda j: trace_job(j, full_model=False, progress=progress, workers=args.jobs),
+                progress,
+            )
         analysis = search.analysis
     else:
         analysis = analyze(
@@ -631,9 +632,13 @@ def cmd_diff(args, console=None) -> int:
     for given in sides:
         if not isinstance(given, dict):
             _check_with_megatron(given)
-    a, b = (
-        _side_report(side, given, args, progress) for side, given in zip((args.a, args.b), sides)
-    )
+    from metatrace.tracing.trace import shared_workers
+
+    with shared_workers():
+        a, b = (
+            _side_report(side, given, args, progress)
+            for side, given in zip((args.a, args.b), sides)
+        )
     labels = (_side_label(args.a, sides[0]), _side_label(args.b, sides[1]))
     diff = diff_reports(a, b, labels)
     render_diff(diff, console, all_rows=args.all)
@@ -678,7 +683,7 @@ def cmd_plan(args, console=None) -> int:
     from metatrace.export.report import job_report, write_json
     from metatrace.planning.plan import plan, plan_report
     from metatrace.render.plan import render_plan
-    from metatrace.tracing.trace import trace_job
+    from metatrace.tracing.trace import shared_workers, trace_job
 
     _check_depth(args)
     _check_jobs(args)
@@ -700,14 +705,17 @@ def cmd_plan(args, console=None) -> int:
             if bar:
                 bar.update(task, completed=done, description=text)
 
-        result = plan(
-            job,
-            num_gpus,
-            top=args.top,
-            budget=args.max_traces,
-            progress=progress,
-            trace=lambda j: job_report(analyze(trace_job(j, full_model=False, workers=args.jobs))),
-        )
+        with shared_workers():
+            result = plan(
+                job,
+                num_gpus,
+                top=args.top,
+                budget=args.max_traces,
+                progress=progress,
+                trace=lambda j: job_report(
+                    analyze(trace_job(j, full_model=False, workers=args.jobs))
+                ),
+            )
         if bar:
             bar.update(task, completed=args.max_traces, description="done")
     ranked = result.ranked()

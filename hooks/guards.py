@@ -70,10 +70,58 @@ def parse_release(version: str) -> tuple[int, ...]:
     return numbers + (0,) * (3 - len(numbers))
 
 
+# megatron.core.jit binds jit_fuser to torch.compile when megatron-core is imported, and importing
+# torch.compile's machinery (dynamo, inductor, sympy's users) is about half of megatron-core's
+# import (3 of 6 s, measured with python -X importtime). Traces run those functions eagerly, so
+# import_megatron_core() imports megatron-core with torch.compile deferred: a decorated function
+# runs eagerly inside megatron_patches() and is compiled by the real torch.compile on its first
+# call outside (a real run's, e.g. `metatrace measure` on a GPU), as torch.compile compiles on the
+# first call too. megatron-core 0.16.1 (megatron/core/jit.py) binds it so with torch >= 2.2.
+EAGER = [0]
+"""How many megatron_patches() contexts are open: deferred functions run eagerly inside."""
+
+
+def _deferred_compile(model=None, **options):
+    """torch.compile(model, **options), compiled on the first call made outside a trace."""
+    import functools
+
+    import torch
+
+    if model is None:  # @torch.compile(options...)
+        return functools.partial(_deferred_compile, **options)
+    compiled = None
+
+    @functools.wraps(model)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if EAGER[0]:
+            return model(*args, **kwargs)
+        if compiled is None:  # torch.compile is torch's again once megatron-core is imported
+            compiled = torch.compile(model, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def import_megatron_core():
+    """megatron.core, imported (the first time) with torch.compile deferred (above)."""
+    import sys
+
+    if "megatron.core" not in sys.modules:
+        import torch
+
+        compile_now = torch.compile
+        torch.compile = _deferred_compile
+        try:
+            import megatron.core  # noqa: F401
+        finally:
+            torch.compile = compile_now
+    return sys.modules["megatron.core"]
+
+
 def installed_release() -> tuple[str, tuple[int, ...]]:
     """The installed megatron-core's version string and release numbers."""
-    from megatron.core import package_info
-
+    package_info = import_megatron_core().package_info
     return package_info.__version__, parse_release(package_info.__version__)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from metatrace.hooks import meta_kernels
+from metatrace.hooks import guards, meta_kernels
 from metatrace.hooks.guards import PatchError, Versions, check_megatron_core, installed_release
 
 
@@ -1230,15 +1230,20 @@ def _extension_modules():
 def _dynamo_disabled():
     """megatron-core decorates its fused kernels with torch.compile (megatron.core.jit);
     compiling for meta tensors is slow and pointless, and the autograd functions around those
-    kernels decide what is saved for backward, so eager execution keeps the same tensors."""
-    import torch._dynamo
-
-    _orig_disable = torch._dynamo.config.disable
-    torch._dynamo.config.disable = True
+    kernels decide what is saved for backward, so eager execution keeps the same tensors.
+    Deferred ones (guards.import_megatron_core) run eagerly; with megatron-core imported before,
+    dynamo is disabled (never imported here: that alone takes a second)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    _orig_disable = dynamo.config.disable if dynamo is not None else None
+    if dynamo is not None:
+        dynamo.config.disable = True
+    guards.EAGER[0] += 1
     try:
         yield
     finally:
-        torch._dynamo.config.disable = _orig_disable
+        guards.EAGER[0] -= 1
+        if dynamo is not None:
+            dynamo.config.disable = _orig_disable
 
 
 _COALESCED = (

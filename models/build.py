@@ -43,11 +43,35 @@ def _activations():
     }
 
 
-def transformer_config(job, *, cuda_graphs: bool = False):
+_VERDICTS: dict = {}
+"""{the arguments of a TransformerConfig or OptimizerConfig: megatron-core's refusal, or None}:
+its checks read nothing else, so a process asks once (the planner checks thousands of layouts
+that differ only in what the configs do not hold, such as dp and the micro-batch size)."""
+
+
+def _arguments(config_class, fields: dict) -> tuple:
+    """`fields` as a key of _VERDICTS (lists as tuples)."""
+
+    def frozen(value):
+        if isinstance(value, (list, tuple)):
+            value = tuple(value)
+            try:
+                hash(value)
+            except TypeError:
+                return tuple(frozen(v) for v in value)
+        return value
+
+    return (config_class, tuple((k, frozen(v)) for k, v in fields.items()))
+
+
+def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = False):
     """megatron-core's TransformerConfig for `job`; megatron-core's own checks become ConfigError.
     The model is traced eagerly: its CUDA-graph settings are in the config only with
     `cuda_graphs` (megatron-core's checks of them, and the capture's static inputs:
-    metatrace.tracing.graphs)."""
+    metatrace.tracing.graphs). `check_only`: the checks alone (None; remembered, _VERDICTS)."""
+    from metatrace.hooks.guards import import_megatron_core
+
+    import_megatron_core()  # before any other import of megatron-core: it defers torch.compile
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -210,11 +234,21 @@ def transformer_config(job, *, cuda_graphs: bool = False):
     from metatrace.config import GPU_ARCH
     from metatrace.hooks.patches import megatron_patches
 
+    key = _arguments(config_class, fields)
+    if key in _VERDICTS:
+        if _VERDICTS[key] is not None:
+            raise ConfigError(_VERDICTS[key])
+        if check_only:
+            return None
     with megatron_patches():  # its checks look for the fused kernels metatrace stands in for
         try:
             config = config_class(**fields)
         except (ValueError, AssertionError, TypeError) as e:
-            raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
+            _VERDICTS[key] = f"megatron-core rejects this configuration: {e}"
+            raise ConfigError(_VERDICTS[key]) from None
+    _VERDICTS[key] = None
+    if check_only:
+        return None
     # What the Transformer Engine stand-ins choose by (FP8 layouts differ between Hopper and
     # Blackwell); not a megatron-core field.
     config.metatrace_gpu_arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
@@ -441,36 +475,51 @@ _FSDP_BUFFERS = {
 }
 
 
-def optimizer_config(job):
-    """megatron-core's OptimizerConfig as Megatron-LM's get_megatron_optimizer_config fills it."""
+def optimizer_config(job, *, check_only: bool = False):
+    """megatron-core's OptimizerConfig as Megatron-LM's get_megatron_optimizer_config fills it.
+    `check_only`: megatron-core's checks alone, its refusal a ConfigError (remembered,
+    _VERDICTS)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from metatrace.hooks.patches import te_optimizers_importable
+    from metatrace.hooks.patches import megatron_patches, te_optimizers_importable
 
     tr = job.training
-    with te_optimizers_importable():
-        return OptimizerConfig(
-            optimizer=tr.optimizer,
-            lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
-            bf16=tr.precision in ("bf16", "fp8"),
-            fp16=tr.precision == "fp16",
-            params_dtype=DTYPES[tr.precision],
-            use_distributed_optimizer=tr.distributed_optimizer,
-            overlap_param_gather=tr.overlap_param_gather,
-            overlap_param_gather_with_optimizer_step=tr.overlap_param_gather_with_optimizer_step,
-            use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
-            main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
-            main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
-            exp_avg_dtype=_OPT_DTYPES[tr.exp_avg_dtype],
-            exp_avg_sq_dtype=_OPT_DTYPES[tr.exp_avg_sq_dtype],
-            sgd_momentum=tr.sgd_momentum,
-            clip_grad=tr.clip_grad,
-            log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
-            fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
-            optimizer_cpu_offload=tr.optimizer_cpu_offload,
-            optimizer_offload_fraction=tr.optimizer_offload_fraction,
-            overlap_cpu_optimizer_d2h_h2d=tr.overlap_cpu_optimizer_d2h_h2d,
-        )
+    fields = dict(
+        optimizer=tr.optimizer,
+        lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
+        bf16=tr.precision in ("bf16", "fp8"),
+        fp16=tr.precision == "fp16",
+        params_dtype=DTYPES[tr.precision],
+        use_distributed_optimizer=tr.distributed_optimizer,
+        overlap_param_gather=tr.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=tr.overlap_param_gather_with_optimizer_step,
+        use_precision_aware_optimizer=tr.use_precision_aware_optimizer,
+        main_grads_dtype=_OPT_DTYPES[tr.main_grads_dtype],
+        main_params_dtype=_OPT_DTYPES[tr.main_params_dtype],
+        exp_avg_dtype=_OPT_DTYPES[tr.exp_avg_dtype],
+        exp_avg_sq_dtype=_OPT_DTYPES[tr.exp_avg_sq_dtype],
+        sgd_momentum=tr.sgd_momentum,
+        clip_grad=tr.clip_grad,
+        log_num_zeros_in_grad=tr.log_num_zeros_in_grad,
+        fp8_recipe=tr.fp8_recipe if tr.precision == "fp8" else None,
+        optimizer_cpu_offload=tr.optimizer_cpu_offload,
+        optimizer_offload_fraction=tr.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=tr.overlap_cpu_optimizer_d2h_h2d,
+    )
+    if not check_only:
+        with te_optimizers_importable():
+            return OptimizerConfig(**fields)
+    key = _arguments(OptimizerConfig, fields)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = None
+        with megatron_patches(), te_optimizers_importable():
+            try:
+                OptimizerConfig(**fields)
+            except (ValueError, AssertionError, TypeError) as e:
+                _VERDICTS[key] = f"megatron-core rejects this optimizer configuration: {e}"
+    if _VERDICTS[key] is not None:
+        raise ConfigError(_VERDICTS[key])
+    return None
 
 
 def build_optimizer(job, model):

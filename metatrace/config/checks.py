@@ -7,6 +7,7 @@ megatron-core's own `TransformerConfig` checks run afterwards, before any trace
 
 from __future__ import annotations
 
+import functools
 import re
 
 from metatrace.config.hardware import GPU_ARCH
@@ -820,16 +821,20 @@ _MOE_KEYS = (
 
 def _given(job, paths) -> list[str]:
     """The `section.key` paths of `paths` whose value is not the key's default."""
-    import dataclasses
-
     out = []
     for path in paths:
         section, key = path.split(".")
         values = getattr(job, section)
-        default = next(f.default for f in dataclasses.fields(values) if f.name == key)
-        if getattr(values, key) != default:
+        if getattr(values, key) != _default(type(values), key):
             out.append(path)
     return out
+
+
+@functools.cache
+def _default(cls, key: str):
+    import dataclasses
+
+    return next(f.default for f in dataclasses.fields(cls) if f.name == key)
 
 
 _FLEX_KEYS = ("parallel.moe_flex_dispatcher_backend", "parallel.moe_deepep_num_sms")

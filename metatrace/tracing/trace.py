@@ -132,11 +132,51 @@ def _trace_task(args):
     return trace_role(job, world, role, device=device, iteration=iteration, micro=micro, keep=keep)
 
 
+_SHARED: dict = {"depth": 0, "pool": None, "workers": 0}
+
+
+@contextlib.contextmanager
+def shared_workers():
+    """Inside, every trace_job reuses one pool of worker processes, forked when the first needs
+    it: what a worker imports and learns in its first trace (about 2 s: megatron-core's model,
+    optimizer and schedule modules, torch's dynamo, the meta memo) serves the traces after it.
+    For commands that trace one job after another (`plan`, `--max-mbs`, `diff`); a worker is
+    forked from the process as it is then, so nothing changed after that reaches it."""
+    _SHARED["depth"] += 1
+    try:
+        yield
+    finally:
+        _SHARED["depth"] -= 1
+        if not _SHARED["depth"] and _SHARED["pool"] is not None:
+            _SHARED["pool"].shutdown()
+            _SHARED["pool"] = None
+
+
+@contextlib.contextmanager
+def _executor(workers: int):
+    """A process pool of at least `workers` forked workers: the shared one inside
+    shared_workers(), else one of its own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("fork")
+    if not _SHARED["depth"]:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            yield pool
+        return
+    if _SHARED["pool"] is None or _SHARED["workers"] < workers:
+        if _SHARED["pool"] is not None:
+            _SHARED["pool"].shutdown()
+        _SHARED["pool"] = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        _SHARED["workers"] = workers
+    yield _SHARED["pool"]
+
+
 def _run_tasks(tasks, workers: int, progress, then=None) -> list:
     """Results of `tasks` in order, in this process or in `workers` forked ones; then those of
     the tasks `then(i, result)` adds once task i is done (in the order they were added)."""
     then = then or (lambda i, result: [])
-    if workers == 1:
+    if workers == 1 and not (_SHARED["depth"] and _SHARED["pool"] is not None):
         out, more = [], []
         for i, (label, args) in enumerate(tasks):
             progress(f"tracing {label}")
@@ -146,12 +186,10 @@ def _run_tasks(tasks, workers: int, progress, then=None) -> list:
             progress(f"tracing {label}")
             out.append(_trace_task(args))
         return out
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     progress(f"tracing {len(tasks)} roles in {workers} processes")
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with _executor(workers) as pool:
         futures = [pool.submit(_trace_task, args) for _, args in tasks]
         labels = [label for label, _ in tasks]
         first = len(futures)

@@ -415,3 +415,45 @@ def test_a_changed_provider_signature_is_named():
         "MetaLocalSpecProvider.layer_norm(self, rms_norm, for_qk) overrides "
         "Newer.layer_norm(self, rms_norm, for_qk, has_residual)"
     ]
+
+
+def test_megatron_core_imports_without_the_compiler():
+    """import_megatron_core defers megatron-core's torch.compile: a fresh interpreter imports
+    megatron-core and enters the patches without importing inductor, and jit_fuser is the
+    deferred compile (with it, inductor comes in: the check can fail)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from metatrace.hooks.guards import import_megatron_core\n"
+        "from metatrace.hooks.patches import megatron_patches\n"
+        "import_megatron_core()\n"
+        "with megatron_patches():\n"
+        "    pass\n"
+        "from megatron.core import jit\n"
+        "print(jit.jit_fuser.__name__, 'torch._inductor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["_deferred_compile", "False"]
+
+
+def test_a_deferred_function_runs_eagerly_in_a_trace_and_compiles_once_outside(monkeypatch):
+    import torch
+
+    from metatrace.hooks import guards
+
+    compiled = []
+
+    def fake_compile(fn, **options):
+        compiled.append(options)
+        return lambda *args: ("compiled", fn(*args))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    double = guards._deferred_compile(mode="max-autotune")(lambda x: 2 * x)
+    with megatron_patches():
+        assert double(torch.tensor(3)).item() == 6
+    assert compiled == []
+    assert double(1) == ("compiled", 2)
+    assert double(2) == ("compiled", 4)
+    assert compiled == [{"mode": "max-autotune"}]

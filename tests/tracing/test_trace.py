@@ -288,3 +288,23 @@ def test_optimizer_instances_trace_with_the_full_model():
     )
     jt = trace_job(job, workers=1)
     assert jt.full is not None and all(rt.iteration is not None for rt in jt.roles)
+
+
+def test_shared_workers_trace_jobs_in_the_same_processes_with_the_same_records():
+    """Inside shared_workers() one pool serves successive trace_jobs: the second job runs in
+    the processes the first forked, and every role's records are those of a job traced in a
+    pool of its own."""
+    from metatrace.tracing import trace as tracing
+
+    jobs = [small_job(parallel={"pp": 2}), small_job(parallel={"tp": 2, "pp": 2})]
+    alone = [trace_job(job, full_model=False, workers=2) for job in jobs]
+    shared, pids = [], []
+    with tracing.shared_workers():
+        for job in jobs:
+            shared.append(trace_job(job, full_model=False, workers=2))
+            pids.append(set(tracing._SHARED["pool"]._processes))
+    assert tracing._SHARED["pool"] is None  # shut down on exit
+    assert len(pids[0]) == 2 and pids[0] == pids[1]
+    for a, b in zip(alone, shared):
+        for x, y in zip(a.roles, b.roles):
+            assert x.trace == y.trace and x.iteration == y.iteration
