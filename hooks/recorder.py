@@ -26,6 +26,7 @@ import contextlib
 import weakref
 from collections import Counter
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,21 @@ class _Storages:
         return self.live[sid][1] if sid in self.live else 0
 
 
+def _by_name(counts: Counter) -> dict[str, int]:
+    named: dict[str, int] = {}
+    for func, n in counts.items():
+        name = str(func)
+        named[name] = named.get(name, 0) + n
+    return named
+
+
 class _Dispatch(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says no:
+        # nothing here is compiled, and the wrapper imports dynamo (0.9 s in each worker).
+        return False
+
     def __init__(self, recorder: Recorder):
         super().__init__()
         self.rec = recorder
@@ -286,6 +301,7 @@ class Recorder:
         self._collectives: list[Collective] = []
         self._saved: list[Saved] = []
         self._memory: list[MemEvent] = []
+        # Operator counts by operator (named in trace() and mark(): str() of an operator costs).
         self._ops: Counter = Counter()
         self._unclassified: Counter = Counter()
         self._keys: dict = {}
@@ -356,8 +372,8 @@ class Recorder:
             saved=tuple(self._saved),
             memory=tuple(self._memory),
             static_bytes=self._static_bytes,
-            op_counts=dict(self._ops),
-            unclassified=dict(self._unclassified),
+            op_counts=_by_name(self._ops),
+            unclassified=_by_name(self._unclassified),
             windows=tuple(self._windows),
             static_parts=dict(self._static_parts),
             collective_flops=dict(self._collective_flops),
@@ -431,6 +447,24 @@ class Recorder:
         """The storage id of `t` (None when it is not on a recorded device)."""
         return self.storages.see(t)
 
+    def known_storage(self, t: torch.Tensor) -> int | None:
+        """The storage id of `t` if the recorder has seen its storage (it registers nothing:
+        storage ids are numbered in order of first sight)."""
+        return self.storages.by_cdata.get(t.untyped_storage()._cdata)
+
+    def mark(self) -> Mark:
+        """Where the recording stands now (metatrace.tracing.layers cuts the records of one
+        layer out between two marks)."""
+        return Mark(
+            self._seq,
+            self.storages.next_sid,
+            self._live,
+            self._flops.total,
+            self._flops.fp8,
+            Counter(_by_name(self._ops)),
+            Counter(_by_name(self._unclassified)),
+        )
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -501,7 +535,7 @@ class Recorder:
         self._memory.append(MemEvent(self._next_seq(), delta, self._live, module, phase, sid))
 
     def _on_op(self, func, args, kwargs, out) -> None:
-        self._ops[str(func)] += 1
+        self._ops[func] += 1
         formula = self._formulas.get(func, _UNKNOWN)
         if formula is _UNKNOWN:
             formula = self._formulas[func] = _flops.formula(func)
@@ -531,7 +565,7 @@ class Recorder:
             return
         spec = COLLECTIVES.get(key)
         if spec is None or namespace not in COLLECTIVE_NAMESPACES:
-            self._unclassified[str(func)] += 1
+            self._unclassified[func] += 1
             return
         self._record_collective(func, spec, args, out)
 
@@ -578,6 +612,19 @@ class Recorder:
 
 def _unpack(t):
     return t
+
+
+class Mark(NamedTuple):
+    """A point of a recording: the last seq, the next storage id, the live bytes, the FLOPs
+    counted, and the operator counts so far."""
+
+    seq: int
+    sid: int
+    live: int
+    flops: int
+    fp8_flops: int
+    ops: Counter
+    unclassified: Counter
 
 
 class _StorageResizes:

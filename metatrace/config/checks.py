@@ -27,12 +27,25 @@ MLA_RECOMPUTE_MODULES = ("mla_up_proj",)
 _LAYER_TYPES = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
 
 
+_LAYOUT_LIMIT = 1_000_000
+"""Characters a layout may expand to (no model has a million layers); beyond, it is refused
+before it is spelled out."""
+
+
+def _repeat(grown: list[int], m: re.Match) -> str:
+    """The repetition `m` spelled out; `grown` counts the characters of the whole expansion."""
+    grown[0] += len(m.group(1)) * int(m.group(2)) - len(m.group(0))
+    if grown[0] > _LAYOUT_LIMIT:
+        raise ValueError(f"it spells more than {_LAYOUT_LIMIT:,} layers")
+    return m.group(1) * int(m.group(2))
+
+
 def parse_layout(layout: str) -> list[list[str]]:
     """A pipeline layout string as megatron-core reads it: "Ettt|(tt|)*29,m|L" -> one list of
     layer types per virtual stage (embedding, decoder, mtp, loss)."""
     text = layout.replace(",", "")  # purely cosmetic commas
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # (ab|)*n, then x*n
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+        text = re.sub(pattern, functools.partial(_repeat, [len(text)]), text)
     stages = []
     for stage in text.split("|"):
         unknown = [c for c in stage if c not in _LAYER_TYPES]

@@ -206,7 +206,21 @@ def _run_tasks(tasks, workers: int, progress, then=None) -> list:
         return [future.result() for future in futures]
 
 
-def trace_role(
+class _Whole(Exception):
+    """The kept layers of a run recorded different things: trace the micro-batch whole."""
+
+
+def trace_role(job, world: World, role: Role, **options):
+    """Build `role`'s chunks, trace a micro-batch and an iteration (`_trace_role` says how):
+    the micro-batch with the repeated decoder layers traced once (metatrace.tracing.layers),
+    or whole where their records say they are not the same."""
+    try:
+        return _trace_role(job, world, role, **options)
+    except _Whole:
+        return _trace_role(job, world, role, **options, whole=True)
+
+
+def _trace_role(
     job,
     world: World,
     role: Role,
@@ -219,6 +233,7 @@ def trace_role(
     extend: bool | None = None,
     micro: Microbatch | None = None,
     keep: bool = False,
+    whole: bool = False,
 ):
     """Build `role`'s chunks for global `rank` (default: the role's own), trace a micro-batch
     and, when `iteration`, a whole iteration.
@@ -232,7 +247,7 @@ def trace_role(
     with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
     model in every step of the iteration instead of replaying the traced micro-batch (the
     reference for tests; with activation offloading after an unrecorded first iteration, the
-    offload manager's warm-up). `extend`: build the replayed iteration from a few short replays
+    offload manager's warm-up). `whole`: trace every decoder layer. `extend`: build the replayed iteration from a few short replays
     of its steady state (iteration.replayed_iteration): None where that saves time, False never
     (the whole iteration replayed), True wherever the micro-batch count allows (for tests).
     """
@@ -257,6 +272,7 @@ def trace_role(
     from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
     from metatrace.tracing.graphs import capture_plan
     from metatrace.tracing.iteration import Unrecorded, replayed_iteration, run_iteration
+    from metatrace.tracing.layers import eligible, runs
 
     rank = role.rank if rank is None else rank
     start = time.perf_counter()
@@ -301,6 +317,7 @@ def trace_role(
         if micro is not None:
             trace, shapes, deferred, record = micro
         else:
+            cut = [] if whole or not eligible(job, config, device) else runs(config, models)
             trace, shapes, deferred, record = _microbatch(
                 job,
                 config,
@@ -311,6 +328,7 @@ def trace_role(
                 workspace,
                 plan,
                 offloading or layer_offloading,
+                (models, cut),
             )
         reset_manager()  # the iteration starts with a new one, as training does
         steady = None
@@ -386,12 +404,16 @@ class Microbatch(NamedTuple):
     """The OffloadRecord of activation offloading, or None."""
 
 
-def _microbatch(job, config, model, recorder, static, device, workspace, plan, logged):
-    """Trace one micro-batch of `model` (run_microbatch under a recorder): a Microbatch."""
+def _microbatch(job, config, model, recorder, static, device, workspace, plan, logged, cut):
+    """Trace one micro-batch of `model` (run_microbatch under a recorder): a Microbatch.
+    `cut`: ({chunk prefix: GPTModel}, the runs of layers traced in part)."""
     from metatrace.hooks.offload import OffloadLog
     from metatrace.hooks.remap import cublas_workspaces
+    from metatrace.tracing import layers
     from metatrace.tracing.graphs import static_buffers
     from metatrace.tracing.overlap import delayed_wgrad
+
+    models, runs = cut
 
     with recorder(static=static) as rec:
         with contextlib.ExitStack() as stack:
@@ -406,8 +428,14 @@ def _microbatch(job, config, model, recorder, static, device, workspace, plan, l
             log = stack.enter_context(OffloadLog(rec)) if logged else None
             # delay_wgrad_compute: backward_dw where the combined 1F1B calls it.
             stack.enter_context(delayed_wgrad(model))
+            marks = stack.enter_context(layers.truncated(models, runs, rec)) if runs else None
             shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
-    traced = Microbatch(rec.trace(), shapes, deferred, log.record() if log is not None else None)
+    trace = rec.trace()
+    if runs:
+        trace = layers.expand(trace, runs, marks)
+        if trace is None:
+            raise _Whole
+    traced = Microbatch(trace, shapes, deferred, log.record() if log is not None else None)
     del workspaces, captured  # after the recorder: not freed in the micro-batch
     return traced
 

@@ -285,6 +285,11 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
             {"parallel": {"pp": 2, "layout": "Et|tL"}, "model": {"num_layers": 3}},
             "parallel.layout places 2 decoder layers, but model.num_layers = 3",
         ),
+        (
+            # Refused before it is spelled out (a hundred billion characters).
+            {"parallel": {"pp": 2, "layout": "E|(t*99999|)*999999L"}},
+            "is not a valid layout: it spells more than 1,000,000 layers",
+        ),
         ({"parallel": {"rank_order": "tp-pp-dp"}}, "must order each of tp, cp, ep, dp, pp"),
         ({"cluster": {"gpu": "h1000"}}, "did you mean 'h100'?"),
         ({"model": {"preset": "llama2-7"}}, "did you mean 'llama2-7b'?"),

@@ -1,0 +1,100 @@
+"""Decoder layers traced in part (metatrace.tracing.layers) against tracing every layer: the
+same micro-batch records, field for field (memory events with their live bytes and storages,
+saved tensors, collectives with their FLOPs offsets, windows, operator counts), on dense and
+MoE layouts: tensor and sequence parallel, virtual pipeline chunks, expert parallel with a dense
+run and a MoE run in one block, context parallel with selective recompute. The runs must really
+be cut (the test fails if a case falls back to the whole trace), and a run whose kept layers
+differ is traced whole."""
+
+import dataclasses
+
+import pytest
+
+from metatrace.records import Trace
+from metatrace.tracing import layers
+from metatrace.tracing.trace import _trace_role, trace_role
+from metatrace.world import World
+from tests.helpers import MOE, small_job
+
+LAYOUTS = {
+    # name: (sections, runs cut per role)
+    "dense-tp2-sp": (
+        {
+            "model": {"num_layers": 9},
+            "parallel": {"tp": 2, "sequence_parallel": True},
+            "cluster": {"num_gpus": 2},
+        },
+        [1],
+    ),
+    "pp2-vpp2-dp2": (
+        {
+            "model": {"num_layers": 32},
+            "parallel": {"pp": 2, "vpp": 2},
+            "training": {"global_batch_size": 8, "distributed_optimizer": True},
+            "cluster": {"num_gpus": 4},
+        },
+        [2, 2],
+    ),
+    "moe-ep2-dense-then-moe": (
+        {
+            "model": {**MOE, "num_layers": 16, "moe_layer_freq": [0] * 7 + [1] * 9},
+            "parallel": {"ep": 2, "tp": 2, "sequence_parallel": True},
+            "cluster": {"num_gpus": 4},
+        },
+        [2],
+    ),
+    "cp2-selective-recompute": (
+        {
+            "model": {"num_layers": 8},
+            "parallel": {"cp": 2},
+            "training": {"recompute": {"granularity": "selective"}},
+            "cluster": {"num_gpus": 2},
+        },
+        [1],
+    ),
+}
+
+
+def _records(trace) -> dict:
+    return {f.name: getattr(trace, f.name) for f in dataclasses.fields(Trace)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layers_traced_in_part_give_the_whole_records(layout, monkeypatch):
+    sections, expected = LAYOUTS[layout]
+    job = small_job(**sections)
+    world = World.from_job(job)
+    cut = []
+    expand = layers.expand
+
+    def counted(trace, runs, marks):
+        out = expand(trace, runs, marks)
+        cut.append(len(runs) if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(layers, "expand", counted)
+    for role in world.roles():
+        part = _trace_role(job, world, role, iteration=False).trace
+        whole = _trace_role(job, world, role, iteration=False, whole=True).trace
+        assert _records(part) == _records(whole)
+    assert cut == expected
+
+
+def test_a_run_whose_kept_layers_differ_is_traced_whole(monkeypatch):
+    sections, _ = LAYOUTS["dense-tp2-sp"]
+    job = small_job(**sections)
+    world = World.from_job(job)
+    role = world.roles()[0]
+    calls = []
+    form = layers._Span.form
+
+    def differs(span, trace):
+        calls.append(span)
+        return (len(calls), form(span, trace))
+
+    monkeypatch.setattr(layers._Span, "form", differs)
+    rt = trace_role(job, world, role)
+    assert calls  # the kept layers were compared
+    whole = _trace_role(job, world, role, whole=True)
+    assert _records(rt.trace) == _records(whole.trace)
+    assert _records(rt.iteration) == _records(whole.iteration)
