@@ -35,9 +35,16 @@ _MISS = object()
 _DATA_DEPENDENT = {"masked_select", "nonzero", "unique", "_unique2", "repeat_interleave"}
 
 
+# Factories whose meta kernels are C++ and cheaper than the memo's key (measured: 6-7 us a call
+# against 16 us through the memo).
+_DIRECT = {"empty.memory_format", "empty_strided.default"}
+
+
 def _functional(func) -> bool:
     schema = func._schema
     if func.namespace != "aten" or schema.is_mutable or func._opname in _DATA_DEPENDENT:
+        return False
+    if f"{func._opname}.{func._overloadname}" in _DIRECT:
         return False
     for ret in schema.returns:
         if ret.alias_info is not None or str(ret.type) not in ("Tensor", "Tensor?"):
@@ -45,19 +52,36 @@ def _functional(func) -> bool:
     return bool(schema.returns)
 
 
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
 def _key(obj):
     """A hashable description of an argument, or _MISS when it cannot be described."""
+    kind = type(obj)
+    if kind in _SCALAR_TYPES:
+        # The type matters: mul(bool_tensor, True) is bool, mul(bool_tensor, 1) is int64.
+        return (kind, obj)
+    if kind is tuple or kind is list:
+        return _items(obj)
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "meta" or obj.is_nested or obj.layout != torch.strided:
             return _MISS
         return (tuple(obj.shape), obj.stride(), obj.dtype)
     if isinstance(obj, _SCALARS):
-        # The type matters: mul(bool_tensor, True) is bool, mul(bool_tensor, 1) is int64.
-        return (type(obj), obj)
+        return (kind, obj)
     if isinstance(obj, (list, tuple)):
-        items = tuple(_key(item) for item in obj)
-        return _MISS if any(item is _MISS for item in items) else items
+        return _items(obj)
     return _MISS
+
+
+def _items(obj):
+    items = []
+    for item in obj:
+        key = _key(item)
+        if key is _MISS:
+            return _MISS
+        items.append(key)
+    return tuple(items)
 
 
 class MetaMemo:

@@ -30,6 +30,7 @@ import torch
 
 from metatrace.hooks import guards, meta_kernels
 from metatrace.hooks.guards import PatchError, Versions, check_megatron_core, installed_release
+from metatrace.world import orthogonal_array
 
 
 @dataclass(frozen=True)
@@ -309,25 +310,83 @@ def _member_groups_only(orig):
     return create_group
 
 
-_RANK_GROUPS: dict = {}
-
-
 def _cached_rank_groups(orig):
     """The rank groups are a pure function of the world's sizes: computed once per process, by
-    metatrace.world.orthogonal_groups (megatron-core's loops enumerate every rank for every
+    metatrace.world.orthogonal_array (megatron-core's loops enumerate every rank for every
     group kind: 2.3 s per process at 16,384 GPUs, in each worker)."""
-    from metatrace.world import orthogonal_groups
 
     def generate(world_size, parallel_size, mask):
-        key = (orig, world_size, tuple(parallel_size), tuple(mask))
-        if key not in _RANK_GROUPS:
-            if world_size == math.prod(parallel_size):
-                _RANK_GROUPS[key] = orthogonal_groups(tuple(parallel_size), tuple(mask))
-            else:
-                _RANK_GROUPS[key] = [tuple(g) for g in orig(world_size, parallel_size, mask)]
-        return [list(g) for g in _RANK_GROUPS[key]]
+        if world_size != math.prod(parallel_size):
+            return orig(world_size, parallel_size, mask)
+        return orthogonal_array(tuple(parallel_size), tuple(mask)).tolist()
 
     return generate
+
+
+# initialize_model_parallel's loops over every group of a kind do nothing for a group without
+# the rank (create_group above, then `if rank in ranks`), except these: "pp" (the decoder's and
+# the experts' groups are compared whole, parallel_state.py:814) and "tp-ep-pp" (the groups are
+# counted, to join consecutive ones: parallel_state.py:1336).
+_EVERY_GROUP = {"pp", "tp-ep-pp"}
+
+
+def _rank_member_groups(orig):
+    """RankGenerator.get_ranks, the groups that hold the simulated rank only (every group of the
+    kinds in _EVERY_GROUP): the same groups reach the simulated rank, and the tens of thousands
+    of others at 16,384 GPUs are neither listed nor passed to create_group."""
+    import torch.distributed as dist
+
+    def get_ranks(self, token):
+        if (
+            self.rank_offset
+            or token in _EVERY_GROUP
+            or self.world_size != math.prod(self.ordered_size)
+        ):
+            return orig(self, token)
+        mask = self.get_mask(self.order, token)
+        groups = orthogonal_array(tuple(self.ordered_size), tuple(mask))
+        return groups[(groups == dist.get_rank()).any(axis=1)].tolist()
+
+    return get_ranks
+
+
+class _Shards:
+    """megatron-core's shard_buffer list, each view made when first read: DDP reads one shard of
+    a bucket (its rank's), and making all of them was an eighth of a derived stage's trace at
+    dp x cp = 128 (2,048 slices of 16 buckets)."""
+
+    def __init__(self, buffer, count: int):
+        self.buffer = buffer
+        self.size = buffer.numel() // count
+        self.count = count
+        self.made: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, r: int):
+        if r < 0:
+            r += self.count
+        if not 0 <= r < self.count:
+            raise IndexError(r)
+        view = self.made.get(r)
+        if view is None:
+            view = self.made[r] = self.buffer[r * self.size : (r + 1) * self.size]
+        return view
+
+    def __iter__(self):
+        return (self[r] for r in range(self.count))
+
+
+def _lazy_shards(orig):
+    """Restates megatron.core.distributed.param_and_grad_buffer.shard_buffer
+    (source sha256: 4ba2cc53483b), its list made lazy."""
+
+    def shard_buffer(buffer, data_parallel_world_size: int):
+        assert buffer.numel() % data_parallel_world_size == 0
+        return _Shards(buffer, data_parallel_world_size)
+
+    return shard_buffer
 
 
 PATCHES += (
@@ -345,6 +404,22 @@ PATCHES += (
         Versions((0, 12), (0, 16)),
         "speed only: the same groups, vectorised and computed once per world shape instead of "
         "once per role.",
+    ),
+    Patch(
+        "megatron.core.parallel_state",
+        "RankGenerator.get_ranks",
+        _rank_member_groups,
+        Versions((0, 12), (0, 16)),
+        "speed only: the simulated rank gets the same groups; the groups without it are not "
+        "listed (but for the kinds whose loops use them: _EVERY_GROUP).",
+    ),
+    Patch(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "shard_buffer",
+        _lazy_shards,
+        Versions((0, 12), (0, 16)),
+        "speed only: the same views of the bucket, each made when DDP first reads it "
+        "(param_and_grad_buffer.py:279, 437, 474 read their rank's).",
     ),
 )
 

@@ -59,7 +59,6 @@ from metatrace.records import (
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512-byte blocks
 _NODE_KEY = "metatrace.module"
 _DATA_SET = torch.Tensor.data.__set__
-_UNKNOWN = object()
 
 
 def round_block(nbytes: int) -> int:
@@ -176,7 +175,23 @@ class _Storages:
         return self.live[sid][1] if sid in self.live else 0
 
 
-def _by_name(counts: Counter) -> dict[str, int]:
+_UNCLASSIFIED = object()
+"""_op_info's spec of an operator that is neither compute nor a known collective."""
+
+
+def _op_info(func) -> list:
+    """[calls, flop formula or None, written arguments, collective spec]: the spec is None for
+    compute and for what is known not to be a collective, _UNCLASSIFIED for the rest."""
+    key = op_key(func)
+    spec = None
+    if func.namespace not in COMPUTE_NAMESPACES and key not in NOT_COLLECTIVES:
+        spec = COLLECTIVES.get(key)
+        if spec is None or func.namespace not in COLLECTIVE_NAMESPACES:
+            spec = _UNCLASSIFIED
+    return [0, _flops.formula(func), _written_args(func), spec]
+
+
+def _by_name(counts: dict) -> dict[str, int]:
     named: dict[str, int] = {}
     for func, n in counts.items():
         name = str(func)
@@ -301,17 +316,15 @@ class Recorder:
         self._collectives: list[Collective] = []
         self._saved: list[Saved] = []
         self._memory: list[MemEvent] = []
-        # Operator counts by operator (named in trace() and mark(): str() of an operator costs).
-        self._ops: Counter = Counter()
+        # Operator -> [calls, flop formula, written arguments, collective spec] (_op_info): one
+        # lookup per operator call; named in trace() and mark() (str() of an operator costs).
+        self._ops: dict = {}
         self._unclassified: Counter = Counter()
-        self._keys: dict = {}
-        self._written: dict = {}
         self._handles = []
         self._modes = []
         self._static_bytes = 0
         self._run = _MEMO if self.device_types[0] == "meta" else _call
         self._flops = _flops.FlopCount()
-        self._formulas: dict = {}  # operator -> flop_counter formula, or None
         self._window_flops: list[int] = []  # FLOPs counted when each open window began
         self._collective_flops: dict[int, int] = {}
 
@@ -372,7 +385,7 @@ class Recorder:
             saved=tuple(self._saved),
             memory=tuple(self._memory),
             static_bytes=self._static_bytes,
-            op_counts=_by_name(self._ops),
+            op_counts=_by_name({func: info[0] for func, info in self._ops.items()}),
             unclassified=_by_name(self._unclassified),
             windows=tuple(self._windows),
             static_parts=dict(self._static_parts),
@@ -461,7 +474,7 @@ class Recorder:
             self._live,
             self._flops.total,
             self._flops.fp8,
-            Counter(_by_name(self._ops)),
+            Counter(_by_name({func: info[0] for func, info in self._ops.items()})),
             Counter(_by_name(self._unclassified)),
         )
 
@@ -535,16 +548,14 @@ class Recorder:
         self._memory.append(MemEvent(self._next_seq(), delta, self._live, module, phase, sid))
 
     def _on_op(self, func, args, kwargs, out) -> None:
-        self._ops[func] += 1
-        formula = self._formulas.get(func, _UNKNOWN)
-        if formula is _UNKNOWN:
-            formula = self._formulas[func] = _flops.formula(func)
+        info = self._ops.get(func)
+        if info is None:
+            info = self._ops[func] = _op_info(func)
+        info[0] += 1
+        _, formula, written, spec = info
         if formula is not None and _flops.counting():
             # Shapes only: also right for the outputs fastmeta's memo makes for repeated layers.
             self._flops.total += formula(*args, out_val=out, **kwargs)
-        written = self._written.get(func)
-        if written is None:
-            written = self._written[func] = _written_args(func)
         if written:
             positions, names = written
             found = [args[i] for i in positions if i < len(args)]
@@ -557,14 +568,9 @@ class Recorder:
         elif isinstance(out, (list, tuple)):
             for t in _tensors(out):
                 self.storages.see(t)
-        key = self._keys.get(func)
-        if key is None:
-            key = self._keys[func] = op_key(func)
-        namespace = func.namespace
-        if namespace in COMPUTE_NAMESPACES or key in NOT_COLLECTIVES:
+        if spec is None:
             return
-        spec = COLLECTIVES.get(key)
-        if spec is None or namespace not in COLLECTIVE_NAMESPACES:
+        if spec is _UNCLASSIFIED:
             self._unclassified[func] += 1
             return
         self._record_collective(func, spec, args, out)

@@ -45,9 +45,16 @@ of dense and expert shards alike) and every GPU of an instance (the gradient nor
 
 def orthogonal_groups(sizes, mask) -> tuple[tuple[int, ...], ...]:
     """megatron-core's generate_masked_orthogonal_rank_groups, vectorised (its loops take
-    seconds on 16k GPUs; a test checks the two agree). Rank = sum of index_k x stride_k over
-    the dimensions in `sizes` (the first varies fastest); a group varies the masked
-    dimensions, and groups and their members are numbered first dimension fastest. Restates
+    seconds on 16k GPUs; a test checks the two agree): orthogonal_array's rows."""
+    return tuple(map(tuple, orthogonal_array(tuple(sizes), tuple(mask)).tolist()))
+
+
+@functools.cache
+def orthogonal_array(sizes: tuple[int, ...], mask: tuple[bool, ...]):
+    """The rank groups as a read-only numpy array, one row per group, computed once per shape.
+    Rank = sum of index_k x stride_k over the dimensions in `sizes` (the first varies fastest);
+    a group varies the masked dimensions, and groups and their members are numbered first
+    dimension fastest. Restates
     megatron.core.parallel_state.generate_masked_orthogonal_rank_groups
     (source sha256: 46ca2a9b4dff)."""
     import numpy as np
@@ -58,7 +65,8 @@ def orthogonal_groups(sizes, mask) -> tuple[tuple[int, ...], ...]:
     varied = [n - 1 - k for k in reversed(range(n)) if mask[k]]
     size = int(np.prod([sizes[k] for k in range(n) if mask[k]]))
     groups = grid.transpose(fixed + varied).reshape(-1, size)
-    return tuple(map(tuple, groups.tolist()))
+    groups.flags.writeable = False
+    return groups
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,15 +57,11 @@ def eligible(job, config, device: str) -> bool:
     keep state per layer or treat layers by position (full recompute's groups, FP8's BF16 first
     and last layers, offloading, CUDA graphs, Megatron-FSDP's per-layer gathers, userbuffers,
     delayed weight gradients), which no test has checked."""
-    t, p = job.training, job.parallel
+    from metatrace.tracing.stages import keeps_state
+
     return device == "meta" and not (
         config.recompute_granularity == "full"
-        or t.precision == "fp8"
-        or t.activation_offload_modules
-        or t.cpu_offloading_num_layers
-        or t.cuda_graph_impl != "none"
-        or t.megatron_fsdp
-        or p.tp_comm_overlap
+        or keeps_state(job)
         or getattr(config, "delay_wgrad_compute", False)
         or getattr(config, "fine_grained_activation_offloading", False)
     )

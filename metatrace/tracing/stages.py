@@ -33,16 +33,21 @@ def derivable(job) -> bool:
     jobs are traced stage by stage; so are those with the other features that keep state from
     the forward (FP8 scaling, activation offloading, CUDA graphs, Megatron-FSDP, userbuffers,
     MTP), which no test has checked."""
-    m, p, t = job.model, job.parallel, job.training
-    return not (
-        m.num_experts
-        or m.mtp_num_layers
-        or t.precision == "fp8"
+    return not (job.model.num_experts or job.model.mtp_num_layers or keeps_state(job))
+
+
+def keeps_state(job) -> bool:
+    """Whether the job uses a feature that keeps state from one layer or step for another (FP8
+    scaling, activation or CPU offloading, CUDA graphs, Megatron-FSDP, userbuffers): neither a
+    stage's records nor a layer's are derived from another's where it does."""
+    t = job.training
+    return bool(
+        t.precision == "fp8"
         or t.activation_offload_modules
         or t.cpu_offloading_num_layers
         or t.cuda_graph_impl != "none"
         or t.megatron_fsdp
-        or p.tp_comm_overlap
+        or job.parallel.tp_comm_overlap
     )
 
 

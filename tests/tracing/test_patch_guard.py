@@ -457,3 +457,27 @@ def test_a_deferred_function_runs_eagerly_in_a_trace_and_compiles_once_outside(m
     assert double(1) == ("compiled", 2)
     assert double(2) == ("compiled", 4)
     assert compiled == [{"mode": "max-autotune"}]
+
+
+def test_lazy_shards_are_megatron_cores_views():
+    import torch
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from metatrace.hooks.patches import _lazy_shards
+
+    buffer = torch.empty(48, dtype=torch.bfloat16, device="meta")
+    eager = pgb.shard_buffer(buffer, 6)
+    lazy = _lazy_shards(pgb.shard_buffer)(buffer, 6)
+    assert len(lazy) == len(eager) == 6
+    assert lazy[4] is lazy[4] is lazy[-2]  # made once, as the list's element is one tensor
+    for a, b in zip(lazy, eager, strict=True):
+        assert (a.shape, a.stride(), a.storage_offset()) == (
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+        )
+        assert a.untyped_storage()._cdata == buffer.untyped_storage()._cdata
+    with pytest.raises(IndexError):
+        lazy[6]
+    with pytest.raises(AssertionError):
+        _lazy_shards(pgb.shard_buffer)(buffer, 5)

@@ -103,3 +103,51 @@ def test_vectorised_groups_equal_megatron_generator(sizes):
     for mask in itertools.product([False, True], repeat=len(sizes)):
         expected = generate_masked_orthogonal_rank_groups(world, list(sizes), list(mask))
         assert [list(g) for g in orthogonal_groups(sizes, mask)] == expected, mask
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(world_size=32, tp=2, pp=2, cp=2, dist_opt_instances=2),
+        Layout(world_size=48, tp=2, pp=3, ep=4, etp=1),
+        Layout(world_size=16, tp=2, pp=2, order="tp-cp-ep-pp-dp"),
+    ],
+    ids=["cp2-2-instances", "ep4-etp1", "pp-dp"],
+)
+def test_rank_generators_list_the_ranks_groups_as_megatron_does(layout):
+    # The patched RankGenerator.get_ranks lists the groups that hold the simulated rank (every
+    # group for the kinds whose loops use them all), as megatron-core's own lists them.
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from metatrace.hooks.patches import _EVERY_GROUP
+
+    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
+    etp = layout.etp or tp
+    generators = {  # as initialize_model_parallel makes them
+        "decoder": (
+            dict(tp=tp, ep=1, dp=layout.world_size // (tp * cp * pp), pp=pp, cp=cp),
+            ["tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp", "tp-cp", "tp-dp-cp"],
+        ),
+        "expert": (
+            dict(tp=etp, ep=ep, dp=layout.world_size // (etp * ep * pp), pp=pp, cp=1),
+            ["tp", "ep", "dp", "pp", "tp-ep", "tp-ep-pp"],
+        ),
+    }
+    every = {
+        (kind, token): ps.RankGenerator(**sizes, order=layout.order).get_ranks(token)
+        for kind, (sizes, tokens) in generators.items()
+        for token in tokens
+    }
+    assert any(token not in _EVERY_GROUP for _, token in every)
+    with megatron_patches(), remap_cuda("meta"):
+        for rank in (0, 5, layout.world_size - 1):
+            with fake_world(layout, rank):
+                assert dist.get_rank() == rank
+                for (kind, token), groups in every.items():
+                    sizes, _ = generators[kind]
+                    listed = ps.RankGenerator(**sizes, order=layout.order).get_ranks(token)
+                    if token not in _EVERY_GROUP:
+                        groups = [g for g in groups if rank in g]
+                        assert len(groups) == 1
+                    assert listed == groups, (kind, token, rank)
