@@ -3,8 +3,9 @@ same micro-batch records, field for field (memory events with their live bytes a
 saved tensors, collectives with their FLOPs offsets, windows, operator counts), on dense and
 MoE layouts: tensor and sequence parallel, virtual pipeline chunks, expert parallel with a dense
 run and a MoE run in one block, context parallel with selective recompute. The runs must really
-be cut (the test fails if a case falls back to the whole trace), and a run whose kept layers
-differ is traced whole."""
+be cut (the test fails if a case falls back to the whole trace), a run whose kept layers
+differ is traced whole, and so is a block whose layers share a cache they fill (MLA's rotary
+embeddings)."""
 
 import dataclasses
 
@@ -14,7 +15,7 @@ from metatrace.records import Trace
 from metatrace.tracing import layers
 from metatrace.tracing.trace import _trace_role, trace_role
 from metatrace.world import World
-from tests.helpers import MOE, small_job
+from tests.helpers import MLA, MOE, small_job
 
 LAYOUTS = {
     # name: (sections, runs cut per role)
@@ -43,6 +44,9 @@ LAYOUTS = {
         },
         [2],
     ),
+    # 40 multi-latent attention layers: their rotary embeddings share megatron-core's cache of
+    # 32 outputs, so the later layers free earlier ones' entries: not cut.
+    "mla-40-layers-not-cut": ({"model": {**MLA, "num_layers": 40}}, []),
     "cp2-selective-recompute": (
         {
             "model": {"num_layers": 8},
