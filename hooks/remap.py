@@ -288,7 +288,7 @@ class _CublasWorkspaces(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says no:
-        # nothing here is compiled, and the wrapper imports dynamo (0.9 s in each worker).
+        # nothing here is compiled, and the wrapper costs microseconds on every operator.
         return False
 
     def __init__(self, device: torch.device, nbytes: int):

@@ -247,9 +247,10 @@ def _trace_role(
     with a CPU one that cannot tell host tensors from device tensors). `real_steps` runs the
     model in every step of the iteration instead of replaying the traced micro-batch (the
     reference for tests; with activation offloading after an unrecorded first iteration, the
-    offload manager's warm-up). `whole`: trace every decoder layer. `extend`: build the replayed iteration from a few short replays
-    of its steady state (iteration.replayed_iteration): None where that saves time, False never
-    (the whole iteration replayed), True wherever the micro-batch count allows (for tests).
+    offload manager's warm-up). `whole`: trace every decoder layer. `extend`: build the
+    replayed iteration from a few short replays of its steady state
+    (iteration.replayed_iteration): None where that saves time, False never (the whole
+    iteration replayed), True wherever the micro-batch count allows (for tests).
     """
     import torch
 
