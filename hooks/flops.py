@@ -21,15 +21,25 @@ import contextlib
 
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from metatrace.config import kernels
+
 
 class FlopCount:
-    """A running count: all FLOPs, and of them those of FP8 GEMMs."""
+    """A running count: all FLOPs, and of them those of FP8 GEMMs; and, with a GPU's kernel
+    rates (metatrace.config.kernels), the picoseconds its kernels take (`ps`: GEMMs and attention
+    from their shapes, memory-bound operators from the bytes they move; an integer, so that
+    counts of identical work are equal)."""
 
-    __slots__ = ("fp8", "total")
+    __slots__ = ("fp8", "model", "ps", "total")
 
-    def __init__(self):
+    def __init__(self, model=None):
         self.total = 0
         self.fp8 = 0
+        self.ps = 0
+        self.model = model
+
+    def add_seconds(self, seconds: float) -> None:
+        self.ps += round(seconds * 1e12)
 
 
 _ACTIVE: list[FlopCount] = []  # the counts of the recorders running now (innermost last)
@@ -55,14 +65,83 @@ def pop(count: FlopCount) -> None:
         _ACTIVE.remove(count)
 
 
+def _count() -> FlopCount | None:
+    return _ACTIVE[-1] if _ACTIVE and not _UNCOUNTED[0] else None
+
+
 def report(flops: int, *, fp8: bool = False) -> None:
     """A stand-in's kernel computes `flops` (FP8 GEMMs: `fp8`) that no dispatched operator
-    shows. Nothing happens outside a recorder."""
-    if _ACTIVE and not _UNCOUNTED[0]:
-        count = _ACTIVE[-1]
-        count.total += int(flops)
-        if fp8:
-            count.fp8 += int(flops)
+    shows, of no known shape (timed at the large-GEMM rate). Nothing happens outside a
+    recorder."""
+    count = _count()
+    if count is not None:
+        _add(count, int(flops), fp8)
+        if count.model is not None:
+            count.add_seconds(kernels.flops_seconds(count.model, int(flops), fp8=fp8))
+
+
+def _add(count: FlopCount, flops: int, fp8: bool) -> None:
+    count.total += flops
+    if fp8:
+        count.fp8 += flops
+
+
+def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, times: int = 1, batch: int = 1):
+    """A stand-in's kernel runs `times` GEMMs [m, k] @ [k, n] (`batch` of them in one kernel:
+    a grouped GEMM's equal groups)."""
+    count = _count()
+    if count is not None and times > 0:
+        _add(count, times * batch * gemm(m, k, n), fp8)
+        if count.model is not None:
+            sec = kernels.gemm_seconds(count.model, m, n, k, fp8=fp8, batch=batch)
+            count.add_seconds(times * sec)
+
+
+def report_grouped(rows, k: int, n: int, *, fp8: bool = False, times: int = 1) -> None:
+    """A stand-in's grouped GEMM kernel: [rows[i], k] @ [k, n] per group, `times` such kernels
+    (the backward's data and weight gradients are timed as the forward's shape)."""
+    count = _count()
+    if count is not None and times > 0:
+        rows = tuple(int(r) for r in rows)
+        _add(count, times * gemm(sum(rows), k, n), fp8)
+        if count.model is not None:
+            sec = kernels.grouped_gemm_seconds(count.model, rows, n, k, fp8=fp8)
+            count.add_seconds(times * sec)
+
+
+def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int | None) -> int:
+    """A stand-in's fused attention kernel over `shape` = attention()'s (b, heads, q_len,
+    kv_len, head_dim, v_dim, kv_heads); returns its FLOPs."""
+    flops = attention(*shape, causal=causal, backward=backward, window=window)
+    count = _count()
+    if count is not None:
+        _add(count, flops, False)
+        if count.model is not None:
+            _, _, q_len, _, head_dim, *_ = shape
+            sec = kernels.attention_seconds(
+                count.model, flops, q_len, head_dim, causal=causal, backward=backward
+            )
+            count.add_seconds(sec)
+    return flops
+
+
+def op_seconds(model, func, args, out, flops: int) -> float:
+    """A dispatched operator with a FLOP formula (matrix products, PyTorch's attention)."""
+    name = func._overloadpacket.__name__
+    if "attention" in name:  # PyTorch's fused kernels (the stand-ins report TE's themselves)
+        q = args[1] if "backward" in name else args[0]
+        return kernels.attention_seconds(
+            model, flops, q.shape[-2], q.shape[-1], causal=False, backward="backward" in name
+        )
+    shape = out.shape if hasattr(out, "shape") else out[0].shape
+    m, n = shape[-2], shape[-1]
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    if not m or not n or not batch:
+        return 0.0
+    k = flops // (2 * m * n * batch)
+    return kernels.gemm_seconds(model, m, n, k, fp8=name == "_scaled_mm", batch=batch)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from metatrace.config.kernels import KernelModel, memory_seconds
 from metatrace.hooks import flops as _flops
 from metatrace.hooks.collectives import (
     COLLECTIVE_NAMESPACES,
@@ -179,16 +180,61 @@ _UNCLASSIFIED = object()
 """_op_info's spec of an operator that is neither compute nor a known collective."""
 
 
+# Operators that allocate, alias or describe and move no data (views are told by their schema).
+_NO_DATA = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "set_",
+        "resize_",
+        "record_stream",
+        "_local_scalar_dense",
+        "lift_fresh",
+        "detach",
+        "alias",
+    }
+)
+
+
 def _op_info(func) -> list:
-    """[calls, flop formula or None, written arguments, collective spec]: the spec is None for
-    compute and for what is known not to be a collective, _UNCLASSIFIED for the rest."""
+    """[calls, flop formula or None, written arguments, collective spec, moves data]: the spec
+    is None for compute and for what is known not to be a collective, _UNCLASSIFIED for the
+    rest; an operator that moves data (not a view, an allocation, a matrix product or a
+    collective) is timed by the bytes it reads and writes."""
     key = op_key(func)
     spec = None
     if func.namespace not in COMPUTE_NAMESPACES and key not in NOT_COLLECTIVES:
         spec = COLLECTIVES.get(key)
         if spec is None or func.namespace not in COLLECTIVE_NAMESPACES:
             spec = _UNCLASSIFIED
-    return [0, _flops.formula(func), _written_args(func), spec]
+    formula = _flops.formula(func)
+    name = func._overloadpacket.__name__
+    moves = (
+        spec is None
+        and formula is None
+        and func.namespace == "aten"
+        and not func.is_view
+        and name not in _NO_DATA
+    )
+    return [0, formula, _written_args(func), spec, moves]
+
+
+def _moved_bytes(args, out) -> int:
+    """Bytes an operator reads (its tensor arguments) and writes (its outputs)."""
+    n = 0
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            n += a.nbytes
+        elif isinstance(a, (list, tuple)):
+            n += sum(t.nbytes for t in a if isinstance(t, torch.Tensor))
+    if isinstance(out, torch.Tensor):
+        n += out.nbytes
+    elif isinstance(out, (list, tuple)):
+        n += sum(t.nbytes for t in out if isinstance(t, torch.Tensor))
+    return n
 
 
 def _by_name(counts: dict) -> dict[str, int]:
@@ -291,6 +337,7 @@ class Recorder:
         rank: int,
         static: dict[str, list[torch.Tensor]] | None = None,
         outside: list[torch.Tensor] = (),
+        kernels: KernelModel | None = None,
     ):
         self.chunks = chunks
         self._static_tensors = dict(static or {})
@@ -324,7 +371,7 @@ class Recorder:
         self._modes = []
         self._static_bytes = 0
         self._run = _MEMO if self.device_types[0] == "meta" else _call
-        self._flops = _flops.FlopCount()
+        self._flops = _flops.FlopCount(kernels)
         self._window_flops: list[int] = []  # FLOPs counted when each open window began
         self._collective_flops: dict[int, int] = {}
 
@@ -421,7 +468,7 @@ class Recorder:
         first = self._seq + 1
         info: dict = {}
         count = self._flops
-        total, fp8 = count.total, count.fp8
+        total, fp8, ps = count.total, count.fp8, count.ps
         self._window_flops.append(total)
         try:
             yield info
@@ -443,6 +490,7 @@ class Recorder:
                     **sids,
                     flops=count.total - total,
                     fp8_flops=count.fp8 - fp8,
+                    kernel_ps=count.ps - ps,
                 )
             )
 
@@ -474,6 +522,7 @@ class Recorder:
             self._live,
             self._flops.total,
             self._flops.fp8,
+            self._flops.ps,
             Counter(self._op_counts()),
             Counter(_by_name(self._unclassified)),
         )
@@ -555,10 +604,18 @@ class Recorder:
         if info is None:
             info = self._ops[func] = _op_info(func)
         info[0] += 1
-        _, formula, written, spec = info
+        _, formula, written, spec, moves = info
+        count = self._flops
         if formula is not None and _flops.counting():
             # Shapes only: also right for the outputs fastmeta's memo makes for repeated layers.
-            self._flops.total += formula(*args, out_val=out, **kwargs)
+            flops = formula(*args, out_val=out, **kwargs)
+            count.total += flops
+            if count.model is not None and flops:
+                count.add_seconds(_flops.op_seconds(count.model, func, args, out, flops))
+        elif moves and count.model is not None and _flops.counting():
+            nbytes = _moved_bytes(args, out)
+            if nbytes:
+                count.add_seconds(memory_seconds(count.model, nbytes))
         if written:
             positions, names = written
             found = [args[i] for i in positions if i < len(args)]
@@ -625,13 +682,14 @@ def _unpack(t):
 
 class Mark(NamedTuple):
     """A point of a recording: the last seq, the next storage id, the live bytes, the FLOPs
-    counted, and the operator counts so far."""
+    counted and the kernels' modelled picoseconds, and the operator counts so far."""
 
     seq: int
     sid: int
     live: int
     flops: int
     fp8_flops: int
+    ps: int
     ops: Counter
     unclassified: Counter
 

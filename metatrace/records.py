@@ -148,6 +148,9 @@ class Window:
     the traced micro-batch's windows."""
     fp8_flops: int = 0
     """Of `flops`, those of FP8 GEMMs."""
+    kernel_ps: int = 0
+    """Picoseconds the window's kernels take on the job's GPU (metatrace.config.kernels: GEMMs
+    and attention by shape, memory-bound operators by bytes moved), 0 without its rates."""
 
 
 @dataclass(frozen=True)

@@ -130,4 +130,4 @@ class FusedWeightGradient:
         with flops.uncounted():
             torch.mm(grad_output[:1].reshape(1, -1)[:, :1], total_input[:1].reshape(1, -1)[:, :1])
         rows = total_input.numel() // total_input.shape[-1]
-        flops.report(flops.gemm(grad_output.shape[-1], rows, total_input.shape[-1]))
+        flops.report_gemm(grad_output.shape[-1], rows, total_input.shape[-1])

@@ -43,8 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from metatrace.hooks import flops
-from metatrace.models.te_attention_kernel import cu_seqlens, sbhd_flops
+from metatrace.models.te_attention_kernel import cu_seqlens, report_backward, sbhd_flops
 from metatrace.models.te_cp import context_parallel_attention
 from metatrace.models.te_cpu_offload import mark_if_offloading
 
@@ -95,7 +94,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q, k, v, out, *_ = ctx.saved_tensors
         if ctx.layout == "sbh3d":
             s, b, h, d = q.shape
@@ -126,7 +125,7 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q, k, v, *_ = ctx.saved_tensors
         b, s, h, d = q.shape
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

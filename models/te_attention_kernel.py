@@ -24,9 +24,15 @@ def cu_seqlens(config, batch: int, seqlen: int, device) -> torch.Tensor:
 def sbhd_flops(ctx, q_shape, v_shape, causal: bool, window: int | None = None) -> None:
     """Report a fused / flash attention kernel's forward FLOPs for sbhd q and v shapes
     (hooks/flops.py says what is counted: causal masks halve them, a sliding `window` (the left
-    size) leaves about s x w) and keep its backward's on `ctx`."""
+    size) leaves about s x w), and keep its shape on `ctx` for report_backward."""
     sq, b, h, d = q_shape
     sk, _, h_kv, dv = v_shape
     shape = (b, h, sq, sk, d, dv, h_kv)
-    flops.report(flops.attention(*shape, causal=causal, backward=False, window=window))
-    ctx.backward_flops = flops.attention(*shape, causal=causal, backward=True, window=window)
+    flops.report_attention(shape, causal=causal, backward=False, window=window)
+    ctx.attention = (shape, causal, window)
+
+
+def report_backward(ctx) -> None:
+    """Report the backward kernel of the attention `sbhd_flops` reported on `ctx`."""
+    shape, causal, window = ctx.attention
+    flops.report_attention(shape, causal=causal, backward=True, window=window)

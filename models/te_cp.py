@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from metatrace.hooks import flops
-from metatrace.models.te_attention_kernel import cu_seqlens, sbhd_flops
+from metatrace.models.te_attention_kernel import cu_seqlens, report_backward, sbhd_flops
 
 
 def _cp_flops(ctx, q, v, cp: int) -> None:
@@ -156,7 +155,7 @@ class _P2PAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q, kv, out, lse, *_ = ctx.saved_tensors
         return (*_p2p_backward(q, kv, lse, dout, ctx.ring, ctx.kv_shapes), None, None)
 
@@ -186,7 +185,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q, k, v, *_ = ctx.saved_tensors
         ring = ctx.ring
         L = q.shape[0]
@@ -243,7 +242,7 @@ class _A2AAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q2, k2, v2, *_ = ctx.saved_tensors
         group = ctx.group
         dout2 = _a2a(dout.contiguous(), group, True)
@@ -270,7 +269,7 @@ class _A2AP2PAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        flops.report(ctx.backward_flops)
+        report_backward(ctx)
         q2, kv, out, lse, *_ = ctx.saved_tensors
         inner = ctx.inner
         out2 = _a2a(out, inner, True)

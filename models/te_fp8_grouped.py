@@ -65,7 +65,7 @@ def fp8_forward(ctx, x2, m_splits, module, weights, biases, recipe, arch, grad_e
             else:
                 weight_workspace(module, w, recipe, arch, key=f"weight{i}")
     out = torch.empty((x2.shape[0], module.out_features), dtype=x2.dtype, device=device)
-    flops.report(flops.gemm(x2.shape[0], module.in_features, module.out_features), fp8=True)
+    flops.report_grouped(m_splits, module.in_features, module.out_features, fp8=True)
     if original:
         inputs, kept = [], [x2]
     elif needs_wgrad:
@@ -113,7 +113,8 @@ def fp8_backward(ctx, grad, wgrad):
     needs_wgrad = weights[0].requires_grad
     gemm = flops.gemm(dy.shape[0], module.out_features, module.in_features)
     delayed = needs_wgrad and te_wgrad.delays(module)
-    flops.report(gemm * ((dgrad is not None) + (needs_wgrad and not delayed)), fp8=True)
+    times = (dgrad is not None) + (needs_wgrad and not delayed)
+    flops.report_grouped(m_splits, module.out_features, module.in_features, fp8=True, times=times)
     wgrads = [None] * n
     requantized = []
     if needs_wgrad and ctx.original:  # save_original_input: the bf16 input is quantized now

@@ -128,7 +128,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         ensure_transpose(weight, arch)  # after Megatron-FSDP discarded it
     rows = shape[0] * (mode.tp if column_sp else 1)
     out = torch.zeros((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
-    flops.report(flops.gemm(rows, weight.shape[1], weight.shape[0]), fp8=True)
+    flops.report_gemm(rows, weight.shape[1], weight.shape[0], fp8=True)
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
@@ -287,8 +287,9 @@ def fp8_backward(ctx, grad):
         ),
     )
     # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
-    gemm = flops.gemm(rows, weight.shape[0], in_features)
-    flops.report(gemm * (2 if needs_wgrad else 1), fp8=True)
+    flops.report_gemm(rows, weight.shape[0], in_features, fp8=True)
+    if needs_wgrad:
+        flops.report_gemm(weight.shape[0], rows, in_features, fp8=True)
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (

@@ -108,7 +108,7 @@ def _wgrad(module, weight, dy, x):
     """BasicLinear's wgrad GEMM [out, in] = dy^T x, or accumulated into main_grad (reported:
     that GEMM dispatches nothing)."""
     if fuses_wgrad(module, weight):
-        flops.report(flops.gemm(dy.shape[1], dy.shape[0], x.shape[1]))
+        flops.report_gemm(dy.shape[1], dy.shape[0], x.shape[1])
     return te_wgrad(module, weight, torch.mm, dy.t(), x)
 
 
@@ -401,7 +401,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
     rows = shape[0] * (mode.tp if sp else 1)  # N
     wq1 = _quantized_weight(w1, recipe, arch, columnwise=ctx.grad_enabled)
     h1 = torch.zeros((rows, w1.shape[0]), dtype=x2.dtype, device=device)  # [N, 2f/t] bf16
-    flops.report(flops.gemm(rows, w1.shape[1], w1.shape[0]), fp8=True)
+    flops.report_gemm(rows, w1.shape[1], w1.shape[0], fp8=True)
     if b1 is not None and wq1 is None:
         h1 = h1 + b1  # no GEMM-bias fusion for FP8 weights: the Bias op on its own
     del gathered
@@ -414,7 +414,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
     q2 = _quantized_activation((rows, f), mode, x2.dtype, device, columnwise=wgrad)
     wq2 = _quantized_weight(w2, recipe, arch, columnwise=ctx.grad_enabled)
     out = torch.zeros((rows, w2.shape[0]), dtype=x2.dtype, device=device)  # [N, h]
-    flops.report(flops.gemm(rows, w2.shape[1], w2.shape[0]), fp8=True)
+    flops.report_gemm(rows, w2.shape[1], w2.shape[0], fp8=True)
     if wq2 is not None:
         wq2.drop_rowwise()
     q2.drop_rowwise()
@@ -467,7 +467,8 @@ def _fp8_backward(ctx, grad):
     if sp:
         inputs = _gathered_input(q1, ctx.local_rows, w1.shape[1], mode, recipe, arch, device)
     dgrad = torch.zeros((rows, w1.shape[1]), dtype=dtype, device=device)  # [N, h]
-    flops.report(flops.gemm(rows, w1.shape[0], w1.shape[1]) * 2, fp8=True)
+    flops.report_gemm(rows, w1.shape[0], w1.shape[1], fp8=True)  # dgrad
+    flops.report_gemm(w1.shape[0], rows, w1.shape[1], fp8=True)  # wgrad
     dinput = _tp_reduce(dgrad, mode)  # [Ns, h]
     g1 = te_wgrad(fc1, w1, torch.zeros, w1.shape, dtype=dtype, device=device)
     del dh1, inputs, dgrad

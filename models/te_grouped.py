@@ -73,7 +73,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             inputs = torch.split(x2, m_splits)
             out = torch.empty((x2.shape[0], module.out_features), dtype=x.dtype, device=x.device)
             # One GEMM per expert on its m_splits[i] rows: together over all the rows.
-            flops.report(flops.gemm(x2.shape[0], module.in_features, module.out_features))
+            flops.report_grouped(m_splits, module.in_features, module.out_features)
+            ctx.m_splits = tuple(m_splits)
             # TE >= 2.6 with save_original_input keeps the whole input once (grouped_linear.py
             # of TE 2.20: `inputmats[0] = inp`) instead of one view per expert: the same storage,
             # but one tensor to offload (megatron-core's expert_fc1 offloading sets it).
@@ -108,7 +109,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 # until backward_dw runs the wgrad GEMMs (metatrace.models.te_wgrad).
                 te_wgrad.put(module, (*saved[:k], dy), gemm)
                 wgrad = False
-            flops.report(gemm * (2 if wgrad else 1))  # dgrad, wgrad
+            flops.report_grouped(  # dgrad, wgrad
+                ctx.m_splits, module.out_features, module.in_features, times=2 if wgrad else 1
+            )
             # TE 2.8 (grouped_linear.py backward): with the bias applied, the wgrad grouped GEMM
             # also returns each expert's bias gradient [out] (general_grouped_gemm's grad_bias);
             # a returned bias (use_bias = apply_bias False) gets none from TE.

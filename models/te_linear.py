@@ -164,7 +164,7 @@ class _LinearFunction(torch.autograd.Function):
             lambda out: torch.mm(dy, weight, out=out) if out is not None else torch.mm(dy, weight),
         )
         if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
-            flops.report(flops.gemm(dy.shape[1], dy.shape[0], total.shape[1]))
+            flops.report_gemm(dy.shape[1], dy.shape[0], total.shape[1])
         wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
         dinput = bulk_reduced(mode, dgrad, dinput)
         bgrad = dy.sum(0) if bias is not None else None

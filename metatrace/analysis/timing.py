@@ -1,10 +1,13 @@
 """A time model of one training iteration, from the records (pure functions, no torch).
 
 Assumptions, all approximate:
-- a step's compute takes its counted FLOPs (hooks/flops.py: matrix products and attention, as
-  torch.utils.flop_counter counts them; element-wise work is not counted) at the GPU's peak
-  dense bf16 FLOP/s (config.GPU_PEAK_TFLOPS) times `cluster.compute_efficiency`; FP8 GEMMs at
-  twice that peak on the GPUs with FP8 tensor cores (config.GPU_FP8_ARCHS);
+- a step's compute is the sum of its kernels' times on the GPU (Window.kernel_ps:
+  metatrace.config.kernels prices each GEMM and fused attention by its shape and each
+  memory-bound operator by the bytes it moves, as the trace dispatched them); with
+  `cluster.compute_efficiency` set, instead its counted FLOPs (hooks/flops.py: matrix products
+  and attention) at the GPU's peak dense bf16 FLOP/s (config.GPU_PEAK_TFLOPS) times that
+  fraction, FP8 GEMMs at twice that peak on the GPUs with FP8 tensor cores
+  (config.GPU_FP8_ARCHS), element-wise work free;
 - the collectives inside a step (tensor, sequence, context, expert parallel, the batch
   broadcast) take their estimated wire time (metatrace.analysis.comm: ring algorithm, link bandwidth, no
   latency) one after another with the compute: the traced micro-batch's own calls, per step, so
@@ -12,7 +15,9 @@ Assumptions, all approximate:
   (those per-iteration seconds are the steps' sums times the micro-batches). What Megatron
   overlaps (the context-parallel ring; with tp_comm_overlap, the TP collectives Transformer
   Engine's userbuffers run beside the linear layers' GEMMs; with overlap_moe_expert_parallel_comm
-  the EP all-to-alls, beside the other micro-batch's layers in a combined 1F1B step) adds nothing;
+  the EP all-to-alls, beside the other micro-batch's layers in a combined 1F1B step) is hidden
+  as far as the step's compute lasts: a step whose overlapped calls outlast its compute takes
+  the difference more;
 - each pipeline stage runs its steps in the order the replayed iteration recorded them
   (megatron-core's own 1F1B or interleaved order for that stage), each as early as its
   dependencies allow: chunk v of stage s is virtual stage k = v·pp + s; the forward step of
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 from metatrace.records import Trace
 
 STEP_PHASES = ("forward", "backward")
+_IN_STEP = ("tp", "cp", "ep")  # dimensions whose overlapped calls run beside a step's compute
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,9 @@ class Timing:
     bubble_fraction: float
     """Idle GPU time over GPU time in the forward-backward part, all stages together."""
     peak_tflops: float
-    efficiency: float
+    efficiency: float | None
+    """cluster.compute_efficiency: every FLOP at this fraction of peak; None: each kernel at its
+    modelled rate (metatrace.config.kernels)."""
 
 
 # ----------------------------------------------------------------------------- rates
@@ -146,6 +154,13 @@ def compute_seconds(
 ) -> float:
     bf16, fp8 = peak
     return ((flops - fp8_flops) / bf16 + fp8_flops / fp8) / efficiency
+
+
+def describe_rates(efficiency: float | None, peak_tflops: float) -> str:
+    """How the time model priced the compute, for a report's line."""
+    if efficiency is None:
+        return f"compute per kernel at its modelled rate ({peak_tflops:,.0f} TFLOP/s peak)"
+    return f"compute at {efficiency:.0%} of {peak_tflops:,.0f} TFLOP/s peak"
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -331,7 +346,7 @@ def job_timing(job_trace) -> Timing | None:
     roles = sorted(job_trace.roles, key=lambda rt: rt.role.pp_stage)
     if peak is None or any(rt.iteration is None for rt in roles):
         return None
-    eff = job.cluster.compute_efficiency
+    eff = job.cluster.compute_efficiency  # None: each kernel at its modelled rate
     pp, vpp = world.layout.pp, job.parallel.vpp
     # Per (stage, phase, chunk), what every micro-batch's step does: (flops, compute seconds,
     # exposed communication seconds, the collectives placed in the step).
@@ -341,9 +356,19 @@ def job_timing(job_trace) -> Timing | None:
         calls = _step_calls(job, world, micro, micro.rank)
         for w in micro.windows:
             if w.chunk is not None:
-                comp = compute_seconds(w.flops, w.fp8_flops, peak, eff)
+                comp = (
+                    w.kernel_ps / 1e12
+                    if eff is None
+                    else compute_seconds(w.flops, w.fp8_flops, peak, eff)
+                )
                 mine = calls.get((w.phase, w.chunk), ())
                 exposed = sum(sec for *_, sec, over in mine if over is None)
+                # What Megatron overlaps inside the step (TP userbuffers, the CP ring, EP
+                # all-to-alls) is hidden as far as the step's compute lasts.
+                beside = sum(
+                    sec for _, _, dim, sec, over in mine if over is not None and dim in _IN_STEP
+                )
+                exposed += max(0.0, beside - comp)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
         sends[s] = _p2p(job, world, micro, micro.rank)
         win = rt.iteration.columns("windows", ("phase", "chunk", "microbatch"))

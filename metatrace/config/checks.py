@@ -748,7 +748,7 @@ def _check_cluster(job):
             "which links they use)"
         )
     efficiency = cl.compute_efficiency
-    if not 0 < efficiency <= 1:
+    if efficiency is not None and not 0 < efficiency <= 1:
         yield (
             f"cluster.compute_efficiency = {efficiency} must be more than 0 and at most 1 (the "
             "fraction of the GPU's peak FLOP/s the time model assumes)"

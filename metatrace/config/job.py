@@ -548,12 +548,13 @@ class Cluster:
     cublas_workspace_config: str | None = None
     """The run's CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs), which sizes PyTorch's cuBLAS
     workspaces; default PyTorch's for `gpu` (":4096:8" on sm90/sm100, ":4096:2:16:8" before)."""
-    compute_efficiency: float = 0.5
-    """An assumption of the time model, not a measurement: the fraction of the GPU's peak dense
-    FLOP/s (GPU_PEAK_TFLOPS) that the counted FLOPs (matrix products and attention) run at,
-    i.e. the model FLOPs utilisation of the steps' compute. 0.5 is typical of well-tuned
-    Megatron-LM runs of large dense models on Hopper (published runs report 0.4 to 0.55);
-    small models and short sequences reach less. Between 0 (exclusive) and 1."""
+    compute_efficiency: float | None = None
+    """The time model's compute rates. None (default): each kernel at the rate its shape gets on
+    the GPU (metatrace.config.kernels: GEMMs with tile and wave quantisation, fused attention by
+    sequence length, memory-bound operators by the bytes they move; constants measured on an
+    H100). A number between 0 (exclusive) and 1: instead, every counted FLOP (matrix products
+    and attention) at this fraction of the GPU's peak dense FLOP/s and element-wise work free,
+    i.e. an assumed model FLOPs utilisation of the steps' compute."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import html
 from types import SimpleNamespace
 
 from metatrace.analysis import aggregate as agg
+from metatrace.analysis.timing import describe_rates
 from metatrace.export import svg
 from metatrace.export.svg import MIXED, PARTS, PHASE_COLOURS
 from metatrace.records import Collective
@@ -234,8 +235,8 @@ def timing(report) -> str:
     if t is None:
         return ""
     line = (
-        f"Estimated iteration time {seconds(t['iteration_seconds'])} (compute at "
-        f"{t['compute_efficiency']:.0%} of {t['peak_tflops']:,.0f} TFLOP/s peak, exposed "
+        f"Estimated iteration time {seconds(t['iteration_seconds'])} "
+        f"({describe_rates(t['compute_efficiency'], t['peak_tflops'])}, exposed "
         f"communication included, {_schedule(report['world'])}), pipeline bubble "
         f"{t['bubble_fraction']:.1%}"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
+from metatrace.analysis.timing import describe_rates
 from metatrace.render.fit import FitTable, Kind
 from metatrace.render.format import (
     DIM_NAMES,
@@ -134,8 +135,8 @@ def build_timing_line(analysis) -> Text | None:
     if par.pp == 1:
         schedule = "no pipeline"
     text = Text(
-        f"Estimated iteration time {seconds(t.iteration_seconds)} (compute at "
-        f"{t.efficiency:.0%} of {t.peak_tflops:,.0f} TFLOP/s peak, exposed communication as "
+        f"Estimated iteration time {seconds(t.iteration_seconds)} "
+        f"({describe_rates(t.efficiency, t.peak_tflops)}, exposed communication as "
         f"above, {schedule}), pipeline bubble {t.bubble_fraction:.1%}",
         style="bold",
     )

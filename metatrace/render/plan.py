@@ -144,11 +144,14 @@ def render_plan(
     console.print(build_reasons(result, top))
     console.print(
         Text(
-            f"Iteration: the time model of each traced layout (its FLOPs at "
-            f"{cl.compute_efficiency:.0%} of the GPU's peak FLOP/s, the pipeline schedule simulated, "
-            "exposed communication at link bandwidth; the context-parallel ring counts as hidden). "
-            "Kernel efficiency does not grow with the micro-batch in this model, so small "
-            "micro-batches win.",
+            "Iteration: the time model of each traced layout ("
+            + (
+                f"its FLOPs at {cl.compute_efficiency:.0%} of the GPU's peak FLOP/s"
+                if cl.compute_efficiency is not None
+                else "each kernel at the rate its shape gets"
+            )
+            + ", the pipeline schedule simulated, exposed communication at link bandwidth; "
+            "the context-parallel ring counts as hidden).",
             style="dim",
         )
     )

@@ -17,6 +17,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from metatrace.analysis.timing import describe_rates
 from metatrace.render.format import (
     DIM_TITLES,
     PHASE_SHORT,
@@ -151,7 +152,7 @@ def build_timing(analysis) -> Text:
         style="bold",
     )
     text.append(
-        f" ({schedule}; compute at {t.efficiency:.0%} of {t.peak_tflops:,.0f} TFLOP/s peak, "
+        f" ({schedule}; {describe_rates(t.efficiency, t.peak_tflops)}, "
         "plus the exposed communication below)"
     )
     return text

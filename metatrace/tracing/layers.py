@@ -271,6 +271,7 @@ class _Span:
             b.live - a.live,
             b.flops - a.flops,
             b.fp8_flops - a.fp8_flops,
+            b.ps - a.ps,
             tuple(sorted((b.ops - a.ops).items())),
             tuple(sorted((b.unclassified - a.unclassified).items())),
         )
@@ -406,8 +407,8 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
     m = run.copies
     period, last = run.period, run.last
     fwd, bwd = spans[(period, "F")], spans[(period - 1, "B")]
-    n_f, k_f, live_f, flops_f, fp8_f = fwd.stats()[:5]
-    n_b, k_b, live_b, flops_b, fp8_b = bwd.stats()[:5]
+    n_f, k_f, live_f, flops_f, fp8_f, ps_f = fwd.stats()[:6]
+    n_b, k_b, live_b, flops_b, fp8_b, ps_b = bwd.stats()[:6]
     seq_f, sid_f = fwd.end.seq, fwd.end.sid  # the forward copies go here
     seq_b, sid_b = bwd.start.seq, bwd.start.sid  # the backward copies go here
 
@@ -532,16 +533,18 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
         if w is w_f:
             changes["flops"] = w.flops + m * flops_f
             changes["fp8_flops"] = w.fp8_flops + m * fp8_f
+            changes["kernel_ps"] = w.kernel_ps + m * ps_f
         if w is w_b:
             changes["flops"] = w.flops + m * flops_b
             changes["fp8_flops"] = w.fp8_flops + m * fp8_b
+            changes["kernel_ps"] = w.kernel_ps + m * ps_b
         new_windows.append(dataclasses.replace(w, **changes))
-    added = [(seq_f, fwd, flops_f, fp8_f), (seq_b, bwd, flops_b, fp8_b)]
+    added = [(seq_f, fwd, flops_f, fp8_f, ps_f), (seq_b, bwd, flops_b, fp8_b, ps_b)]
 
     def counted(counter: Counter, name: str, upto: int | None = None) -> dict:
         """`counter` with the operators of the copies before seq `upto` (all: None) added."""
         out = Counter(counter)
-        for at_seq, sp, _, _ in added:
+        for at_seq, sp, *_ in added:
             if upto is None or upto > at_seq:
                 for op, n in (getattr(sp.end, name) - getattr(sp.start, name)).items():
                     out[op] += m * n
@@ -560,14 +563,16 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
 
     def moved(mark):
         s = mark.seq
-        flops = mark.flops + sum(m * f for at_seq, _, f, _ in added if s > at_seq)
-        fp8 = mark.fp8_flops + sum(m * f for at_seq, _, _, f in added if s > at_seq)
+        flops = mark.flops + sum(m * f for at_seq, _, f, _, _ in added if s > at_seq)
+        fp8 = mark.fp8_flops + sum(m * f for at_seq, _, _, f, _ in added if s > at_seq)
+        ps = mark.ps + sum(m * p for at_seq, _, _, _, p in added if s > at_seq)
         return type(mark)(
             seq_new(s),
             sid_new(mark.sid),
             live_new(s, mark.live),
             flops,
             fp8,
+            ps,
             counted(mark.ops, "ops", s),
             counted(mark.unclassified, "unclassified", s),
         )

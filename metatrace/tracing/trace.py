@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from metatrace.config.hardware import cublas_workspace_bytes
+from metatrace.config.kernels import kernel_model
 from metatrace.config.userbuffers import userbuffers
 from metatrace.records import JobTrace, RoleTrace
 from metatrace.world import Role, World
@@ -314,6 +315,7 @@ def _trace_role(
             groups=groups,
             rank=rank,
             outside=list(te_state.userbuffers.values()),
+            kernels=kernel_model(job.cluster.gpu),
         )
         if micro is not None:
             trace, shapes, deferred, record = micro

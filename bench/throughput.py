@@ -1,0 +1,302 @@
+"""The time model against published training throughput (issue 21).
+
+    python bench/throughput.py [--only TEXT] [--calibration FILE] [--json OUT]
+
+Every row of ../shared/calibration/throughput.jsonl is laid out as a job (its model, GPUs and
+parallel degrees as printed; what the source leaves out filled by one rule per source family,
+listed in ASSUMED below, never per row), traced without the full model, and its iteration time
+predicted (metatrace.analysis.timing). The published step time is the row's own (printed or
+derived from tokens/s), else the row's TFLOP/s per GPU turned into seconds with the FLOP formula
+its source uses (FORMULAS). Prints predicted / published per row, then the median |error| and
+the worst row, dense and MoE apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALIBRATION = os.path.join(ROOT, "..", "shared", "calibration", "throughput.jsonl")
+
+# What each source family leaves out, filled the same way for every row of the family.
+ASSUMED = {
+    "megatron-lm-h100": "GPT (LayerNorm, GeLU, learned positions, biases, tied embeddings), "
+    "FFN 4h, bf16, micro-batch 1, sequence parallel, TP communication overlap, the "
+    "distributed optimizer with overlapped gradient reduce and parameter gather (as printed)",
+    "megatron-lm-a100": "GPT as above, head dim 128 where heads are not printed, vocab 51,200 "
+    "where not printed, fp16, full recompute (the paper counts its FLOPs), micro-batch 1, "
+    "the distributed optimizer off (2021), no sequence parallel (2021)",
+    "llama3": "Llama 3 405B, micro-batch 1, no interleaving, one layer fewer on the first "
+    "and last stages (the paper), the distributed optimizer with overlap",
+    "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's layout (Megatron-LM's for the model), "
+    "FP8 blockwise, micro-batch 1",
+    "mixtral": "the Megatron-Core MoE README's mapping, all-to-all dispatcher, grouped GEMM, "
+    "balanced routing, the distributed optimizer with overlap",
+    "nemo": "the NeMo model configs (Llama presets, GPT-3 as above, Nemotron: squared ReLU, "
+    "LayerNorm, RoPE, no biases, vocab 256,000), FP8 delayed scaling, sequence parallel and TP "
+    "communication overlap where tp > 1, the distributed optimizer with overlap",
+}
+
+
+def family(name: str) -> str:
+    for key in ("megatron-lm-h100", "megatron-lm-a100", "llama3", "deepseek-v3", "nemo"):
+        if name.startswith(key):
+            return key
+    return "mixtral" if "mixtral" in name else "other"
+
+
+def _gpu(text: str) -> str:
+    text = text.lower()
+    for name in ("h100", "h800", "a100", "h200", "b200", "gb200"):
+        if name in text:
+            return name
+    raise ValueError(text)
+
+
+def _gpt(m: dict, *, vocab: int, heads: int | None = None) -> dict:
+    """GPT-3's architecture (the gpt3-175b preset's) with the row's dimensions."""
+    from metatrace.config.presets import PRESETS
+
+    h = m["hidden_size"]
+    base = dict(PRESETS["gpt3-175b"].dims)
+    del base["max_position_embeddings"]  # the sequence length
+    return {
+        **base,
+        "num_layers": m["num_layers"],
+        "hidden_size": h,
+        "ffn_hidden_size": m.get("ffn_hidden_size") or 4 * h,
+        "num_attention_heads": m.get("num_attention_heads") or heads or h // 128,
+        "vocab_size": m.get("vocab_size") or vocab,
+    }
+
+
+def job_for(row: dict) -> dict:
+    """The job dict of a calibration row (see ASSUMED)."""
+    fam, m, par, tr = family(row["name"]), row["model"], row["parallel"], row["training"]
+    derived = row.get("derived") or {}
+    tp = par.get("tp") or derived.get("tp") or 1
+    pp = par.get("pp") or derived.get("pp") or 1
+    vpp = par.get("vpp") if (par.get("vpp") or 1) > 1 else None
+    cp = par.get("cp") or 1
+    ep = par.get("ep") or 1
+    gbs = tr.get("global_batch_size") or derived.get("global_batch_size")
+    parallel = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sequence_parallel": tp > 1}
+    if vpp:
+        parallel["vpp"] = vpp
+    training = {
+        "seq_length": tr["seq_length"],
+        "micro_batch_size": tr.get("micro_batch_size") or 1,
+        "global_batch_size": gbs,
+        "distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    }
+    cluster = {"num_gpus": row["num_gpus"], "gpus_per_node": 8, "gpu": _gpu(row["gpu"])}
+    impl: dict = {}
+    if fam == "megatron-lm-h100":
+        model = _gpt(m, vocab=131072)
+        parallel["tp_comm_overlap"] = tp > 1
+    elif fam == "megatron-lm-a100":
+        model = _gpt(m, vocab=51200)
+        parallel["sequence_parallel"] = False
+        training.update(
+            precision="fp16",
+            recompute={"granularity": "full", "method": "uniform", "num_layers": 1},
+            distributed_optimizer=False,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+        )
+    elif fam == "llama3":
+        model = {"preset": "llama3.1-405b", "vocab_size": m["vocab_size"]}
+        if pp > 1 and m["num_layers"] % pp:
+            parallel.update(first_stage_layers=m["num_layers"] // pp, last_stage_layers=7)
+    elif fam == "deepseek-v3":
+        model = {"preset": "deepseek-v3"}
+        # 120 micro-batches: interleaved groups of 24 (a multiple of none of pp's 16)
+        parallel.update(
+            layout="Et|(tt|)*30mL", moe_token_dispatcher_type="alltoall", microbatch_group_size=24
+        )
+        training.update(
+            precision="fp8",
+            fp8_recipe="blockwise",
+            moe_router_dtype="fp32",
+            recompute={"granularity": "selective", "modules": ["layernorm", "mla_up_proj"]},
+        )
+        impl = {"moe_grouped_gemm": True, "moe_permute_fusion": True}
+    elif fam == "mixtral":
+        model = {"preset": "mixtral-8x7b"}
+        parallel["moe_token_dispatcher_type"] = "alltoall"
+        impl = {"moe_grouped_gemm": True}
+    else:  # nemo
+        name = m["name"].lower()
+        if name.startswith("llama"):
+            preset = {
+                "llama2-7b": "llama2-7b",
+                "llama2-13b": "llama2-13b",
+                "llama2-70b": "llama2-70b",
+                "llama3-8b": "llama3-8b",
+                "llama3-70b": "llama3-70b",
+            }[name]
+            model = {"preset": preset}
+        elif name.startswith("gpt3"):
+            model = _gpt(m, vocab=51200)
+        else:  # Nemotron
+            model = {
+                "num_layers": m["num_layers"],
+                "hidden_size": m["hidden_size"],
+                "ffn_hidden_size": m["ffn_hidden_size"],
+                "num_attention_heads": m["num_attention_heads"],
+                "num_query_groups": m.get("num_query_groups"),
+                "vocab_size": m.get("vocab_size") or 256000,
+                "position_embedding_type": "rope",
+                "normalization": "LayerNorm",
+                "activation": "squared_relu",
+                "add_bias_linear": False,
+                "untie_embeddings_and_output_weights": True,
+                "hidden_dropout": 0.0,
+                "attention_dropout": 0.0,
+            }
+        parallel["tp_comm_overlap"] = tp > 1
+        training.update(precision="fp8", fp8_recipe="delayed")
+    model = {k: v for k, v in model.items() if v is not None}
+    job = {"model": model, "parallel": parallel, "training": training, "cluster": cluster}
+    if impl:
+        job["implementation"] = impl
+    return job
+
+
+def megatron_flops(job) -> float:
+    """Megatron-LM's num_floating_point_operations (training.py, core_r0.8): forward and
+    backward, per iteration, causal attention not halved."""
+    m, tr = job.model, job.training
+    h, L, s = m.hidden_size, m.num_layers, tr.seq_length
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    gated = 2 if m.activation in ("swiglu", "geglu", "quick_geglu") else 1
+    routed = m.moe_router_topk if m.num_experts else 1
+    ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts else m.ffn_hidden_size
+    q_ratio = m.kv_channels * heads / h
+    return (
+        12
+        * tr.global_batch_size
+        * s
+        * L
+        * h
+        * h
+        * (
+            (1 + groups / heads + s / h) * q_ratio
+            + ffn / h * routed * gated
+            + job.padded_vocab_size / (2 * L * h)
+        )
+    )
+
+
+def narayanan_flops(job) -> float:
+    """Narayanan et al. 2021, Sec. 5.1: 96 B s l h^2 (1 + s/6h + V/16lh), with the recompute
+    forward."""
+    m, tr = job.model, job.training
+    h, L, s, V = m.hidden_size, m.num_layers, tr.seq_length, m.vocab_size
+    return 96 * tr.global_batch_size * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+FORMULAS = {"megatron-lm-a100": narayanan_flops}
+
+
+def published_seconds(row: dict, job) -> tuple[float, str]:
+    pub, derived = row["published"], row.get("derived") or {}
+    if pub.get("time_per_step_s"):
+        return pub["time_per_step_s"], "printed"
+    if derived.get("time_per_step_s"):
+        return derived["time_per_step_s"], "derived"
+    fam = family(row["name"])
+    flops = FORMULAS.get(fam, megatron_flops)(job)
+    return flops / (pub["tflops_per_gpu"] * 1e12 * row["num_gpus"]), "TFLOP/s"
+
+
+def predict(job_dict: dict):
+    from metatrace.analysis.timing import job_timing
+    from metatrace.config import job_from_dict, resolve
+    from metatrace.tracing.trace import trace_job
+
+    job = resolve(job_from_dict(job_dict))
+    traced = trace_job(job, full_model=False)
+    return job, job_timing(traced)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="rows whose name contains this")
+    parser.add_argument("--calibration", default=CALIBRATION)
+    parser.add_argument("--json", help="write the rows' figures here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # megatron-core's advice for real runs
+    from metatrace.config import job_from_dict, resolve
+    from metatrace.tracing.trace import shared_workers
+
+    rows = [json.loads(line) for line in open(args.calibration) if line.strip()]
+    rows = [r for r in rows if args.only in r["name"]]
+    out = []
+    print(f"{'row':44} {'GPUs':>6} {'published':>10} {'predicted':>10} {'ratio':>6}  trace")
+    with shared_workers():
+        for row in rows:
+            start = time.perf_counter()
+            job_dict = job_for(row)
+            try:
+                job, timing = predict(job_dict)
+            except Exception as exc:  # a row metatrace cannot lay out: say so, go on
+                print(f"{row['name']:44} {row['num_gpus']:>6} failed: {exc}")
+                out.append({"name": row["name"], "error": str(exc)})
+                continue
+            pub, how = published_seconds(row, resolve(job_from_dict(job_dict)))
+            pred = timing.iteration_seconds
+            ratio = pred / pub
+            took = time.perf_counter() - start
+            print(
+                f"{row['name']:44} {row['num_gpus']:>6} {pub:>9.3f}s {pred:>9.3f}s "
+                f"{ratio:>6.2f}  {took:.0f} s ({how})",
+                flush=True,
+            )
+            moe = bool(job.model.num_experts)
+            out.append(
+                {
+                    "name": row["name"],
+                    "moe": moe,
+                    "published_s": pub,
+                    "predicted_s": pred,
+                    "ratio": ratio,
+                    "published_from": how,
+                    "bubble": timing.bubble_fraction,
+                }
+            )
+    good = [r for r in out if "ratio" in r]
+    for label, pick in (("all", good), ("dense", [r for r in good if not r["moe"]])):
+        _summary(label, pick)
+    _summary("MoE", [r for r in good if r["moe"]])
+    failed = [r["name"] for r in out if "error" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def _summary(label: str, rows: list) -> None:
+    if not rows:
+        return
+    errors = [abs(r["ratio"] - 1) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    print(
+        f"{label}: {len(rows)} rows, median |error| {statistics.median(errors):.1%} "
+        f"worst {worst['name']} at {worst['ratio']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

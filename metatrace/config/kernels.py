@@ -1,0 +1,142 @@
+"""How long one GPU kernel takes, from its shape: the time model's per-kernel rates.
+
+GEMMs: a roofline with tile and wave quantisation. The output is cut into tiles of
+TILE[0] x TILE[1]; the tiles (of every matrix of a batched or grouped GEMM) run in waves over the
+GPU's multiprocessors, each at GEMM_EFFICIENCY of the tensor cores' peak; where there are fewer
+tiles than multiprocessors, cuBLAS splits K across them (up to one split per 512 of K). The
+compute time and the time to read both operands and write the output at HBM bandwidth
+(HBM_EFFICIENCY of the data sheet's) combine as a 2-norm (neither hides the other completely),
+plus LAUNCH_SECONDS.
+
+Fused attention (cuDNN / flash): the counted FLOPs (hooks/flops.py) at a fraction of peak that
+grows with the sequence length, ATTENTION[phase] = (top fraction, s0 for causal, s0 without):
+fraction = top * s / (s + s0), times min(1, 1/2 + head_dim / 256) (a 64-wide head runs at 3/4
+of a 128-wide one).
+
+Memory-bound work (element-wise operators, norms, softmax, casts, copies): bytes read and
+written at HBM_EFFICIENCY of the HBM bandwidth, plus LAUNCH_SECONDS.
+
+Source of the constants: bench/gpu_kernels.py on an H100 80GB HBM3 (SXM, 700 W; torch 2.11.0,
+CUDA 13.0, cuDNN 9.19), 2026-11-24, stored in bench/data/h100_kernels.json: 2,108 GEMMs
+(bf16 and FP8, three layouts), 336 attention shapes, 261 grouped GEMMs, 48 element-wise runs.
+tests/unit/test_kernels.py holds this model to that file. The large bf16 GEMMs ran at 650-770
+TFLOP/s (0.66-0.78 of the 989 peak), FP8 at 1,200-1,280 (0.61-0.65 of 1,979).
+
+Known limitations: measured on Hopper only; other GPUs use the same fractions of their own
+peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). Kernel launch
+overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from metatrace.config.hardware import GPU_ARCH, GPU_FP8_ARCHS, GPU_HBM_TBPS, GPU_PEAK_TFLOPS
+
+# Streaming multiprocessors (compute units on AMD), from the data sheets.
+GPU_SMS = {
+    "a100-40gb": 108,
+    "a100": 108,
+    "h100": 132,
+    "h800": 132,
+    "h200": 132,
+    "b200": 148,
+    "gb200": 152,
+    "l40s": 142,
+    "mi300x": 304,
+}
+
+GEMM_EFFICIENCY = {"bf16": 0.75, "fp8": 0.70}
+TILE = (128, 128)
+SPLIT_K_CHUNK = 512
+HBM_EFFICIENCY = {"gemm": 0.9, "memory": 0.8}
+LAUNCH_SECONDS = 4e-6
+ATTENTION = {"forward": (0.68, 600, 300), "backward": (0.56, 800, 400)}
+
+
+@dataclass(frozen=True)
+class KernelModel:
+    """The rates of one GPU model."""
+
+    gpu: str
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s."""
+    fp8_flops: float
+    """Dense FP8 FLOP/s (the bf16 peak on GPUs without FP8 tensor cores)."""
+    sms: int
+    hbm_bytes_per_s: float
+
+
+def kernel_model(gpu: str) -> KernelModel | None:
+    """The rates of `gpu`, or None when a table lacks it."""
+    if gpu not in GPU_PEAK_TFLOPS or gpu not in GPU_SMS or gpu not in GPU_HBM_TBPS:
+        return None
+    peak = GPU_PEAK_TFLOPS[gpu] * 1e12
+    fp8 = 2 * peak if GPU_ARCH.get(gpu) in GPU_FP8_ARCHS else peak
+    return KernelModel(gpu, peak, fp8, GPU_SMS[gpu], GPU_HBM_TBPS[gpu] * 1e12)
+
+
+@functools.lru_cache(maxsize=65536)
+def gemm_seconds(
+    model: KernelModel, m: int, n: int, k: int, *, fp8: bool = False, batch: int = 1
+) -> float:
+    """[m, k] x [k, n], `batch` times in one kernel (bmm, a grouped GEMM's equal groups)."""
+    return grouped_gemm_seconds(model, (m,) * batch, n, k, fp8=fp8)
+
+
+@functools.lru_cache(maxsize=65536)
+def grouped_gemm_seconds(
+    model: KernelModel, ms: tuple[int, ...], n: int, k: int, *, fp8: bool = False
+) -> float:
+    """One kernel of GEMMs [m_i, k] x [k, n] (a grouped GEMM: one per expert)."""
+    ms = tuple(m for m in ms if m > 0)
+    if not ms or n <= 0 or k <= 0:
+        return 0.0
+    tm, tn = TILE
+    cols = math.ceil(n / tn)
+    tiles = sum(math.ceil(m / tm) for m in ms) * cols
+    m = sum(ms)
+    useful = m * n / (tiles * tm * tn)
+    split = 1
+    if tiles < model.sms:
+        split = max(1, min(model.sms // tiles, k // SPLIT_K_CHUNK))
+    work = tiles * split
+    waves = math.ceil(work / model.sms)
+    filled = work / (waves * model.sms)
+    dtype = "fp8" if fp8 else "bf16"
+    peak = model.fp8_flops if fp8 else model.peak_flops
+    compute = 2.0 * m * n * k / (peak * GEMM_EFFICIENCY[dtype] * useful * filled)
+    operand = 1 if fp8 else 2
+    moved = (m * k + len(ms) * k * n) * operand + m * n * 2
+    memory = moved / (model.hbm_bytes_per_s * HBM_EFFICIENCY["gemm"])
+    return math.hypot(compute, memory) + LAUNCH_SECONDS
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_seconds(
+    model: KernelModel, flops: int, seq: int, head_dim: int, *, causal: bool, backward: bool
+) -> float:
+    """A fused attention kernel computing `flops` (hooks/flops.py's count) over sequences of
+    `seq` queries with heads `head_dim` wide."""
+    if flops <= 0:
+        return 0.0
+    top, s0_causal, s0_full = ATTENTION["backward" if backward else "forward"]
+    s0 = s0_causal if causal else s0_full
+    fraction = top * seq / (seq + s0) * min(1.0, 0.5 + head_dim / 256)
+    return flops / (model.peak_flops * fraction) + LAUNCH_SECONDS
+
+
+def memory_seconds(model: KernelModel, nbytes: int) -> float:
+    """A memory-bound kernel reading and writing `nbytes` in all."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (model.hbm_bytes_per_s * HBM_EFFICIENCY["memory"]) + LAUNCH_SECONDS
+
+
+def flops_seconds(model: KernelModel, flops: int, *, fp8: bool = False) -> float:
+    """FLOPs reported without a shape: at the large-GEMM rate."""
+    dtype = "fp8" if fp8 else "bf16"
+    peak = model.fp8_flops if fp8 else model.peak_flops
+    return flops / (peak * GEMM_EFFICIENCY[dtype])
