@@ -18,9 +18,10 @@
    than the slowest of them, or the trace budget is spent.
 4. Rank the fitting layouts by the estimated iteration time with their traced communication.
 
-Known limitations: the time model is FLOPs at a fixed efficiency plus bandwidth-only
-communication, so a larger micro-batch never helps (kernel efficiency growing with size is not
-modelled) and the planner prefers the smallest one that keeps the bubble down.
+Known limitations: the closed form that orders the candidates (step 3) runs every FLOP at one
+rate and counts the context-parallel ring as hidden, so a larger micro-batch never helps there
+and cp > 1 looks free; the traced time model prices each kernel by its shape, but only the
+layouts the closed form picks are traced.
 """
 
 from __future__ import annotations
