@@ -174,7 +174,7 @@ def _flops(job) -> float:
 def estimate(job, exposed_comm: float | None = None) -> Estimate:
     """Closed-form iteration time; `exposed_comm` replaces the communication term."""
     par, cl = job.parallel, job.cluster
-    # Only orders the candidates: each kernel's own rate is the traced time model's.
+    # The planner's jobs set one (metatrace.planning.plan.PLAN_EFFICIENCY).
     efficiency = cl.compute_efficiency or GEMM_EFFICIENCY["bf16"]
     compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * efficiency)
     m = job.num_microbatches

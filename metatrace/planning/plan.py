@@ -18,10 +18,10 @@
    than the slowest of them, or the trace budget is spent.
 4. Rank the fitting layouts by the estimated iteration time with their traced communication.
 
-Known limitations: the closed form that orders the candidates (step 3) runs every FLOP at one
-rate and counts the context-parallel ring as hidden, so a larger micro-batch never helps there
-and cp > 1 looks free; the traced time model prices each kernel by its shape, but only the
-layouts the closed form picks are traced.
+Known limitations: the search times every layout with every FLOP at one rate (PLAN_EFFICIENCY
+of peak unless the job sets cluster.compute_efficiency), not with the per-kernel model of
+`metatrace run`, so that its stop rule stays exact; a larger micro-batch never helps and the
+context-parallel ring counts as hidden, so it prefers micro-batch 1 and cp > 1.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from metatrace.planning.estimates import Estimate, estimate, memory_estimate, me
 from metatrace.tracing.checks import check_with_megatron
 
 GiB = 2**30
+PLAN_EFFICIENCY = 0.5
+"""The FLOP rate (fraction of peak) the search times layouts at when the job sets none."""
 RECOMPUTE = {
     "none": Recompute(),
     "selective": Recompute(granularity="selective"),
@@ -192,7 +194,14 @@ def job_of(job, layout: Layout):
             job.training.num_distributed_optimizer_instances if layout.distributed_optimizer else 1
         ),
     )
-    cl = dataclasses.replace(job.cluster, num_gpus=layout.tp * layout.pp * layout.cp * layout.dp)
+    # The search still times every layout at one FLOP rate (0.5 of peak unless the job sets
+    # one): its stop rule compares closed forms, which are exact only against that model; the
+    # per-kernel model (metatrace.config.kernels) is not the planner's yet.
+    cl = dataclasses.replace(
+        job.cluster,
+        num_gpus=layout.tp * layout.pp * layout.cp * layout.dp,
+        compute_efficiency=job.cluster.compute_efficiency or PLAN_EFFICIENCY,
+    )
     candidate = resolve(dataclasses.replace(job, parallel=par, training=tr, cluster=cl, notes=()))
     check_with_megatron(candidate)
     return candidate

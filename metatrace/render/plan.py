@@ -144,14 +144,12 @@ def render_plan(
     console.print(build_reasons(result, top))
     console.print(
         Text(
-            "Iteration: the time model of each traced layout ("
-            + (
-                f"its FLOPs at {cl.compute_efficiency:.0%} of the GPU's peak FLOP/s"
-                if cl.compute_efficiency is not None
-                else "each kernel at the rate its shape gets"
-            )
+            "Iteration: the time model of each traced layout (its FLOPs at "
+            f"{result.ranked()[0].candidate.job.cluster.compute_efficiency:.0%} of the GPU's "
+            "peak FLOP/s"
             + ", the pipeline schedule simulated, exposed communication at link bandwidth; "
-            "the context-parallel ring counts as hidden).",
+            "the context-parallel ring counts as hidden). Kernel efficiency does not grow "
+            "with the micro-batch in this model, so small micro-batches win.",
             style="dim",
         )
     )

@@ -315,7 +315,6 @@ def _trace_role(
             groups=groups,
             rank=rank,
             outside=list(te_state.userbuffers.values()),
-            kernels=kernel_model(job.cluster.gpu),
         )
         if micro is not None:
             trace, shapes, deferred, record = micro
@@ -418,7 +417,9 @@ def _microbatch(job, config, model, recorder, static, device, workspace, plan, l
 
     models, runs = cut
 
-    with recorder(static=static) as rec:
+    # The micro-batch's kernels are priced (the time model reads its windows); a replayed
+    # iteration's steps are not (they stand for work the micro-batch's windows price).
+    with recorder(static=static, kernels=kernel_model(job.cluster.gpu)) as rec:
         with contextlib.ExitStack() as stack:
             # The workspaces live on after the recorder stops, as they do on a GPU.
             workspaces = stack.enter_context(cublas_workspaces(device, workspace))

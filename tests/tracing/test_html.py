@@ -207,7 +207,9 @@ def test_the_iteration_time_and_the_bubble(report, page):
     text = re.sub("<[^>]+>", "", line)
     assert text.startswith(f"Estimated iteration time {seconds(t['iteration_seconds'])} (")
     assert text.endswith(f"1F1B), pipeline bubble {t['bubble_fraction']:.1%}")
-    assert seconds(t["iteration_seconds"]) == "3.1 µs"  # the debug model is tiny
+    assert "compute per kernel at its modelled rate" in text
+    # The debug model is tiny: its few hundred kernels each take the launch's 4 µs.
+    assert seconds(t["iteration_seconds"]).endswith(" ms")
     rows = table_after(page, '<p class="timing"')
     assert [row[4] for row in rows] == [
         f"{r['timing']['bubble_fraction']:.1%}" for r in report["roles"]
