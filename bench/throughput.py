@@ -59,7 +59,7 @@ def _gpu(text: str) -> str:
     raise ValueError(text)
 
 
-def _gpt(m: dict, *, vocab: int, heads: int | None = None) -> dict:
+def _gpt(m: dict, *, vocab: int) -> dict:
     """GPT-3's architecture (the gpt3-175b preset's) with the row's dimensions."""
     from metatrace.config.presets import PRESETS
 
@@ -71,7 +71,7 @@ def _gpt(m: dict, *, vocab: int, heads: int | None = None) -> dict:
         "num_layers": m["num_layers"],
         "hidden_size": h,
         "ffn_hidden_size": m.get("ffn_hidden_size") or 4 * h,
-        "num_attention_heads": m.get("num_attention_heads") or heads or h // 128,
+        "num_attention_heads": m.get("num_attention_heads") or h // 128,
         "vocab_size": m.get("vocab_size") or vocab,
     }
 
@@ -236,7 +236,6 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows' figures here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron-core's advice for real runs
-    from metatrace.config import job_from_dict, resolve
     from metatrace.tracing.trace import shared_workers
 
     rows = [json.loads(line) for line in open(args.calibration) if line.strip()]
@@ -253,7 +252,7 @@ def main() -> int:
                 print(f"{row['name']:44} {row['num_gpus']:>6} failed: {exc}")
                 out.append({"name": row["name"], "error": str(exc)})
                 continue
-            pub, how = published_seconds(row, resolve(job_from_dict(job_dict)))
+            pub, how = published_seconds(row, job)
             pred = timing.iteration_seconds
             ratio = pred / pub
             took = time.perf_counter() - start

@@ -86,15 +86,13 @@ def _add(count: FlopCount, flops: int, fp8: bool) -> None:
         count.fp8 += flops
 
 
-def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, times: int = 1, batch: int = 1):
-    """A stand-in's kernel runs `times` GEMMs [m, k] @ [k, n] (`batch` of them in one kernel:
-    a grouped GEMM's equal groups)."""
+def report_gemm(m: int, k: int, n: int, *, fp8: bool = False) -> None:
+    """A stand-in's kernel runs the GEMM [m, k] @ [k, n]."""
     count = _count()
-    if count is not None and times > 0:
-        _add(count, times * batch * gemm(m, k, n), fp8)
+    if count is not None:
+        _add(count, gemm(m, k, n), fp8)
         if count.model is not None:
-            sec = kernels.gemm_seconds(count.model, m, n, k, fp8=fp8, batch=batch)
-            count.add_seconds(times * sec)
+            count.add_seconds(kernels.gemm_seconds(count.model, m, n, k, fp8=fp8))
 
 
 def report_grouped(rows, k: int, n: int, *, fp8: bool = False, times: int = 1) -> None:

@@ -139,14 +139,11 @@ class Timing:
 
 
 def peak_flops(job) -> tuple[float, float] | None:
-    """(bf16, fp8) peak dense FLOP/s of the job's GPU, or None when it is not in the table."""
-    from metatrace.config import GPU_ARCH, GPU_FP8_ARCHS, GPU_PEAK_TFLOPS
+    """(bf16, fp8) peak dense FLOP/s of the job's GPU, or None when the tables lack it."""
+    from metatrace.config.kernels import kernel_model
 
-    tflops = GPU_PEAK_TFLOPS.get(job.cluster.gpu)
-    if tflops is None:
-        return None
-    fp8 = 2 if GPU_ARCH.get(job.cluster.gpu) in GPU_FP8_ARCHS else 1
-    return tflops * 1e12, fp8 * tflops * 1e12
+    model = kernel_model(job.cluster.gpu)
+    return None if model is None else (model.peak_flops, model.fp8_flops)
 
 
 def compute_seconds(

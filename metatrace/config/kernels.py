@@ -18,7 +18,8 @@ written at HBM_EFFICIENCY of the HBM bandwidth, plus LAUNCH_SECONDS.
 
 Source of the constants: bench/gpu_kernels.py on an H100 80GB HBM3 (SXM, 700 W; torch 2.11.0,
 CUDA 13.0, cuDNN 9.19), 2026-11-24, stored in bench/data/h100_kernels.json: 2,108 GEMMs
-(bf16 and FP8, three layouts), 336 attention shapes, 261 grouped GEMMs, 48 element-wise runs.
+(bf16 and FP8, three layouts), 336 attention runs (56 of them shapes the flash backend refused),
+261 grouped GEMMs, 48 element-wise runs.
 tests/unit/test_kernels.py holds this model to that file. The large bf16 GEMMs ran at 650-770
 TFLOP/s (0.66-0.78 of the 989 peak), FP8 at 1,200-1,280 (0.61-0.65 of 1,979).
 

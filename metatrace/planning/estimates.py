@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metatrace.config import GPU_PEAK_TFLOPS
-from metatrace.config.kernels import GEMM_EFFICIENCY
 
 # Extra compute of a training step per recompute kind, in forward passes (forward + backward
 # = 3 forward passes): full recompute runs every layer's forward again; selective recomputes
@@ -174,9 +173,8 @@ def _flops(job) -> float:
 def estimate(job, exposed_comm: float | None = None) -> Estimate:
     """Closed-form iteration time; `exposed_comm` replaces the communication term."""
     par, cl = job.parallel, job.cluster
-    # The planner's jobs set one (metatrace.planning.plan.PLAN_EFFICIENCY).
-    efficiency = cl.compute_efficiency or GEMM_EFFICIENCY["bf16"]
-    compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * efficiency)
+    # The planner's jobs always set one (metatrace.planning.plan.PLAN_EFFICIENCY).
+    compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * cl.compute_efficiency)
     m = job.num_microbatches
     bubble = (par.pp - 1) / ((par.vpp or 1) * m + par.pp - 1)
     if exposed_comm is None:

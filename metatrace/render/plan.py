@@ -142,17 +142,16 @@ def render_plan(
         return
     console.print(build_best(result, top))
     console.print(build_reasons(result, top))
+    best = result.ranked()[0]
     console.print(
         Text(
             "Iteration: the time model of each traced layout (its FLOPs at "
-            f"{result.ranked()[0].candidate.job.cluster.compute_efficiency:.0%} of the GPU's "
-            "peak FLOP/s"
-            + ", the pipeline schedule simulated, exposed communication at link bandwidth; "
+            f"{best.candidate.job.cluster.compute_efficiency:.0%} of the GPU's peak FLOP/s"
+            ", the pipeline schedule simulated, exposed communication at link bandwidth; "
             "the context-parallel ring counts as hidden). Kernel efficiency does not grow "
             "with the micro-batch in this model, so small micro-batches win.",
             style="dim",
         )
     )
-    best = result.ranked()[0]
     console.print(section(f"Run #1: {best.candidate.layout.describe()}"))
     console.print(build_commands(best, config_path), soft_wrap=True)
