@@ -19,12 +19,15 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import re
+import sys
 import textwrap
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,15 +106,82 @@ def _deferred_compile(model=None, **options):
     return call
 
 
+# torch wraps its Python reference kernels (torch._refs, which meta tensors run) and other
+# functions in torch._compile._disable_dynamo, whose first call imports torch._dynamo to wrap
+# the function in torch._dynamo.disable: 0.44 s of each worker's first trace (python -X
+# importtime, torch 2.13), for a wrapper that only matters while dynamo compiles, which no trace
+# does. Until something else asks for it, torch._dynamo is a stand-in whose `disable` runs the
+# function as it is while dynamo is not imported, and through the real disable once it is (then
+# compiling treats it as before). Any other attribute imports the real module.
+class _LazyDynamo(types.ModuleType):
+    def __init__(self, file: str):
+        super().__init__("torch._dynamo")
+        self.__file__ = file  # for what walks sys.modules asking (inspect.getmodule)
+        # torch.distributed.init_process_group clears trace_rules' caches when torch._dynamo
+        # is in sys.modules: not filled before it is imported.
+        self.trace_rules = types.SimpleNamespace(clear_lru_cache=self._clear_trace_rules)
+
+    def _clear_trace_rules(self) -> None:
+        real = imported_dynamo()
+        if real is not None:
+            real.trace_rules.clear_lru_cache()
+
+    def disable(self, fn=None, recursive=True, **options):
+        if fn is None:
+            return functools.partial(self.disable, recursive=recursive, **options)
+        real = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal real
+            if sys.modules.get("torch._dynamo") is self:
+                return fn(*args, **kwargs)
+            if real is None:
+                real = sys.modules["torch._dynamo"].disable(fn, recursive, **options)
+            return real(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name != "__path__":  # (a submodule's import asks __path__)
+            raise AttributeError(name)
+        return getattr(self._load(), name)
+
+    def _load(self):
+        import torch
+
+        if sys.modules.get("torch._dynamo") is self:
+            del sys.modules["torch._dynamo"]
+            if torch.__dict__.get("_dynamo") is self:
+                del torch._dynamo
+        return importlib.import_module("torch._dynamo")
+
+
+def imported_dynamo():
+    """torch._dynamo where it is imported (not the _LazyDynamo stand-in), else None."""
+    module = sys.modules.get("torch._dynamo")
+    return None if isinstance(module, _LazyDynamo) else module
+
+
+def _defer_dynamo() -> None:
+    """Put the _LazyDynamo stand-in in place unless torch._dynamo is imported already."""
+    import torch
+
+    if "torch._dynamo" not in sys.modules and "_dynamo" not in torch.__dict__:
+        lazy = _LazyDynamo(str(Path(torch.__file__).parent / "_dynamo" / "__init__.py"))
+        sys.modules["torch._dynamo"] = lazy
+        torch._dynamo = lazy
+
+
 def import_megatron_core():
     """megatron.core, imported (the first time) with torch.compile deferred (above), and
     everything alive then frozen (gc.freeze)."""
     import gc
-    import sys
 
     if "megatron.core" not in sys.modules:
         import torch
 
+        _defer_dynamo()
         compile_now = torch.compile
         torch.compile = _deferred_compile
         try:

@@ -1315,7 +1315,7 @@ def _dynamo_disabled():
     kernels decide what is saved for backward, so eager execution keeps the same tensors.
     Deferred ones (guards.import_megatron_core) run eagerly; with megatron-core imported before,
     dynamo is disabled (never imported here: that alone takes a second)."""
-    dynamo = sys.modules.get("torch._dynamo")
+    dynamo = guards.imported_dynamo()
     _orig_disable = dynamo.config.disable if dynamo is not None else None
     if dynamo is not None:
         dynamo.config.disable = True

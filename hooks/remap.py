@@ -122,12 +122,16 @@ class _RemapMode(TorchFunctionMode):
         super().__init__()
         self.device = device
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def factory_kwargs(self, kwargs: dict) -> dict:
+        """A call's keyword arguments with a CUDA device made this mode's, pinning dropped."""
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": self.device}
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
+        return kwargs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = self.factory_kwargs(kwargs or {})
         if func is torch.device and args and _is_cuda(args[0]):
             # torch.device(torch.cuda.current_device()) (megatron-core's YarnRotaryEmbedding
             # enters it as a default-device context); torch.device(0) means "accelerator 0"
@@ -176,6 +180,11 @@ class _RemapMode(TorchFunctionMode):
         if training and 0.0 < p < 1.0 and not inplace and x.device == self.device:
             return torch.native_dropout(x, p, True)[0]
         return F.dropout(*args, **kwargs)
+
+
+def remap_mode(mode) -> bool:
+    """Whether a torch-function mode is remap_cuda's."""
+    return isinstance(mode, _RemapMode)
 
 
 @contextlib.contextmanager

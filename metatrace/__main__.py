@@ -1,5 +1,3 @@
-import sys
+from metatrace.cli import entry
 
-from metatrace.cli import main
-
-sys.exit(main())
+entry()

@@ -240,12 +240,9 @@ class World:
         return any(r // self.gpus_per_node != first for r in ranks)
 
     @_per_world
-    def _group_crosses(self, group: tuple[int, ...]) -> bool:
-        return self.crosses_nodes(group)
-
-    def group_crosses_nodes(self, name: str, rank: int) -> bool:
-        """Whether `rank`'s group of kind `name` spans more than one node."""
-        return self._group_crosses(self._index(name)[rank])
+    def crossing_ranks(self, name: str) -> frozenset[int]:
+        """The ranks whose group of kind `name` spans more than one node."""
+        return frozenset(r for g in self._groups(name) if self.crosses_nodes(g) for r in g)
 
     @cached_property
     def pp_stage_of(self) -> dict[int, int]:

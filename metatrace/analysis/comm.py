@@ -305,7 +305,7 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
         return len(role.ranks) if item.crosses_nodes else 0
     key = ("group", item.group)
     if key not in cache:
-        cache[key] = sum(world.group_crosses_nodes(item.group, r) for r in role.ranks)
+        cache[key] = len(world.crossing_ranks(item.group).intersection(role.ranks))
     return cache[key]
 
 

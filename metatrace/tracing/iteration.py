@@ -120,6 +120,7 @@ class _Replay:
         self.shapes = shapes
         self.chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
         self.calls = [0] * len(model)
+        self.places: dict[int, tuple] = {}  # chunk -> (the last virtual stage?, its decoder)
         # DDP's gradient hooks per chunk, in backward order (last parameter first).
         self.hooks = [_gradient_hooks(chunk) for chunk in model]
         self.launches = [_launches_reductions(chunk) for chunk in model]
@@ -157,8 +158,13 @@ class _Replay:
                 fsdp.outer_gather(model, backward=False)
         prof: StepProfile = self.profiles[("forward", v)]
         shape = self.shapes[v]
-        vp_stage = get_attr_wrapped_model(model, "vp_stage")
-        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if v not in self.places:  # (the same for every micro-batch)
+            vp_stage = get_attr_wrapped_model(model, "vp_stage")
+            self.places[v] = (
+                ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                get_attr_wrapped_model(model, "decoder"),
+            )
+        last, decoder = self.places[v]
         mask_shape = StepShape((shape.shape[0], shape.shape[-1]), torch.float32)
         with self.rec.window("forward", v, microbatch) as window:
             with self.rec.label(prof.module, "forward"):
@@ -193,7 +199,7 @@ class _Replay:
             window["held"] = held
         # The output's autograd graph ends in the input's AccumulateGrad node, which keeps the
         # received input alive for as long as the schedule holds the output (or the loss).
-        received = get_attr_wrapped_model(model, "decoder").input_tensor
+        received = decoder.input_tensor
         tag = (v, microbatch, held, received)
         setattr(output, _HELD, tag)
         if not last:
@@ -382,7 +388,7 @@ def _nbytes(shape: StepShape) -> int:
     n = 1
     for d in shape.shape:
         n *= d
-    return n * torch.empty((), dtype=shape.dtype).element_size()
+    return n * shape.dtype.itemsize
 
 
 def _carve(held, shapes, empty):
