@@ -20,8 +20,10 @@
 
 Known limitations: the search times every layout with every FLOP at one rate (PLAN_EFFICIENCY
 of peak unless the job sets cluster.compute_efficiency), not with the per-kernel model of
-`metatrace run`, so that its stop rule stays exact; a larger micro-batch never helps and the
-context-parallel ring counts as hidden, so it prefers micro-batch 1 and cp > 1.
+`metatrace run`, so that its stop rule stays exact. At one rate a kernel costs the same whatever
+its shape, so what gives each data-parallel replica more micro-batches (micro-batch 1, cp > 1:
+a smaller pipeline bubble) never costs kernel efficiency, and the context-parallel ring hides
+behind the step's compute: it prefers micro-batch 1 and cp > 1.
 """
 
 from __future__ import annotations

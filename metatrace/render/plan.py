@@ -148,8 +148,10 @@ def render_plan(
             "Iteration: the time model of each traced layout (its FLOPs at "
             f"{best.candidate.job.cluster.compute_efficiency:.0%} of the GPU's peak FLOP/s"
             ", the pipeline schedule simulated, exposed communication at link bandwidth; "
-            "the context-parallel ring counts as hidden). Kernel efficiency does not grow "
-            "with the micro-batch in this model, so small micro-batches win.",
+            "what Megatron overlaps inside a step, such as the context-parallel ring, hidden "
+            "as far as the step's compute lasts). At one rate a kernel's efficiency does not "
+            "depend on its shape, so micro-batch 1 and context parallelism, which give each "
+            "replica more micro-batches and a smaller bubble, cost nothing here.",
             style="dim",
         )
     )
