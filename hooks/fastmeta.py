@@ -64,9 +64,9 @@ def _key(obj):
     if kind is tuple or kind is list:
         return _items(obj)
     if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta" or obj.is_nested or obj.layout != torch.strided:
+        if not obj.is_meta or obj.is_nested or obj.layout != torch.strided:
             return _MISS
-        return (tuple(obj.shape), obj.stride(), obj.dtype)
+        return (obj.shape, obj.stride(), obj.dtype)  # (torch.Size hashes and compares as a tuple)
     if isinstance(obj, _SCALARS):
         return (kind, obj)
     if isinstance(obj, (list, tuple)):

@@ -95,6 +95,7 @@ class _Storages:
 
     def __init__(self, device_types: tuple[str, ...], on_change):
         self.device_types = device_types
+        self.meta_only = device_types == ("meta",)  # (Tensor.is_meta: no device object made)
         self.on_change = on_change  # on_change(delta_bytes, storage id)
         self.by_tensor: dict[int, tuple[weakref.ref, int]] = {}
         self.by_cdata: dict[int, int] = {}
@@ -106,7 +107,7 @@ class _Storages:
 
     def see(self, t: torch.Tensor) -> int | None:
         """Storage id of `t`, registering the tensor (and a new storage) on first sight."""
-        if t.device.type not in self.device_types:
+        if not t.is_meta if self.meta_only else t.device.type not in self.device_types:
             return None
         entry = self.by_tensor.get(id(t))
         if entry is not None and entry[1] in self.live:
