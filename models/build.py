@@ -61,7 +61,11 @@ def _arguments(config_class, fields: dict) -> tuple:
                 return tuple(frozen(v) for v in value)
         return value
 
-    return (config_class, tuple((k, frozen(v)) for k, v in fields.items()))
+    return (
+        config_class,
+        # (most values are scalars, and the planner asks thousands of times: no call for them)
+        tuple((k, frozen(v) if isinstance(v, (list, tuple)) else v) for k, v in fields.items()),
+    )
 
 
 def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = False):
