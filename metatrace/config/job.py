@@ -5,7 +5,23 @@ from YAML, metatrace.config.resolve derives what Megatron-LM derives."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
+
+_T = TypeVar("_T")
+
+
+def replace(obj: _T, **changes) -> _T:
+    """dataclasses.replace for the job's dataclasses (frozen, every field set by __init__, no
+    __post_init__, no slots): a copy with `changes`, without a call to __init__ (a tenth of the
+    time: the planner resolves thousands of layouts, each a dozen replacements)."""
+    unknown = set(changes) - obj.__dataclass_fields__.keys()  # type: ignore[attr-defined]
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field {sorted(unknown)[0]!r}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
 
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Activation = Literal["gelu", "swiglu", "geglu", "quick_geglu", "relu", "squared_relu", "silu"]

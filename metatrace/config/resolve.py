@@ -11,7 +11,15 @@ import math
 
 from metatrace.config.checks import check_job, layout_stages
 from metatrace.config.hardware import GPU_HOST_GBPS, GPU_LINKS_GBPS, GPU_MEMORY_GIB
-from metatrace.config.job import GATED_ACTIVATIONS, Job, Model, Parallel, Recompute, Training
+from metatrace.config.job import (
+    GATED_ACTIVATIONS,
+    Job,
+    Model,
+    Parallel,
+    Recompute,
+    Training,
+    replace,
+)
 from metatrace.errors import ConfigError
 
 
@@ -22,14 +30,14 @@ def resolve(job: Job) -> Job:
     if training.seq_length is None:
         raise ConfigError("'training.seq_length' is required")
     if model.max_position_embeddings is None:
-        model = dataclasses.replace(model, max_position_embeddings=training.seq_length)
+        model = replace(model, max_position_embeddings=training.seq_length)
 
     par = job.parallel
     cl = job.cluster
     if par.etp is None:
-        par = dataclasses.replace(par, etp=par.tp)
+        par = replace(par, etp=par.tp)
     if par.vpp == 1:
-        par = dataclasses.replace(par, vpp=None)
+        par = replace(par, vpp=None)
     model_size = par.tp * par.pp * par.cp
     for name in ("tp", "pp", "cp", "ep", "etp"):
         if getattr(par, name) < 1:
@@ -39,7 +47,7 @@ def resolve(job: Job) -> Job:
     if par.dp is not None and par.dp < 1:
         raise ConfigError(f"'parallel.dp' must be at least 1, got {par.dp}")
     if cl.num_gpus is None:
-        cl = dataclasses.replace(cl, num_gpus=model_size * (par.dp or 1))
+        cl = replace(cl, num_gpus=model_size * (par.dp or 1))
     if cl.num_gpus < 1:
         raise ConfigError(f"'cluster.num_gpus' must be at least 1, got {cl.num_gpus}")
     if cl.gpus_per_node < 1:
@@ -50,7 +58,7 @@ def resolve(job: Job) -> Job:
                 f"cluster.num_gpus = {cl.num_gpus} is not divisible by "
                 f"tp x pp x cp = {par.tp} x {par.pp} x {par.cp} = {model_size}"
             )
-        par = dataclasses.replace(par, dp=cl.num_gpus // model_size)
+        par = replace(par, dp=cl.num_gpus // model_size)
     elif model_size * par.dp != cl.num_gpus:
         raise ConfigError(
             f"tp x pp x cp x dp = {par.tp} x {par.pp} x {par.cp} x {par.dp} = "
@@ -64,7 +72,7 @@ def resolve(job: Job) -> Job:
                 f"unknown 'cluster.gpu' {cl.gpu!r}{hint} (known: {', '.join(GPU_MEMORY_GIB)}); "
                 "or give cluster.gpu_memory_gib"
             )
-        cl = dataclasses.replace(cl, gpu_memory_gib=GPU_MEMORY_GIB[cl.gpu])
+        cl = replace(cl, gpu_memory_gib=GPU_MEMORY_GIB[cl.gpu])
     intra, inter = GPU_LINKS_GBPS.get(cl.gpu, (None, None))
     if cl.intra_node_gbps is None or cl.inter_node_gbps is None:
         if intra is None:
@@ -72,21 +80,19 @@ def resolve(job: Job) -> Job:
                 f"no link bandwidths are known for cluster.gpu {cl.gpu!r}; give "
                 "cluster.intra_node_gbps and cluster.inter_node_gbps"
             )
-        cl = dataclasses.replace(
+        cl = replace(
             cl,
             intra_node_gbps=cl.intra_node_gbps if cl.intra_node_gbps is not None else intra,
             inter_node_gbps=cl.inter_node_gbps if cl.inter_node_gbps is not None else inter,
         )
     if cl.host_link_gbps is None and cl.gpu in GPU_HOST_GBPS:
-        cl = dataclasses.replace(cl, host_link_gbps=float(GPU_HOST_GBPS[cl.gpu]))
+        cl = replace(cl, host_link_gbps=float(GPU_HOST_GBPS[cl.gpu]))
     for name in ("intra_node_gbps", "inter_node_gbps", "host_link_gbps"):
         if getattr(cl, name) is not None and getattr(cl, name) <= 0:
             raise ConfigError(f"'cluster.{name}' must be positive, got {getattr(cl, name)}")
 
     if training.global_batch_size is None:
-        training = dataclasses.replace(
-            training, global_batch_size=training.micro_batch_size * par.dp
-        )
+        training = replace(training, global_batch_size=training.micro_batch_size * par.dp)
     notes = []
     notes += _cublas_notes(cl)
     if par.moe_token_dispatcher_type == "flex" and model.num_experts:
@@ -101,7 +107,7 @@ def resolve(job: Job) -> Job:
             "builds them for every model); this model has no experts"
         )
     if par.sequence_parallel and par.tp == 1:
-        par = dataclasses.replace(par, sequence_parallel=False)
+        par = replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
     if not par.tp_comm_overlap:
         defaults = Parallel()
@@ -118,7 +124,7 @@ def resolve(job: Job) -> Job:
     if training.grad_reduce_in_fp32 is None:
         # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
         # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
-        training = dataclasses.replace(
+        training = replace(
             training,
             grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
             and training.main_grads_dtype == "fp32",
@@ -126,9 +132,9 @@ def resolve(job: Job) -> Job:
     if training.megatron_fsdp:
         training = _megatron_fsdp(training, notes)
     if par.overlap_p2p_comm is None:
-        par = dataclasses.replace(par, overlap_p2p_comm=par.vpp is not None)
+        par = replace(par, overlap_p2p_comm=par.vpp is not None)
     if par.microbatch_group_size is None and par.vpp is not None:
-        par = dataclasses.replace(par, microbatch_group_size=par.pp)
+        par = replace(par, microbatch_group_size=par.pp)
     if par.layout is not None:
         stages = layout_stages(par.layout, par.pp)
         vpp = len(stages) // par.pp
@@ -137,9 +143,9 @@ def resolve(job: Job) -> Job:
                 f"parallel.vpp = {par.vpp}, but parallel.layout has {len(stages)} stages = "
                 f"pp {par.pp} x {vpp} virtual stages"
             )
-        par = dataclasses.replace(par, vpp=vpp if vpp > 1 else None)
+        par = replace(par, vpp=vpp if vpp > 1 else None)
         if par.vpp is not None:
-            par = dataclasses.replace(
+            par = replace(
                 par,
                 overlap_p2p_comm=True
                 if job.parallel.overlap_p2p_comm is None
@@ -151,7 +157,7 @@ def resolve(job: Job) -> Job:
     if impl.rope_fusion is None:
         # Megatron-LM's default with Transformer Engine, turned off without RoPE.
         # megatron-core fuses MLA's RoPE only for yarn (MLATransformerConfig refuses the rest).
-        impl = dataclasses.replace(
+        impl = replace(
             impl,
             rope_fusion=te
             and (
@@ -176,20 +182,20 @@ def resolve(job: Job) -> Job:
     if not te and kernel == "unfused":
         kernel = "local"  # megatron-core's own attention is the unfused one
     if training.precision == "fp8":
-        training = dataclasses.replace(
+        training = replace(
             training,
             fp8_format=training.fp8_format or "hybrid",
             fp8_recipe=training.fp8_recipe or "delayed",
         )
     rec = training.recompute
     if rec.granularity == "selective" and rec.modules is None:
-        rec = dataclasses.replace(rec, modules=["core_attn"])
-        training = dataclasses.replace(training, recompute=rec)
+        rec = replace(rec, modules=["core_attn"])
+        training = replace(training, recompute=rec)
     training = _graph_warmup_recompute(training, notes)
 
     multiple = max(model.make_vocab_size_divisible_by, 1) * par.tp  # < 1: refused by checks
     padded = math.ceil(model.vocab_size / multiple) * multiple
-    job = dataclasses.replace(
+    job = replace(
         job,
         model=model,
         parallel=par,
@@ -202,7 +208,7 @@ def resolve(job: Job) -> Job:
     )
     check_job(job)
     micro = training.micro_batch_size * par.dp
-    return dataclasses.replace(job, num_microbatches=training.global_batch_size // micro)
+    return replace(job, num_microbatches=training.global_batch_size // micro)
 
 
 # Megatron-LM's command-line defaults for the model section when neither a preset nor the
@@ -254,7 +260,7 @@ def _megatron_fsdp(tr, notes: list[str]):
             + ", ".join(f"training.{k} = {str(changes[k]).lower()}" for k in turned)
             + " (megatron-core and Megatron-LM/Bridge do)"
         )
-    return dataclasses.replace(tr, **changes)
+    return replace(tr, **changes)
 
 
 def _resolve_model(model: Model) -> Model:
@@ -398,5 +404,5 @@ def _graph_warmup_recompute(tr, notes: list[str]):
         "local CUDA graphs are captured (it never clears its graph warm-up flag, which turns "
         "CheckpointWithoutOutput off): traced without it"
     )
-    rec = dataclasses.replace(rec, modules=kept) if kept else Recompute()
-    return dataclasses.replace(tr, recompute=rec)
+    rec = replace(rec, modules=kept) if kept else Recompute()
+    return replace(tr, recompute=rec)

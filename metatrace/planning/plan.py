@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from metatrace.config import Recompute, resolve
+from metatrace.config.job import replace
 from metatrace.config.megatron.to_args import megatron_args
 from metatrace.errors import ConfigError
 from metatrace.planning.estimates import Estimate, estimate, memory_estimate, memory_lower_bound
@@ -168,7 +169,7 @@ def base_job(
 
 def job_of(job, layout: Layout):
     """The base job with `layout`, resolved and checked; ConfigError when Megatron refuses it."""
-    par = dataclasses.replace(
+    par = replace(
         job.parallel,
         tp=layout.tp,
         pp=layout.pp,
@@ -183,7 +184,7 @@ def job_of(job, layout: Layout):
         last_stage_layers=None,
         overlap_p2p_comm=None,
     )
-    tr = dataclasses.replace(
+    tr = replace(
         job.training,
         micro_batch_size=layout.mbs,
         recompute=RECOMPUTE[layout.recompute],
@@ -199,12 +200,12 @@ def job_of(job, layout: Layout):
     # The search still times every layout at one FLOP rate (0.5 of peak unless the job sets
     # one): its stop rule compares closed forms, which are exact only against that model; the
     # per-kernel model (metatrace.config.kernels) is not the planner's yet.
-    cl = dataclasses.replace(
+    cl = replace(
         job.cluster,
         num_gpus=layout.tp * layout.pp * layout.cp * layout.dp,
         compute_efficiency=job.cluster.compute_efficiency or PLAN_EFFICIENCY,
     )
-    candidate = resolve(dataclasses.replace(job, parallel=par, training=tr, cluster=cl, notes=()))
+    candidate = resolve(replace(job, parallel=par, training=tr, cluster=cl, notes=()))
     check_with_megatron(candidate)
     return candidate
 
