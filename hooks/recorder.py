@@ -500,12 +500,9 @@ class Recorder:
         from metatrace.hooks.remap import remap_mode
 
         below = torch.overrides._get_current_function_mode_stack()
-        remap = below[0] if len(below) == 1 else None
-        fast = not torch._C._len_torch_dispatch_stack() and (
-            not below or (remap is not None and remap_mode(remap))
-        )
-        fast = FAST_CALLS and fast
-        return _DataSwaps(self, fast, remap if fast else None)
+        remap = below[0] if len(below) == 1 and remap_mode(below[0]) else None
+        fast = FAST_CALLS and not torch._C._len_torch_dispatch_stack()
+        return _DataSwaps(self, fast and (not below or remap is not None), remap)
 
     def _remove(self) -> None:
         _flops.pop(self._flops)
