@@ -32,10 +32,13 @@ ASSUMED = {
     "megatron-lm-a100": "GPT as above, head dim 128 where heads are not printed, vocab 51,200 "
     "where not printed, fp16, full recompute (the paper counts its FLOPs), micro-batch 1, "
     "the distributed optimizer off (2021), no sequence parallel (2021)",
-    "llama3": "Llama 3 405B, micro-batch 1, no interleaving, one layer fewer on the first "
-    "and last stages (the paper), the distributed optimizer with overlap",
+    "llama3": "Llama 3 405B, micro-batch 1, the paper's interleaved schedule at its least "
+    "degree (2 virtual stages per rank: the paper does not print it) with one layer fewer on "
+    "the first and last stages (the paper), the distributed optimizer with overlap",
     "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's layout (Megatron-LM's for the model), "
-    "FP8 blockwise, micro-batch 1",
+    "FP8 blockwise, micro-batch 1; DualPipe's overlap of the expert all-to-alls with the other "
+    "micro-batch's compute (the report, Sec. 3.2.1) as megatron-core's counterpart, "
+    "overlap_moe_expert_parallel_comm",
     "mixtral": "the Megatron-Core MoE README's mapping, all-to-all dispatcher, grouped GEMM, "
     "balanced routing, the distributed optimizer with overlap",
     "nemo": "the NeMo model configs (Llama presets, GPT-3 as above, Nemotron: squared ReLU, "
@@ -114,13 +117,20 @@ def job_for(row: dict) -> dict:
         )
     elif fam == "llama3":
         model = {"preset": "llama3.1-405b", "vocab_size": m["vocab_size"]}
-        if pp > 1 and m["num_layers"] % pp:
-            parallel.update(first_stage_layers=m["num_layers"] // pp, last_stage_layers=7)
+        if pp > 1:  # 2 virtual stages per rank; the first and the last one layer short
+            per = -(-m["num_layers"] // pp) // 2
+            if (2 * pp * per - m["num_layers"]) != 2:
+                raise ValueError(f"{m['num_layers']} layers are not {2 * pp} x {per} - 2")
+            short = "t" * (per - 1)
+            parallel["layout"] = f"E{short}|({'t' * per}|)*{2 * pp - 2}{short}L"
     elif fam == "deepseek-v3":
         model = {"preset": "deepseek-v3"}
         # 120 micro-batches: interleaved groups of 24 (a multiple of none of pp's 16)
         parallel.update(
-            layout="Et|(tt|)*30mL", moe_token_dispatcher_type="alltoall", microbatch_group_size=24
+            layout="Et|(tt|)*30mL",
+            moe_token_dispatcher_type="alltoall",
+            microbatch_group_size=24,
+            overlap_moe_expert_parallel_comm=True,
         )
         training.update(
             precision="fp8",
@@ -173,12 +183,14 @@ def job_for(row: dict) -> dict:
 
 def megatron_flops(job) -> float:
     """Megatron-LM's num_floating_point_operations (training.py, core_r0.8): forward and
-    backward, per iteration, causal attention not halved."""
+    backward, per iteration, causal attention not halved, SwiGLU's three matrices counted as
+    3/2 of a plain MLP's two (gated_linear_multiplier; megatron-bridge's flop_utils.py keeps
+    the same)."""
     m, tr = job.model, job.training
     h, L, s = m.hidden_size, m.num_layers, tr.seq_length
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
-    gated = 2 if m.activation in ("swiglu", "geglu", "quick_geglu") else 1
+    gated = 3 / 2 if m.activation == "swiglu" else 1
     routed = m.moe_router_topk if m.num_experts else 1
     ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts else m.ffn_hidden_size
     q_ratio = m.kv_channels * heads / h

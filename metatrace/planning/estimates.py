@@ -139,7 +139,23 @@ def memory_estimate(job) -> int:
     else:
         tokens = tr.seq_length // par.cp * tr.micro_batch_size * job.model.hidden_size
         per_layer = tokens * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
-    return _fixed_bytes(job) + int(layers * per_layer * _in_flight(job))
+    return _fixed_bytes(job) + _more_workspaces(job) + int(layers * per_layer * _in_flight(job))
+
+
+def _more_workspaces(job) -> int:
+    """Workspaces every traced run holds beside the forward thread's cuBLAS one (not in the
+    lower bound, which keeps to what is certain): the backward thread's cuBLAS workspace and
+    Transformer Engine's (models/te_runtime.py te_workspace: 32 MiB + 1 KiB on sm90 and later,
+    4 MiB before; once per userbuffers stream with TP communication overlap)."""
+    from metatrace.config.hardware import GPU_ARCH, cublas_workspace_bytes
+    from metatrace.config.userbuffers import UB_STREAMS
+
+    out = cublas_workspace_bytes(job)
+    if job.implementation.transformer_impl == "transformer_engine":
+        arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
+        te = 32 * 2**20 + 1024 if arch in ("sm90", "sm100") else 4 * 2**20
+        out += te * (UB_STREAMS if job.parallel.tp_comm_overlap else 1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -171,15 +187,108 @@ def _flops(job) -> float:
 
 
 def estimate(job, exposed_comm: float | None = None) -> Estimate:
-    """Closed-form iteration time; `exposed_comm` replaces the communication term."""
+    """Closed-form iteration time; `exposed_comm` replaces the communication term. Compute per
+    kernel (kernel_seconds) unless the job sets cluster.compute_efficiency (or its GPU is not in
+    the kernel tables: then at FALLBACK_EFFICIENCY), as the traced time model does."""
     par, cl = job.parallel, job.cluster
-    # The planner's jobs always set one (metatrace.planning.plan.PLAN_EFFICIENCY).
-    compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * cl.compute_efficiency)
+    compute = kernel_seconds(job) if cl.compute_efficiency is None else None
+    if compute is None:
+        eff = cl.compute_efficiency or FALLBACK_EFFICIENCY
+        compute = _flops(job) / cl.num_gpus / (GPU_PEAK_TFLOPS[cl.gpu] * 1e12 * eff)
     m = job.num_microbatches
     bubble = (par.pp - 1) / ((par.vpp or 1) * m + par.pp - 1)
     if exposed_comm is None:
         exposed_comm = _comm_seconds(job)
     return Estimate(compute, bubble, exposed_comm, compute / (1 - bubble) + exposed_comm)
+
+
+# Memory-bound bytes a layer's element-wise kernels move per token (norms, residuals, rotary,
+# activation, casts, in forward and backward): MEMORY_PER_HIDDEN per unit of hidden size plus
+# MEMORY_PER_SHARDED per unit of its tensor-parallel widths (QKV, attention output, FFN in and
+# out) over tp; the output layer's loss MEMORY_PER_LOGIT per logit of a rank's vocabulary
+# shard. Fitted to the kernels the tracer counts for Llama-2 7B layers (tp 1, 2, 4; 156, 117 and
+# 97.5 bytes per token and hidden unit) and its output layer.
+MEMORY_PER_HIDDEN = 78
+MEMORY_PER_SHARDED = 6.5
+MEMORY_PER_LOGIT = 85
+FALLBACK_EFFICIENCY = 0.5
+"""The FLOP rate (fraction of peak) of a GPU the kernel tables lack."""
+
+
+def kernel_seconds(job) -> float | None:
+    """Compute seconds per iteration of the busiest pipeline stage, kernel by kernel
+    (metatrace.config.kernels, as the tracer prices what it dispatches): each layer's GEMMs at
+    their shapes (forward, data and weight gradients; FP8 with training.precision fp8), its
+    fused attention, its memory-bound work (the MEMORY_* constants), the experts' grouped GEMMs
+    with balanced routing, and on the last stage the output layer; full recompute runs the
+    layers' forward again, selective the attention's. None when the GPU is not in the tables."""
+    from metatrace.config import kernels as K
+
+    model = K.kernel_model(job.cluster.gpu)
+    if model is None:
+        return None
+    m, par, tr = job.model, job.parallel, job.training
+    tp, cp = par.tp, par.cp
+    t = tr.seq_length // cp * tr.micro_batch_size
+    h, d = m.hidden_size, m.kv_channels
+    fp8 = tr.precision == "fp8"
+    gated = 2 if m.activation in ("swiglu", "geglu") else 1
+
+    def linear(n_in: int, n_out: int, rows: int = t) -> tuple[float, float]:
+        """(forward, backward) seconds of a linear layer over `rows` tokens."""
+        fwd = K.gemm_seconds(model, rows, n_out, n_in, fp8=fp8)
+        bwd = K.gemm_seconds(model, rows, n_in, n_out, fp8=fp8) + K.gemm_seconds(
+            model, n_out, n_in, rows, fp8=fp8
+        )
+        return fwd, bwd
+
+    if m.multi_latent_attention:
+        qkv_width = m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim) * 3 // tp
+        attn_width = m.num_attention_heads * m.v_head_dim // tp
+        head_dim = m.qk_head_dim + m.qk_pos_emb_head_dim
+    else:
+        qkv_width = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
+        attn_width = m.num_attention_heads * d // tp
+        head_dim = d
+    parts = [linear(h, qkv_width), linear(attn_width, h)]
+    heads = m.num_attention_heads // tp
+    scores = 4 * tr.micro_batch_size * heads * t * tr.seq_length * head_dim // 2
+    attn_fwd = K.attention_seconds(model, scores, t, head_dim, causal=True, backward=False)
+    attn_bwd = K.attention_seconds(model, scores * 5 // 2, t, head_dim, causal=True, backward=True)
+    ffn = m.ffn_hidden_size // tp
+    dense_mlp = [linear(h, gated * ffn), linear(ffn, h)]
+    widths = qkv_width + attn_width + (gated + 1) * ffn
+    memory = K.memory_seconds(model, t * (MEMORY_PER_HIDDEN * h + int(MEMORY_PER_SHARDED * widths)))
+    attention_fwd = sum(f for f, _ in parts) + attn_fwd + memory / 3
+    attention_bwd = sum(b for _, b in parts) + attn_bwd + memory * 2 / 3
+    mlp_fwd = sum(f for f, _ in dense_mlp)
+    mlp_bwd = sum(b for _, b in dense_mlp)
+    moe_fwd = moe_bwd = 0.0
+    if m.num_experts:
+        expert_ffn = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // par.etp
+        local = max(1, m.num_experts // par.ep)
+        rows = max(1, t * m.moe_router_topk * par.ep // m.num_experts)
+        up, down = (
+            linear(h, gated * expert_ffn, rows * local),
+            linear(expert_ffn, h, rows * local),
+        )
+        moe_fwd, moe_bwd = up[0] + down[0], up[1] + down[1]
+        shared = m.moe_shared_expert_intermediate_size
+        if shared:
+            s_up, s_down = linear(h, gated * shared // tp), linear(shared // tp, h)
+            moe_fwd += s_up[0] + s_down[0]
+            moe_bwd += s_up[1] + s_down[1]
+    s = shape_of(job)
+    layers = m.num_layers / par.pp
+    moe_share = s.moe_layers / m.num_layers if m.num_experts else 0.0
+    fwd = attention_fwd + (1 - moe_share) * mlp_fwd + moe_share * moe_fwd
+    bwd = attention_bwd + (1 - moe_share) * mlp_bwd + moe_share * moe_bwd
+    extra = {"full": fwd, "selective": attn_fwd}.get(tr.recompute.granularity or "none", 0.0)
+    vocab = job.padded_vocab_size // tp
+    out_fwd, out_bwd = linear(h, vocab)
+    loss = K.memory_seconds(model, t * vocab * MEMORY_PER_LOGIT)
+    step = layers * (fwd + bwd + extra) + out_fwd + out_bwd + loss
+    return step * job.num_microbatches
 
 
 def _comm_seconds(job) -> float:

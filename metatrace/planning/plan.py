@@ -11,19 +11,23 @@
    and dominance: without the distributed optimizer a layout moves the same bytes and holds
    more (so it never ranks above its twin with it), and a recompute variant is traced only when
    the variant with less recompute does not fit.
-3. Order the rest by a closed-form estimate of the iteration time (compute at the assumed
-   efficiency, the pipeline bubble, exposed communication), layouts whose estimated memory fits
-   first, and trace them in that order (each one a whole `metatrace run` without the full model,
-   its roles in parallel processes) until `top` fit and no untraced layout is estimated faster
-   than the slowest of them, or the trace budget is spent.
-4. Rank the fitting layouts by the estimated iteration time with their traced communication.
+3. Order the rest by a closed-form estimate of the iteration time (compute kernel by kernel,
+   estimates.kernel_seconds: each layer's GEMMs by their shapes, fused attention by its
+   sequence, memory-bound work by the bytes it moves; the pipeline bubble; exposed
+   communication), layouts whose estimated memory fits first, and trace them in that order
+   (each one a whole `metatrace run` without the full model, its roles in parallel processes)
+   until `top` fit and no untraced layout is estimated faster than the slowest of them, or the
+   trace budget is spent. A layout that holds no more than a traced one that does not fit (the
+   same degrees, a smaller micro-batch, the distributed optimizer) is not traced.
+4. Rank the fitting layouts by the traced time model (metatrace.analysis.timing: the same
+   per-kernel rates as `metatrace run`).
 
-Known limitations: the search times every layout with every FLOP at one rate (PLAN_EFFICIENCY
-of peak unless the job sets cluster.compute_efficiency), not with the per-kernel model of
-`metatrace run`, so that its stop rule stays exact. At one rate a kernel costs the same whatever
-its shape, so what gives each data-parallel replica more micro-batches (micro-batch 1, cp > 1:
-a smaller pipeline bubble) never costs kernel efficiency, and the context-parallel ring hides
-behind the step's compute: it prefers micro-batch 1 and cp > 1.
+Known limitations: the stop rule compares closed forms with closed forms; the closed form's
+compute is within about 15 % of the traced kernels' (tests/tracing/test_plan.py), so a layout
+estimated slightly slower than the slowest of the top ones but traced faster can be missed.
+With cluster.compute_efficiency set, every FLOP runs at that rate whatever the kernel's shape:
+then micro-batch 1 and cp > 1 (more micro-batches per replica, a smaller bubble) cost nothing,
+and the search prefers them.
 """
 
 from __future__ import annotations
@@ -40,8 +44,6 @@ from metatrace.planning.estimates import Estimate, estimate, memory_estimate, me
 from metatrace.tracing.checks import check_with_megatron
 
 GiB = 2**30
-PLAN_EFFICIENCY = 0.5
-"""The FLOP rate (fraction of peak) the search times layouts at when the job sets none."""
 RECOMPUTE = {
     "none": Recompute(),
     "selective": Recompute(granularity="selective"),
@@ -197,14 +199,7 @@ def job_of(job, layout: Layout):
             job.training.num_distributed_optimizer_instances if layout.distributed_optimizer else 1
         ),
     )
-    # The search still times every layout at one FLOP rate (0.5 of peak unless the job sets
-    # one): its stop rule compares closed forms, which are exact only against that model; the
-    # per-kernel model (metatrace.config.kernels) is not the planner's yet.
-    cl = replace(
-        job.cluster,
-        num_gpus=layout.tp * layout.pp * layout.cp * layout.dp,
-        compute_efficiency=job.cluster.compute_efficiency or PLAN_EFFICIENCY,
-    )
+    cl = replace(job.cluster, num_gpus=layout.tp * layout.pp * layout.cp * layout.dp)
     candidate = resolve(replace(job, parallel=par, training=tr, cluster=cl, notes=()))
     check_with_megatron(candidate)
     return candidate
@@ -245,6 +240,10 @@ class Plan:
     dominated: list = field(default_factory=list)
     """Candidates not traced because a traced twin dominates them."""
     traced: list = field(default_factory=list)
+    outgrown: int = 0
+    """Candidates not traced because a traced layout that holds no more memory does not fit
+    (the same degrees with a smaller or equal micro-batch, with the distributed optimizer where
+    the candidate has none)."""
     represented: int = 0
     """Variants not traced because a variant of the same degrees estimated faster fits (the
     ranking shows one layout per set of degrees)."""
@@ -297,6 +296,18 @@ def _dominated_by(layout: Layout) -> list[Layout]:
     return out
 
 
+def _holds_no_more(small: Layout, big: Layout) -> bool:
+    """Whether `small` holds no more memory than `big`: the same degrees, recompute and virtual
+    stages, a micro-batch no larger (every activation grows with it) and the distributed
+    optimizer where `big` has it."""
+    return (
+        _family(small) == _family(big)
+        and (small.vpp, small.sp, small.recompute) == (big.vpp, big.sp, big.recompute)
+        and small.mbs <= big.mbs
+        and (small.distributed_optimizer or not big.distributed_optimizer)
+    )
+
+
 def plan(
     job,
     num_gpus: int,
@@ -325,6 +336,9 @@ def plan(
             continue
         if _family(cand.layout) in families:
             result.represented += 1
+            continue
+        if any(_holds_no_more(t, cand.layout) for t, ok in fits.items() if not ok):
+            result.outgrown += 1
             continue
         ranked = result.ranked()
         # Closed form against closed form: the traced figures are on another footing.
@@ -390,6 +404,7 @@ def plan_report(result: Plan, top: int) -> dict:
         "invalid": result.invalid,
         "pruned_memory": result.pruned_memory,
         "dominated": len(result.dominated),
+        "outgrown": result.outgrown,
         "represented": result.represented,
         "untraced": result.untraced,
         "traced": [entry(t) for t in result.traced],

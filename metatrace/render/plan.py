@@ -18,7 +18,8 @@ def build_search(result) -> Text:
         f"{result.layouts:,} layouts enumerated: {result.invalid:,} refused by Megatron's rules, "
         f"{result.pruned_memory:,} cannot fit (memory lower bound above the GPU), "
         f"{len(result.traced)} traced ({fit} fit), {len(result.dominated):,} dominated by a "
-        f"traced layout that fits, {result.represented:,} variants of degrees already shown, "
+        f"traced layout that fits, {result.outgrown:,} holding more than a traced layout that "
+        f"does not fit, {result.represented:,} variants of degrees already shown, "
         f"{result.untraced:,} not traced (estimated slower, or beyond the trace budget).",
         style="dim",
     )
@@ -143,15 +144,20 @@ def render_plan(
     console.print(build_best(result, top))
     console.print(build_reasons(result, top))
     best = result.ranked()[0]
+    efficiency = best.candidate.job.cluster.compute_efficiency
+    rates = (
+        "each kernel at its modelled rate for its shape (smaller GEMMs and attention over "
+        "shorter sequences, as micro-batch 1 or context parallelism make them, run at a lower "
+        "fraction of peak)"
+        if efficiency is None
+        else f"its FLOPs at {efficiency:.0%} of the GPU's peak FLOP/s whatever their shape"
+    )
     console.print(
         Text(
-            "Iteration: the time model of each traced layout (its FLOPs at "
-            f"{best.candidate.job.cluster.compute_efficiency:.0%} of the GPU's peak FLOP/s"
-            ", the pipeline schedule simulated, exposed communication at link bandwidth; "
-            "what Megatron overlaps inside a step, such as the context-parallel ring, hidden "
-            "as far as the step's compute lasts). At one rate a kernel's efficiency does not "
-            "depend on its shape, so micro-batch 1 and context parallelism, which give each "
-            "replica more micro-batches and a smaller bubble, cost nothing here.",
+            f"Iteration: the time model of each traced layout ({rates}; the pipeline schedule "
+            "simulated; exposed communication at link bandwidth; what Megatron overlaps inside "
+            "a step, such as the context-parallel ring, hidden as far as the step's compute "
+            "lasts).",
             style="dim",
         )
     )

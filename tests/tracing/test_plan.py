@@ -45,14 +45,7 @@ def _trace(job):
 @pytest.fixture(scope="module")
 def searched():
     base = _base()
-    traced = {}
-
-    def trace(job):
-        report = _trace(job)
-        traced[job] = report
-        return report
-
-    result = P.plan(base, GPUS, trace=trace, top=2, budget=4)
+    result = P.plan(base, GPUS, trace=_trace, top=2, budget=8)
     return base, result
 
 
@@ -71,6 +64,7 @@ def test_recommended_layouts_fit_and_rank_by_estimate(searched):
         + result.pruned_memory
         + len(result.traced)
         + len(result.dominated)
+        + result.outgrown
         + result.represented
         + result.untraced
     )
@@ -206,3 +200,28 @@ def test_layout_keeps_model_and_batch():
         )
         == base.training
     )
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tp": 1}, {"tp": 2, "cp": 2, "sequence_parallel": True}],
+    ids=["tp1", "tp2-cp2"],
+)
+def test_closed_form_compute_follows_the_traced_kernels(parallel):
+    """The search's per-kernel closed form (estimates.kernel_seconds) against the compute the
+    time model sums from the traced kernels, for Llama-2 7B (within 15 %: it orders the layouts,
+    the traced figure ranks them)."""
+    from metatrace.analysis.timing import job_timing
+
+    job = job_from_dict(
+        {
+            "model": {"preset": "llama2-7b", "max_position_embeddings": 4096},
+            "parallel": parallel,
+            "training": {"seq_length": 4096, "global_batch_size": 8},
+            "cluster": {"num_gpus": 2 * parallel["tp"] * parallel.get("cp", 1), "gpu": "h100"},
+        }
+    )
+    timing = job_timing(trace_job(job, full_model=False, workers=1))
+    (stage,) = timing.stages
+    traced = sum(sp.compute_seconds for sp in stage.spans if sp.phase in ("forward", "backward"))
+    assert E.kernel_seconds(job) == pytest.approx(traced, rel=0.15)
