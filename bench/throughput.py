@@ -248,6 +248,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows' figures here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron-core's advice for real runs
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # fake process groups warn in C++
     from metatrace.tracing.trace import shared_workers
 
     rows = [json.loads(line) for line in open(args.calibration) if line.strip()]
