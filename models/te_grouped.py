@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from metatrace.config.hardware import te_workspace_bytes
 from metatrace.hooks import flops
 from metatrace.hooks.remap import library_kernel
 from metatrace.models import te_runtime, te_wgrad
@@ -37,9 +38,9 @@ def _multi_stream_workspaces(module, device) -> None:
     process = te_runtime._PROCESS
     if getattr(process, "multi_stream_workspaces", None) is not None:
         return
-    arch = getattr(getattr(module, "config", None), "metatrace_gpu_arch", "sm90")
-    hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
-    nbytes = 32 * 1024 * 1024 + 1024 if hopper_or_later else 4 * 1024 * 1024
+    nbytes = te_workspace_bytes(
+        getattr(getattr(module, "config", None), "metatrace_gpu_arch", "sm90")
+    )
     process.multi_stream_workspaces = [
         torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(_STREAMS)
     ]

@@ -13,6 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from metatrace.config.hardware import te_workspace_bytes
 from metatrace.hooks.collectives import overlapped
 
 UB_OVERLAP = "GEMM (userbuffers)"
@@ -65,9 +66,7 @@ def te_workspace(module, device) -> None:
     if _PROCESS.workspace is not None:
         return
     config = getattr(module, "config", None)
-    arch = getattr(config, "metatrace_gpu_arch", "sm90")
-    hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
-    nbytes = 32 * 1024 * 1024 + 1024 if hopper_or_later else 4_194_304
+    nbytes = te_workspace_bytes(getattr(config, "metatrace_gpu_arch", "sm90"))
     if _PROCESS.userbuffers:
         from metatrace.config.userbuffers import UB_STREAMS
 

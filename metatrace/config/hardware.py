@@ -118,3 +118,10 @@ def cublas_workspace_bytes(job) -> int:
     if not pairs:
         pairs = CUBLAS_PAIR.findall(cublas_default(job.cluster.gpu))
     return sum(int(size) * 1024 * int(count) for size, count in pairs)
+
+
+def te_workspace_bytes(arch: str) -> int:
+    """Transformer Engine's cuBLAS workspace for one stream (TE 2.8 get_cublas_workspace_size):
+    32 MiB + 1 KiB on sm90 and later, 4 MiB before."""
+    hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
+    return 32 * 2**20 + 1024 if hopper_or_later else 4 * 2**20

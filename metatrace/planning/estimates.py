@@ -28,10 +28,15 @@ class Shape:
     """The word embedding (the output layer has as many when untied)."""
 
 
+def _gated(model) -> int:
+    """Matrices of the FFN's first projection: two with a gated linear unit."""
+    return 2 if model.activation in ("swiglu", "geglu") else 1
+
+
 def shape_of(job) -> Shape:
     m = job.model
     h, d = m.hidden_size, m.kv_channels
-    gated = 2 if m.activation in ("swiglu", "geglu") else 1
+    gated = _gated(m)
     if m.multi_latent_attention:
         q = (
             (
@@ -145,15 +150,14 @@ def memory_estimate(job) -> int:
 def _more_workspaces(job) -> int:
     """Workspaces every traced run holds beside the forward thread's cuBLAS one (not in the
     lower bound, which keeps to what is certain): the backward thread's cuBLAS workspace and
-    Transformer Engine's (models/te_runtime.py te_workspace: 32 MiB + 1 KiB on sm90 and later,
-    4 MiB before; once per userbuffers stream with TP communication overlap)."""
-    from metatrace.config.hardware import GPU_ARCH, cublas_workspace_bytes
+    Transformer Engine's (models/te_runtime.py te_workspace: once per userbuffers stream with
+    TP communication overlap)."""
+    from metatrace.config.hardware import GPU_ARCH, cublas_workspace_bytes, te_workspace_bytes
     from metatrace.config.userbuffers import UB_STREAMS
 
     out = cublas_workspace_bytes(job)
     if job.implementation.transformer_impl == "transformer_engine":
-        arch = GPU_ARCH.get(job.cluster.gpu, "sm90")
-        te = 32 * 2**20 + 1024 if arch in ("sm90", "sm100") else 4 * 2**20
+        te = te_workspace_bytes(GPU_ARCH.get(job.cluster.gpu, "sm90"))
         out += te * (UB_STREAMS if job.parallel.tp_comm_overlap else 1)
     return out
 
@@ -232,7 +236,7 @@ def kernel_seconds(job) -> float | None:
     t = tr.seq_length // cp * tr.micro_batch_size
     h, d = m.hidden_size, m.kv_channels
     fp8 = tr.precision == "fp8"
-    gated = 2 if m.activation in ("swiglu", "geglu") else 1
+    gated = _gated(m)
 
     def linear(n_in: int, n_out: int, rows: int = t) -> tuple[float, float]:
         """(forward, backward) seconds of a linear layer over `rows` tokens."""
