@@ -38,7 +38,9 @@ ASSUMED = {
     "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's layout (Megatron-LM's for the model), "
     "FP8 blockwise, micro-batch 1; DualPipe's overlap of the expert all-to-alls with the other "
     "micro-batch's compute (the report, Sec. 3.2.1) as megatron-core's counterpart, "
-    "overlap_moe_expert_parallel_comm",
+    "overlap_moe_expert_parallel_comm; the report's dispatch kernels (Sec. 3.2.2: a token "
+    "crosses IB once per target node, then NVLink) as megatron-core's, the flex dispatcher "
+    "with DeepEP",
     "mixtral": "the Megatron-Core MoE README's mapping, all-to-all dispatcher, grouped GEMM, "
     "balanced routing, the distributed optimizer with overlap",
     "nemo": "the NeMo model configs (Llama presets, GPT-3 as above, Nemotron: squared ReLU, "
@@ -128,7 +130,8 @@ def job_for(row: dict) -> dict:
         # 120 micro-batches: interleaved groups of 24 (a multiple of none of pp's 16)
         parallel.update(
             layout="Et|(tt|)*30mL",
-            moe_token_dispatcher_type="alltoall",
+            moe_token_dispatcher_type="flex",
+            moe_flex_dispatcher_backend="deepep",
             microbatch_group_size=24,
             overlap_moe_expert_parallel_comm=True,
         )

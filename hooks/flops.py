@@ -13,6 +13,12 @@ flash attention, FP8 and grouped GEMMs, GEMMs accumulating straight into DDP's m
 report what the real kernel computes with `report(flops)`; operators that only stand for such a
 kernel's side work (the [1, 1] placeholder GEMM of Apex's fused weight gradient, the row sums of
 the fused softmax's backward) run inside `uncounted()`.
+
+Time (with a GPU's kernel rates): the recorder prices every dispatched operator that moves data
+by its bytes. Stand-ins whose fused kernel dispatches nothing that moves data (a compiled
+activation, the norm fused into a linear layer, an FP8 cast) report the bytes it reads and
+writes with `report_moved`; a kernel output a stand-in fills (torch.zeros) while the kernel's own
+time already covers writing it is allocated with `unpriced`.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ class FlopCount:
     from their shapes, memory-bound operators from the bytes they move; an integer, so that
     counts of identical work are equal)."""
 
-    __slots__ = ("fp8", "model", "ps", "total")
+    __slots__ = ("fp8", "margin", "model", "ps", "total")
 
     def __init__(self, model=None):
         self.total = 0
         self.fp8 = 0
         self.ps = 0
         self.model = model
+        self.margin = 0
+        """Multiprocessors the GEMMs running now leave to a collective beside them."""
 
     def add_seconds(self, seconds: float) -> None:
         self.ps += round(seconds * 1e12)
@@ -92,7 +100,8 @@ def report_gemm(m: int, k: int, n: int, *, fp8: bool = False) -> None:
     if count is not None:
         _add(count, gemm(m, k, n), fp8)
         if count.model is not None:
-            count.add_seconds(kernels.gemm_seconds(count.model, m, n, k, fp8=fp8))
+            sec = kernels.gemm_seconds(count.model, m, n, k, fp8=fp8, margin=count.margin)
+            count.add_seconds(sec)
 
 
 def report_grouped(rows, k: int, n: int, *, fp8: bool = False, times: int = 1) -> None:
@@ -103,7 +112,9 @@ def report_grouped(rows, k: int, n: int, *, fp8: bool = False, times: int = 1) -
         rows = tuple(int(r) for r in rows)
         _add(count, times * gemm(sum(rows), k, n), fp8)
         if count.model is not None:
-            sec = kernels.grouped_gemm_seconds(count.model, rows, n, k, fp8=fp8)
+            sec = kernels.grouped_gemm_seconds(
+                count.model, rows, n, k, fp8=fp8, margin=count.margin
+            )
             count.add_seconds(times * sec)
 
 
@@ -123,8 +134,9 @@ def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int 
     return flops
 
 
-def op_seconds(model, func, args, out, flops: int) -> float:
-    """A dispatched operator with a FLOP formula (matrix products, PyTorch's attention)."""
+def op_seconds(model, func, args, out, flops: int, margin: int = 0) -> float:
+    """A dispatched operator with a FLOP formula (matrix products, PyTorch's attention);
+    `margin`: FlopCount.margin."""
     name = func._overloadpacket.__name__
     if "attention" in name:  # PyTorch's fused kernels (the stand-ins report TE's themselves)
         q = args[1] if "backward" in name else args[0]
@@ -139,7 +151,41 @@ def op_seconds(model, func, args, out, flops: int) -> float:
     if not m or not n or not batch:
         return 0.0
     k = flops // (2 * m * n * batch)
-    return kernels.gemm_seconds(model, m, n, k, fp8=name == "_scaled_mm", batch=batch)
+    return kernels.gemm_seconds(
+        model, m, n, k, fp8=name == "_scaled_mm", batch=batch, margin=margin
+    )
+
+
+def report_moved(*tensors, nbytes: int = 0) -> None:
+    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once,
+    and `nbytes` more."""
+    count = _count()
+    if count is not None and count.model is not None:
+        n = nbytes + sum(t.nbytes for t in tensors if t is not None)
+        if n:
+            count.add_seconds(kernels.memory_seconds(count.model, n))
+
+
+def unpriced(factory, *args, **kwargs):
+    """`factory(*args, **kwargs)` (torch.zeros, ...) allocating a kernel's output whose writing
+    is timed with the kernel (a GEMM's, attention's): not timed again as a fill."""
+    with uncounted():
+        return factory(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def sm_margin(sms: int):
+    """GEMMs run inside leave `sms` multiprocessors to a collective beside them (Transformer
+    Engine's userbuffers with set_sm_margin)."""
+    count = _count()
+    if count is None or not sms:
+        yield
+        return
+    saved, count.margin = count.margin, sms
+    try:
+        yield
+    finally:
+        count.margin = saved
 
 
 @contextlib.contextmanager

@@ -698,7 +698,8 @@ class Recorder:
             flops = formula(*args, out_val=out, **kwargs)
             count.total += flops
             if count.model is not None and flops:
-                count.add_seconds(_flops.op_seconds(count.model, func, args, out, flops))
+                sec = _flops.op_seconds(count.model, func, args, out, flops, count.margin)
+                count.add_seconds(sec)
         elif moves and count.model is not None and _flops.counting():
             nbytes = _moved_bytes(args, out)
             if nbytes:

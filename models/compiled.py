@@ -22,13 +22,24 @@ from __future__ import annotations
 
 import torch
 
+from metatrace.hooks import flops
+
 _CHUNKS = 64
 
 
-def _chunked(out: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
-    """out = fn(*args), computed by row chunks; args are out-shaped or broadcast (e.g. a bias)."""
+def _chunked(out: torch.Tensor, fn, *args: torch.Tensor, timed: bool = True) -> torch.Tensor:
+    """out = fn(*args), computed by row chunks; args are out-shaped or broadcast (e.g. a bias).
+    The compiled kernel reads `args` and writes `out` once (timed by those bytes unless `timed`
+    is false: a kernel another call times)."""
+    if timed:
+        flops.report_moved(out, *args)
     if out.is_meta:
         return out
+    with flops.uncounted():  # the chunks' eager operators are not the kernel
+        return _compute(out, fn, *args)
+
+
+def _compute(out: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
     width = out.shape[-1]
     o2 = out.view(-1, width)
     rows = o2.shape[0]
@@ -134,14 +145,16 @@ def fused_ce_calculate_gradients(softmax, grad_output, target_mask, masked_targe
     (source sha256: 608f96aabf20). Restates
     megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_gradients
     (source sha256: 65c51cede5b3)."""
-    work = softmax.clone()
-    grad_2d = work.view(-1, softmax.size()[-1])
-    arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
-    softmax_update = 1.0 - target_mask.view(-1).float()
-    grad_2d[arange_1d, masked_target_1d] -= softmax_update
-    work.mul_(grad_output.unsqueeze(dim=-1))
-    grad_input = work.to(torch.bfloat16)
-    softmax.copy_(work)
+    with flops.uncounted():  # one kernel: timed below by what it reads and writes
+        work = softmax.clone()
+        grad_2d = work.view(-1, softmax.size()[-1])
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+        softmax_update = 1.0 - target_mask.view(-1).float()
+        grad_2d[arange_1d, masked_target_1d] -= softmax_update
+        work.mul_(grad_output.unsqueeze(dim=-1))
+        grad_input = work.to(torch.bfloat16)
+        softmax.copy_(work)
+    flops.report_moved(softmax, softmax, grad_input, grad_output)  # read, written back, out
     return grad_input
 
 
@@ -169,13 +182,22 @@ class _BiasDropoutAdd(torch.autograd.Function):
             # saved, and the gradients of x and the residual are the incoming one.
             ctx.save_for_backward()
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
-            b = bias if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
+            b = (
+                bias
+                if bias is not None
+                else flops.unpriced(torch.zeros, (), dtype=x.dtype, device=x.device)
+            )
             return _chunked(out, lambda xx, rr: rr.to(xx.dtype) + xx + b, x, residual)
         mask = torch.empty(shape, dtype=torch.bool, device=x.device)
         if not mask.is_meta:
-            _chunked(mask, lambda xx: torch.rand(xx.shape, device=xx.device) < keep, x)
+            # One kernel writes the mask and the output (timed with the output below).
+            _chunked(mask, lambda xx: torch.rand(xx.shape, device=xx.device) < keep, x, timed=False)
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        b = bias if bias is not None else torch.zeros((), dtype=x.dtype, device=x.device)
+        b = (
+            bias
+            if bias is not None
+            else flops.unpriced(torch.zeros, (), dtype=x.dtype, device=x.device)
+        )
         _chunked(out, lambda xx, mm, rr: rr.to(xx.dtype) + (xx + b) * mm / keep, x, mask, residual)
         ctx.save_for_backward(mask)
         return out

@@ -43,6 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from metatrace.hooks import flops
 from metatrace.models.te_attention_kernel import cu_seqlens, report_backward, sbhd_flops
 from metatrace.models.te_cp import context_parallel_attention
 from metatrace.models.te_cpu_offload import mark_if_offloading
@@ -79,7 +80,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, config, layout, causal=True, window=None, offset=None):
         sbhd_flops(ctx, q.shape, v.shape, causal, window)
         s, b, h, _ = q.shape
-        out = torch.zeros((s, b, h, v.shape[-1]), dtype=q.dtype, device=q.device)
+        out = flops.unpriced(torch.zeros, (s, b, h, v.shape[-1]), dtype=q.dtype, device=q.device)
         stats = torch.empty((b, h, s, 1), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         cu = cu_seqlens(config, b, s, q.device)
@@ -116,7 +117,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         # FLOPs of the unpadded head dimension (the padding to a multiple of 8 is the kernel's).
         shape_q, shape_v = (s, b, h, head_dim), (k.shape[1], b, k.shape[2], head_dim)
         sbhd_flops(ctx, shape_q, shape_v, causal, window)
-        out_padded = torch.zeros((b, s, h, d_pad), dtype=q.dtype, device=q.device)
+        out_padded = flops.unpriced(torch.zeros, (b, s, h, d_pad), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         rng = torch.empty(2, dtype=torch.int64, device=q.device)
         ctx.save_for_backward(q, k, v, out_padded, lse, rng)

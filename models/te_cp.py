@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from metatrace.hooks import flops
 from metatrace.models.te_attention_kernel import cu_seqlens, report_backward, sbhd_flops
 
 
@@ -64,7 +65,7 @@ def _ring_exchange(send, recv, group, send_to: int, recv_from: int, batched: boo
 def _step_outputs(q_len, b, h, d, dtype, device):
     """What one fused-attention call allocates: output, fp32 softmax stats, rng state."""
     return (
-        torch.zeros((q_len, b, h, d), dtype=dtype, device=device),
+        flops.unpriced(torch.zeros, (q_len, b, h, d), dtype=dtype, device=device),  # the kernel's
         torch.empty((b, h, q_len, 1), dtype=torch.float32, device=device),
         torch.empty(2, dtype=torch.int64, device=device),
     )

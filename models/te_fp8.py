@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from metatrace.hooks import flops
+
 U8 = torch.uint8
 F32 = torch.float32
 
@@ -86,8 +88,12 @@ def quantize(
     device,
     weight: bool = False,
     compact: bool = False,
+    cast: torch.Tensor | None = None,
 ) -> Quantized:
-    """Allocate what TE's quantizer allocates for a [M, K] tensor."""
+    """Allocate what TE's quantizer allocates for a [M, K] tensor. `cast`: the high-precision
+    tensor a quantizing kernel (cast, cast-transpose, a norm writing FP8) reads to fill these
+    buffers, timed by the bytes read and written; None where they are a collective's destination
+    or timed elsewhere."""
     m, k = shape
     empty = lambda *s, dtype=U8: torch.empty(s, dtype=dtype, device=device)
     q = Quantized()
@@ -120,6 +126,8 @@ def quantize(
             q.columnwise += [empty(*col_data), empty(*col_scale, dtype=F32)]
     else:
         raise ValueError(f"unknown fp8 recipe {recipe!r}")
+    if cast is not None:
+        flops.report_moved(cast, *q.tensors())
     return q
 
 

@@ -33,7 +33,14 @@ from metatrace.models.te_fp8 import (
     weight_workspace,
 )
 from metatrace.models.te_fp8_param import drop_blackwell_transpose, ensure_transpose
-from metatrace.models.te_runtime import bulk_reduced, dgrad_and_input, te_wgrad, ub_reduce_scatter
+from metatrace.models.te_runtime import (
+    bulk_reduced,
+    dgrad_and_input,
+    gemm_output,
+    te_wgrad,
+    ub_margin,
+    ub_reduce_scatter,
+)
 
 
 def _coalesced_gather(pairs, mode, device):
@@ -102,15 +109,15 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     if mode.norm is not None:
         rms = mode.norm == "RMSNorm"
         if recipe == "delayed":  # the fused norm kernel writes FP8 directly
-            q = quantize(shape, recipe, arch, **usage)
+            q = quantize(shape, recipe, arch, **usage, cast=x2)
             rsigma = torch.empty(shape[0], dtype=F32, device=device)
             mu = None if rms else torch.empty(shape[0], dtype=F32, device=device)
         else:  # norm in bf16, then quantize
             ln_out, mu, rsigma = norm_forward(x2, ln_weight, ln_bias, mode.eps, rms)
-            q = quantize(shape, recipe, arch, **usage)
+            q = quantize(shape, recipe, arch, **usage, cast=ln_out)
             del ln_out
     else:
-        q = quantize(shape, recipe, arch, **usage)
+        q = quantize(shape, recipe, arch, **usage, cast=x2)
     gathered = []
     if column_sp:
         if recipe == "tensorwise":
@@ -127,8 +134,9 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     elif needs_wgrad and torch.is_grad_enabled():
         ensure_transpose(weight, arch)  # after Megatron-FSDP discarded it
     rows = shape[0] * (mode.tp if column_sp else 1)
-    out = torch.zeros((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
-    flops.report_gemm(rows, weight.shape[1], weight.shape[0], fp8=True)
+    out = gemm_output((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
+    with flops.sm_margin(ub_margin(mode, "fprop")):
+        flops.report_gemm(rows, weight.shape[1], weight.shape[0], fp8=True)
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
@@ -159,12 +167,20 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
     device = dy.device
     if not (mode.parallel == "row" and mode.sequence_parallel):
         return quantize(
-            tuple(dy.shape), recipe, arch, rowwise=True, columnwise=needs_wgrad, device=device
+            tuple(dy.shape),
+            recipe,
+            arch,
+            rowwise=True,
+            columnwise=needs_wgrad,
+            device=device,
+            cast=dy,
         ).tensors()
     local_shape = tuple(dy.shape)
     full = (local_shape[0] * mode.tp, local_shape[1])
     if recipe in ("delayed", "tensorwise"):
-        local = quantize(local_shape, recipe, arch, rowwise=True, columnwise=False, device=device)
+        local = quantize(
+            local_shape, recipe, arch, rowwise=True, columnwise=False, device=device, cast=dy
+        )
         if recipe == "tensorwise":
             _amax_all_reduce(mode, device)
         if "ag_dgrad" in mode.ub:
@@ -182,7 +198,14 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
         return [*local.tensors(), *gathered.tensors()]
     compact = recipe == "blockwise"
     local = quantize(
-        local_shape, recipe, arch, rowwise=True, columnwise=True, device=device, compact=compact
+        local_shape,
+        recipe,
+        arch,
+        rowwise=True,
+        columnwise=True,
+        device=device,
+        compact=compact,
+        cast=dy,
     )
     gathered = quantize(
         full, recipe, arch, rowwise=True, columnwise=True, device=device, compact=compact
@@ -252,6 +275,7 @@ def _requantized_input(x2, mode, recipe, arch):
         columnwise=not rowwise,
         device=x2.device,
         compact=column_sp and recipe == "blockwise",
+        cast=x2,
     )
     return q.tensors()
 
@@ -281,19 +305,21 @@ def fp8_backward(ctx, grad):
         grad.dtype,
         device,
         lambda out: (
-            out.zero_()
+            flops.unpriced(out.zero_)
             if out is not None
-            else torch.zeros((rows, in_features), dtype=grad.dtype, device=device)
+            else gemm_output((rows, in_features), dtype=grad.dtype, device=device)
         ),
     )
     # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
-    flops.report_gemm(rows, weight.shape[0], in_features, fp8=True)
+    with flops.sm_margin(ub_margin(mode, "dgrad")):
+        flops.report_gemm(rows, weight.shape[0], in_features, fp8=True)
     if needs_wgrad:
-        flops.report_gemm(weight.shape[0], rows, in_features, fp8=True)
+        with flops.sm_margin(ub_margin(mode, "wgrad")):
+            flops.report_gemm(weight.shape[0], rows, in_features, fp8=True)
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (
-        te_wgrad(ctx.module, weight, torch.zeros, weight.shape, dtype=dgrad.dtype, device=device)
+        te_wgrad(ctx.module, weight, gemm_output, weight.shape, dtype=dgrad.dtype, device=device)
         if needs_wgrad
         else None
     )

@@ -71,7 +71,7 @@ from metatrace.models.te_linear import (
     _gather,
     _reduce_scatter,
 )
-from metatrace.models.te_runtime import fuses_wgrad, te_wgrad, te_workspace
+from metatrace.models.te_runtime import fuses_wgrad, gemm_output, te_wgrad, te_workspace
 
 # (activation_func, gated_linear_unit) -> the Transformer Engine op TEFusedMLP builds
 # (_make_activation_op; anything else raises NotImplementedError). All of them save their input
@@ -354,21 +354,26 @@ def _quantized_norm(x2, ln_w, ln_b, mode, columnwise):
     kernel), else computed in bf16 and then quantized (TE's C++ normalization)."""
     rms, shape, device = mode.norm == "RMSNorm", tuple(x2.shape), x2.device
     if mode.fp8 == "delayed":
-        q = quantize(shape, mode.fp8, mode.arch, rowwise=True, columnwise=columnwise, device=device)
+        q = quantize(
+            shape, mode.fp8, mode.arch, rowwise=True, columnwise=columnwise, device=device, cast=x2
+        )
         rstd = torch.empty(shape[0], dtype=F32, device=device)
         mean = None if rms else torch.empty(shape[0], dtype=F32, device=device)
         return q, mean, rstd
     y, mean, rstd = norm_forward(x2, ln_w, ln_b, mode.eps, rms)
-    q = quantize(shape, mode.fp8, mode.arch, rowwise=True, columnwise=columnwise, device=device)
+    q = quantize(
+        shape, mode.fp8, mode.arch, rowwise=True, columnwise=columnwise, device=device, cast=y
+    )
     del y
     return q, mean, rstd
 
 
-def _quantized_activation(shape, mode, dtype, device, columnwise):
+def _quantized_activation(shape, mode, dtype, device, columnwise, reads):
     """An activation kernel (forward or backward) writing into the next quantizer: directly
     with delayed scaling and MXFP8, through a bf16 buffer with current and block scaling (TE's
-    C++ activation_helper: the quantized output is allocated first)."""
+    C++ activation_helper: the quantized output is allocated first). The kernel reads `reads`."""
     q = quantize(shape, mode.fp8, mode.arch, rowwise=True, columnwise=columnwise, device=device)
+    flops.report_moved(*reads, *q.tensors())
     if mode.fp8 in ("tensorwise", "blockwise"):
         tmp = torch.empty(shape, dtype=dtype, device=device)
         del tmp
@@ -400,7 +405,7 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
         gathered = _gather_rowwise(q1, shape, mode, recipe, arch, device)
     rows = shape[0] * (mode.tp if sp else 1)  # N
     wq1 = _quantized_weight(w1, recipe, arch, columnwise=ctx.grad_enabled)
-    h1 = torch.zeros((rows, w1.shape[0]), dtype=x2.dtype, device=device)  # [N, 2f/t] bf16
+    h1 = gemm_output((rows, w1.shape[0]), dtype=x2.dtype, device=device)  # [N, 2f/t] bf16
     flops.report_gemm(rows, w1.shape[1], w1.shape[0], fp8=True)
     if b1 is not None and wq1 is None:
         h1 = h1 + b1  # no GEMM-bias fusion for FP8 weights: the Bias op on its own
@@ -411,9 +416,9 @@ def _fp8_forward(ctx, x2, ln_w, ln_b, w1, b1, w2):
         q1.drop_rowwise()
     # Activation op, straight into fc2's input quantizer (no TP mode: both usages).
     f = h1.shape[1] // 2 if _gated(mlp) else h1.shape[1]
-    q2 = _quantized_activation((rows, f), mode, x2.dtype, device, columnwise=wgrad)
+    q2 = _quantized_activation((rows, f), mode, x2.dtype, device, columnwise=wgrad, reads=(h1,))
     wq2 = _quantized_weight(w2, recipe, arch, columnwise=ctx.grad_enabled)
-    out = torch.zeros((rows, w2.shape[0]), dtype=x2.dtype, device=device)  # [N, h]
+    out = gemm_output((rows, w2.shape[0]), dtype=x2.dtype, device=device)  # [N, h]
     flops.report_gemm(rows, w2.shape[1], w2.shape[0], fp8=True)
     if wq2 is not None:
         wq2.drop_rowwise()
@@ -448,16 +453,24 @@ def _fp8_backward(ctx, grad):
         dy = _gather(dy, mode)  # the ReduceScatter op's backward gathers in bf16: [N, h]
     # fc2 backward (no TP mode): the whole output gradient is quantized here.
     dyq = quantize(
-        tuple(dy.shape), recipe, arch, rowwise=True, columnwise=w2.requires_grad, device=device
+        tuple(dy.shape),
+        recipe,
+        arch,
+        rowwise=True,
+        columnwise=w2.requires_grad,
+        device=device,
+        cast=dy,
     )
     del dy
-    dact = torch.zeros((rows, w2.shape[1]), dtype=dtype, device=device)  # [N, f/t] bf16
+    dact = gemm_output((rows, w2.shape[1]), dtype=dtype, device=device)  # [N, f/t] bf16
     flops.report(flops.gemm(rows, w2.shape[0], w2.shape[1]) * 2, fp8=True)  # dgrad, wgrad
-    g2 = te_wgrad(fc2, w2, torch.zeros, w2.shape, dtype=dtype, device=device)
+    g2 = te_wgrad(fc2, w2, gemm_output, w2.shape, dtype=dtype, device=device)
     del dyq
     _clear(*q2)
     # Activation backward, straight into fc1's grad-output quantizer (both usages).
-    dh1 = _quantized_activation(tuple(h1.shape), mode, dtype, device, columnwise=True)
+    dh1 = _quantized_activation(
+        tuple(h1.shape), mode, dtype, device, columnwise=True, reads=(dact, h1)
+    )
     # with a fc1 bias, TE's fused dact + dbias kernel (BackwardActivationBias)
     db1 = torch.zeros(h1.shape[1], dtype=dtype, device=device) if ctx.has_b1 else None
     del dact
@@ -466,11 +479,11 @@ def _fp8_backward(ctx, grad):
     inputs = []
     if sp:
         inputs = _gathered_input(q1, ctx.local_rows, w1.shape[1], mode, recipe, arch, device)
-    dgrad = torch.zeros((rows, w1.shape[1]), dtype=dtype, device=device)  # [N, h]
+    dgrad = gemm_output((rows, w1.shape[1]), dtype=dtype, device=device)  # [N, h]
     flops.report_gemm(rows, w1.shape[0], w1.shape[1], fp8=True)  # dgrad
     flops.report_gemm(w1.shape[0], rows, w1.shape[1], fp8=True)  # wgrad
     dinput = _tp_reduce(dgrad, mode)  # [Ns, h]
-    g1 = te_wgrad(fc1, w1, torch.zeros, w1.shape, dtype=dtype, device=device)
+    g1 = te_wgrad(fc1, w1, gemm_output, w1.shape, dtype=dtype, device=device)
     del dh1, inputs, dgrad
     _clear(*q1)
     dx, dlw, dlb = norm_backward(

@@ -46,6 +46,7 @@ from metatrace.models.te_runtime import (
     te_wgrad,
     te_workspace,
     ub_all_gather,
+    ub_margin,
     ub_reduce_scatter,
 )
 
@@ -121,10 +122,11 @@ class _LinearFunction(torch.autograd.Function):
             rs_out = torch.empty(
                 (x2.shape[0] // mode.tp, weight.shape[0]), dtype=x2.dtype, device=x2.device
             )
-        if bias is not None:
-            out = torch.addmm(bias, total, weight.t())  # bias in the GEMM epilogue (column)
-        else:
-            out = torch.mm(total, weight.t())  # [N, out]
+        with flops.sm_margin(ub_margin(mode, "fprop")):
+            if bias is not None:
+                out = torch.addmm(bias, total, weight.t())  # bias in the GEMM epilogue (column)
+            else:
+                out = torch.mm(total, weight.t())  # [N, out]
         del total  # the gathered input is freed right after the GEMM
         if rs_out is not None:
             ub_reduce_scatter(rs_out, out, mode.group)
@@ -155,17 +157,21 @@ class _LinearFunction(torch.autograd.Function):
         if column_sp:
             bulk = "bulk_dgrad" in mode.ub
             total = mode.ub_gather(saved_input, "dgrad") if bulk else _gather(saved_input, mode)
-        dgrad, dinput = dgrad_and_input(  # [N, in]
-            mode,
-            dy.shape[0],
-            weight.shape[1],
-            dy.dtype,
-            dy.device,
-            lambda out: torch.mm(dy, weight, out=out) if out is not None else torch.mm(dy, weight),
-        )
-        if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
-            flops.report_gemm(dy.shape[1], dy.shape[0], total.shape[1])
-        wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
+        with flops.sm_margin(ub_margin(mode, "dgrad")):
+            dgrad, dinput = dgrad_and_input(  # [N, in]
+                mode,
+                dy.shape[0],
+                weight.shape[1],
+                dy.dtype,
+                dy.device,
+                lambda out: (
+                    torch.mm(dy, weight, out=out) if out is not None else torch.mm(dy, weight)
+                ),
+            )
+        with flops.sm_margin(ub_margin(mode, "wgrad")):
+            if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
+                flops.report_gemm(dy.shape[1], dy.shape[0], total.shape[1])
+            wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
         dinput = bulk_reduced(mode, dgrad, dinput)
         bgrad = dy.sum(0) if bias is not None else None
         del total

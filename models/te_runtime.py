@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from metatrace.config.hardware import te_workspace_bytes
+from metatrace.hooks import flops
 from metatrace.hooks.collectives import overlapped
 
 UB_OVERLAP = "GEMM (userbuffers)"
@@ -30,6 +31,8 @@ class _Process:
     userbuffers: dict[str, torch.Tensor] = {}
     """TE's userbuffers by GEMM name (initialize_ub): flat byte buffers outside PyTorch's
     allocator; the linear stand-ins gather into views of them."""
+    margins: dict[str, int] = {}
+    """Multiprocessors each userbuffer's GEMM leaves to its collective, by GEMM name."""
 
 
 _PROCESS = _Process()
@@ -39,15 +42,16 @@ _PROCESS = _Process()
 def te_process(installed: bool = True, userbuffers=(), device=None):
     """A fresh TE process state while active; `installed` says whether the simulated run has
     Transformer Engine (megatron-core's own layers then take TE's dummy weight gradients).
-    `userbuffers`: (name, bytes) of the buffers initialize_ub allocates (metatrace.config.
-    userbuffers), made on `device` here, before any model exists, as Megatron-LM does."""
+    `userbuffers`: the buffers initialize_ub allocates (metatrace.config.userbuffers), made on
+    `device` here, before any model exists, as Megatron-LM does."""
     global _PROCESS
     saved, _PROCESS = _PROCESS, _Process()
     _PROCESS.installed = installed
     _PROCESS.dummy_wgrads = {}
     _PROCESS.userbuffers = {
-        name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in userbuffers
+        b.name: torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in userbuffers
     }
+    _PROCESS.margins = {b.name: b.margin for b in userbuffers}
     try:
         yield _PROCESS
     finally:
@@ -88,6 +92,12 @@ def get_dummy_wgrad(shape: list, dtype: torch.dtype, zero: bool = False) -> torc
     return _PROCESS.dummy_wgrads[key].detach()
 
 
+def gemm_output(*args, **kwargs) -> torch.Tensor:
+    """torch.zeros(*args, **kwargs) standing for a GEMM's output: written by the GEMM, whose
+    time covers it (not timed again as a fill)."""
+    return flops.unpriced(torch.zeros, *args, **kwargs)
+
+
 def te_wgrad(module, weight, compute, *args, **kwargs):
     """The weight gradient TE's backward returns. With gradient-accumulation fusion
     (fuse_wgrad_accumulation, on when megatron-core's DDP gives the weight a main_grad) the
@@ -115,6 +125,19 @@ def fuses_wgrad(module, weight) -> bool:
 def userbuffer_tensors() -> list[torch.Tensor]:
     """The userbuffers of the current TE process: memory outside PyTorch's allocator."""
     return list(_PROCESS.userbuffers.values())
+
+
+def ub_margin(mode, gemm: str) -> int:
+    """Multiprocessors a linear stand-in's `gemm` (fprop, dgrad, wgrad) leaves to the collective
+    its userbuffers run beside it (`mode`: the stand-in's _Mode; 0 where none does)."""
+    beside = {
+        "fprop": ("ag_fprop", "rs_fprop"),
+        "dgrad": ("ag_dgrad", "rs_dgrad", "bulk_dgrad"),
+        "wgrad": ("bulk_wgrad",),
+    }[gemm]
+    if mode.ub_name is None or not any(k in mode.ub for k in beside):
+        return 0
+    return _PROCESS.margins.get(f"{mode.ub_name}_{gemm}", 0)
 
 
 def userbuffer(name: str, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -124,7 +124,7 @@ class Totals:
     inter: int = 0
     """Bytes sent inside a node / across nodes."""
     seconds: float = 0.0
-    """Estimated wire time (ring model, one link per GPU); for the cluster, the slowest GPU's."""
+    """Estimated wire time (ring model, link_gbps); for the cluster, the slowest GPU's."""
     exposed_seconds: float = 0.0
     """Of which not overlapped with compute."""
 
@@ -185,8 +185,30 @@ def _add_calls(t: Totals, it: Item, ranks: int) -> None:
     t.message_bytes += ranks * it.count * it.message
 
 
-def _seconds(job, item: Item) -> float:
-    gbps = job.cluster.inter_node_gbps if item.crosses_nodes else job.cluster.intra_node_gbps
+_RING_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+
+
+def link_gbps(job, world, op: str, ranks) -> float:
+    """The bandwidth one rank's share of a call over `ranks` moves at. Inside a node: the GPU's
+    link (cluster.intra_node_gbps). Across nodes, a ring collective's data leaves each node once
+    per ring, and NCCL lays one ring per NIC: the group's members on a node send through their
+    k NICs together (k x inter_node_gbps, at most the intra-node link; NCCL measures about 190
+    GB/s bus bandwidth across DGX A100 nodes of 8 x 200 Gb/s, 8 x 25 GB/s); point-to-point and
+    all-to-all traffic leaves through the GPU's own NIC."""
+    cl = job.cluster
+    gpn = world.gpus_per_node
+    if not world.crosses_nodes(ranks):
+        return cl.intra_node_gbps
+    if op not in _RING_OPS:
+        return cl.inter_node_gbps
+    members: dict[int, int] = {}
+    for r in ranks:
+        members[r // gpn] = members.get(r // gpn, 0) + 1
+    return min(cl.intra_node_gbps, min(members.values()) * cl.inter_node_gbps)
+
+
+def _seconds(job, world, item: Item) -> float:
+    gbps = link_gbps(job, world, item.op, item.ranks)
     return item.count * max(item.sent, item.received) * 8 / (gbps * 1e9)
 
 
@@ -256,7 +278,7 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
     out = RoleComm(items=items, dims={d: Totals() for d in DIMENSIONS})
     for it in items:
         t = out.dims[it.dimension]
-        seconds = _seconds(job, it)
+        seconds = _seconds(job, world, it)
         _add_calls(t, it, 1)
         t.seconds += seconds
         t.exposed_seconds += 0.0 if it.overlapped else seconds
@@ -277,8 +299,7 @@ def call_seconds(job, world, c: Collective, rank: int) -> tuple[str, float, str 
     sent, received = ring_bytes(c.op, c.bytes, len(c.ranks) if c.peer is None else 2)
     if c.output_bytes is not None:
         received = ring_bytes(c.op, c.output_bytes, len(c.ranks))[1]
-    cl = job.cluster
-    gbps = cl.inter_node_gbps if world.crosses_nodes(ranks) else cl.intra_node_gbps
+    gbps = link_gbps(job, world, c.op, ranks)
     return dimension, max(sent, received) * 8 / (gbps * 1e9), _overlap(job, c, dimension)
 
 

@@ -32,8 +32,16 @@ Assumptions, all approximate:
   that are not overlapped, the embedding and layer-norm gradient all-reduces, the gradient
   norm's and the loss's all-reduces), one after another, plus the update itself, bound by
   memory bandwidth: it reads and writes the optimizer state (main parameters, moments) and
-  reads the gradients and writes the parameters once, at config.GPU_HBM_TBPS. Overlapped
-  gradient reduction and parameter gathering are assumed hidden;
+  reads the gradients and writes the parameters once, at config.GPU_HBM_TBPS;
+- overlapped data-parallel communication (Megatron's DDP, not Megatron-FSDP): overlap_grad_reduce's
+  reductions of a chunk start with its last backward step, one after another on the stage's
+  communication stream, the last (the first layers' bucket) only after the step; the optimizer
+  step waits for every stage's (exposed: what runs past the last step). overlap_param_gather's
+  all-gathers run ahead of the forward steps: a chunk's first forward step lasts at least its
+  gather, or, with virtual stages (Megatron-LM's align_param_gather), ends no earlier than the
+  stage's gathers up to its chunk, started with the iteration (exposed: the difference). The
+  collectives' kernels share the GPU with the compute they overlap; that slowdown is not
+  modelled;
 - activation offloading's copies (a micro-batch's offloaded bytes, split evenly over the
   rank's chunks) run on their own stream over the host link (cluster.host_link_gbps) beside
   the step: to the host in forward, back in backward. A step lasts at least its copies.
@@ -46,6 +54,7 @@ stages and no communication it is Megatron's (pp - 1) / (m + pp - 1) for 1F1B an
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 from metatrace.records import Trace
@@ -133,6 +142,10 @@ class Timing:
     efficiency: float | None
     """cluster.compute_efficiency: every FLOP at this fraction of peak; None: each kernel at its
     modelled rate (metatrace.config.kernels)."""
+    dp_exposed_seconds: float = 0.0
+    """What overlap_param_gather's gathers and overlap_grad_reduce's reductions add past the
+    steps beside them (the first forward steps' waits on the slowest stage, and the optimizer
+    step's wait for the reductions)."""
 
 
 # ----------------------------------------------------------------------------- rates
@@ -167,12 +180,17 @@ def virtual_stage(stage: int, chunk: int, pp: int) -> int:
     return chunk * pp + stage
 
 
-def simulate(orders, seconds, *, pp: int, vpp: int | None = None, p2p=None):
+def simulate(
+    orders, seconds, *, pp: int, vpp: int | None = None, p2p=None, least=None, ends_after=None
+):
     """Start and end of every step of every stage.
 
     `orders[s]`: stage s's steps in order, (phase, chunk, microbatch); `seconds(s, phase, chunk)`
     a step's duration; `p2p(s, phase)` the transfer time of what stage s sends after a step of
-    `phase` (default 0). Returns, per stage, [(start, end, phase, chunk, microbatch)]."""
+    `phase` (default 0); `least(s, phase, chunk, microbatch)` a step's least duration and
+    `ends_after(s, phase, chunk, microbatch)` the earliest time it can end (defaults none: what
+    it waits for beside its compute). Returns, per stage, [(start, end, phase, chunk,
+    microbatch)]."""
     chunks = vpp or 1
     last = pp * chunks - 1
     p2p = p2p or (lambda stage, phase: 0.0)
@@ -194,7 +212,12 @@ def simulate(orders, seconds, *, pp: int, vpp: int | None = None, p2p=None):
                     if done is None:
                         break  # waits for another stage
                     ready = max(ready, done + p2p(dep % pp, phase))
-                start, end = ready, ready + seconds(s, phase, chunk)
+                took = seconds(s, phase, chunk)
+                if least is not None:
+                    took = max(took, least(s, phase, chunk, mb))
+                start, end = ready, ready + took
+                if ends_after is not None:
+                    end = max(end, ends_after(s, phase, chunk, mb))
                 finish[(phase, k, mb)] = end
                 out[s].append((start, end, phase, chunk, mb))
                 clock[s] = end
@@ -334,6 +357,67 @@ def _optimizer(job, world, iteration: Trace, rank: int):
     return t, update, tuple(placed)
 
 
+def _dp_overlap(job, world, iteration: Trace, rank: int):
+    """The data-parallel collectives Megatron overlaps with the steps, per model chunk:
+    ({chunk: seconds of overlap_param_gather's all-gathers before its first forward},
+    {chunk: (seconds of overlap_grad_reduce's reductions from its last backward on, the last
+    call's seconds)}). Empty for Megatron-FSDP, which gathers and reduces layer by layer inside
+    every step (taken as hidden)."""
+    import numpy as np
+
+    from metatrace.analysis.comm import GROUP_DIMENSION, call_seconds
+
+    gathers: dict[int, float] = {}
+    reduces: dict[int, tuple[float, float]] = {}
+    if job.training.megatron_fsdp:
+        return gathers, reduces
+    win = iteration.columns("windows", ("chunk", "first", "last"))
+    chunk_of = np.array([-1 if c is None else c for c in win["chunk"].tolist()])
+    steps = np.flatnonzero(chunk_of >= 0)
+    if not len(steps):
+        return gathers, reduces
+    order = steps[np.argsort(win["first"][steps], kind="stable")]
+    firsts, lasts, chunks = win["first"][order], win["last"][order], chunk_of[order]
+    col = iteration.columns("collectives", ("seq", "op", "group"))
+    ops, groups = col["op"].tolist(), col["group"].tolist()
+    picked = [
+        i
+        for i, (op, group) in enumerate(zip(ops, groups))
+        if op in ("all_gather", "reduce_scatter", "all_reduce")
+        and GROUP_DIMENSION.get(group) == "dp"
+    ]
+    for c in iteration.pick("collectives", picked):
+        dim, sec, over = call_seconds(job, world, c, rank)
+        if over is None or sec == 0.0:
+            continue
+        at = int(np.searchsorted(firsts, c.seq, side="right")) - 1
+        inside = at >= 0 and c.seq <= lasts[at]
+        if c.op == "all_gather" and c.phase == "forward" and not inside and at + 1 < len(chunks):
+            chunk = int(chunks[at + 1])  # before the step that needs the parameters
+            gathers[chunk] = gathers.get(chunk, 0.0) + sec
+        elif c.op != "all_gather" and c.phase == "backward" and at >= 0:
+            chunk = int(chunks[at])  # in or after the backward step whose gradients it reduces
+            total, _ = reduces.get(chunk, (0.0, 0.0))
+            reduces[chunk] = (total + sec, sec)
+    return gathers, reduces
+
+
+def _reduced_by(stage_steps, reduces) -> float:
+    """When a stage's overlapped gradient reductions end: each chunk's start with its last
+    backward step (bucket by bucket as its gradients complete; the last bucket, of the first
+    layers, only after the step), one after another on the communication stream."""
+    last: dict[int, tuple[float, float]] = {}
+    for start, end, phase, chunk, _ in stage_steps:
+        if phase == "backward":
+            last[chunk] = (start, end)
+    t = 0.0
+    for chunk, (start, end) in sorted(last.items(), key=lambda kv: kv[1]):
+        if chunk in reduces:
+            total, tail = reduces[chunk]
+            t = max(max(t, start) + total, end + tail)
+    return t
+
+
 def job_timing(job_trace) -> Timing | None:
     """The time model of a traced job (needs iteration traces and a GPU with a known peak)."""
     from metatrace.analysis.memory import persistent_bytes
@@ -373,22 +457,70 @@ def job_timing(job_trace) -> Timing | None:
         orders.append([step for step in steps if step[1] is not None])
     none = (0, 0.0, 0.0, ())
     copies = {rt.role.pp_stage: _offload_seconds(job, rt) for rt in roles}
+    dp = {rt.role.pp_stage: _dp_overlap(job, world, rt.iteration, rt.trace.rank) for rt in roles}
+    # (stage, chunk): the micro-batch of its first forward step
+    first_forward: dict[tuple[int, int], int] = {}
+    for s, order in enumerate(orders):
+        for phase, chunk, mb in order:
+            if phase == "forward":
+                first_forward.setdefault((s, chunk), mb)
 
     def duration(s, phase, chunk):
         _, comp, exposed, _ = kinds.get((s, phase, chunk), none)
         return max(comp + exposed, copies[s].get(phase, 0.0))
 
+    # overlap_param_gather: a chunk's first forward waits for its parameters. With virtual
+    # stages Megatron-LM aligns the gathers (align_param_gather): every stage starts them when
+    # the iteration does, chunk after chunk (schedules.py launches later chunks' ahead of their
+    # first forward), so the step ends no earlier than its chunk's gather does. Otherwise each
+    # stage gathers when its first forward asks, bucket by bucket as the layers need them: the
+    # step lasts at least the gather.
+    aligned = job.training.overlap_param_gather and vpp is not None
+    gathered_by = {
+        (s, chunk): sum(sec for c, sec in dp[s][0].items() if c <= chunk)
+        for (s, chunk) in first_forward
+    }
+
+    def waits(s, phase, chunk, mb) -> bool:
+        return phase == "forward" and first_forward.get((s, chunk)) == mb
+
+    def least(s, phase, chunk, mb):
+        return dp[s][0].get(chunk, 0.0) if not aligned and waits(s, phase, chunk, mb) else 0.0
+
+    def ends_after(s, phase, chunk, mb):
+        return gathered_by[(s, chunk)] if aligned and waits(s, phase, chunk, mb) else 0.0
+
     simulated = simulate(
-        orders, duration, pp=pp, vpp=vpp, p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0]
+        orders,
+        duration,
+        pp=pp,
+        vpp=vpp,
+        p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0],
+        least=least,
+        ends_after=ends_after,
     )
     pipeline = max((end for stage in simulated for _, end, *_ in stage), default=0.0)
+    # The optimizer step starts when every stage's gradients are reduced (the gradient norm's
+    # all-reduce over the model-parallel group waits for the slowest); the wait beyond the
+    # steps is exposed gradient reduction.
+    reduced = max(
+        [pipeline]
+        + [_reduced_by(stage, dp[rt.role.pp_stage][1]) for rt, stage in zip(roles, simulated)]
+    )
+    wait = reduced - pipeline
     stages, transfers = [], []
+    gather_waits = 0.0
     for rt, stage in zip(roles, simulated):
         s = rt.role.pp_stage
         peaks = _peaks(rt.iteration, persistent_bytes(rt.trace))
         spans = []
+        waited = 0.0
         for start, end, phase, chunk, mb in stage:
             flops, comp, exposed, placed = kinds.get((s, phase, chunk), none)
+            # A first forward waiting for its parameters: the wait is exposed communication.
+            extra = max(0.0, end - start - max(comp + exposed, copies[s].get(phase, 0.0)))
+            exposed += extra
+            waited += extra
             spans.append(
                 Span(
                     start,
@@ -408,6 +540,8 @@ def job_timing(job_trace) -> Timing | None:
         opt_seconds, update, opt_calls = _optimizer(job, world, rt.iteration, rt.trace.rank)
         host = host_optimizer_seconds(job, rt.host_optimizer) or 0.0
         opt_seconds += host  # the optimizer CPU offload's copies, in the step
+        opt_seconds += wait
+        opt_calls = tuple(dataclasses.replace(c, offset=c.offset + wait) for c in opt_calls)
         opt_peak = max(
             (v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")), default=0
         )
@@ -425,6 +559,7 @@ def job_timing(job_trace) -> Timing | None:
                 offload_seconds=host,
             )
         )
+        gather_waits = max(gather_waits, waited)
         busy = sum(end - start for start, end, *_ in stage)
         stages.append(
             StageTiming(
@@ -440,6 +575,7 @@ def job_timing(job_trace) -> Timing | None:
         bubble_fraction=idle / (pipeline * len(stages)) if pipeline else 0.0,
         peak_tflops=peak[0] / 1e12,
         efficiency=eff,
+        dp_exposed_seconds=gather_waits + wait,
     )
 
 

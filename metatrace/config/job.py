@@ -172,7 +172,8 @@ UbMethod = Literal["ring_exchange", "pipeline", "bulk", "external"]
 class UbGemm:
     """One GEMM's entry of Transformer Engine's userbuffers configuration (initialize_ub's
     ub_cfgs; Megatron-LM's --tp-comm-overlap-cfg YAML). `method` and `fp8_buf` decide the
-    buffer's size; the other keys tune speed only and change no memory or traffic."""
+    buffer's size; num_sm with set_sm_margin the multiprocessors the GEMM leaves to the
+    collective (the time model's); the others tune speed only and change no memory or traffic."""
 
     method: UbMethod | None = None
     """ring_exchange (peer-to-peer), pipeline (split GEMM and collective), bulk, external;

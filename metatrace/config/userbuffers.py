@@ -66,6 +66,10 @@ class Userbuffer:
     shape: tuple[int, int]
     """initialize_ub's shape: [seq * mbs / cp, hidden]."""
     nbytes: int
+    margin: int = 0
+    """Multiprocessors the GEMM leaves to the collective beside it (num_sm with set_sm_margin;
+    TE's defaults: 16 for pipeline, bulk and external, none for ring_exchange, which copies with
+    the copy engines)."""
 
 
 def ub_shape(job) -> tuple[int, int]:
@@ -130,7 +134,13 @@ def userbuffers(job) -> list[Userbuffer]:
         nbytes = rows * hidden * (1 if fp8 and fp8_buf else 2)
         if method == "ring_exchange" and is_rs:
             nbytes = nbytes // tp * (2 * tp - 1)
-        out.append(Userbuffer(name, method, is_rs, fp8 and fp8_buf, (rows, hidden), nbytes))
+        ring = method == "ring_exchange"  # TE's get_default_config
+        num_sm = user.num_sm if user is not None and user.num_sm is not None else 1 if ring else 16
+        set_margin = not ring
+        if user is not None and user.set_sm_margin is not None:
+            set_margin = user.set_sm_margin
+        margin = num_sm if set_margin else 0
+        out.append(Userbuffer(name, method, is_rs, fp8 and fp8_buf, (rows, hidden), nbytes, margin))
     return out
 
 

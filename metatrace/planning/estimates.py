@@ -207,13 +207,14 @@ def estimate(job, exposed_comm: float | None = None) -> Estimate:
 
 
 # Memory-bound bytes a layer's element-wise kernels move per token (norms, residuals, rotary,
-# activation, casts, in forward and backward): MEMORY_PER_HIDDEN per unit of hidden size plus
-# MEMORY_PER_SHARDED per unit of its tensor-parallel widths (QKV, attention output, FFN in and
-# out) over tp; the output layer's loss MEMORY_PER_LOGIT per logit of a rank's vocabulary
-# shard. Fitted to the kernels the tracer counts for Llama-2 7B layers (tp 1, 2, 4; 156, 117 and
-# 97.5 bytes per token and hidden unit) and its output layer.
-MEMORY_PER_HIDDEN = 78
-MEMORY_PER_SHARDED = 6.5
+# activation, FP8 casts, in forward and backward): MEMORY_PER_HIDDEN per unit of hidden size
+# plus MEMORY_PER_SHARDED per unit of its tensor-parallel widths (QKV, attention output, FFN in
+# and out) over tp, by precision; the output layer's loss MEMORY_PER_LOGIT per logit of a rank's
+# vocabulary shard. Fitted to the kernels the tracer counts for Llama-2 7B layers (tp 1, 2, 4
+# with sequence parallelism: 119, 89 and 74 bytes per token and hidden unit in bf16; tp 1 and 4:
+# 175 and 109 in FP8) and its output layer.
+MEMORY_PER_HIDDEN = {"bf16": 60, "fp8": 87}
+MEMORY_PER_SHARDED = {"bf16": 4.9, "fp8": 7.3}
 MEMORY_PER_LOGIT = 85
 FALLBACK_EFFICIENCY = 0.5
 """The FLOP rate (fraction of peak) of a GPU the kernel tables lack."""
@@ -236,6 +237,7 @@ def kernel_seconds(job) -> float | None:
     t = tr.seq_length // cp * tr.micro_batch_size
     h, d = m.hidden_size, m.kv_channels
     fp8 = tr.precision == "fp8"
+    precision = "fp8" if fp8 else "bf16"
     gated = _gated(m)
 
     def linear(n_in: int, n_out: int, rows: int = t) -> tuple[float, float]:
@@ -262,7 +264,8 @@ def kernel_seconds(job) -> float | None:
     ffn = m.ffn_hidden_size // tp
     dense_mlp = [linear(h, gated * ffn), linear(ffn, h)]
     widths = qkv_width + attn_width + (gated + 1) * ffn
-    memory = K.memory_seconds(model, t * (MEMORY_PER_HIDDEN * h + int(MEMORY_PER_SHARDED * widths)))
+    bytes_per_token = MEMORY_PER_HIDDEN[precision] * h + int(MEMORY_PER_SHARDED[precision] * widths)
+    memory = K.memory_seconds(model, t * bytes_per_token)
     attention_fwd = sum(f for f, _ in parts) + attn_fwd + memory / 3
     attention_bwd = sum(b for _, b in parts) + attn_bwd + memory * 2 / 3
     mlp_fwd = sum(f for f, _ in dense_mlp)

@@ -118,8 +118,9 @@ def build_comm_summary(job, jc) -> Group:
         "longer). Assumed: NCCL's ring algorithm (a rank sends 2(n-1)/n of an all-reduce's "
         "message, (n-1)/n of an all-gather's, reduce-scatter's or all-to-all's), one link per GPU "
         f"at {cl.intra_node_gbps:g} Gb/s inside a node and {cl.inter_node_gbps:g} Gb/s across "
-        "nodes (cluster.intra_node_gbps, cluster.inter_node_gbps), a group crossing nodes "
-        "running at the slower rate; latency, congestion and in-network reduction ignored.",
+        "nodes (cluster.intra_node_gbps, cluster.inter_node_gbps); a ring collective crossing "
+        "nodes runs over the NICs of its members on a node together (k members: k times the "
+        "rate, at most the node's link); latency, congestion and in-network reduction ignored.",
         style="dim",
     )
     return Group(table, assumptions)
@@ -154,6 +155,12 @@ def build_timing_line(analysis) -> Text | None:
         text.append(
             f"\nActivation offloading's host copies: {seconds(step)} per step each way at "
             f"{gbps / 8:g} GB/s, {effect}",
+            style="",
+        )
+    if t.dp_exposed_seconds > 0:
+        text.append(
+            f"\nData-parallel parameter gathering and gradient reduction (overlapped) outlast "
+            f"the steps beside them by {seconds(t.dp_exposed_seconds)} per iteration",
             style="",
         )
     if host:

@@ -153,8 +153,14 @@ def build_timing(analysis) -> Text:
     )
     text.append(
         f" ({schedule}; {describe_rates(t.efficiency, t.peak_tflops)}, "
-        "plus the exposed communication below)"
+        "plus the exposed communication below"
     )
+    if t.dp_exposed_seconds > 0:
+        text.append(
+            f", and {seconds(t.dp_exposed_seconds)} of overlapped data-parallel parameter "
+            "gathering and gradient reduction outlasting the steps beside them"
+        )
+    text.append(")")
     return text
 
 

@@ -288,7 +288,7 @@ def _trace_role(
         megatron_patches(compiled=compiled),
         remap_cuda(device),
         fake_world(world.layout, rank),
-        te_process(te, [(b.name, b.nbytes) for b in userbuffers(job)], device) as te_state,
+        te_process(te, userbuffers(job), device) as te_state,
     ):
         chunks = build_model_chunks(job=job, config=config, device=device)
         model = wrap_ddp(job, config, chunks)

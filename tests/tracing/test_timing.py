@@ -273,3 +273,34 @@ def test_json_report_carries_the_timing(debug_timing):
         # and more (the fused attention's backward recomputes the scores).
         forward = next(w.flops for w in rt.trace.windows if w.phase == "forward")
         assert role["timing"]["flops_per_microbatch"] > 3 * forward
+
+
+def test_overlapped_data_parallel_traffic_shows_past_the_steps_beside_it():
+    """overlap_grad_reduce and overlap_param_gather hide the data-parallel collectives only as far
+    as the last backward and the first forward last: over a slow network the rest lengthens the
+    iteration (Timing.dp_exposed_seconds), by what the collectives outlast those steps."""
+    from metatrace.analysis.timing import job_timing
+
+    def timing(inter_node_gbps):
+        job = small_job(
+            training={
+                "global_batch_size": 8,
+                "distributed_optimizer": True,
+                "overlap_grad_reduce": True,
+                "overlap_param_gather": True,
+            },
+            cluster={"num_gpus": 4, "gpus_per_node": 1, "inter_node_gbps": inter_node_gbps},
+        )
+        return job_timing(trace_job(job, full_model=False, workers=1))
+
+    fast, slow = timing(1e6), timing(0.05)
+    assert fast.dp_exposed_seconds < 0.01 * fast.iteration_seconds  # the last bucket only
+    assert slow.dp_exposed_seconds > 10 * fast.iteration_seconds
+    assert slow.iteration_seconds == pytest.approx(
+        fast.iteration_seconds + slow.dp_exposed_seconds, rel=0.02
+    )
+    # the first forward waits for the gather, the optimizer for the reductions
+    (stage,) = slow.stages
+    first = next(sp for sp in stage.spans if sp.phase == "forward")
+    assert first.comm_seconds > first.compute_seconds
+    assert stage.spans[-1].comm_seconds > 0.5 * slow.dp_exposed_seconds

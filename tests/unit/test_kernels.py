@@ -123,3 +123,65 @@ def test_the_recorder_times_each_kernel_of_a_window():
     add = round(memory_seconds(H100, 3 * 2048 * 1024 * 2) * 1e12)
     assert w.flops == 2 * 2048 * 1024 * 4096
     assert w.kernel_ps == gemm + add
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_large_gemms_unbiased(measured, dtype):
+    """The products that carry a training step (2^37 FLOPs and more) in all take what they took
+    on the H100: a fit to every size that leaves them fast predicts every step fast."""
+    rows = [
+        r for r in measured["gemm"] if r["dtype"] == dtype and r["m"] * r["n"] * r["k"] >= 2**36
+    ]
+    assert len(rows) > 300
+    model = sum(gemm_seconds(H100, r["m"], r["n"], r["k"], fp8=dtype == "fp8") for r in rows)
+    assert model / sum(r["s"] for r in rows) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_gemm_beside_a_collective_runs_on_the_other_multiprocessors():
+    """TE's set_sm_margin: 16 of the H100's 132 multiprocessors run the collective; a large GEMM
+    takes about 132/116 as long."""
+    full = gemm_seconds(H100, 8192, 8192, 8192)
+    narrow = gemm_seconds(H100, 8192, 8192, 8192, margin=16)
+    assert narrow / full == pytest.approx(132 / 116, rel=0.03)
+
+
+def _timed(fn):
+    """The kernel picoseconds `fn` reports inside a FlopCount with the H100's rates."""
+    from metatrace.hooks import flops
+
+    count = flops.FlopCount(H100)
+    flops.push(count)
+    try:
+        fn()
+    finally:
+        flops.pop(count)
+    return count.ps
+
+
+def test_fused_kernels_of_stand_ins_are_timed_by_their_bytes():
+    """A compiled SwiGLU, a norm fused into one kernel and an FP8 cast dispatch nothing that moves
+    data: each reports what the real kernel reads and writes, once."""
+    from metatrace.models import compiled
+    from metatrace.models.norm import norm_forward
+    from metatrace.models.te_fp8 import quantize
+
+    def ps(nbytes):
+        return round(memory_seconds(H100, nbytes) * 1e12)
+
+    rows, h, f = 4096, 4096, 11008
+    y = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device="meta")
+    assert _timed(lambda: compiled.swiglu(y)) == ps(rows * 2 * f * 2 + rows * f * 2)
+    x = torch.empty(rows, h, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(h, dtype=torch.bfloat16, device="meta")
+    # reads x and the weight, writes y and fp32 1/rms: not the unfused operators' 3x the bytes
+    assert _timed(lambda: norm_forward(x, w, None, 1e-5, True)) == ps(
+        2 * rows * h * 2 + h * 2 + rows * 4
+    )
+    cast = lambda: quantize(
+        (rows, h), "delayed", "sm90", rowwise=True, columnwise=True, device="meta", cast=x
+    )
+    assert _timed(cast) == ps(rows * h * 2 + 2 * rows * h + 4)  # bf16 in; FP8 and transpose out
+    buffers = lambda: quantize(
+        (rows, h), "delayed", "sm90", rowwise=True, columnwise=True, device="meta"
+    )
+    assert _timed(buffers) == 0  # a collective's destination: not a kernel

@@ -45,3 +45,32 @@ def test_cli_refuses_a_bad_chrome_trace_path_before_tracing(tmp_path, capsys, mo
     missing = tmp_path / "nowhere" / "trace.json"
     assert main(["run", "--config", DEBUG, "--chrome-trace", str(missing)]) == 2
     assert "--chrome-trace" in capsys.readouterr().err
+
+
+def test_a_step_waits_for_its_parameters_relative_or_from_the_start():
+    """overlap_param_gather: a first forward lasts at least its gather (`least`), or, aligned
+    across stages, ends no earlier than the gather started with the iteration (`ends_after`)."""
+    orders = [[("forward", 0, 0), ("forward", 0, 1)], [("forward", 0, 0), ("forward", 0, 1)]]
+
+    def run(**kw):
+        sim = simulate(orders, lambda s, phase, c: 1.0, pp=2, **kw)
+        return [[(start, end) for start, end, *_ in stage] for stage in sim]
+
+    first = lambda s, phase, c, mb: 2.5 if mb == 0 else 0.0
+    # each stage's first step waits its own 2.5 s: stage 1 starts it after stage 0's
+    assert run(least=first) == [[(0.0, 2.5), (2.5, 3.5)], [(2.5, 5.0), (5.0, 6.0)]]
+    # started together at 0: stage 1's first step (from 2.5) is not held up
+    assert run(ends_after=first) == [[(0.0, 2.5), (2.5, 3.5)], [(2.5, 3.5), (3.5, 4.5)]]
+
+
+def test_gradient_reductions_run_one_after_another_from_each_chunks_last_backward():
+    from metatrace.analysis.timing import _reduced_by
+
+    steps = [
+        (0.0, 1.0, "backward", 1, 3),  # chunk 1's last backward
+        (1.0, 2.0, "backward", 0, 3),  # chunk 0's, the stage's last step
+    ]
+    # chunk 1: 3 s from 0; chunk 0 after it (from 3), 0.5 s; its last bucket after the step
+    assert _reduced_by(steps, {1: (3.0, 1.0), 0: (0.5, 0.1)}) == 3.5
+    # short reductions: the last bucket, only after its step ends, is what remains exposed
+    assert _reduced_by(steps, {1: (0.2, 0.1), 0: (0.2, 0.1)}) == pytest.approx(2.1)

@@ -162,3 +162,14 @@ def test_an_unreadable_cfg_file_is_one_message(tmp_path):
         job_from_args(
             (ARGS + f"--tp-comm-overlap --tp-comm-overlap-cfg {bad}").split(), world_size=4
         )
+
+
+def test_sm_margins_are_te_defaults_unless_configured():
+    """TE 2.8's get_default_config: num_sm 16 with set_sm_margin for pipeline, bulk and external
+    (their GEMMs run on the other multiprocessors), none for ring_exchange (copy engines)."""
+    margins = {b.name: b.margin for b in userbuffers(ub_job())}
+    assert margins["proj_fprop"] == margins["qkv_dgrad"] == margins["fc1_wgrad"] == 16
+    assert margins["qkv_fprop"] == margins["fc2_dgrad"] == 0
+    cfg = {"proj_fprop": {"num_sm": 24}, "qkv_dgrad": {"set_sm_margin": False}}
+    margins = {b.name: b.margin for b in userbuffers(ub_job(cfg=cfg))}
+    assert (margins["proj_fprop"], margins["qkv_dgrad"], margins["fc2_fprop"]) == (24, 0, 16)
