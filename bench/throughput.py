@@ -35,7 +35,8 @@ ASSUMED = {
     "llama3": "Llama 3 405B, micro-batch 1, the paper's interleaved schedule at its least "
     "degree (2 virtual stages per rank: the paper does not print it) with one layer fewer on "
     "the first and last stages (the paper), the distributed optimizer with overlap",
-    "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's layout (Megatron-LM's for the model), "
+    "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's interleaved layout (the MTP layer with "
+    "the loss: metatrace does not trace megatron-core's 'Et*3|(tt|)*29,m|L'), "
     "FP8 blockwise, micro-batch 1; DualPipe's overlap of the expert all-to-alls with the other "
     "micro-batch's compute (the report, Sec. 3.2.1) as megatron-core's counterpart, "
     "overlap_moe_expert_parallel_comm; the report's dispatch kernels (Sec. 3.2.2: a token "
