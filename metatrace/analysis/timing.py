@@ -518,7 +518,8 @@ def job_timing(job_trace) -> Timing | None:
         for start, end, phase, chunk, mb in stage:
             flops, comp, exposed, placed = kinds.get((s, phase, chunk), none)
             # A first forward waiting for its parameters: the wait is exposed communication.
-            extra = max(0.0, end - start - max(comp + exposed, copies[s].get(phase, 0.0)))
+            extra = end - start - max(comp + exposed, copies[s].get(phase, 0.0))
+            extra = extra if extra > 1e-9 else 0.0  # not the rounding of start + duration
             exposed += extra
             waited += extra
             spans.append(

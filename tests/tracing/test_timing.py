@@ -281,13 +281,13 @@ def test_overlapped_data_parallel_traffic_shows_past_the_steps_beside_it():
     iteration (Timing.dp_exposed_seconds), by what the collectives outlast those steps."""
     from metatrace.analysis.timing import job_timing
 
-    def timing(inter_node_gbps):
+    def timing(inter_node_gbps, overlap=True):
         job = small_job(
             training={
                 "global_batch_size": 8,
                 "distributed_optimizer": True,
-                "overlap_grad_reduce": True,
-                "overlap_param_gather": True,
+                "overlap_grad_reduce": overlap,
+                "overlap_param_gather": overlap,
             },
             cluster={"num_gpus": 4, "gpus_per_node": 1, "inter_node_gbps": inter_node_gbps},
         )
@@ -304,3 +304,5 @@ def test_overlapped_data_parallel_traffic_shows_past_the_steps_beside_it():
     first = next(sp for sp in stage.spans if sp.phase == "forward")
     assert first.comm_seconds > first.compute_seconds
     assert stage.spans[-1].comm_seconds > 0.5 * slow.dp_exposed_seconds
+    # without the overlap the collectives are the optimizer step's, and nothing is past a step
+    assert timing(0.05, overlap=False).dp_exposed_seconds == 0.0
