@@ -36,18 +36,23 @@ class FlopCount:
     from their shapes, memory-bound operators from the bytes they move; an integer, so that
     counts of identical work are equal)."""
 
-    __slots__ = ("fp8", "margin", "model", "ps", "total")
+    __slots__ = ("attention_ps", "fp8", "margin", "model", "ps", "total")
 
     def __init__(self, model=None):
         self.total = 0
         self.fp8 = 0
         self.ps = 0
+        self.attention_ps = 0
+        """Of `ps`, the fused attention kernels' (what the context-parallel ring runs beside)."""
         self.model = model
         self.margin = 0
         """Multiprocessors the GEMMs running now leave to a collective beside them."""
 
-    def add_seconds(self, seconds: float) -> None:
-        self.ps += round(seconds * 1e12)
+    def add_seconds(self, seconds: float, *, attention: bool = False) -> None:
+        ps = round(seconds * 1e12)
+        self.ps += ps
+        if attention:
+            self.attention_ps += ps
 
 
 _ACTIVE: list[FlopCount] = []  # the counts of the recorders running now (innermost last)
@@ -130,7 +135,7 @@ def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int 
             sec = kernels.attention_seconds(
                 count.model, flops, q_len, head_dim, causal=causal, backward=backward
             )
-            count.add_seconds(sec)
+            count.add_seconds(sec, attention=True)
     return flops
 
 

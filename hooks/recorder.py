@@ -555,7 +555,7 @@ class Recorder:
         first = self._seq + 1
         info: dict = {}
         count = self._flops
-        total, fp8, ps = count.total, count.fp8, count.ps
+        total, fp8, ps, attention = count.total, count.fp8, count.ps, count.attention_ps
         self._window_flops.append(total)
         try:
             yield info
@@ -578,6 +578,7 @@ class Recorder:
                     flops=count.total - total,
                     fp8_flops=count.fp8 - fp8,
                     kernel_ps=count.ps - ps,
+                    attention_ps=count.attention_ps - attention,
                 )
             )
 
@@ -610,6 +611,7 @@ class Recorder:
             self._flops.total,
             self._flops.fp8,
             self._flops.ps,
+            self._flops.attention_ps,
             Counter(self._op_counts()),
             Counter(_by_name(self._unclassified)),
         )
@@ -699,7 +701,7 @@ class Recorder:
             count.total += flops
             if count.model is not None and flops:
                 sec = _flops.op_seconds(count.model, func, args, out, flops, count.margin)
-                count.add_seconds(sec)
+                count.add_seconds(sec, attention="attention" in func._overloadpacket.__name__)
         elif moves and count.model is not None and _flops.counting():
             nbytes = _moved_bytes(args, out)
             if nbytes:
@@ -778,6 +780,7 @@ class Mark(NamedTuple):
     flops: int
     fp8_flops: int
     ps: int
+    attention_ps: int
     ops: Counter
     unclassified: Counter
 

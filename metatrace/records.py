@@ -171,6 +171,9 @@ class Window:
     kernel_ps: int = 0
     """Picoseconds the window's kernels take on the job's GPU (metatrace.config.kernels: GEMMs
     and attention by shape, memory-bound operators by bytes moved), 0 without its rates."""
+    attention_ps: int = 0
+    """Of `kernel_ps`, the fused attention kernels' (what the context-parallel ring runs
+    beside)."""
 
 
 @dataclass(frozen=True)

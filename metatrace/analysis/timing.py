@@ -13,11 +13,12 @@ Assumptions, all approximate:
   latency) one after another with the compute: the traced micro-batch's own calls, per step, so
   a step's share of a role's exposed TP/CP/EP seconds per iteration is exactly what it issued
   (those per-iteration seconds are the steps' sums times the micro-batches). What Megatron
-  overlaps (the context-parallel ring; with tp_comm_overlap, the TP collectives Transformer
-  Engine's userbuffers run beside the linear layers' GEMMs; with overlap_moe_expert_parallel_comm
-  the EP all-to-alls, beside the other micro-batch's layers in a combined 1F1B step) is hidden
-  as far as the step's compute lasts: a step whose overlapped calls outlast its compute takes
-  the difference more;
+  overlaps is hidden as far as the kernels beside it last: the context-parallel ring beside the
+  step's fused attention kernels (Window.attention_ps); with tp_comm_overlap, the TP
+  collectives Transformer Engine's userbuffers run beside the rest of its kernels (the linear
+  layers' GEMMs); with overlap_moe_expert_parallel_comm the EP all-to-alls beside the other
+  micro-batch's layers in a combined 1F1B step (the step's compute). A step whose overlapped
+  calls outlast those kernels takes the difference more;
 - each pipeline stage runs its steps in the order the replayed iteration recorded them
   (megatron-core's own 1F1B or interleaved order for that stage), each as early as its
   dependencies allow: chunk v of stage s is virtual stage k = v·pp + s; the forward step of
@@ -444,12 +445,21 @@ def job_timing(job_trace) -> Timing | None:
                 )
                 mine = calls.get((w.phase, w.chunk), ())
                 exposed = sum(sec for *_, sec, over in mine if over is None)
-                # What Megatron overlaps inside the step (TP userbuffers, the CP ring, EP
-                # all-to-alls) is hidden as far as the step's compute lasts.
-                beside = sum(
-                    sec for _, _, dim, sec, over in mine if over is not None and dim in _IN_STEP
-                )
-                exposed += max(0.0, beside - comp)
+                # What Megatron overlaps inside the step is hidden as far as the kernels beside
+                # it last: the CP ring the attention kernels, TE's userbuffers the rest (the
+                # linear layers' GEMMs), the EP all-to-alls of a combined 1F1B step its compute.
+                attention = comp * w.attention_ps / w.kernel_ps if w.kernel_ps else 0.0
+                beside = dict.fromkeys(_IN_STEP, 0.0)
+                ring = {"send": 0.0, "recv": 0.0}
+                for _, c, dim, sec, over in mine:
+                    if over is not None and dim == "cp" and c.op in ring:
+                        ring[c.op] += sec  # a ring step sends and receives at once
+                    elif over is not None and dim in beside:
+                        beside[dim] += sec
+                beside["cp"] += max(ring.values())
+                exposed += max(0.0, beside["cp"] - attention)
+                exposed += max(0.0, beside["tp"] - (comp - attention))
+                exposed += max(0.0, beside["ep"] - comp)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
         sends[s] = _p2p(job, world, micro, micro.rank)
         win = rt.iteration.columns("windows", ("phase", "chunk", "microbatch"))

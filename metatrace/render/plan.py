@@ -156,8 +156,8 @@ def render_plan(
         Text(
             f"Iteration: the time model of each traced layout ({rates}; the pipeline schedule "
             "simulated; exposed communication at link bandwidth; what Megatron overlaps inside "
-            "a step, such as the context-parallel ring, hidden as far as the step's compute "
-            "lasts).",
+            "a step hidden as far as the kernels beside it last: the context-parallel ring the "
+            "attention's, TP userbuffers the GEMMs').",
             style="dim",
         )
     )

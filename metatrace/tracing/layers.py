@@ -272,6 +272,7 @@ class _Span:
             b.flops - a.flops,
             b.fp8_flops - a.fp8_flops,
             b.ps - a.ps,
+            b.attention_ps - a.attention_ps,
             tuple(sorted((b.ops - a.ops).items())),
             tuple(sorted((b.unclassified - a.unclassified).items())),
         )
@@ -407,8 +408,8 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
     m = run.copies
     period, last = run.period, run.last
     fwd, bwd = spans[(period, "F")], spans[(period - 1, "B")]
-    n_f, k_f, live_f, flops_f, fp8_f, ps_f = fwd.stats()[:6]
-    n_b, k_b, live_b, flops_b, fp8_b, ps_b = bwd.stats()[:6]
+    n_f, k_f, live_f, flops_f, fp8_f, ps_f, at_f = fwd.stats()[:7]
+    n_b, k_b, live_b, flops_b, fp8_b, ps_b, at_b = bwd.stats()[:7]
     seq_f, sid_f = fwd.end.seq, fwd.end.sid  # the forward copies go here
     seq_b, sid_b = bwd.start.seq, bwd.start.sid  # the backward copies go here
 
@@ -534,12 +535,17 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
             changes["flops"] = w.flops + m * flops_f
             changes["fp8_flops"] = w.fp8_flops + m * fp8_f
             changes["kernel_ps"] = w.kernel_ps + m * ps_f
+            changes["attention_ps"] = w.attention_ps + m * at_f
         if w is w_b:
             changes["flops"] = w.flops + m * flops_b
             changes["fp8_flops"] = w.fp8_flops + m * fp8_b
             changes["kernel_ps"] = w.kernel_ps + m * ps_b
+            changes["attention_ps"] = w.attention_ps + m * at_b
         new_windows.append(dataclasses.replace(w, **changes))
-    added = [(seq_f, fwd, flops_f, fp8_f, ps_f), (seq_b, bwd, flops_b, fp8_b, ps_b)]
+    added = [
+        (seq_f, fwd, flops_f, fp8_f, ps_f, at_f),
+        (seq_b, bwd, flops_b, fp8_b, ps_b, at_b),
+    ]
 
     def counted(counter: Counter, name: str, upto: int | None = None) -> dict:
         """`counter` with the operators of the copies before seq `upto` (all: None) added."""
@@ -563,9 +569,10 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
 
     def moved(mark):
         s = mark.seq
-        flops = mark.flops + sum(m * f for at_seq, _, f, _, _ in added if s > at_seq)
-        fp8 = mark.fp8_flops + sum(m * f for at_seq, _, _, f, _ in added if s > at_seq)
-        ps = mark.ps + sum(m * p for at_seq, _, _, _, p in added if s > at_seq)
+        flops = mark.flops + sum(m * f for at_seq, _, f, *_ in added if s > at_seq)
+        fp8 = mark.fp8_flops + sum(m * f for at_seq, _, _, f, *_ in added if s > at_seq)
+        ps = mark.ps + sum(m * p for at_seq, _, _, _, p, _ in added if s > at_seq)
+        attention = mark.attention_ps + sum(m * a for at_seq, *_, a in added if s > at_seq)
         return type(mark)(
             seq_new(s),
             sid_new(mark.sid),
@@ -573,6 +580,7 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
             flops,
             fp8,
             ps,
+            attention,
             counted(mark.ops, "ops", s),
             counted(mark.unclassified, "unclassified", s),
         )

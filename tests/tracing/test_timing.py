@@ -306,3 +306,39 @@ def test_overlapped_data_parallel_traffic_shows_past_the_steps_beside_it():
     assert stage.spans[-1].comm_seconds > 0.5 * slow.dp_exposed_seconds
     # without the overlap the collectives are the optimizer step's, and nothing is past a step
     assert timing(0.05, overlap=False).dp_exposed_seconds == 0.0
+
+
+def test_the_context_parallel_ring_hides_behind_the_attention_kernels_only():
+    """Transformer Engine's ring exchange runs beside the attention kernels of the step, not
+    beside its GEMMs: over a slow link a step's exposed time is the ring (sends and receives at
+    once) less the step's attention kernels (Window.attention_ps, as many per layer as the
+    traced layers have when the others are derived)."""
+    from metatrace.analysis.timing import job_timing
+
+    def traced(layers):
+        job = small_job(
+            model={"num_layers": layers},
+            parallel={"cp": 2},
+            implementation={"transformer_impl": "transformer_engine"},
+            cluster={"num_gpus": 2, "intra_node_gbps": 0.5},
+        )
+        return trace_job(job, full_model=False, workers=1)
+
+    small, large = traced(4), traced(8)
+    steps = {(w.phase, w.chunk): w for w in large.roles[0].trace.windows if w.chunk is not None}
+    for w in small.roles[0].trace.windows:
+        if w.chunk is not None:
+            assert 0 < w.attention_ps < w.kernel_ps
+            assert steps[(w.phase, w.chunk)].attention_ps == 2 * w.attention_ps
+    timing = job_timing(large)
+    for sp in timing.stages[0].spans[:2]:
+        w = steps[(sp.phase, sp.chunk)]
+        ring = {
+            op: sum(c.seconds for c in sp.calls if c.dimension == "cp" and c.op == op)
+            for op in ("send", "recv")
+        }
+        assert ring["send"] == ring["recv"] > 0
+        attention = w.attention_ps / 1e12
+        assert ring["send"] > attention  # the slow link: the ring outlasts the attention
+        exposed = sum(c.seconds for c in sp.calls if c.overlapped is None)
+        assert sp.comm_seconds == pytest.approx(exposed + ring["send"] - attention)
