@@ -161,12 +161,11 @@ def op_seconds(model, func, args, out, flops: int, margin: int = 0) -> float:
     )
 
 
-def report_moved(*tensors, nbytes: int = 0) -> None:
-    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once,
-    and `nbytes` more."""
+def report_moved(*tensors) -> None:
+    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once."""
     count = _count()
     if count is not None and count.model is not None:
-        n = nbytes + sum(t.nbytes for t in tensors if t is not None)
+        n = sum(t.nbytes for t in tensors if t is not None)
         if n:
             count.add_seconds(kernels.memory_seconds(count.model, n))
 

@@ -192,9 +192,8 @@ def link_gbps(job, world, op: str, ranks) -> float:
     """The bandwidth one rank's share of a call over `ranks` moves at. Inside a node: the GPU's
     link (cluster.intra_node_gbps). Across nodes, a ring collective's data leaves each node once
     per ring, and NCCL lays one ring per NIC: the group's members on a node send through their
-    k NICs together (k x inter_node_gbps, at most the intra-node link; NCCL measures about 190
-    GB/s bus bandwidth across DGX A100 nodes of 8 x 200 Gb/s, 8 x 25 GB/s); point-to-point and
-    all-to-all traffic leaves through the GPU's own NIC."""
+    k NICs together (k x inter_node_gbps, at most the intra-node link; an assumption, not
+    measured here); point-to-point and all-to-all traffic leaves through the GPU's own NIC."""
     cl = job.cluster
     gpn = world.gpus_per_node
     if not world.crosses_nodes(ranks):

@@ -5,10 +5,9 @@ TILE[0] x TILE[1]; the tiles (of every matrix of a batched or grouped GEMM) run 
 GPU's multiprocessors, each at GEMM_EFFICIENCY of the tensor cores' peak over its K loop plus a
 fixed cost per tile worth TILE_OVERHEAD_K more steps of K (prologue and epilogue: what makes
 short-K products slow); where there are fewer tiles than multiprocessors, cuBLAS splits K across
-them (up to one split per 512 of K). The
-compute time and the time to read both operands and write the output at HBM bandwidth
-(HBM_EFFICIENCY of the data sheet's) combine as a 2-norm (neither hides the other completely),
-plus LAUNCH_SECONDS.
+them (up to one split per 512 of K). The compute time and the time to read both operands and
+write the output at HBM bandwidth (HBM_EFFICIENCY of the data sheet's) combine as a 2-norm
+(neither hides the other completely), plus LAUNCH_SECONDS.
 
 Fused attention (cuDNN / flash): the counted FLOPs (hooks/flops.py) at a fraction of peak that
 grows with the sequence length, ATTENTION[phase] = (top fraction, s0 for causal, s0 without):

@@ -157,7 +157,7 @@ def render_plan(
             f"Iteration: the time model of each traced layout ({rates}; the pipeline schedule "
             "simulated; exposed communication at link bandwidth; what Megatron overlaps inside "
             "a step hidden as far as the kernels beside it last: the context-parallel ring the "
-            "attention's, TP userbuffers the GEMMs').",
+            "attention's, TP userbuffers the step's other kernels).",
             style="dim",
         )
     )

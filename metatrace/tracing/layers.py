@@ -569,18 +569,18 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
 
     def moved(mark):
         s = mark.seq
-        flops = mark.flops + sum(m * f for at_seq, _, f, *_ in added if s > at_seq)
-        fp8 = mark.fp8_flops + sum(m * f for at_seq, _, _, f, *_ in added if s > at_seq)
-        ps = mark.ps + sum(m * p for at_seq, _, _, _, p, _ in added if s > at_seq)
-        attention = mark.attention_ps + sum(m * a for at_seq, *_, a in added if s > at_seq)
+
+        def more(i: int) -> int:  # the copies' count `i` (of `added`) before seq s
+            return sum(m * entry[i] for entry in added if s > entry[0])
+
         return type(mark)(
             seq_new(s),
             sid_new(mark.sid),
             live_new(s, mark.live),
-            flops,
-            fp8,
-            ps,
-            attention,
+            mark.flops + more(2),
+            mark.fp8_flops + more(3),
+            mark.ps + more(4),
+            mark.attention_ps + more(5),
             counted(mark.ops, "ops", s),
             counted(mark.unclassified, "unclassified", s),
         )
