@@ -29,12 +29,16 @@ ASSUMED = {
     "megatron-lm-h100": "GPT (LayerNorm, GeLU, learned positions, biases, tied embeddings), "
     "FFN 4h, bf16, micro-batch 1, sequence parallel, TP communication overlap, the "
     "distributed optimizer with overlapped gradient reduce and parameter gather (as printed)",
-    "megatron-lm-a100": "GPT as above, head dim 128 where heads are not printed, vocab 51,200 "
-    "where not printed, fp16, full recompute (the paper counts its FLOPs), micro-batch 1, "
-    "the distributed optimizer off (2021), no sequence parallel (2021)",
+    "megatron-lm-a100": "GPT as above, attention heads as the paper's Table 1 prints them "
+    "(PAPER_HEADS; head dim 128 where neither prints them), vocab 51,200 where not printed, "
+    "fp16, full recompute (the paper counts its FLOPs), micro-batch 1, the distributed "
+    "optimizer off (2021), no sequence parallel (2021), megatron-core's local layers with "
+    "Megatron's own attention and fused softmax (2021: no Transformer Engine, no flash "
+    "attention)",
     "llama3": "Llama 3 405B, micro-batch 1, the paper's interleaved schedule at its least "
     "degree (2 virtual stages per rank: the paper does not print it) with one layer fewer on "
-    "the first and last stages (the paper), the distributed optimizer with overlap",
+    "the first and last stages (the paper), the distributed optimizer with overlap, context "
+    "parallel by all-gathering K and V (the paper, Sec. 3.3.2: its latency exposed)",
     "deepseek-v3": "examples/deepseek-v3-2048gpu.yaml's interleaved layout (the MTP layer with "
     "the loss: metatrace does not trace megatron-core's 'Et*3|(tt|)*29,m|L'), "
     "FP8 blockwise, micro-batch 1; DualPipe's overlap of the expert all-to-alls with the other "
@@ -47,6 +51,21 @@ ASSUMED = {
     "nemo": "the NeMo model configs (Llama presets, GPT-3 as above, Nemotron: squared ReLU, "
     "LayerNorm, RoPE, no biases, vocab 256,000), FP8 delayed scaling, sequence parallel and TP "
     "communication overlap where tp > 1, the distributed optimizer with overlap",
+}
+
+
+# Narayanan et al. 2021, Table 1: attention heads by hidden size (the README's table omits them).
+PAPER_HEADS = {
+    2304: 24,
+    3072: 32,
+    4096: 32,
+    6144: 48,
+    8192: 64,
+    10240: 80,
+    12288: 96,
+    16384: 128,
+    20480: 128,
+    25600: 160,
 }
 
 
@@ -109,8 +128,13 @@ def job_for(row: dict) -> dict:
         model = _gpt(m, vocab=131072)
         parallel["tp_comm_overlap"] = tp > 1
     elif fam == "megatron-lm-a100":
-        model = _gpt(m, vocab=51200)
+        h = m["hidden_size"]
+        model = _gpt(
+            {**m, "num_attention_heads": m["num_attention_heads"] or PAPER_HEADS.get(h)},
+            vocab=51200,
+        )
         parallel["sequence_parallel"] = False
+        impl = {"transformer_impl": "local", "attention_backend": "local"}
         training.update(
             precision="fp16",
             recompute={"granularity": "full", "method": "uniform", "num_layers": 1},
@@ -120,6 +144,8 @@ def job_for(row: dict) -> dict:
         )
     elif fam == "llama3":
         model = {"preset": "llama3.1-405b", "vocab_size": m["vocab_size"]}
+        if cp > 1:
+            parallel["cp_comm_type"] = "all_gather"
         if pp > 1:  # 2 virtual stages per rank; the first and the last one layer short
             per = -(-m["num_layers"] // pp) // 2
             if (2 * pp * per - m["num_layers"]) != 2:

@@ -99,13 +99,17 @@ def _add(count: FlopCount, flops: int, fp8: bool) -> None:
         count.fp8 += flops
 
 
-def report_gemm(m: int, k: int, n: int, *, fp8: bool = False) -> None:
-    """A stand-in's kernel runs the GEMM [m, k] @ [k, n]."""
+def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, into=None) -> None:
+    """A stand-in's kernel runs the GEMM [m, k] @ [k, n]; `into`: the tensor it adds the
+    product into (DDP's main_grad under gradient-accumulation fusion), else a fresh output."""
     count = _count()
     if count is not None:
         _add(count, gemm(m, k, n), fp8)
         if count.model is not None:
-            sec = kernels.gemm_seconds(count.model, m, n, k, fp8=fp8, margin=count.margin)
+            acc = into.element_size() if into is not None else 0
+            sec = kernels.gemm_seconds(
+                count.model, m, n, k, fp8=fp8, margin=count.margin, accumulate=acc
+            )
             count.add_seconds(sec)
 
 

@@ -182,9 +182,11 @@ _UNCLASSIFIED = object()
 """_op_info's spec of an operator that is neither compute nor a known collective."""
 
 
-# Operators that allocate, alias or describe and move no data (views are told by their schema).
+# Operators that allocate, alias or describe and move no data (views are told by their schema;
+# _unsafe_view is a view its schema does not mark: a reshape of a fresh tensor, no kernel).
 _NO_DATA = frozenset(
     {
+        "_unsafe_view",
         "empty",
         "empty_like",
         "empty_strided",

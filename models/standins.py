@@ -82,17 +82,23 @@ class FusedSoftmaxKernels:
 
     @classmethod
     def causal_forward(cls, inputs: torch.Tensor, scale) -> torch.Tensor:
-        out = inputs.mul(float(scale))  # [attn_batches, sq, sk], the one allocation
-        out.tril_()  # keeps masked entries out of the row maximum
-        cls._softmax_(out).tril_()
-        return out.div_(out.sum(-1, keepdim=True))
+        with flops.uncounted():  # one kernel: timed below by what it reads and writes
+            out = inputs.mul(float(scale))  # [attn_batches, sq, sk], the one allocation
+            out.tril_()  # keeps masked entries out of the row maximum
+            cls._softmax_(out).tril_()
+            out.div_(out.sum(-1, keepdim=True))
+        flops.report_moved(inputs, out)
+        return out
 
     @classmethod
     def masked_forward(cls, inputs: torch.Tensor, mask: torch.Tensor, scale) -> torch.Tensor:
-        out = inputs.mul(float(scale))  # [b, np, sq, sk]
-        out.masked_fill_(mask, -10000.0)
-        cls._softmax_(out)
-        return out.div_(out.sum(-1, keepdim=True))
+        with flops.uncounted():
+            out = inputs.mul(float(scale))  # [b, np, sq, sk]
+            out.masked_fill_(mask, -10000.0)
+            cls._softmax_(out)
+            out.div_(out.sum(-1, keepdim=True))
+        flops.report_moved(inputs, mask, out)
+        return out
 
     @staticmethod
     def backward(output_grads: torch.Tensor, softmax_results: torch.Tensor, scale):
@@ -100,11 +106,13 @@ class FusedSoftmaxKernels:
         from metatrace.hooks.remap import library_kernel
 
         sk = output_grads.shape[-1]
-        # The kernel's row sums, not a cuBLAS call (nor FLOPs of a matrix product).
+        # One kernel (its row sums are not a cuBLAS call): it reads dy and y and writes dx.
         with library_kernel(), flops.uncounted():
             dot = torch.bmm(output_grads.reshape(-1, 1, sk), softmax_results.reshape(-1, sk, 1))
-        dot = dot.view(*output_grads.shape[:-1], 1)
-        return output_grads.sub_(dot).mul_(softmax_results).mul_(float(scale))
+            dot = dot.view(*output_grads.shape[:-1], 1)
+            output_grads.sub_(dot).mul_(softmax_results).mul_(float(scale))
+        flops.report_moved(output_grads, softmax_results, output_grads)
+        return output_grads
 
 
 class FusedWeightGradient:
@@ -130,4 +138,4 @@ class FusedWeightGradient:
         with flops.uncounted():
             torch.mm(grad_output[:1].reshape(1, -1)[:, :1], total_input[:1].reshape(1, -1)[:, :1])
         rows = total_input.numel() // total_input.shape[-1]
-        flops.report_gemm(grad_output.shape[-1], rows, total_input.shape[-1])
+        flops.report_gemm(grad_output.shape[-1], rows, total_input.shape[-1], into=main_grad)

@@ -40,6 +40,7 @@ from metatrace.models.te_runtime import (
     te_wgrad,
     ub_margin,
     ub_reduce_scatter,
+    wgrad_into,
 )
 
 
@@ -315,7 +316,9 @@ def fp8_backward(ctx, grad):
         flops.report_gemm(rows, weight.shape[0], in_features, fp8=True)
     if needs_wgrad:
         with flops.sm_margin(ub_margin(mode, "wgrad")):
-            flops.report_gemm(weight.shape[0], rows, in_features, fp8=True)
+            flops.report_gemm(
+                weight.shape[0], rows, in_features, fp8=True, into=wgrad_into(ctx.module, weight)
+            )
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
     wgrad = (

@@ -71,7 +71,13 @@ from metatrace.models.te_linear import (
     _gather,
     _reduce_scatter,
 )
-from metatrace.models.te_runtime import fuses_wgrad, gemm_output, te_wgrad, te_workspace
+from metatrace.models.te_runtime import (
+    fuses_wgrad,
+    gemm_output,
+    te_wgrad,
+    te_workspace,
+    wgrad_into,
+)
 
 # (activation_func, gated_linear_unit) -> the Transformer Engine op TEFusedMLP builds
 # (_make_activation_op; anything else raises NotImplementedError). All of them save their input
@@ -108,7 +114,7 @@ def _wgrad(module, weight, dy, x):
     """BasicLinear's wgrad GEMM [out, in] = dy^T x, or accumulated into main_grad (reported:
     that GEMM dispatches nothing)."""
     if fuses_wgrad(module, weight):
-        flops.report_gemm(dy.shape[1], dy.shape[0], x.shape[1])
+        flops.report_gemm(dy.shape[1], dy.shape[0], x.shape[1], into=weight.main_grad)
     return te_wgrad(module, weight, torch.mm, dy.t(), x)
 
 
@@ -463,7 +469,8 @@ def _fp8_backward(ctx, grad):
     )
     del dy
     dact = gemm_output((rows, w2.shape[1]), dtype=dtype, device=device)  # [N, f/t] bf16
-    flops.report(flops.gemm(rows, w2.shape[0], w2.shape[1]) * 2, fp8=True)  # dgrad, wgrad
+    flops.report_gemm(rows, w2.shape[0], w2.shape[1], fp8=True)  # dgrad
+    flops.report_gemm(w2.shape[0], rows, w2.shape[1], fp8=True, into=wgrad_into(fc2, w2))
     g2 = te_wgrad(fc2, w2, gemm_output, w2.shape, dtype=dtype, device=device)
     del dyq
     _clear(*q2)
@@ -481,7 +488,7 @@ def _fp8_backward(ctx, grad):
         inputs = _gathered_input(q1, ctx.local_rows, w1.shape[1], mode, recipe, arch, device)
     dgrad = gemm_output((rows, w1.shape[1]), dtype=dtype, device=device)  # [N, h]
     flops.report_gemm(rows, w1.shape[0], w1.shape[1], fp8=True)  # dgrad
-    flops.report_gemm(w1.shape[0], rows, w1.shape[1], fp8=True)  # wgrad
+    flops.report_gemm(w1.shape[0], rows, w1.shape[1], fp8=True, into=wgrad_into(fc1, w1))
     dinput = _tp_reduce(dgrad, mode)  # [Ns, h]
     g1 = te_wgrad(fc1, w1, gemm_output, w1.shape, dtype=dtype, device=device)
     del dh1, inputs, dgrad

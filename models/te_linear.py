@@ -170,7 +170,7 @@ class _LinearFunction(torch.autograd.Function):
             )
         with flops.sm_margin(ub_margin(mode, "wgrad")):
             if fuses_wgrad(ctx.module, weight):  # the GEMM into main_grad dispatches nothing
-                flops.report_gemm(dy.shape[1], dy.shape[0], total.shape[1])
+                flops.report_gemm(dy.shape[1], dy.shape[0], total.shape[1], into=weight.main_grad)
             wgrad = te_wgrad(ctx.module, weight, torch.mm, dy.t(), total)  # [out, in]
         dinput = bulk_reduced(mode, dgrad, dinput)
         bgrad = dy.sum(0) if bias is not None else None

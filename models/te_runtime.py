@@ -122,6 +122,12 @@ def fuses_wgrad(module, weight) -> bool:
     )
 
 
+def wgrad_into(module, weight):
+    """What the wgrad GEMM adds its product into: main_grad under gradient-accumulation fusion
+    (read and written at its dtype), else None (a fresh output)."""
+    return weight.main_grad if fuses_wgrad(module, weight) else None
+
+
 def userbuffer_tensors() -> list[torch.Tensor]:
     """The userbuffers of the current TE process: memory outside PyTorch's allocator."""
     return list(_PROCESS.userbuffers.values())

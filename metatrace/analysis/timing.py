@@ -617,6 +617,69 @@ def host_optimizer_seconds(job, host) -> float | None:
     return moved * 8 / (gbps * 1e9)
 
 
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the iteration of the stage that finishes last goes; the terms add up to it."""
+
+    stage: int
+    compute: float
+    """Its forward and backward steps' kernels."""
+    communication: float
+    """Communication its steps wait for: the exposed TP, CP and EP collectives, overlapped ones
+    outlasting the kernels beside them, first forwards waiting for their parameters."""
+    idle: float
+    """Waiting for other stages: the pipeline's bubble and its transfers."""
+    optimizer: float
+    """The optimizer step: the update, its exposed collectives, the wait for overlapped gradient
+    reductions, the optimizer CPU offload's copies."""
+    offload: float
+    """Activation offloading's copies outlasting the steps."""
+
+    _JSON = (
+        ("compute", "compute_seconds"),
+        ("communication", "communication_seconds"),
+        ("idle", "idle_seconds"),
+        ("optimizer", "optimizer_seconds"),
+        ("offload", "offload_seconds"),
+    )
+
+    def to_json(self) -> dict:
+        """The JSON report's form (timing.breakdown)."""
+        return {"stage": self.stage, **{key: getattr(self, f) for f, key in self._JSON}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Breakdown:
+        return cls(stage=d["stage"], **{f: d[key] for f, key in cls._JSON})
+
+    def terms(self) -> tuple[tuple[str, float], ...]:
+        """(name, seconds) of each term, largest first."""
+        named = (
+            ("compute", self.compute),
+            ("exposed communication", self.communication),
+            ("pipeline idle", self.idle),
+            ("optimizer step", self.optimizer),
+            ("offload copies", self.offload),
+        )
+        return tuple(sorted(named, key=lambda kv: -kv[1]))
+
+
+def breakdown(timing: Timing) -> Breakdown:
+    """The terms of the iteration of the stage that finishes last (see Breakdown)."""
+    st = max(timing.stages, key=lambda s: s.iteration_seconds)
+    steps = [sp for sp in st.spans if sp.phase in STEP_PHASES]
+    compute = sum(sp.compute_seconds for sp in steps)
+    comm = sum(sp.comm_seconds for sp in steps)
+    busy = sum(sp.end - sp.start for sp in steps)
+    return Breakdown(
+        stage=st.stage,
+        compute=compute,
+        communication=comm,
+        idle=max(0.0, timing.pipeline_seconds - busy),
+        optimizer=st.optimizer_seconds,
+        offload=max(0.0, busy - compute - comm),
+    )
+
+
 def offload_exposed_seconds(timing: Timing) -> float:
     """Seconds per iteration that offloading's copies add to the slowest stage's steps (the
     copies outlast the compute and communication)."""

@@ -7,7 +7,9 @@ fixed cost per tile worth TILE_OVERHEAD_K more steps of K (prologue and epilogue
 short-K products slow); where there are fewer tiles than multiprocessors, cuBLAS splits K across
 them (up to one split per 512 of K). The compute time and the time to read both operands and
 write the output at HBM bandwidth (HBM_EFFICIENCY of the data sheet's) combine as a 2-norm
-(neither hides the other completely), plus LAUNCH_SECONDS.
+(neither hides the other completely), plus LAUNCH_SECONDS. A GEMM that adds its product into an
+existing output (a weight gradient accumulated into DDP's fp32 main_grad under
+gradient-accumulation fusion: cuBLAS with beta = 1) reads and writes that output at its dtype.
 
 Fused attention (cuDNN / flash): the counted FLOPs (hooks/flops.py) at a fraction of peak that
 grows with the sequence length, ATTENTION[phase] = (top fraction, s0 for causal, s0 without):
@@ -28,7 +30,10 @@ training step, 1 % slow in all (without the per-tile cost the best fit was 4 % a
 
 Known limitations: measured on Hopper only; other GPUs use the same fractions of their own
 peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). Kernel launch
-overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS.
+overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS. A
+grouped GEMM's weight gradients are timed at the forward's shape, without main_grad's reads.
+The rates are those of the libraries measured (2026: cuBLAS of CUDA 13.0, cuDNN 9.19); the
+published runs of 2021-2024 ran older kernels.
 """
 
 from __future__ import annotations
@@ -94,10 +99,15 @@ def gemm_seconds(
     fp8: bool = False,
     batch: int = 1,
     margin: int = 0,
+    accumulate: int = 0,
 ) -> float:
     """[m, k] x [k, n], `batch` times in one kernel (bmm, a grouped GEMM's equal groups);
-    `margin` multiprocessors left to a communication kernel beside it."""
-    return grouped_gemm_seconds(model, (m,) * batch, n, k, fp8=fp8, margin=margin)
+    `margin` multiprocessors left to a communication kernel beside it; `accumulate`: bytes per
+    element of an output the product is added into (read and written), 0 for a fresh bf16
+    output."""
+    return grouped_gemm_seconds(
+        model, (m,) * batch, n, k, fp8=fp8, margin=margin, accumulate=accumulate
+    )
 
 
 @functools.lru_cache(maxsize=65536)
@@ -109,10 +119,11 @@ def grouped_gemm_seconds(
     *,
     fp8: bool = False,
     margin: int = 0,
+    accumulate: int = 0,
 ) -> float:
     """One kernel of GEMMs [m_i, k] x [k, n] (a grouped GEMM: one per expert), on the GPU's
     multiprocessors but `margin` (Transformer Engine's set_sm_margin: those run the collective
-    its userbuffers overlap with the GEMM)."""
+    its userbuffers overlap with the GEMM); `accumulate` as gemm_seconds'."""
     ms = tuple(m for m in ms if m > 0)
     if not ms or n <= 0 or k <= 0:
         return 0.0
@@ -143,7 +154,8 @@ def grouped_gemm_seconds(
     overhead = (steps + TILE_OVERHEAD_K[dtype]) / steps
     compute = 2.0 * m * n * k * overhead / (peak * GEMM_EFFICIENCY[dtype] * useful * filled)
     operand = 1 if fp8 else 2
-    moved = (m * k + len(ms) * k * n) * operand + m * n * 2
+    output = 2 * accumulate if accumulate else 2  # bytes per output element: read + written
+    moved = (m * k + len(ms) * k * n) * operand + m * n * output
     memory = moved / (model.hbm_bytes_per_s * HBM_EFFICIENCY["gemm"])
     return math.hypot(compute, memory) + LAUNCH_SECONDS
 

@@ -12,7 +12,7 @@ import json
 
 from metatrace import __version__
 from metatrace.analysis import aggregate as agg
-from metatrace.analysis.timing import STEP_PHASES
+from metatrace.analysis.timing import STEP_PHASES, breakdown
 
 SCHEMA_VERSION = 3
 
@@ -239,6 +239,7 @@ def _add_timing(report: dict, analysis) -> None:
         "pipeline_seconds": timing.pipeline_seconds,
         "peak_tflops": timing.peak_tflops,
         "compute_efficiency": timing.efficiency,
+        "breakdown": breakdown(timing).to_json(),
     }
 
 

@@ -364,16 +364,19 @@ def plan(
 
 
 def _traced(cand: Candidate, report: dict) -> Traced:
-    """The traced figures: the time model's iteration and bubble (metatrace.analysis.timing, from the
-    traced FLOPs and collectives) when the report has them, else the closed form with the
-    traced exposed communication."""
+    """The traced figures: the time model's iteration, bubble and compute (metatrace.analysis.timing,
+    from the traced kernels and collectives; compute: the stage that finishes last) when the report
+    has them, else the closed form with the traced exposed communication."""
     v = report["memory_verdict"]
     exposed = max(sum(d["exposed_seconds"] for d in r["comm"].values()) for r in report["roles"])
     est = estimate(cand.job, exposed_comm=exposed)
     timing = report.get("timing")
     if timing:
         est = dataclasses.replace(
-            est, bubble=timing["bubble_fraction"], seconds=timing["iteration_seconds"]
+            est,
+            compute=timing["breakdown"]["compute_seconds"],
+            bubble=timing["bubble_fraction"],
+            seconds=timing["iteration_seconds"],
         )
     return Traced(cand, v["highest_peak_bytes"], v["headroom_bytes"], v["fits"], est, report)
 

@@ -141,6 +141,16 @@ def seconds(value: float) -> str:
     return "<0.1 µs" if value else "0"
 
 
+def time_terms(terms, total: float) -> str:
+    """'compute 5.70 s (93%), pipeline idle 0.42 s (7%), ...': (name, seconds) terms of `total`,
+    as given (largest first), those under 0.1 % of it left out."""
+    shown = [(name, sec) for name, sec in terms if total > 0 and sec >= 1e-3 * total]
+    return ", ".join(
+        f"{name} {seconds(sec)} ({sec / total:.{0 if sec >= 0.01 * total else 1}%})"
+        for name, sec in shown
+    )
+
+
 def op(name: str) -> str:
     return _OP.get(name, name)
 

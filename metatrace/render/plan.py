@@ -8,8 +8,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from metatrace.analysis.timing import Breakdown
 from metatrace.config.megatron.to_args import command_lines, megatron_command
-from metatrace.render.format import DIM_TITLES, seconds, section, size
+from metatrace.render.format import DIM_TITLES, seconds, section, size, time_terms
 
 
 def build_search(result) -> Text:
@@ -96,9 +97,13 @@ def build_reasons(result, top: int) -> Group:
             f"peak {size(t.peak)}, headroom {size(t.headroom)}; exposed communication: "
             f"{_exposed(t.report)}"
         )
+        timing = t.report.get("timing")
         if lay.recompute != "none":
             cost += f"; {lay.recompute} recompute adds compute"
         lines.append(Text.assemble((f"#{i} ", "bold"), (lay.describe(), "bold"), f": {why}."))
+        if timing:
+            terms = Breakdown.from_json(timing["breakdown"]).terms()
+            lines.append(Text(f"   time: {time_terms(terms, timing['iteration_seconds'])}."))
         lines.append(Text(f"   costs {cost}.", style="dim"))
     misses = [t for t in result.traced if not t.fits]
     if misses:

@@ -17,7 +17,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from metatrace.analysis.timing import describe_rates
+from metatrace.analysis.timing import breakdown, describe_rates
 from metatrace.render.format import (
     DIM_TITLES,
     PHASE_SHORT,
@@ -25,6 +25,7 @@ from metatrace.render.format import (
     rank_span,
     seconds,
     size,
+    time_terms,
     volume,
 )
 
@@ -161,6 +162,11 @@ def build_timing(analysis) -> Text:
             "gathering and gradient reduction outlasting the steps beside them"
         )
     text.append(")")
+    b = breakdown(t)
+    where = f"stage {b.stage}, the last to finish" if len(t.stages) > 1 else "the iteration"
+    text.append(
+        f"\nWhere it goes ({where}): {time_terms(b.terms(), t.iteration_seconds)}", style=""
+    )
     return text
 
 

@@ -6,6 +6,7 @@ candidate job is checked by megatron-core)."""
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 from rich.console import Console
@@ -147,6 +148,15 @@ def test_cli_plan_prints_and_writes_json_config_and_flags(tmp_path):
     assert len(data["best"]) == 1 and best["fits"]
     text = out.getvalue()
     assert best["description"] in text
+    # What its time is made of: the traced compute, then the other terms, adding up to it.
+    line = re.search(r"time: (.*?)\.\n", text, re.S).group(1).replace("\n", " ")
+    terms = dict(re.findall(r"([a-z ]+) ([\d.,]+ [µm]?s) \(", ", " + line))
+    assert "compute" in {k.strip(", ") for k in terms}
+    scale = {"s": 1, "ms": 1e-3, "µs": 1e-6}
+    digit = {"s": 1e-2, "ms": 1e-4, "µs": 1e-7}  # the printed last digit: 1.23 s, 4.5 ms
+    total = sum(float(v.split()[0]) * scale[v.split()[1]] for v in terms.values())
+    rounding = sum(digit[v.split()[1]] / 2 for v in terms.values())
+    assert total == pytest.approx(best["estimate"]["iteration_seconds"], abs=rounding)
     # The job file: the planned layout, traced again to the planned peak.
     job = load_job(config)
     layout = best["layout"]

@@ -257,6 +257,7 @@ def test_json_report_carries_the_timing(debug_timing):
 
     jt, timing = debug_timing
     report = json.loads(json.dumps(job_report(jt)))
+    parts = report["timing"].pop("breakdown")
     assert report["timing"] == {
         "iteration_seconds": timing.iteration_seconds,
         "bubble_fraction": timing.bubble_fraction,
@@ -264,6 +265,18 @@ def test_json_report_carries_the_timing(debug_timing):
         "peak_tflops": 989.0,
         "compute_efficiency": None,
     }
+    # Where the last stage's iteration goes: its steps' kernels, their exposed communication, its
+    # idle share of the pipeline, its optimizer step; the terms add up to the iteration.
+    last = max(timing.stages, key=lambda st: st.iteration_seconds)
+    steps = [sp for sp in last.spans if sp.chunk is not None]
+    assert parts["stage"] == last.stage
+    assert parts["compute_seconds"] == pytest.approx(sum(sp.compute_seconds for sp in steps))
+    assert parts["communication_seconds"] == pytest.approx(sum(sp.comm_seconds for sp in steps))
+    assert parts["communication_seconds"] > 0 and parts["offload_seconds"] == 0
+    assert parts["idle_seconds"] == pytest.approx(last.bubble_fraction * timing.pipeline_seconds)
+    assert parts["optimizer_seconds"] == last.optimizer_seconds > 0
+    total = sum(v for k, v in parts.items() if k != "stage")
+    assert total == pytest.approx(timing.iteration_seconds)
     stages = {st.stage: st for st in timing.stages}
     for role, rt in zip(report["roles"], jt.roles):
         st = stages[role["pp_stage"]]

@@ -185,3 +185,50 @@ def test_fused_kernels_of_stand_ins_are_timed_by_their_bytes():
         (rows, h), "delayed", "sm90", rowwise=True, columnwise=True, device="meta"
     )
     assert _timed(buffers) == 0  # a collective's destination: not a kernel
+
+
+def test_an_unsafe_view_is_a_view():
+    """torch.matmul of a [s, b, h] input returns the 2-D product reshaped by aten._unsafe_view,
+    which its schema does not mark as a view: no kernel runs, nothing is timed."""
+    from metatrace.hooks.recorder import Recorder
+
+    module = torch.nn.Linear(4, 4, device="meta")
+    x = torch.empty(2048, 1, 4096, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(4096, 1024, device="meta", dtype=torch.bfloat16)
+    rec = Recorder(chunks={"": module}, devices=("meta",), groups={}, rank=0, kernels=H100)
+    with rec, rec.window("forward", 0):
+        torch.matmul(x, w)
+    (w_,) = rec.trace().windows
+    assert w_.kernel_ps == round(gemm_seconds(H100, 2048, 1024, 4096) * 1e12)
+
+
+def test_megatrons_fused_softmax_is_one_kernel_each_way():
+    """Apex's scaled (upper-triangular) masked softmax reads the scores and writes the
+    probabilities in one kernel; its backward reads dy and y and writes dx in place."""
+    from metatrace.models.standins import FusedSoftmaxKernels as K
+
+    scores = torch.empty(32, 2048, 2048, dtype=torch.float16, device="meta")
+    n = scores.nbytes
+    ps = round(memory_seconds(H100, 2 * n) * 1e12)
+    assert _timed(lambda: K.causal_forward(scores, 0.125)) == ps
+    y = torch.empty_like(scores)
+    assert _timed(lambda: K.backward(torch.empty_like(scores), y, 0.125)) == round(
+        memory_seconds(H100, 3 * n) * 1e12
+    )
+
+
+def test_a_weight_gradient_accumulated_into_main_grad_reads_and_writes_it():
+    """Gradient-accumulation fusion: the wgrad GEMM adds into the fp32 main_grad (beta = 1), which
+    it reads and writes, 8 bytes an element instead of a fresh bf16 output's 2. A short-K product
+    (few tokens) is bound by those bytes."""
+    from metatrace.hooks import flops
+
+    out, tokens, inp = 8192, 256, 8192
+    main_grad = torch.empty(out, inp, dtype=torch.float32, device="meta")
+    fresh = _timed(lambda: flops.report_gemm(out, tokens, inp))
+    into = _timed(lambda: flops.report_gemm(out, tokens, inp, into=main_grad))
+    assert fresh == round(gemm_seconds(H100, out, inp, tokens) * 1e12)
+    # at least the time to read and write the fp32 [out, in] at the HBM rate, which a fresh bf16
+    # output's GEMM takes less than
+    moved = 8 * out * inp / (H100.hbm_bytes_per_s * 0.9)
+    assert fresh / 1e12 < moved < into / 1e12 < 1.2 * moved
