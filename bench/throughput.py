@@ -7,8 +7,9 @@ parallel degrees as printed; what the source leaves out filled by one rule per s
 listed in ASSUMED below, never per row), traced without the full model, and its iteration time
 predicted (metatrace.analysis.timing). The published step time is the row's own (printed or
 derived from tokens/s), else the row's TFLOP/s per GPU turned into seconds with the FLOP formula
-its source uses (FORMULAS). Prints predicted / published per row, then the median |error| and
-the worst row, dense and MoE apart.
+its source uses (FORMULAS). Prints predicted / published per row with the shares of the predicted
+iteration (metatrace.analysis.timing.breakdown: compute, exposed communication, pipeline idle,
+optimizer step), then the median |error| and the worst row, dense and MoE apart.
 """
 
 from __future__ import annotations
@@ -279,12 +280,16 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron-core's advice for real runs
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # fake process groups warn in C++
+    from metatrace.analysis.timing import breakdown
     from metatrace.tracing.trace import shared_workers
 
     rows = [json.loads(line) for line in open(args.calibration) if line.strip()]
     rows = [r for r in rows if args.only in r["name"]]
     out = []
-    print(f"{'row':44} {'GPUs':>6} {'published':>10} {'predicted':>10} {'ratio':>6}  trace")
+    print(
+        f"{'row':44} {'GPUs':>6} {'published':>10} {'predicted':>10} {'ratio':>6}  "
+        "comp comm idle  opt  trace"
+    )
     with shared_workers():
         for row in rows:
             start = time.perf_counter()
@@ -299,9 +304,12 @@ def main() -> int:
             pred = timing.iteration_seconds
             ratio = pred / pub
             took = time.perf_counter() - start
+            b = breakdown(timing)
+            shares = [b.compute, b.communication, b.idle, b.optimizer + b.offload]
+            parts = " ".join(f"{x / pred:>4.0%}" for x in shares)  # of the predicted time
             print(
                 f"{row['name']:44} {row['num_gpus']:>6} {pub:>9.3f}s {pred:>9.3f}s "
-                f"{ratio:>6.2f}  {took:.0f} s ({how})",
+                f"{ratio:>6.2f}  {parts}  {took:.0f} s ({how})",
                 flush=True,
             )
             moe = bool(job.model.num_experts)
@@ -314,6 +322,7 @@ def main() -> int:
                     "ratio": ratio,
                     "published_from": how,
                     "bubble": timing.bubble_fraction,
+                    "breakdown": b.to_json(),
                 }
             )
     good = [r for r in out if "ratio" in r]
