@@ -655,7 +655,7 @@ class Breakdown:
         """(name, seconds) of each term, largest first."""
         named = (
             ("compute", self.compute),
-            ("exposed communication", self.communication),
+            ("communication in the steps", self.communication),
             ("pipeline idle", self.idle),
             ("optimizer step", self.optimizer),
             ("offload copies", self.offload),

@@ -239,12 +239,15 @@ def kernel_seconds(job) -> float | None:
     fp8 = tr.precision == "fp8"
     precision = "fp8" if fp8 else "bf16"
     gated = _gated(m)
+    # gradient-accumulation fusion: the weight gradient is added into main_grad (fp32 or the
+    # parameters' dtype), which the GEMM reads and writes
+    acc = (4 if tr.grad_reduce_in_fp32 else 2) if tr.gradient_accumulation_fusion else 0
 
     def linear(n_in: int, n_out: int, rows: int = t) -> tuple[float, float]:
         """(forward, backward) seconds of a linear layer over `rows` tokens."""
         fwd = K.gemm_seconds(model, rows, n_out, n_in, fp8=fp8)
         bwd = K.gemm_seconds(model, rows, n_in, n_out, fp8=fp8) + K.gemm_seconds(
-            model, n_out, n_in, rows, fp8=fp8
+            model, n_out, n_in, rows, fp8=fp8, accumulate=acc
         )
         return fwd, bwd
 
