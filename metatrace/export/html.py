@@ -21,7 +21,7 @@ import html
 from types import SimpleNamespace
 
 from metatrace.analysis import aggregate as agg
-from metatrace.analysis.timing import describe_rates
+from metatrace.analysis.timing import Breakdown, describe_rates
 from metatrace.export import svg
 from metatrace.export.svg import MIXED, PARTS, PHASE_COLOURS
 from metatrace.records import Collective
@@ -35,6 +35,7 @@ from metatrace.render.format import (
     rank_span,
     seconds,
     size,
+    time_terms,
     volume,
 )
 from metatrace.render.format import op as op_name
@@ -253,8 +254,18 @@ def timing(report) -> str:
         if "timing" in r
     ]
     head = ["Stage", "Iteration", "Busy", "Optimizer", "Bubble", "TFLOP/µb"]
+    b = t.get("breakdown")  # absent from reports written before it
+    where = ""
+    if b:
+        stage = (
+            f"stage {b['stage']}, the last to finish"
+            if report["world"]["pp"] > 1
+            else "the iteration"
+        )
+        terms = time_terms(Breakdown.from_json(b).terms(), t["iteration_seconds"])
+        where = f"<br>Where it goes ({stage}): {esc(terms)}"
     return (
-        f'<p class="timing" id="timing"><b>{esc(line)}</b></p>'
+        f'<p class="timing" id="timing"><b>{esc(line)}</b>{where}</p>'
         + _table(head, rows, numeric=set(range(6)))
         + '<p class="note">Per stage: Busy, the forward and backward steps with their exposed '
         "communication; Bubble, the stage's idle share of the forward-backward part; "

@@ -204,9 +204,15 @@ def test_the_stages_timelines_share_one_scale(report, page):
 def test_the_iteration_time_and_the_bubble(report, page):
     t = report["timing"]
     (line,) = re.findall(r'<p class="timing"[^>]*>(.*?)</p>', page)
-    text = re.sub("<[^>]+>", "", line)
+    text, where = re.sub("<[^>]+>", "", line.replace("<br>", "\n")).split("\n")
     assert text.startswith(f"Estimated iteration time {seconds(t['iteration_seconds'])} (")
     assert text.endswith(f"1F1B), pipeline bubble {t['bubble_fraction']:.1%}")
+    # where the last stage's iteration goes, largest term first, as the terminal says it
+    b = t["breakdown"]
+    assert where.startswith(
+        f"Where it goes (stage {b['stage']}, the last to finish): compute "
+        f"{seconds(b['compute_seconds'])} ("
+    )
     assert "compute per kernel at its modelled rate" in text
     # The debug model is tiny: its few hundred kernels each take the launch's 4 µs.
     assert seconds(t["iteration_seconds"]).endswith(" ms")
