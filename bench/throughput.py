@@ -8,8 +8,8 @@ listed in ASSUMED below, never per row), traced without the full model, and its 
 predicted (metatrace.analysis.timing). The published step time is the row's own (printed or
 derived from tokens/s), else the row's TFLOP/s per GPU turned into seconds with the FLOP formula
 its source uses (FORMULAS). Prints predicted / published per row with the shares of the predicted
-iteration (metatrace.analysis.timing.breakdown: compute, exposed communication, pipeline idle,
-optimizer step), then the median |error| and the worst row, dense and MoE apart.
+iteration (metatrace.analysis.timing.breakdown: compute, communication in the steps, pipeline
+idle, optimizer step), then the median |error| and the worst row, dense and MoE apart.
 """
 
 from __future__ import annotations
