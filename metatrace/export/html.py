@@ -35,8 +35,8 @@ from metatrace.render.format import (
     rank_span,
     seconds,
     size,
-    time_terms,
     volume,
+    where_it_goes,
 )
 from metatrace.render.format import op as op_name
 from metatrace.render.run import param_shapes
@@ -257,13 +257,10 @@ def timing(report) -> str:
     b = t.get("breakdown")  # absent from reports written before it
     where = ""
     if b:
-        stage = (
-            f"stage {b['stage']}, the last to finish"
-            if report["world"]["pp"] > 1
-            else "the iteration"
+        parts = where_it_goes(
+            Breakdown.from_json(b), t["iteration_seconds"], report["world"]["pp"] > 1
         )
-        terms = time_terms(Breakdown.from_json(b).terms(), t["iteration_seconds"])
-        where = f"<br>Where it goes ({stage}): {esc(terms)}"
+        where = f"<br>{esc(parts)}"
     return (
         f'<p class="timing" id="timing"><b>{esc(line)}</b>{where}</p>'
         + _table(head, rows, numeric=set(range(6)))

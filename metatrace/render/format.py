@@ -151,6 +151,12 @@ def time_terms(terms, total: float) -> str:
     )
 
 
+def where_it_goes(b, total: float, pipelined: bool) -> str:
+    """The line of metatrace.analysis.timing.Breakdown `b` of an iteration of `total` seconds."""
+    where = f"stage {b.stage}, the last to finish" if pipelined else "the iteration"
+    return f"Where it goes ({where}): {time_terms(b.terms(), total)}"
+
+
 def op(name: str) -> str:
     return _OP.get(name, name)
 

@@ -97,10 +97,10 @@ def build_reasons(result, top: int) -> Group:
             f"peak {size(t.peak)}, headroom {size(t.headroom)}; exposed communication: "
             f"{_exposed(t.report)}"
         )
-        timing = t.report.get("timing")
         if lay.recompute != "none":
             cost += f"; {lay.recompute} recompute adds compute"
         lines.append(Text.assemble((f"#{i} ", "bold"), (lay.describe(), "bold"), f": {why}."))
+        timing = t.report.get("timing")
         if timing:
             terms = Breakdown.from_json(timing["breakdown"]).terms()
             lines.append(Text(f"   time: {time_terms(terms, timing['iteration_seconds'])}."))

@@ -25,8 +25,8 @@ from metatrace.render.format import (
     rank_span,
     seconds,
     size,
-    time_terms,
     volume,
+    where_it_goes,
 )
 
 
@@ -162,11 +162,8 @@ def build_timing(analysis) -> Text:
             "gathering and gradient reduction outlasting the steps beside them"
         )
     text.append(")")
-    b = breakdown(t)
-    where = f"stage {b.stage}, the last to finish" if len(t.stages) > 1 else "the iteration"
-    text.append(
-        f"\nWhere it goes ({where}): {time_terms(b.terms(), t.iteration_seconds)}", style=""
-    )
+    line = where_it_goes(breakdown(t), t.iteration_seconds, len(t.stages) > 1)
+    text.append(f"\n{line}", style="")
     return text
 
 
