@@ -207,7 +207,7 @@ class _Held:
 
 
 @contextlib.contextmanager
-def counting_saved(probe: _Probe, existing: set[int]):
+def counting_saved(probe: _Probe, existing: _Existing):
     """{data_ptr: nbytes} of the device storages the micro-batch's forward saved for backward
     and that autograd still holds when the first backward step starts (a save whose graph is
     dropped before, e.g. bias-dropout-add's inside a checkpointed layer, is not held; counted
@@ -222,7 +222,7 @@ def counting_saved(probe: _Probe, existing: set[int]):
     host = _host_tensors()
 
     def count():
-        skip = existing | host.ptrs()
+        skip = existing.ptrs() | host.ptrs()
         for ref in held:
             h = ref()
             if h is None or h.tensor.device.type == "meta":
@@ -246,30 +246,40 @@ def counting_saved(probe: _Probe, existing: set[int]):
         yield saved
 
 
-def _live_ptrs() -> set[int]:
-    import gc
-
-    import torch
-
-    return {
-        # A DTensor (Megatron-FSDP's parameters) has no storage of its own: its local tensor's.
-        getattr(o, "_local_tensor", o).untyped_storage().data_ptr()
-        for o in gc.get_objects()
-        if issubclass(type(o), torch.Tensor) and o.device.type != "meta"  # see trace._live_tensors
-    }
+def _storage_ptr(tensor) -> int:
+    # A DTensor (Megatron-FSDP's parameters) has no storage of its own: its local tensor's.
+    return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
 
 
-def _live_ptrs_safe(model) -> set[int]:
-    """Storages alive now: every tensor the garbage collector knows, the parameters surely."""
-    ptrs = {
-        # Megatron-FSDP's parameters are DTensors between steps: their local tensors hold data
-        getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
-        for chunk in model
-        for p in chunk.parameters()
-    }
-    with contextlib.suppress(RuntimeError):
-        ptrs |= _live_ptrs()
-    return ptrs
+class _Existing:
+    """The device storages alive before the counted micro-batch, by the tensors that hold them.
+
+    An address counts as existing only while the tensor that had it is alive and still there:
+    an address freed since (a temporary the garbage collector still listed) may be reused by
+    an activation the micro-batch saves, which must be counted (the allocator's choice of
+    address decided it otherwise, and differed between machines)."""
+
+    def __init__(self, model):
+        import weakref
+
+        import torch
+
+        params = [p for chunk in model for p in chunk.parameters()]
+        self._held = [(weakref.ref(p), _storage_ptr(p)) for p in params]
+        for o in gc.get_objects():
+            # see trace._live_tensors; a tensor without a storage to read holds none
+            if issubclass(type(o), torch.Tensor) and o.device.type != "meta":
+                with contextlib.suppress(RuntimeError):
+                    self._held.append((weakref.ref(o), _storage_ptr(o)))
+
+    def ptrs(self) -> set[int]:
+        ptrs = set()
+        for ref, ptr in self._held:
+            t = ref()
+            with contextlib.suppress(RuntimeError):
+                if t is not None and _storage_ptr(t) == ptr:
+                    ptrs.add(ptr)
+        return ptrs
 
 
 def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") -> Measured:
@@ -340,7 +350,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         gathered_once(model)
         probe = _Probe()
         with contextlib.ExitStack() as stack:
-            saved = stack.enter_context(counting_saved(probe, _live_ptrs_safe(model)))
+            saved = stack.enter_context(counting_saved(probe, _Existing(model)))
             for chunk in model:
                 stack.enter_context(chunk.no_sync())
             run_microbatch(job, config, model, rec=probe)
