@@ -1,6 +1,6 @@
 """Measure the kernels the time model prices, on a CUDA GPU (not part of CI: it needs one).
 
-    python bench/gpu_kernels.py OUT.json [--quick]
+    python bench/gpu_kernels.py OUT.json [--quick] [--only=FAMILY ...]
 
 Times, with CUDA events over back-to-back launches (the way a training step queues them):
 - bf16 GEMMs [m, k] x [k, n] over a grid of m, n, k, in Megatron's three layouts (forward
@@ -10,7 +10,10 @@ Times, with CUDA events over back-to-back launches (the way a training step queu
   forward and forward + backward, by sequence length, heads and head dim;
 - grouped GEMMs (torch._grouped_mm, bf16) by experts and tokens per expert;
 - memory-bound element-wise work (copy, add, GeLU, SwiGLU, layer norm, RMS norm, softmax, Adam's
-  update) by bytes moved.
+  update) by bytes moved;
+- layouts: memory-bound ATen kernels by operand layout (contiguous, a broadcast bias or mask,
+  transposed, cast) and PyTorch's softmax, dropout, GeLU and layer norm, at attention-score and
+  activation shapes.
 Writes one JSON object: the device, the software versions, and each family's rows. The time
 model's GPU tables (metatrace/config/kernels.py) cite such a file.
 """
@@ -225,9 +228,69 @@ def elementwise(quick: bool):
     return rows
 
 
+def _layout_rows(rows_: int, cols: int) -> list:
+    """Memory-bound ATen kernels by operand layout: contiguous operands of one shape take
+    PyTorch's vectorised path; a broadcast, strided or cast operand the generic one."""
+    x = torch.randn(rows_, cols, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    heads = 16
+    x4 = x.view(-1, heads, cols, cols) if rows_ % (heads * cols) == 0 else None
+    full_mask = torch.rand(rows_, cols, device="cuda") < 0.5
+    mask4 = torch.rand(x4.shape[0], 1, cols, cols, device="cuda") < 0.5 if x4 is not None else None
+    probs = torch.softmax(x, -1)
+    _, keep = torch.native_dropout(x, 0.1, True)
+    g32 = torch.zeros(rows_, cols, device="cuda", dtype=torch.float32)
+    t3 = x.view(cols, rows_ // cols, cols) if rows_ % cols == 0 else None
+    b = x.numel() * 2
+    cases = {
+        "copy": (lambda: x.clone(), 2 * b),
+        "add": (lambda: x + y, 3 * b),
+        "mul_scalar": (lambda: x * 0.5, 2 * b),
+        "add_broadcast_bias": (lambda: x + bias, 2 * b),
+        "masked_fill_full_mask": (lambda: x.masked_fill(full_mask, -1e4), 2 * b + b // 2),
+        "cast_bf16_to_fp32": (lambda: x.float(), 3 * b),
+        "add_fp32_plus_bf16": (lambda: g32.add_(x), 5 * b),
+        "softmax_forward": (lambda: torch.softmax(x, -1), 2 * b),
+        "softmax_backward": (
+            lambda: torch._softmax_backward_data(y, probs, -1, torch.bfloat16),
+            3 * b,
+        ),
+        "dropout_forward": (lambda: torch.native_dropout(x, 0.1, True), 2 * b + b // 2),
+        "dropout_backward": (
+            lambda: torch.ops.aten.native_dropout_backward(y, keep, 1 / 0.9),
+            2 * b + b // 2,
+        ),
+        "gelu_forward": (lambda: torch.nn.functional.gelu(x), 2 * b),
+        "layer_norm_forward": (
+            lambda: torch.nn.functional.layer_norm(x, (cols,), bias, bias),
+            2 * b,
+        ),
+    }
+    if x4 is not None:
+        cases["masked_fill_broadcast_mask"] = (
+            lambda: x4.masked_fill_(mask4, -1e4),
+            2 * b + mask4.numel(),
+        )
+    if t3 is not None:
+        cases["copy_transposed"] = (lambda: t3.transpose(0, 1).contiguous(), 2 * b)
+    return [
+        {"op": name, "rows": rows_, "cols": cols, "bytes": moved, "s": timed(fn, reps=20)}
+        for name, (fn, moved) in cases.items()
+    ]
+
+
+def layouts(quick: bool):
+    shapes = [(8192, 2048), (64 * 2048, 2048), (32 * 4096, 4096)]
+    rows = [row for r, c in (shapes[1:2] if quick else shapes) for row in _layout_rows(r, c)]
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     out = sys.argv[1]
     quick = "--quick" in sys.argv
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     props = torch.cuda.get_device_properties(0)
     result = {
         "device": torch.cuda.get_device_name(0),
@@ -241,7 +304,10 @@ def main() -> int:
         ("gemm", gemms),
         ("attention", attention),
         ("grouped_gemm", grouped),
+        ("layouts", layouts),
     ):
+        if only and name not in only:
+            continue
         result[name] = fn(quick)
         print(name, len(result[name]), flush=True)
         with open(out, "w") as f:

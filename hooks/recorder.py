@@ -34,7 +34,7 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from metatrace.config.kernels import KernelModel, memory_seconds
+from metatrace.config.kernels import SOFTMAX_WARP_ROW, KernelModel, memory_seconds
 from metatrace.hooks import flops as _flops
 from metatrace.hooks.collectives import (
     COLLECTIVE_NAMESPACES,
@@ -239,6 +239,41 @@ def _moved_bytes(args, out) -> int:
     elif isinstance(out, (list, tuple)):
         n += sum(t.nbytes for t in out if isinstance(t, torch.Tensor))
     return n
+
+
+# TensorIterator's element-wise operators (those ATen tags pointwise, and these): with every
+# operand laid out as the output they run vectorised, otherwise on the generic path.
+_ITERATED = frozenset({"masked_fill_", "copy_", "_to_copy"})
+
+
+def _memory_path(func, args, out) -> tuple[str | None, int]:
+    """(the element-bound kernel a memory-bound operator runs, or None for a streaming one; the
+    elements it processes): see metatrace.config.kernels.ELEMENTS_PER_SM_SECOND."""
+    name = func._overloadpacket.__name__
+    result = out[0] if isinstance(out, (list, tuple)) and out else out
+    if not isinstance(result, torch.Tensor):
+        return None, 0
+    if name == "_softmax":
+        row = result.shape[args[1]] if result.dim() else 1
+        return ("softmax_warp" if row <= SOFTMAX_WARP_ROW else "softmax_block"), result.numel()
+    shape, strides = result.shape, result.stride()
+    if name == "cat":
+        # Each input is copied into its slice of the output: laid out otherwise, element-bound.
+        inputs = [t for t in args[0] if t.dim() == result.dim()]
+        for t in inputs:
+            if any(n > 1 and x != y for n, x, y in zip(t.shape, t.stride(), strides, strict=True)):
+                return "generic", result.numel()
+        return None, 0
+    if name not in _ITERATED and torch.Tag.pointwise not in func.tags:
+        return None, 0
+    for a in args:
+        if not isinstance(a, torch.Tensor) or a.numel() <= 1:
+            continue  # scalars are passed by value
+        if a.shape != shape or any(
+            n > 1 and x != y for n, x, y in zip(shape, a.stride(), strides, strict=True)
+        ):
+            return "generic", result.numel()
+    return None, 0
 
 
 def _by_name(counts: dict) -> dict[str, int]:
@@ -707,7 +742,8 @@ class Recorder:
         elif moves and count.model is not None and _flops.counting():
             nbytes = _moved_bytes(args, out)
             if nbytes:
-                count.add_seconds(memory_seconds(count.model, nbytes))
+                path, elements = _memory_path(func, args, out)
+                count.add_seconds(memory_seconds(count.model, nbytes, path, elements))
         if written:
             positions, names = written
             found = [args[i] for i in positions if i < len(args)]

@@ -17,7 +17,12 @@ fraction = top * s / (s + s0), times min(1, 1/2 + head_dim / 256) (a 64-wide hea
 of a 128-wide one).
 
 Memory-bound work (element-wise operators, norms, softmax, casts, copies): bytes read and
-written at HBM_EFFICIENCY of the HBM bandwidth, plus LAUNCH_SECONDS.
+written at HBM_EFFICIENCY of the HBM bandwidth, plus LAUNCH_SECONDS. Some PyTorch kernels are
+bound by the elements they process instead, at ELEMENTS_PER_SM_SECOND on each multiprocessor
+(whichever takes longer counts): an element-wise operator with an operand broadcast against the
+output or laid out otherwise (a bias over rows, an attention mask over heads, a row maximum, a
+transposed copy) takes TensorIterator's generic, unvectorised path; PyTorch's softmax forward
+runs a warp per row up to rows of 2,048 and a block per row beyond.
 
 Source of the constants: bench/gpu_kernels.py on an H100 80GB HBM3 (SXM, 700 W; torch 2.11.0,
 CUDA 13.0, cuDNN 9.19), 2026-11-24, stored in bench/data/h100_kernels.json: 2,108 GEMMs
@@ -28,9 +33,23 @@ TFLOP/s (0.66-0.78 of the 989 peak), FP8 at 1,200-1,280 (0.61-0.65 of 1,979). Fi
 |log(model / measured)| 4.4 % bf16, 3.8 % FP8; the GEMMs of 2^37 FLOPs or more, which carry a
 training step, 1 % slow in all (without the per-tile cost the best fit was 4 % and 8 % fast on them).
 
+The element rates: bench/gpu_kernels.py's layouts family on an H200 (torch 2.11.0, CUDA 13.0),
+2026-11-28, stored in bench/data/h200_kernels.json. At 2^28 elements, where the contiguous copy,
+add and scaling stream at 0.87-0.91 of the data sheet's 4.8 TB/s, the generic path processed
+325 (a masked_fill_ whose mask is broadcast over the heads), 421 (a bias added over rows) and
+410 (a transposed copy) billion bf16 elements a second, and the fp32 division of the logits by
+their row sums in the cross entropy 321 (profiled in a megatron-core run: bench/step_time.py
+--profile): the same rate at twice the bytes. Softmax forward: 465 (rows of 2,048, the warp
+kernel), 324 (4,096) and, on the H100 (h100_kernels.json), 257 (8,192). The H200 and the H100
+have the same 132 multiprocessors and boost clock; other GPUs scale by their multiprocessors.
+These rates explain what a one-GPU megatron-core run on the local spec spends beyond the
+streaming rate (bench/step_time.py).
+
 Known limitations: measured on Hopper only; other GPUs use the same fractions of their own
 peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). Kernel launch
-overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS. A
+overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS (not
+so where kernels are many and small: a one-GPU GPT 1.3B at micro-batches of 1, 88,000 kernels an
+iteration, took 1.19x its kernels' time, bench/step_time.py). A
 grouped GEMM's weight gradients are timed at the forward's shape, without main_grad's reads.
 The rates are those of the libraries measured (2026: cuBLAS of CUDA 13.0, cuDNN 9.19); the
 published runs of 2021-2024 ran older kernels.
@@ -63,6 +82,8 @@ TILE = (128, 128)
 TILE_OVERHEAD_K = {"bf16": 96, "fp8": 192}
 SPLIT_K_CHUNK = 512
 HBM_EFFICIENCY = {"gemm": 0.9, "memory": 0.8}
+ELEMENTS_PER_SM_SECOND = {"generic": 2.75e9, "softmax_warp": 3.5e9, "softmax_block": 2.2e9}
+SOFTMAX_WARP_ROW = 2048  # elements of a row up to which PyTorch's softmax runs a warp per row
 LAUNCH_SECONDS = 4e-6
 ATTENTION = {"forward": (0.68, 600, 300), "backward": (0.56, 800, 400)}
 
@@ -174,11 +195,17 @@ def attention_seconds(
     return flops / (model.peak_flops * fraction) + LAUNCH_SECONDS
 
 
-def memory_seconds(model: KernelModel, nbytes: int) -> float:
-    """A memory-bound kernel reading and writing `nbytes` in all."""
+def memory_seconds(
+    model: KernelModel, nbytes: int, path: str | None = None, elements: int = 0
+) -> float:
+    """A memory-bound kernel reading and writing `nbytes` in all; with `path` (a key of
+    ELEMENTS_PER_SM_SECOND), one that processes `elements` at that rate if that takes longer."""
     if nbytes <= 0:
         return 0.0
-    return nbytes / (model.hbm_bytes_per_s * HBM_EFFICIENCY["memory"]) + LAUNCH_SECONDS
+    seconds = nbytes / (model.hbm_bytes_per_s * HBM_EFFICIENCY["memory"])
+    if path is not None:
+        seconds = max(seconds, elements / (ELEMENTS_PER_SM_SECOND[path] * model.sms))
+    return seconds + LAUNCH_SECONDS
 
 
 def flops_seconds(model: KernelModel, flops: int, *, fp8: bool = False) -> float:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
+import time
 from dataclasses import dataclass
 
 from metatrace.errors import ConfigError
@@ -53,6 +55,9 @@ class Measured:
     steady: int
     """Live when the measured iteration starts: the model, the optimizer's state, what earlier
     steps kept (workspaces, buffers megatron-core reuses)."""
+    seconds: float | None = None
+    """On a GPU: wall seconds of an iteration after the first (the median), from one
+    synchronisation to the next; the fake world's collectives move nothing. None on the CPU."""
 
 
 @dataclass(frozen=True)
@@ -359,11 +364,15 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         # With activation offloading the counted micro-batch was the offload manager's first:
         # training starts with a fresh one (its first iteration learns the group order).
         reset_offload_manager()
+        took = []
         for i in range(iterations):
             if cuda and i == min(1, iterations - 1):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 allocated["steady"] = torch.cuda.memory_allocated()
+            if cuda:
+                torch.cuda.synchronize()
+                took.append(-time.perf_counter())
             with record_function(marker + "iteration"):
                 run_iteration(
                     job,
@@ -375,6 +384,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
                     real_steps=True,
                     batches=lambda: _cycle(pool),
                 )
+            if cuda:
+                torch.cuda.synchronize()
+                took[-1] += time.perf_counter()
         del model, optimizer
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
@@ -386,6 +398,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             device=device,
             model=allocated["model"] - base,
             steady=allocated["steady"] - base,
+            seconds=statistics.median(took[1:] or took),
         )
     events, marks = _profiler_log(prof, marker)
     iterations_at = marks[marker + "iteration"]

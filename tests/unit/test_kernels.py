@@ -232,3 +232,90 @@ def test_a_weight_gradient_accumulated_into_main_grad_reads_and_writes_it():
     # output's GEMM takes less than
     moved = 8 * out * inp / (H100.hbm_bytes_per_s * 0.9)
     assert fresh / 1e12 < moved < into / 1e12 < 1.2 * moved
+
+
+H200_DATA = os.path.join(os.path.dirname(DATA), "h200_kernels.json")
+H200 = kernel_model("h200")
+
+
+def _layouts():
+    with open(H200_DATA) as f:
+        return [r for r in json.load(f)["layouts"] if r["rows"] * r["cols"] >= 1 << 28]
+
+
+@pytest.mark.parametrize(
+    ("op", "path"),
+    [
+        ("copy", None),
+        ("add", None),
+        ("mul_scalar", None),
+        ("masked_fill_broadcast_mask", "generic"),
+        ("add_broadcast_bias", "generic"),
+        ("copy_transposed", "generic"),
+        ("softmax_forward", "softmax"),
+    ],
+)
+def test_memory_bound_kernels_by_path(op, path):
+    """Streaming kernels at the bandwidth, the generic element-wise path and PyTorch's softmax
+    forward at their element rates, each within 20 % of what it took on the H200; the generic
+    path takes more than twice the streaming time of its bytes (a bytes-only model is off)."""
+    rows = [r for r in _layouts() if r["op"] == op]
+    assert rows
+    for r in rows:
+        kind = path
+        if path == "softmax":
+            kind = "softmax_warp" if r["cols"] <= 2048 else "softmax_block"
+        n = r["rows"] * r["cols"]
+        seconds = memory_seconds(H200, r["bytes"], kind, n)
+        assert abs(math.log(seconds / r["s"])) < 0.2, (r, seconds)
+        if path == "generic":
+            assert seconds > 2 * memory_seconds(H200, r["bytes"])
+
+
+def test_the_recorder_prices_broadcast_and_strided_operands_on_the_generic_path():
+    """A mask broadcast over the heads, a bias added over rows, a transposed copy and a
+    concatenation along the last dimension take TensorIterator's generic path; the same
+    operators on operands laid out as their output stream."""
+    from metatrace.hooks.recorder import Recorder
+
+    module = torch.nn.Linear(4, 4, device="meta")
+
+    def timed(fn):
+        rec = Recorder(chunks={"": module}, devices=("meta",), groups={}, rank=0, kernels=H100)
+        with rec, rec.window("forward", 0):
+            fn()
+        return rec.trace().windows[0].kernel_ps / 1e12
+
+    bf16 = {"device": "meta", "dtype": torch.bfloat16}
+    scores = torch.empty(4, 16, 2048, 2048, **bf16)
+    n = scores.numel()
+    bytes_ = 2 * scores.nbytes
+    mask = torch.empty(4, 1, 2048, 2048, dtype=torch.bool, device="meta")
+    full = torch.empty(4, 16, 2048, 2048, dtype=torch.bool, device="meta")
+    generic = memory_seconds(H100, bytes_ + mask.nbytes, "generic", n)
+    assert timed(lambda: scores.masked_fill_(mask, -1e4)) == pytest.approx(generic, rel=1e-6)
+    streaming = memory_seconds(H100, bytes_ + full.nbytes)
+    assert timed(lambda: scores.masked_fill_(full, -1e4)) == pytest.approx(streaming, rel=1e-6)
+    x = torch.empty(8192, 4096, **bf16)
+    bias = torch.empty(4096, **bf16)
+    assert timed(lambda: x + bias) == pytest.approx(
+        memory_seconds(H100, 2 * x.nbytes + bias.nbytes, "generic", x.numel()), rel=1e-6
+    )
+    assert timed(lambda: x + x) == pytest.approx(memory_seconds(H100, 3 * x.nbytes), rel=1e-6)
+    assert timed(lambda: x.t().contiguous()) == pytest.approx(
+        memory_seconds(H100, 2 * x.nbytes, "generic", x.numel()), rel=1e-6
+    )
+    assert timed(lambda: x.clone()) == pytest.approx(memory_seconds(H100, 2 * x.nbytes), rel=1e-6)
+    q = torch.empty(2048, 4, 16, 128, **bf16)
+    assert timed(lambda: torch.cat([q, q, q], -1)) == pytest.approx(
+        memory_seconds(H100, 6 * q.nbytes, "generic", 3 * q.numel()), rel=1e-6
+    )
+    assert timed(lambda: torch.cat([q, q], 0)) == pytest.approx(
+        memory_seconds(H100, 4 * q.nbytes), rel=1e-6
+    )
+    # softmax forward: a warp per row up to 2,048 elements, a block per row beyond
+    for row, kind in ((2048, "softmax_warp"), (4096, "softmax_block")):
+        s = torch.empty(64, 1024, row, **bf16)
+        assert timed(lambda s=s: torch.softmax(s, -1)) == pytest.approx(
+            memory_seconds(H100, 2 * s.nbytes, kind, s.numel()), rel=1e-6
+        )
