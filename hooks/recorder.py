@@ -207,7 +207,9 @@ def _op_info(func) -> list:
     """[calls, flop formula or None, written arguments, collective spec, moves data]: the spec
     is None for compute and for what is known not to be a collective, _UNCLASSIFIED for the
     rest; an operator that moves data (not a view, an allocation, a matrix product or a
-    collective) is timed by the bytes it reads and writes."""
+    collective) is timed by the bytes it reads and writes, and where its kernel can be bound by
+    its elements instead, moves data names the kind ("_softmax", "cat", "iterated": see
+    _memory_path; True otherwise)."""
     key = op_key(func)
     spec = None
     if func.namespace not in COMPUTE_NAMESPACES and key not in NOT_COLLECTIVES:
@@ -216,13 +218,18 @@ def _op_info(func) -> list:
             spec = _UNCLASSIFIED
     formula = _flops.formula(func)
     name = func._overloadpacket.__name__
-    moves = (
+    moves: bool | str = (
         spec is None
         and formula is None
         and func.namespace == "aten"
         and not func.is_view
         and name not in _NO_DATA
     )
+    if moves:  # which kernel: see _memory_path
+        if name in ("_softmax", "cat"):
+            moves = name
+        elif name in _ITERATED or torch.Tag.pointwise in func.tags:
+            moves = "iterated"
     return [0, formula, _written_args(func), spec, moves]
 
 
@@ -246,25 +253,24 @@ def _moved_bytes(args, out) -> int:
 _ITERATED = frozenset({"masked_fill_", "copy_", "_to_copy"})
 
 
-def _memory_path(func, args, out) -> tuple[str | None, int]:
-    """(the element-bound kernel a memory-bound operator runs, or None for a streaming one; the
-    elements it processes): see metatrace.config.kernels.ELEMENTS_PER_SM_SECOND."""
-    name = func._overloadpacket.__name__
+def _memory_path(kind, args, out) -> tuple[str | None, int]:
+    """(the element-bound kernel a memory-bound operator of `kind` (_op_info's) runs, or None
+    for a streaming one; the elements it processes): see
+    metatrace.config.kernels.ELEMENTS_PER_SM_SECOND."""
     result = out[0] if isinstance(out, (list, tuple)) and out else out
-    if not isinstance(result, torch.Tensor):
+    if kind is True or not isinstance(result, torch.Tensor):
         return None, 0
-    if name == "_softmax":
+    if kind == "_softmax":
         row = result.shape[args[1]] if result.dim() else 1
         return ("softmax_warp" if row <= SOFTMAX_WARP_ROW else "softmax_block"), result.numel()
     shape, strides = result.shape, result.stride()
-    if name == "cat":
+    if kind == "cat":
         # Each input is copied into its slice of the output: laid out otherwise, element-bound.
-        inputs = [t for t in args[0] if t.dim() == result.dim()]
-        for t in inputs:
-            if any(n > 1 and x != y for n, x, y in zip(t.shape, t.stride(), strides, strict=True)):
+        for t in args[0]:
+            if t.dim() == result.dim() and any(
+                n > 1 and x != y for n, x, y in zip(t.shape, t.stride(), strides, strict=True)
+            ):
                 return "generic", result.numel()
-        return None, 0
-    if name not in _ITERATED and torch.Tag.pointwise not in func.tags:
         return None, 0
     for a in args:
         if not isinstance(a, torch.Tensor) or a.numel() <= 1:
@@ -742,7 +748,7 @@ class Recorder:
         elif moves and count.model is not None and _flops.counting():
             nbytes = _moved_bytes(args, out)
             if nbytes:
-                path, elements = _memory_path(func, args, out)
+                path, elements = _memory_path(moves, args, out)
                 count.add_seconds(memory_seconds(count.model, nbytes, path, elements))
         if written:
             positions, names = written
