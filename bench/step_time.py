@@ -1,6 +1,7 @@
 """Predicted against measured iteration time of megatron-core running for real on one GPU.
 
     python bench/step_time.py [--device cuda|cpu] [--gpu NAME] [--only SUBSTRING] [--json FILE]
+                              [--profile] [--measured FILE]
 
 Each case is a one-GPU job (no communication: the time model's kernels and optimizer step
 alone) on megatron-core's local layer spec, which runs without Transformer Engine or Apex. The
@@ -176,7 +177,9 @@ def detected_gpu() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where to measure (default: cuda if there is one)"
+    )
     parser.add_argument("--gpu", help="GPU of the prediction (default: the one found, or h100)")
     parser.add_argument("--only", default="", help="cases whose name contains this")
     parser.add_argument("--json", help="write the rows here")
@@ -192,6 +195,11 @@ def main() -> int:
         help="also profile each case's last iteration: the GPU's busy time and the kernels",
     )
     args = parser.parse_args()
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.measured and args.device == "cuda":
+        parser.error("--measured compares with an earlier run: use it with --device cpu")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from metatrace.config import job_from_dict, resolve
