@@ -117,11 +117,14 @@ def job_dict(name: str, gpu: str) -> dict:
 
 
 def predict(job):
+    """(iteration seconds, their breakdown, the peak bytes) of the one-GPU job, from one trace."""
     from metatrace.analysis.timing import breakdown, job_timing
+    from metatrace.tracing.measure import predicted
     from metatrace.tracing.trace import trace_job
 
-    timing = job_timing(trace_job(job, full_model=False))
-    return timing.iteration_seconds, breakdown(timing)
+    traced = trace_job(job, full_model=False)
+    timing = job_timing(traced)
+    return timing.iteration_seconds, breakdown(timing), predicted(job, traced.roles[0]).peak
 
 
 def profiled(job) -> dict:
@@ -195,16 +198,15 @@ def main() -> int:
         help="also profile each case's last iteration: the GPU's busy time and the kernels",
     )
     args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch reads it
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.measured and args.device == "cuda":
         parser.error("--measured compares with an earlier run: use it with --device cpu")
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from metatrace.config import job_from_dict, resolve
     from metatrace.tracing.measure import measure_rank
-    from metatrace.tracing.measure import predict as predict_memory
 
     stored = {}
     if args.measured:
@@ -222,9 +224,8 @@ def main() -> int:
             continue
         job = resolve(job_from_dict(job_dict(name, gpu)))
         start = time.perf_counter()
-        seconds, terms = predict(job)
+        seconds, terms, peak = predict(job)
         traced = time.perf_counter() - start
-        peak = predict_memory(job, 0).peak
         measured = None
         if args.device == "cuda":
             measured = measure_rank(job, 0, iterations=4, device="cuda")

@@ -263,23 +263,22 @@ def _memory_path(kind, args, out) -> tuple[str | None, int]:
     if kind == "_softmax":
         row = result.shape[args[1]] if result.dim() else 1
         return ("softmax_warp" if row <= SOFTMAX_WARP_ROW else "softmax_block"), result.numel()
-    shape, strides = result.shape, result.stride()
+    strides = result.stride()
     if kind == "cat":
-        # Each input is copied into its slice of the output: laid out otherwise, element-bound.
-        for t in args[0]:
-            if t.dim() == result.dim() and any(
-                n > 1 and x != y for n, x, y in zip(t.shape, t.stride(), strides, strict=True)
-            ):
-                return "generic", result.numel()
-        return None, 0
-    for a in args:
-        if not isinstance(a, torch.Tensor) or a.numel() <= 1:
-            continue  # scalars are passed by value
-        if a.shape != shape or any(
-            n > 1 and x != y for n, x, y in zip(shape, a.stride(), strides, strict=True)
-        ):
-            return "generic", result.numel()
+        # Each input is copied into its slice of the output.
+        inputs = [t for t in args[0] if t.dim() == result.dim()]
+    else:  # scalars are passed by value
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.numel() > 1]
+        if any(a.shape != result.shape for a in inputs):
+            return "generic", result.numel()  # broadcast
+    if any(_laid_out_otherwise(t, strides) for t in inputs):
+        return "generic", result.numel()
     return None, 0
+
+
+def _laid_out_otherwise(t: torch.Tensor, strides) -> bool:
+    """Whether `t` steps through memory otherwise than an output (or its slice) of `strides`."""
+    return any(n > 1 and x != y for n, x, y in zip(t.shape, t.stride(), strides, strict=True))
 
 
 def _by_name(counts: dict) -> dict[str, int]:

@@ -366,12 +366,11 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         reset_offload_manager()
         took = []
         for i in range(iterations):
-            if cuda and i == min(1, iterations - 1):
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                allocated["steady"] = torch.cuda.memory_allocated()
             if cuda:
                 torch.cuda.synchronize()
+                if i == min(1, iterations - 1):
+                    torch.cuda.reset_peak_memory_stats()
+                    allocated["steady"] = torch.cuda.memory_allocated()
                 took.append(-time.perf_counter())
             with record_function(marker + "iteration"):
                 run_iteration(
@@ -422,15 +421,20 @@ def _cycle(pool):
 
 def predict(job, rank: int) -> Predicted:
     """metatrace's prediction for global `rank` (traced on meta, as `metatrace run` does)."""
-    from metatrace.analysis import aggregate as agg
-    from metatrace.analysis.memory import lifetimes, role_memory
-    from metatrace.config.hardware import cublas_workspace_bytes
     from metatrace.tracing.trace import trace_role
     from metatrace.world import World
 
     world = World.from_job(job)
     role = next(r for r in world.roles() if rank in r.ranks)
-    rt = trace_role(job, world, role, rank=rank)
+    return predicted(job, trace_role(job, world, role, rank=rank))
+
+
+def predicted(job, rt) -> Predicted:
+    """The prediction from a traced role (a RoleTrace with its iteration)."""
+    from metatrace.analysis import aggregate as agg
+    from metatrace.analysis.memory import lifetimes, role_memory
+    from metatrace.config.hardware import cublas_workspace_bytes
+
     # The cuBLAS workspaces are the micro-batch's persistent storages of exactly the configured
     # size (one per thread that ran a GEMM: forward, and the autograd engine's in backward).
     life = lifetimes(rt.trace.memory)
