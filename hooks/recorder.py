@@ -461,6 +461,7 @@ class Recorder:
         self.chunks = chunks
         self._static_tensors = dict(static or {})
         self._static_parts: dict[str, int] = {}
+        self._static_sizes: list[int] = []
         self.device_types = tuple(torch.device(d).type for d in devices)
         self.groups = groups
         self.rank = rank
@@ -504,6 +505,8 @@ class Recorder:
                 sid = self.storages.see(t)
                 if sid is not None and sid not in self.storages.static:
                     self.storages.static.add(sid)
+                    if self.storages.nbytes(sid):
+                        self._static_sizes.append(self.storages.nbytes(sid))
             self._static_parts[part] = self._live - before
         self._static_tensors = {}  # the storages are known now; hold no tensors
         self._static_bytes = self._live
@@ -566,6 +569,7 @@ class Recorder:
             windows=tuple(self._windows),
             static_parts=dict(self._static_parts),
             collective_flops=dict(self._collective_flops),
+            static_sizes=tuple(self._static_sizes),
         )
 
     # ------------------------------------------------------------------ where are we

@@ -199,6 +199,10 @@ class Trace:
     collective_flops: dict[int, int] = field(default_factory=dict)
     """{seq of a collective issued inside a Window: the window's FLOPs before it} (where the
     collective sits in the step's compute)."""
+    static_sizes: tuple[int, ...] = ()
+    """Bytes of each static storage (512-byte rounded) in the order the recorder first saw
+    them: the parameters and buffers module by module, then the parts of static_parts; what
+    the allocator simulation (analysis.device) allocates before the first micro-batch."""
 
     def columns(self, kind: str, names: tuple[str, ...]) -> dict[str, Any]:
         """Fields `names` of the records of `kind` ("memory", "windows", ...) as numpy arrays,

@@ -58,6 +58,19 @@ class Measured:
     seconds: float | None = None
     """On a GPU: wall seconds of an iteration after the first (the median), from one
     synchronisation to the next; the fake world's collectives move nothing. None on the CPU."""
+    reserved: int | None = None
+    """On a GPU: torch.cuda.max_memory_reserved(), the caching allocator's segments at their
+    most (it never gives them back unless emptied, so this covers the whole run). None on the
+    CPU."""
+    device_used: int | None = None
+    """On a GPU: what the device held at the end (torch.cuda.mem_get_info: total - free), the
+    process's CUDA context, libraries and the allocator's reserve together. None on the CPU."""
+    device_before: int | None = None
+    """On a GPU: the same before the model was built (the context with nothing allocated yet,
+    plus whatever else the device held)."""
+    allocations: tuple = ()
+    """On the CPU: every allocation and free of the run as (ns, bytes, address), a free
+    negative, in time order (what an allocator simulation replays)."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +350,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         # rank makes its own, as a training process does.
         torch._C._cuda_clearCublasWorkspaces()
         base = torch.cuda.memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        device_before = total - free
     with (
         profiler as prof,
         patches,
@@ -389,6 +404,8 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         del model, optimizer
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
         return Measured(
             peak=peak,
             peak_blocks=peak,
@@ -398,6 +415,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
             model=allocated["model"] - base,
             steady=allocated["steady"] - base,
             seconds=statistics.median(took[1:] or took),
+            reserved=torch.cuda.max_memory_reserved(),
+            device_used=total - free,
+            device_before=device_before,
         )
     events, marks = _profiler_log(prof, marker)
     iterations_at = marks[marker + "iteration"]
@@ -411,6 +431,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         device=device,
         model=live_at(running, marks[marker + "model"][0]),
         steady=live_at(running, since),
+        allocations=tuple(sorted(events)),
     )
 
 
@@ -539,3 +560,22 @@ def build_comparison(predicted: Predicted, measured: Measured, rank: int):
             f"{predicted.cuda_only:,} of cuBLAS workspaces a CPU run does not allocate"
         )
     return table
+
+
+def reserves(job, rt, measured: Measured, config) -> tuple:
+    """The simulated allocator's reserve (analysis.device.Reserve) over metatrace's allocations
+    of the traced role `rt` and over the allocations a CPU `measured` run made, under the
+    allocator settings `config`: the check of the allocations metatrace feeds the simulation
+    against megatron-core's own, without a GPU. The cuBLAS workspaces, which a CPU run does
+    not allocate, are left out of the prediction's."""
+    from metatrace.analysis.device import FREE, allocations, simulate
+    from metatrace.config.hardware import cublas_workspace_bytes
+
+    workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
+    predicted = list(allocations(rt.trace, rt.iteration))
+    workspaces = {key for delta, key in predicted if delta == workspace}
+    real = [(n if n > 0 else FREE, ptr) for _, n, ptr in measured.allocations]
+    return (
+        simulate([e for e in predicted if e[1] not in workspaces], config),
+        simulate(real, config),
+    )

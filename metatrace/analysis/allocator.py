@@ -1,0 +1,503 @@
+"""PyTorch's CUDA caching allocator, simulated: from a sequence of mallocs and frees to the
+memory it reserves from the device (pure, no torch).
+
+The rules are those of c10/cuda/CUDACachingAllocator.cpp as torch 2.13 has them
+(../shared/notes/device-memory.md, with the lines they come from):
+- a request is rounded up to 512 bytes, or to the next of `roundup_power2_divisions` steps
+  between two powers of two where that is set (`round_size`);
+- requests up to 1 MiB come from the small pool, larger ones from the large pool; pools are
+  per stream, and a cached block never serves another stream;
+- a cached block is found best fit: the smallest one at least as large, the lowest address
+  among equals (`get_free_block`); with `max_split_size_mb`, a request below it never takes a
+  block at or above it, and a request at or above it never one `max_non_split_rounding_mb` or
+  more larger;
+- with no cached block, a segment is cudaMalloc'd: 2 MiB for the small pool, 20 MiB
+  (`large_segment_size_mb`) for requests under 10 MiB, otherwise the request rounded up to
+  2 MiB (`get_allocation_size`);
+- the block found is split when the rest is at least 512 bytes (small pool, expandable
+  segments) or, in the large pool, when the request is below `max_split_size` and the rest is
+  over 1 MiB (`should_split`); a freed block merges with free neighbours of its segment;
+- a block used on another stream (`record_stream`) returns to the cache only when that
+  stream's work is done, which the allocator checks at its next malloc (`process_events`);
+- with `expandable_segments`, each pool of a stream has one segment that grows by mapping
+  pages (2 MiB small, 20 MiB large) at its end, and a request that fits nowhere maps just
+  enough pages;
+- when the device cannot hold another segment, every cached segment that holds nothing is
+  freed (free pages unmapped with expandable segments) and the request tried again; then it
+  is out of memory (`release_cached_blocks`, the OOM path).
+
+Reserved memory (`max_memory_reserved()`) is the sum of the segments (mapped pages) at their
+most; it never shrinks except on that retry.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from metatrace.errors import ConfigError
+
+MiB = 1 << 20
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = MiB  # kSmallSize: largest request of the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: a small-pool segment (and expandable page)
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge
+INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB to 64 GiB, one per power of two
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The settings of PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF) that change reserved
+    memory, in bytes."""
+
+    expandable_segments: bool = False
+    max_split_size: int | None = None
+    """None: unlimited (the default)."""
+    max_non_split_rounding: int = 20 * MiB
+    roundup_power2_divisions: tuple[int, ...] = (0,) * INTERVALS
+    """Divisions per power-of-two interval from 1 MiB (index 0: below 2 MiB) to 64 GiB."""
+    garbage_collection_threshold: float = 0.0
+    large_segment_size: int = 20 * MiB
+    """The large pool's segment for requests under 10 MiB (torch 2.13's large_segment_size_mb,
+    kLargeBuffer before)."""
+    unknown: tuple[str, ...] = ()
+    """Keys the allocator reads that change no memory here (pinned-memory and CUDA-graph
+    settings, backend), kept so that the report can name them."""
+
+    @property
+    def text(self) -> str:
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size // MiB}")
+        if any(self.roundup_power2_divisions):
+            parts.append("roundup_power2_divisions:...")
+        if self.garbage_collection_threshold:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        return ",".join(parts) or "default"
+
+
+_IGNORED_KEYS = {
+    # Settings of pinned host memory, CUDA-graph capture, IPC and the backend: no effect on the
+    # device memory of the allocations simulated here.
+    "pinned_use_background_threads",
+    "pinned_num_register_threads",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "graph_capture_record_stream_reuse",
+    "per_process_memory_fraction",
+    "throw_on_cudamalloc_oom",
+    "pinned_reserve_segment_size_mb",
+    "expandable_segments_handle_type",
+}
+
+
+def _size_t(key: str, value: str) -> int:
+    if not value.isdigit():
+        raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} takes a whole number, not {value!r}")
+    return int(value)
+
+
+def _power2(key: str, value: int) -> int:
+    if value and value & (value - 1):
+        raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} must be a power of two or 0, not {value}")
+    return value
+
+
+def _divisions(value: str) -> tuple[int, ...]:
+    """roundup_power2_divisions: a single number for every interval, or
+    [MB:divisions,...,>:divisions] (AllocatorConfig.cpp parseRoundUpPower2Divisions)."""
+    key = "roundup_power2_divisions"
+    if not value.startswith("["):
+        return (_power2(key, _size_t(key, value)),) * INTERVALS
+    if not value.endswith("]"):
+        raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} {value!r} lacks its closing ']'")
+    table = [0] * INTERVALS
+    first, last = True, 0
+    for item in filter(None, value[1:-1].split(",")):
+        bound, sep, count = item.partition(":")
+        if not sep:
+            raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} entry {item!r} is not SIZE_MB:COUNT")
+        n = _power2(key, _size_t(key, count))
+        if bound == ">":
+            table[last + 1 :] = [n] * (INTERVALS - last - 1)
+            continue
+        mb = _size_t(key, bound)
+        if mb <= 0 or mb & (mb - 1):
+            raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} bound {mb} is not a power of two")
+        index = min(max(mb.bit_length() - 1, 0), INTERVALS - 1)
+        if first:
+            table[:index] = [n] * index
+            first = False
+        table[index] = n
+        last = index
+    return tuple(table)
+
+
+def parse_alloc_conf(text: str) -> AllocatorConfig:
+    """PYTORCH_ALLOC_CONF's `key:value,key:value` (torch 2.13's keys); a malformed value is a
+    ConfigError naming it, as torch refuses it at the first CUDA allocation."""
+    values: dict = {}
+    unknown = []
+    rest = text.strip()
+    while rest:
+        key, sep, rest = rest.partition(":")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"PYTORCH_ALLOC_CONF: {key!r} has no value (key:value)")
+        if rest.startswith("["):
+            end = rest.find("]")
+            if end < 0:
+                raise ConfigError(f"PYTORCH_ALLOC_CONF: {key}'s list lacks its closing ']'")
+            value, rest = rest[: end + 1], rest[end + 1 :].lstrip(",")
+        else:
+            value, _, rest = rest.partition(",")
+        value = value.strip()
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise ConfigError("PYTORCH_ALLOC_CONF: expandable_segments is True or False")
+            values["expandable_segments"] = value == "True"
+        elif key in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb"):
+            mb = _size_t(key, value)
+            if key != "large_segment_size_mb" and mb < 20:
+                raise ConfigError(f"PYTORCH_ALLOC_CONF: {key} must be at least 20 (MiB)")
+            name = {
+                "max_split_size_mb": "max_split_size",
+                "max_non_split_rounding_mb": "max_non_split_rounding",
+                "large_segment_size_mb": "large_segment_size",
+            }[key]
+            values[name] = mb * MiB
+        elif key == "garbage_collection_threshold":
+            try:
+                threshold = float(value)
+            except ValueError:
+                threshold = -1.0
+            if not 0 < threshold < 1:
+                raise ConfigError(
+                    f"PYTORCH_ALLOC_CONF: garbage_collection_threshold is in (0, 1), not {value}"
+                )
+            values["garbage_collection_threshold"] = threshold
+        elif key == "roundup_power2_divisions":
+            values["roundup_power2_divisions"] = _divisions(value)
+        elif key == "backend":
+            if value not in ("native", "cudaMallocAsync"):
+                raise ConfigError("PYTORCH_ALLOC_CONF: backend is native or cudaMallocAsync")
+            if value == "cudaMallocAsync":
+                unknown.append("backend:cudaMallocAsync")
+        elif key in _IGNORED_KEYS:
+            unknown.append(f"{key}:{value}")
+        else:
+            raise ConfigError(f"PYTORCH_ALLOC_CONF: unknown key {key!r}")
+    return AllocatorConfig(**values, unknown=tuple(unknown))
+
+
+def round_size(size: int, config: AllocatorConfig) -> int:
+    """The bytes a request of `size` takes (round_size)."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    log = size.bit_length() - 1
+    index = min(max(log - 20, 0), INTERVALS - 1)
+    divisions = config.roundup_power2_divisions[index]
+    if divisions > 1 and size > MIN_BLOCK * divisions:
+        if size & (size - 1) == 0:
+            return size
+        floor = 1 << log
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = size & ~(step - 1)
+        return size if low == size else low + step
+    return -(-size // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(size: int, config: AllocatorConfig) -> int:
+    """The segment cudaMalloc'd for a rounded request no cached block serves."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return config.large_segment_size
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("addr", "allocated", "key", "mapped", "next", "pending", "prev", "size")
+
+    def __init__(self, addr: int, size: int, mapped: bool = True):
+        self.addr = addr
+        self.size = size
+        self.allocated = False
+        self.mapped = mapped
+        self.pending = False  # freed, waiting for another stream's work
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.key: object = None  # the tensor it holds, or the free that left it
+
+
+@dataclass
+class Peak:
+    """The moment reserved memory was at its most."""
+
+    reserved: int = 0
+    allocated: int = 0
+    """Bytes allocated at that moment (blocks, after rounding)."""
+    event: int = -1
+    """Index of the malloc that reserved the last segment."""
+    holes: list = field(default_factory=list)
+    """[(bytes, key)]: the largest cached free blocks then, each with the key of the tensor
+    whose free left it (largest first, at most eight)."""
+
+
+class OutOfMemory(Exception):
+    def __init__(self, event: int, size: int, reserved: int, allocated: int):
+        super().__init__(f"out of memory at event {event}: {size} bytes")
+        self.event, self.size, self.reserved, self.allocated = event, size, reserved, allocated
+
+
+class CachingAllocator:
+    """One device's allocator. `capacity`: bytes the allocator may reserve (the device's memory
+    less what lives outside it); None for no limit."""
+
+    def __init__(self, config: AllocatorConfig = AllocatorConfig(), capacity: int | None = None):
+        self.config = config
+        self.capacity = capacity
+        self.free_sets: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self.by_addr: dict[int, _Block] = {}
+        self.live: dict[object, tuple[_Block, tuple[int, bool]]] = {}
+        self.streams_used: dict[object, set[int]] = {}
+        self.pending: list[tuple[_Block, tuple[int, bool]]] = []
+        self.expandable: dict[tuple[int, bool], _Block] = {}  # the unmapped tail per pool
+        self.bases: dict[tuple[int, bool], int] = {}  # where each expandable segment starts
+        self.next_addr = 1 << 40
+        self.reserved = self.allocated = 0
+        self.peak = Peak()
+        self.peak_allocated = 0
+        self.segments = 0
+        self.events = 0
+        self.retries = 0
+
+    # -------------------------------------------------------------- free-block sets
+    def _insert(self, pool: tuple[int, bool], block: _Block) -> None:
+        bisect.insort(self.free_sets.setdefault(pool, []), (block.size, block.addr))
+
+    def _remove(self, pool: tuple[int, bool], block: _Block) -> None:
+        blocks = self.free_sets[pool]
+        i = bisect.bisect_left(blocks, (block.size, block.addr))
+        del blocks[i]
+
+    def _best_fit(self, pool: tuple[int, bool], size: int) -> _Block | None:
+        blocks = self.free_sets.get(pool)
+        if not blocks:
+            return None
+        i = bisect.bisect_left(blocks, (size, 0))
+        if i == len(blocks):
+            return None
+        block = self.by_addr[blocks[i][1]]
+        if self.config.expandable_segments:
+
+            def grows_to(b: _Block) -> int:
+                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+            while i + 1 < len(blocks):
+                nxt = self.by_addr[blocks[i + 1][1]]
+                if grows_to(nxt) >= grows_to(block):
+                    break
+                i, block = i + 1, nxt
+        limit = self.config.max_split_size
+        if limit is not None:
+            if size < limit and block.size >= limit:
+                return None
+            if size >= limit and block.size >= size + self.config.max_non_split_rounding:
+                return None
+        self._remove(pool, block)
+        return block
+
+    # -------------------------------------------------------------- segments
+    def _fits(self, nbytes: int) -> bool:
+        return self.capacity is None or self.reserved + nbytes <= self.capacity
+
+    def _new_segment(self, pool: tuple[int, bool], size: int) -> _Block | None:
+        nbytes = segment_size(size, self.config)
+        if not self._fits(nbytes):
+            return None
+        block = _Block(self.next_addr, nbytes)
+        self.next_addr += nbytes + ROUND_LARGE
+        self.by_addr[block.addr] = block
+        self._reserve(nbytes)
+        self.segments += 1
+        return block
+
+    def _page(self, pool: tuple[int, bool]) -> int:
+        return SMALL_BUFFER if pool[1] else self.config.large_segment_size
+
+    def _grow(self, pool: tuple[int, bool], size: int) -> _Block | None:
+        """Expandable segments: map pages at the end of the pool's segment so that its last
+        free block (or new pages) holds `size` (try_allocate_expandable_block)."""
+        tail = self.expandable.get(pool)
+        if tail is None:
+            tail = _Block(self.next_addr, 1 << 50, mapped=False)
+            self.next_addr += (1 << 50) + ROUND_LARGE
+            self.by_addr[tail.addr] = tail
+            self.expandable[pool] = tail
+            self.bases[pool] = tail.addr
+            self.segments += 1
+        start = tail.prev if tail.prev is not None and self._is_free(tail.prev) else None
+        have = start.size if start is not None else 0
+        page = self._page(pool)
+        nbytes = -(-(size - have) // page) * page
+        if not self._fits(nbytes):
+            return None
+        self._reserve(nbytes)
+        del self.by_addr[tail.addr]
+        if start is not None:
+            self._remove(pool, start)
+            start.size += nbytes
+            block = start
+        else:
+            block = _Block(tail.addr, nbytes)
+            self.by_addr[block.addr] = block
+            block.prev, tail.prev = tail.prev, block
+            if block.prev is not None:
+                block.prev.next = block
+            block.next = tail
+        tail.addr += nbytes
+        tail.size -= nbytes
+        self.by_addr[tail.addr] = tail
+        return block
+
+    def _is_free(self, block: _Block) -> bool:
+        return block.mapped and not block.allocated and not block.pending
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        if self.reserved > self.peak.reserved:
+            largest = sorted(
+                (entry for blocks in self.free_sets.values() for entry in blocks[-8:]),
+                reverse=True,
+            )[:8]
+            holes = [(size, self.by_addr[addr].key) for size, addr in largest]
+            self.peak = Peak(self.reserved, self.allocated, self.events, holes)
+
+    def release_cached(self) -> int:
+        """Free every cached segment that holds nothing; with expandable segments, unmap the
+        free pages at each segment's end (release_cached_blocks). Bytes released."""
+        released = 0
+        for pool, blocks in self.free_sets.items():
+            for size, addr in list(blocks):
+                block = self.by_addr[addr]
+                if self.config.expandable_segments:
+                    tail = block.next
+                    if tail is None or tail.mapped:
+                        continue
+                    page, base = self._page(pool), self.bases[pool]
+                    keep = -(-(block.addr - base) // page) * page + base - block.addr
+                    nbytes = block.size - keep
+                    if nbytes <= 0:
+                        continue
+                    self._remove(pool, block)
+                    del self.by_addr[tail.addr]
+                    tail.addr -= nbytes
+                    tail.size += nbytes
+                    self.by_addr[tail.addr] = tail
+                    if keep:
+                        block.size = keep
+                        self._insert(pool, block)
+                    else:
+                        del self.by_addr[block.addr]
+                        tail.prev = block.prev
+                        if block.prev is not None:
+                            block.prev.next = tail
+                elif block.prev is None and block.next is None:
+                    self._remove(pool, block)
+                    del self.by_addr[addr]
+                    nbytes = size
+                    self.segments -= 1
+                else:
+                    continue
+                self.reserved -= nbytes
+                released += nbytes
+        return released
+
+    # -------------------------------------------------------------- the API
+    def malloc(self, key: object, size: int, stream: int = 0) -> None:
+        """Allocate `size` bytes for the tensor `key` on `stream`."""
+        self.events += 1
+        self._process_events()
+        rounded = round_size(size, self.config)
+        pool = (stream, rounded <= SMALL_SIZE)
+        block = self._best_fit(pool, rounded)
+        if block is None:
+            grow = self._grow if self.config.expandable_segments else self._new_segment
+            block = grow(pool, rounded)
+            if block is None and self.release_cached():
+                self.retries += 1
+                block = grow(pool, rounded)
+            if block is None:
+                raise OutOfMemory(self.events, rounded, self.reserved, self.allocated)
+        rest = block.size - rounded
+        if self.config.expandable_segments or pool[1]:
+            split = rest >= MIN_BLOCK
+        else:
+            limit = self.config.max_split_size
+            split = (limit is None or rounded < limit) and rest > SMALL_SIZE
+        if split:
+            remaining = _Block(block.addr + rounded, rest)
+            self.by_addr[remaining.addr] = remaining
+            remaining.prev, remaining.next = block, block.next
+            if block.next is not None:
+                block.next.prev = remaining
+            block.next = remaining
+            block.size = rounded
+            remaining.key = block.key
+            self._insert(pool, remaining)
+        block.allocated = True
+        block.key = key
+        self.live[key] = (block, pool)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def record_stream(self, key: object, stream: int) -> None:
+        """The tensor `key` is used on `stream` too (Tensor.record_stream)."""
+        block, pool = self.live[key]
+        if stream != pool[0]:
+            self.streams_used.setdefault(key, set()).add(stream)
+
+    def free(self, key: object) -> None:
+        """Free the tensor `key`; a block used on other streams waits for their work."""
+        block, pool = self.live.pop(key)
+        self.allocated -= block.size
+        block.allocated = False
+        if self.streams_used.pop(key, None):
+            block.pending = True
+            self.pending.append((block, pool))
+            return
+        self._cache(block, pool)
+
+    def _process_events(self) -> None:
+        while self.pending:
+            block, pool = self.pending.pop()
+            block.pending = False
+            self._cache(block, pool)
+
+    def _cache(self, block: _Block, pool: tuple[int, bool]) -> None:
+        """Return a block to its pool, merged with its free neighbours (free_block)."""
+        del self.by_addr[block.addr]
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or not self._is_free(neighbour):
+                continue
+            self._remove(pool, neighbour)
+            del self.by_addr[neighbour.addr]
+            if neighbour is block.prev:
+                block.addr, block.prev = neighbour.addr, neighbour.prev
+                if neighbour.prev is not None:
+                    neighbour.prev.next = block
+            else:
+                block.next = neighbour.next
+                if neighbour.next is not None:
+                    neighbour.next.prev = block
+            block.size += neighbour.size
+        self.by_addr[block.addr] = block
+        self._insert(pool, block)
