@@ -330,27 +330,47 @@ def detected_gpu() -> str:
 
 
 def compare(args) -> int:
-    """The prediction of each case against the stored measurement (no GPU needed)."""
-    from step_time import predict
-
+    """The prediction of each case (allocated peak, the simulated allocator's reserve) against
+    the stored measurement where there is one (no GPU needed)."""
+    from metatrace.analysis.device import allocations, simulate
     from metatrace.config import job_from_dict, resolve
+    from metatrace.config.allocator import parse_alloc_conf
+    from metatrace.tracing.measure import predicted
+    from metatrace.tracing.trace import trace_job
 
-    with open(args.measured) as f:
-        data = json.load(f)
+    stored: dict = {}
+    gpu = args.gpu or "h200"
+    if os.path.exists(args.measured):
+        with open(args.measured) as f:
+            data = json.load(f)
+        stored = {r["case"]: r for r in data["rows"] if "error" not in r}
+        gpu = args.gpu or data["gpu"]
+    else:
+        print(f"{args.measured}: no stored measurements; predictions only")
     print(
-        f"{'case':42} {'allocated':>9} {'predicted':>9} {'error':>7}  {'reserved':>8} "
-        f"{'device':>7} {'outside':>7}"
+        f"{'case':42} {'allocated GiB':>17} {'error':>7}  {'reserved GiB':>17} {'error':>7}  "
+        f"{'device GiB':>10}"
     )
-    for row in data["rows"]:
-        if args.only not in row["case"] or "error" in row:
+
+    def pair(p: float, m: float | None) -> str:
+        return (
+            f"{p / 2**30:8.2f} {m / 2**30:8.2f} {(p - m) / m:+7.2%}"
+            if m
+            else f"{p / 2**30:8.2f} {'-':>8} {'-':>7}"
+        )
+
+    for name in CASES:
+        if args.only not in name:
             continue
-        job = resolve(job_from_dict(row["job"]))
-        _, _, peak = predict(job)
-        m = row["measured_peak_bytes"]
+        job = resolve(job_from_dict(job_dict(name, gpu)))
+        rt = trace_job(job, full_model=False).roles[0]
+        peak = predicted(job, rt).peak
+        reserve = simulate(allocations(rt.trace, rt.iteration), parse_alloc_conf(CASES[name][2]))
+        row = stored.get(name, {})
         print(
-            f"{row['case']:42} {m / 2**30:9.2f} {peak / 2**30:9.2f} {(peak - m) / m:+7.2%}  "
-            f"{row['max_reserved'] / 2**30:8.2f} {row['device_used'] / 2**30:7.2f} "
-            f"{(row['device_used'] - row['reserved_end']) / 2**30:7.2f}  GiB",
+            f"{name:42} {pair(peak, row.get('measured_peak_bytes'))}  "
+            f"{pair(reserve.reserved, row.get('max_reserved'))}  "
+            + (f"{row['device_used'] / 2**30:10.2f}" if row else f"{'-':>10}"),
             flush=True,
         )
     return 0

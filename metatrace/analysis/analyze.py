@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from metatrace.analysis import aggregate as agg
 from metatrace.analysis.comm import JobComm, RoleComm, job_comm
+from metatrace.analysis.device import DeviceMemory, role_device_memory
 from metatrace.analysis.memory import (
     OffloadSummary,
     RoleMemory,
@@ -42,6 +43,9 @@ class RoleAnalysis:
     """Communication over one iteration (None when no iteration was traced)."""
     offload: OffloadSummary | None = None
     """Fine-grained activation offloading's traffic (None when the job does not offload)."""
+    device: DeviceMemory | None = None
+    """What the rank takes on its GPU: the caching allocator's reserve and what lives outside
+    it (None when no iteration was traced)."""
 
     @property
     def role(self):
@@ -84,14 +88,22 @@ class Analysis:
 
 def _role(rt: RoleTrace, job, comm: RoleComm | None) -> RoleAnalysis:
     tree = tuple(agg.module_tree(rt.trace, rt.chunks))
+    memory = role_memory(rt.trace, rt.iteration) if rt.iteration is not None else None
+    device = None
+    if memory is not None:
+        room = round(job.cluster.gpu_memory_gib * 2**30) - round(
+            job.cluster.reserved_overhead_gib * 2**30
+        )
+        device = role_device_memory(job, rt, memory.peak, capacity=room)
     return RoleAnalysis(
         traced=rt,
         summary=agg.role_summary(rt.trace),
         tree=tree,
         signature=agg.role_signature(rt.trace, tree),
-        memory=role_memory(rt.trace, rt.iteration) if rt.iteration is not None else None,
+        memory=memory,
         comm=comm,
         offload=role_offload(job, rt),
+        device=device,
     )
 
 
@@ -112,6 +124,8 @@ def analyze(job_trace: JobTrace) -> Analysis:
         total_params=agg.model_params(traces, par.tp, par.ep, par.etp),
         active_params=agg.model_params(traces, par.tp, par.ep, par.etp, expert_share=share),
         comm=comm,
-        verdict=verdict(job, [(r.role.ranks, r.memory) for r in roles]) if iterations else None,
+        verdict=verdict(job, [(r.role.ranks, r.memory, r.device) for r in roles])
+        if iterations
+        else None,
         timing=job_timing(job_trace) if iterations else None,
     )

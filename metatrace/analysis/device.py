@@ -18,14 +18,15 @@ PyTorch's resize_ does; one that shrinks keeps its block.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from metatrace.analysis.allocator import (
-    AllocatorConfig,
     CachingAllocator,
     OutOfMemory,
     Peak,
 )
+from metatrace.config.allocator import AllocatorConfig
 from metatrace.records import Trace
 
 FREE = -(1 << 62)
@@ -188,24 +189,21 @@ def simulate(events, config: AllocatorConfig, capacity: int | None = None) -> Re
     """Run `events` ((delta, key) as allocations() gives) through the allocator."""
     alloc = CachingAllocator(config, capacity)
     size: dict = {}
-    generation: dict = {}
     oom = None
     try:
         for delta, key in events:
             now = size.get(key, 0)
             if delta > 0:
-                if now:  # grown in place: a new block, the old one freed
-                    gen = generation.get(key, 0)
-                    alloc.malloc((key, gen + 1), now + delta)
-                    alloc.free((key, gen))
-                    generation[key] = gen + 1
+                if now:  # grown in place: a new block, then the old one freed
+                    alloc.malloc(("grown", key), now + delta)
+                    alloc.free(key)
+                    alloc.rename(("grown", key), key)
                 else:
-                    alloc.malloc((key, generation.get(key, 0)), delta)
+                    alloc.malloc(key, delta)
                 size[key] = now + delta
             elif now:
                 if now + delta <= 0:
-                    alloc.free((key, generation.get(key, 0)))
-                    generation[key] = generation.get(key, 0) + 1
+                    alloc.free(key)
                     del size[key]
                 else:
                     size[key] = now + delta
@@ -221,3 +219,270 @@ def simulate(events, config: AllocatorConfig, capacity: int | None = None) -> Re
         oom=oom,
         retries=alloc.retries,
     )
+
+
+# ----------------------------------------------------------------------------- outside the allocator
+
+MiB = 1 << 20
+GRANULE = 2 * MiB
+"""cuMem's allocation granularity: NCCL takes every buffer as its own cuMemCreate rounded up to
+it (nccl src/include/alloc.h:255-287; 2 MiB on current data-centre GPUs, [uncertain] as the
+driver reports it), and IPC buffers to CUDA_IPC_MIN, 2 MiB (src/include/comm.h:42)."""
+NCCL_LL, NCCL_LL128, NCCL_SIMPLE = 512 * 1024, 4_915_200, 4 * MiB
+"""NCCL's buffer per protocol and connection (src/init.cc:753-790): NCCL_LL_BUFFSIZE,
+NCCL_LL128_BUFFSIZE, NCCL_BUFFSIZE."""
+NCCL_CONN_MEM = 4096
+"""ncclSendMem / ncclRecvMem beside each connection's buffers."""
+NCCL_CHANNELS = 32
+"""Collective channels per communicator: twice the rings NCCL's topology search finds, at most
+64 (src/graph/connect.cc:326-360). [assumption] 32, the channel count of an 8-GPU NVSwitch
+node in ../shared/notes/device-memory.md; it depends on the topology."""
+NVLS_CHANNELS = {"sm90": 16, "sm100": 24}
+"""NVLS channels (src/transport/nvls.cc:148-151: NVLS_NCHANNELS_SM90, _SM100_NVL inside one
+NVLink domain)."""
+NVLS_CHUNK = 128 * 1024 * 8
+"""NCCL_NVLS_CHUNKSIZE (128 KiB) x NCCL_STEPS (8): one NVLS buffer per channel and head."""
+NVLS_GPUS = frozenset({"h100", "h800", "h200", "b200", "gb200"})
+"""GPUs whose NVSwitch systems support multicast (NVLS: sm90 and later with NVSwitch)."""
+NET_SHARED_CHUNKS = 16 * 128 * 1024
+"""Send/receive across nodes: shared buffers of p2pnChannels x 16 x NCCL_P2P_NET_CHUNKSIZE
+(128 KiB) per local rank and direction (src/transport/net.cc:636-673)."""
+CONTEXT_BYTES = 2_600_000_000
+"""The CUDA context, the kernel images PyTorch, cuBLAS and the rest load, and the libraries'
+own device memory: what a process holds beside the caching allocator's reserve. Measured
+(issue 42): 2.6 GB on one H200 training megatron-core on one GPU (torch 2.11, CUDA 13), NCCL
+aside; [assumption] the same on other GPUs until measured there (bench/device_memory.py)."""
+EXPANDABLE_SLACK = 256 * MiB
+"""Headroom below which the verdict also simulates expandable segments: more than they can
+reserve beyond the default (a 20 MiB page per pool and stream)."""
+RING_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+NVLS_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+P2P_OPS = frozenset({"send", "recv", "all_to_all", "gather", "scatter"})
+
+
+def _align(nbytes: int, to: int = GRANULE) -> int:
+    return -(-nbytes // to) * to
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a rank creates (a process group its collectives use) and the
+    device memory NCCL 2.29 takes for it on this rank (bytes)."""
+
+    group: str
+    size: int
+    setup: int
+    """At ncclCommInitRank: the device structures of every channel (src/init.cc:546-621,
+    src/channel.cc:13-64): (2 + 3 x channels + NVLS channels) granules."""
+    ring: int
+    """The ring's connections, made at the first ring collective (NCCL connects lazily with
+    cuMem, src/enqueue.cc:490-497): per channel a receive and a send connector."""
+    nvls: int
+    """NVLS (NVSwitch multicast) buffers, at the first collective NCCL runs with it."""
+    p2p: int
+    """Send/receive (pipeline transfers, all-to-all): per peer, its channels' connectors."""
+
+    @property
+    def total(self) -> int:
+        return self.setup + self.ring + self.nvls + self.p2p
+
+
+def communicator(
+    group: str,
+    ranks: tuple[int, ...],
+    ops: set,
+    peers: set,
+    rank: int,
+    gpus_per_node: int,
+    gpu: str,
+) -> Communicator:
+    """The device memory of rank `rank`'s communicator over `ranks` that ran collectives `ops`
+    and sent to or received from `peers` (see Communicator; ../shared/notes/device-memory.md)."""
+    from metatrace.config.hardware import GPU_ARCH
+
+    arch = GPU_ARCH.get(gpu, "")
+    node = rank // gpus_per_node
+    local = sum(1 for r in ranks if r // gpus_per_node == node)
+    # P2P transport inside a node (src/transport/p2p.cc:397-400, 466-469): the receiver holds
+    # all three protocols' buffers, the sender ncclSendMem; in read mode (the default for sm80
+    # pairs over NVLink, src/graph/paths.cc:375) the SIMPLE buffer moves to the sender.
+    if arch == "sm80":
+        p2p_recv = _align(NCCL_CONN_MEM + NCCL_LL + NCCL_LL128)
+        p2p_send = _align(NCCL_CONN_MEM + NCCL_SIMPLE)
+    else:
+        p2p_recv = _align(NCCL_CONN_MEM + NCCL_LL + NCCL_LL128 + NCCL_SIMPLE)
+        p2p_send = _align(NCCL_CONN_MEM)
+    # NET transport with GPUDirect RDMA (src/transport/net.cc:887-920, 1054-1090): the send
+    # side keeps LL128 and SIMPLE on the GPU, the receive side all three.
+    net_send = _align(NCCL_LL128 + NCCL_SIMPLE)
+    net_recv = _align(NCCL_LL + NCCL_LL128 + NCCL_SIMPLE)
+    nvls_channels = 0
+    nvls_ok = gpu in NVLS_GPUS and local == len(ranks) and local >= 2
+    if nvls_ok:
+        nvls_channels = NVLS_CHANNELS.get(arch, 16)
+    setup = (2 + 3 * NCCL_CHANNELS + nvls_channels) * GRANULE
+    ring = 0
+    if ops & RING_OPS:
+        # A ring enters and leaves each node once per channel: of the `local` members on this
+        # node, one in `local` receives from and one sends to another node.
+        outside = 1 / local if local < len(ranks) else 0.0
+        recv = outside * net_recv + (1 - outside) * p2p_recv
+        send = outside * net_send + (1 - outside) * p2p_send
+        ring = round(NCCL_CHANNELS * (recv + send))
+    nvls = 0
+    if nvls_ok and ops & NVLS_OPS:
+        nvls = _align(nvls_channels * 2 * NVLS_CHUNK * local)
+    p2p = 0
+    far = {p for p in peers if p // gpus_per_node != node}
+    near = peers - far
+    if near:
+        # Channels per NVLink peer: twice the peer's bandwidth in links, a power of two, at
+        # most the communicator's p2p channels (src/graph/paths.cc:833-912): all of them on an
+        # NVSwitch system.
+        p2p += len(near) * NCCL_CHANNELS * (p2p_recv + p2p_send)
+    if far:
+        p2p += 2 * NCCL_CHANNELS * NET_SHARED_CHUNKS
+    return Communicator(group, len(ranks), setup, ring, nvls, p2p)
+
+
+def communicators(job, collectives, rank: int) -> tuple[Communicator, ...]:
+    """The communicators rank `rank` creates: one per process group its `collectives`
+    (records.Collective) use, groups of one rank aside (PyTorch creates a communicator when a
+    group first runs a collective)."""
+    groups: dict = {}
+    for c in collectives:
+        if len(c.ranks) < 2:
+            continue
+        ops, peers, name = groups.setdefault(c.ranks, (set(), set(), c.group))
+        ops.add(c.op)
+        if c.peer is not None:
+            peers.add(c.peer)
+        elif c.op in P2P_OPS:
+            peers.update(r for r in c.ranks if r != rank)
+    cl = job.cluster
+    return tuple(
+        communicator(name, ranks, ops, peers, rank, cl.gpus_per_node, cl.gpu)
+        for ranks, (ops, peers, name) in sorted(groups.items())
+    )
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one rank takes on its GPU (bytes)."""
+
+    allocated: int
+    """The allocated peak (torch.cuda.max_memory_allocated())."""
+    reserve: Reserve
+    """The caching allocator under the job's settings."""
+    context: int
+    """The CUDA context and libraries (CONTEXT_BYTES, or cluster.context_gib)."""
+    nccl: tuple[Communicator, ...]
+    userbuffers: int
+    """Transformer Engine's userbuffers (tp_comm_overlap)."""
+    expandable: Reserve | None = None
+    """The reserve with expandable_segments:True, where the job does not set it and its
+    default does not fit with EXPANDABLE_SLACK to spare."""
+    nccl_given: int | None = None
+    """cluster.nccl_gib, which replaces the communicators' estimate, in bytes."""
+    holes: tuple[tuple[int, str], ...] = ()
+    """The largest cached free blocks at the reserve's peak: (bytes, the module whose tensor's
+    free left the block)."""
+
+    @property
+    def nccl_bytes(self) -> int:
+        if self.nccl_given is not None:
+            return self.nccl_given
+        return sum(c.total for c in self.nccl)
+
+    @property
+    def outside(self) -> int:
+        return self.context + self.nccl_bytes + self.userbuffers
+
+    @property
+    def total(self) -> int:
+        return self.reserve.reserved + self.outside
+
+    @property
+    def expandable_total(self) -> tuple[int, bool]:
+        """(device memory, out of memory) with expandable_segments:True; where it was not
+        simulated, the default's (it fits with room to spare)."""
+        r = self.expandable or self.reserve
+        return r.reserved + self.outside, r.oom is not None
+
+    def terms(self) -> list[tuple[str, int]]:
+        """What lives outside the allocator, largest first."""
+        terms = [("CUDA context and libraries", self.context)]
+        if self.nccl_given is not None:
+            terms.append(("NCCL (cluster.nccl_gib)", self.nccl_given))
+        elif self.nccl:
+            terms.append(("NCCL", self.nccl_bytes))
+        if self.userbuffers:
+            terms.append(("userbuffers", self.userbuffers))
+        return sorted(terms, key=lambda t: -t[1])
+
+
+def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) -> DeviceMemory:
+    """A traced role's device memory: its allocations through the allocator of the job's
+    PYTORCH_ALLOC_CONF (cluster.allocator_conf), then what lives outside it. `capacity`: the
+    device's memory less the margin the user keeps; where the reserve would not fit beside the
+    rest, the allocator is run again with what is left, as the real one frees its cache and
+    retries before it gives up (Reserve.retries, Reserve.oom)."""
+    from metatrace.config.allocator import parse_alloc_conf
+    from metatrace.config.userbuffers import userbuffer_bytes
+
+    config = parse_alloc_conf(job.cluster.allocator_conf or "")
+    events = list(allocations(rt.trace, rt.iteration))
+    reserve = simulate(events, config)
+    collectives = list(rt.trace.collectives)
+    if rt.iteration is not None:
+        collectives += [c for c, _ in rt.iteration.tally("collectives")]
+    cl = job.cluster
+    context = round(cl.context_gib * 2**30) if cl.context_gib is not None else CONTEXT_BYTES
+    memory = DeviceMemory(
+        allocated=allocated,
+        reserve=reserve,
+        context=context,
+        nccl=communicators(job, collectives, rt.trace.rank),
+        userbuffers=userbuffer_bytes(job),
+        nccl_given=None if cl.nccl_gib is None else round(cl.nccl_gib * 2**30),
+    )
+    if capacity is not None and memory.total > capacity:
+        reserve = simulate(events, config, capacity - memory.outside)
+        memory = dataclasses.replace(memory, reserve=reserve)
+    memory = dataclasses.replace(memory, holes=_holes(rt, reserve))
+    # Expandable segments can change the verdict only where the default's does not fit with
+    # room to spare (they reserve whole 20 MiB pages, so a little more at times).
+    tight = capacity is not None and memory.total + EXPANDABLE_SLACK > capacity
+    if not config.expandable_segments and tight:
+        expandable = dataclasses.replace(config, expandable_segments=True)
+        limit = capacity - memory.outside if capacity is not None else None
+        memory = dataclasses.replace(memory, expandable=simulate(events, expandable, limit))
+    return memory
+
+
+def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
+    """Reserve.holes with each key told by the module that allocated its storage."""
+    modules: dict = {}
+    for trace in (rt.trace, rt.iteration):
+        if trace is None:
+            continue
+        cols = trace.columns("memory", ("storage", "module", "delta"))
+        for sid, module, delta in zip(
+            cols["storage"].tolist(), cols["module"].tolist(), cols["delta"].tolist()
+        ):
+            if delta > 0:
+                modules.setdefault((trace is rt.trace, sid), module)
+    out = []
+    for nbytes, key in reserve.holes:
+        key = (
+            key[0]
+            if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple)
+            else key
+        )
+        name = "(static)"
+        if isinstance(key, tuple) and key and key[0] in ("micro", "step"):
+            name = modules.get((True, key[-1]), "?")
+        elif isinstance(key, tuple) and key and key[0] == "iteration":
+            name = modules.get((False, key[-1]), "?")
+        out.append((nbytes, name or "(step)"))
+    return tuple(out)

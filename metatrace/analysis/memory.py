@@ -551,34 +551,48 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether every GPU holds its peak plus the reserved overhead (bytes)."""
+    """Whether every GPU holds what its rank takes: the caching allocator's reserve and what
+    lives outside the allocator (analysis.device), plus the margin the user keeps (bytes)."""
 
     capacity: int
     """Memory of one GPU (cluster.gpu_memory_gib)."""
     overhead: int
-    """Reserved for what the caching allocator does not hand out (cluster.reserved_overhead_gib)."""
+    """The margin the user keeps free (cluster.reserved_overhead_gib; 0 by default)."""
     worst: int
-    """The highest predicted peak of any rank."""
+    """The highest predicted allocated peak of any rank."""
     worst_ranks: tuple[int, ...]
     """Ranks with that peak."""
     oom_ranks: tuple[int, ...]
-    """Ranks whose peak plus the overhead (and the userbuffers) exceeds the capacity."""
+    """Ranks whose device memory plus the margin exceeds the capacity."""
     userbuffers: int = 0
     """Transformer Engine's userbuffers on every GPU (tp_comm_overlap): outside PyTorch's
-    allocator, so not in the peak, but on the GPU."""
+    allocator, so not in the peak, but on the GPU (part of `binding.outside`)."""
+    binding: Any = None
+    """The analysis.device.DeviceMemory of the rank that takes the most of its GPU."""
+    binding_ranks: tuple[int, ...] = ()
+    expandable_ranks_oom: tuple[int, ...] | None = None
+    """With expandable_segments:True (where the job does not set it): the ranks that would be
+    out of memory then (None: the job sets it)."""
+    expandable_headroom: int | None = None
+    """With expandable_segments:True: the binding rank's headroom then."""
 
     @property
     def fits(self) -> bool:
         return not self.oom_ranks
 
     @property
+    def device(self) -> int:
+        """The binding rank's device memory (its reserve and what lives outside it)."""
+        return self.binding.total if self.binding is not None else self.worst
+
+    @property
     def headroom(self) -> int:
         """Capacity left on the tightest rank (negative: how much is missing)."""
-        return self.headroom_at(self.worst)
+        return self.capacity - self.overhead - self.device
 
-    def headroom_at(self, peak: int) -> int:
-        """Capacity left on a rank that peaks at `peak` (negative: how much is missing)."""
-        return self.capacity - self.overhead - self.userbuffers - peak
+    def headroom_of(self, device) -> int:
+        """Capacity left on a rank whose analysis.device.DeviceMemory is `device`."""
+        return self.capacity - self.overhead - device.total
 
 
 _DIRECTIONS = {
@@ -604,13 +618,38 @@ def not_modelled_text(items: list[dict]) -> str:
 
 
 def verdict(job, roles) -> Verdict:
-    """`roles`: (ranks, RoleMemory) for every role."""
+    """`roles`: (ranks, RoleMemory, analysis.device.DeviceMemory) for every role."""
+    from metatrace.config.allocator import parse_alloc_conf
     from metatrace.config.userbuffers import userbuffer_bytes
 
     capacity = round(job.cluster.gpu_memory_gib * GiB)
     overhead = round(job.cluster.reserved_overhead_gib * GiB)
-    outside = userbuffer_bytes(job)
-    worst = max(m.peak for _, m in roles)
-    worst_ranks = sorted(r for ranks, m in roles if m.peak == worst for r in ranks)
-    oom = sorted(r for ranks, m in roles if m.peak + overhead + outside > capacity for r in ranks)
-    return Verdict(capacity, overhead, worst, tuple(worst_ranks), tuple(oom), outside)
+    room = capacity - overhead
+    worst = max(m.peak for _, m, _ in roles)
+    worst_ranks = sorted(r for ranks, m, _ in roles if m.peak == worst for r in ranks)
+    binding = max((d for _, _, d in roles), key=lambda d: d.total)
+    binding_ranks = sorted(r for ranks, _, d in roles if d.total == binding.total for r in ranks)
+
+    def out(d) -> bool:
+        return d.total > room or d.reserve.oom is not None
+
+    oom = sorted(r for ranks, _, d in roles if out(d) for r in ranks)
+    expandable_oom = expandable_room = None
+    if not parse_alloc_conf(job.cluster.allocator_conf or "").expandable_segments:
+        totals = [(ranks, d.expandable_total) for ranks, _, d in roles]
+        expandable_oom = tuple(
+            sorted(r for ranks, (total, failed) in totals if failed or total > room for r in ranks)
+        )
+        expandable_room = room - max(total for _, (total, _) in totals)
+    return Verdict(
+        capacity,
+        overhead,
+        worst,
+        tuple(worst_ranks),
+        tuple(oom),
+        userbuffer_bytes(job),
+        binding,
+        tuple(binding_ranks),
+        expandable_oom,
+        expandable_room,
+    )

@@ -740,6 +740,18 @@ def _check_cluster(job):
             f"cluster.reserved_overhead_gib = {cl.reserved_overhead_gib:g} must be at least 0 "
             f"and at most {_MAX_GPU_GIB:,}"
         )
+    for key in ("context_gib", "nccl_gib"):
+        value = getattr(cl, key)
+        if value is not None and not 0 <= value <= _MAX_GPU_GIB:
+            yield f"cluster.{key} = {value:g} must be at least 0 and at most {_MAX_GPU_GIB:,}"
+    if cl.allocator_conf is not None:
+        from metatrace.config.allocator import parse_alloc_conf
+        from metatrace.errors import ConfigError
+
+        try:
+            parse_alloc_conf(cl.allocator_conf)
+        except ConfigError as e:
+            yield f"cluster.allocator_conf: {e.problems[0]}"
     if cl.num_gpus > cl.gpus_per_node and cl.num_gpus % cl.gpus_per_node:
         yield (
             f"cluster.num_gpus = {cl.num_gpus} is not a whole number of nodes of "

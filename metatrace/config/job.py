@@ -551,10 +551,21 @@ class Cluster:
     """GPU model: one of GPU_MEMORY_GIB's keys."""
     gpu_memory_gib: float | None = None
     """Memory per GPU; default from `gpu`."""
-    reserved_overhead_gib: float = 4.0
-    """Memory a GPU needs beside what PyTorch's caching allocator hands out: the CUDA context,
-    NCCL's communicators and buffers, and allocator fragmentation. Added to the predicted peak
-    for the verdict, never to the peak itself."""
+    reserved_overhead_gib: float = 0.0
+    """A margin the user keeps free on every GPU beyond what metatrace predicts the device
+    holds (the caching allocator's reserve, the CUDA context, NCCL's buffers, userbuffers): the
+    verdict asks the prediction plus this margin to fit."""
+    allocator_conf: str | None = None
+    """The run's PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF), e.g. "expandable_segments:True":
+    the caching allocator's settings the device-memory verdict simulates; default PyTorch's."""
+    nccl_gib: float | None = None
+    """NCCL's device memory per GPU (its communicators' buffers); default derived per
+    communicator from NCCL's own rules (metatrace.analysis.device.communicator). A measured
+    figure (ncclCommMemStats, or the device's use less the rest) replaces the estimate."""
+    context_gib: float | None = None
+    """What a training process holds on its GPU beside the allocator's reserve and NCCL's
+    buffers (the CUDA context, loaded kernels, libraries' own memory); default measured, 2.6 GB
+    (metatrace.analysis.device.CONTEXT_BYTES)."""
     intra_node_gbps: float | None = None
     """Link bandwidth per GPU and direction inside a node, Gb/s (default for `gpu`)."""
     inter_node_gbps: float | None = None

@@ -203,16 +203,7 @@ def _verdict(report) -> str:
     cl = report["cluster"]
     from metatrace.render.format import verdict_text
 
-    text = verdict_text(
-        f"{cl['gpu']} ({cl['gpu_memory_gib']:g} GiB)",
-        fits=v["fits"],
-        worst=v["highest_peak_bytes"],
-        worst_ranks=v["highest_peak_ranks"],
-        oom_ranks=v["out_of_memory_ranks"],
-        headroom=v["headroom_bytes"],
-        reserved_gib=cl["reserved_overhead_gib"],
-        userbuffers=v.get("userbuffer_bytes", 0),
-    )
+    text = verdict_text(f"{cl['gpu']} ({cl['gpu_memory_gib']:g} GiB)", v)
     out = f'<p class="verdict {"fits" if v["fits"] else "oom"}">{esc(text)}</p>'
     if v.get("not_modelled"):
         from metatrace.analysis.memory import not_modelled_text
@@ -278,15 +269,16 @@ def memory_bars(report) -> str:
     key."""
     roles = [r for r in report["roles"] if "memory" in r]
     v = report["memory_verdict"]
-    capacity, usable = v["gpu_memory_bytes"], v["gpu_memory_bytes"] - v["reserved_overhead_bytes"]
+    capacity = v["gpu_memory_bytes"]
+    usable = capacity - v["reserved_overhead_bytes"] - v["outside_allocator_bytes"]
     chart, on_scale = svg.memory_bars(roles, capacity, usable)
     keys = "".join(_key(colour, label) for _, label, _, colour in PARTS)
     note = (
         ""
         if on_scale
         else (
-            f" GPU capacity {size(capacity)} (capacity − reserved {size(usable)}) lies beyond "
-            "the scale."
+            f" GPU capacity {size(capacity)} (less what lives outside the allocator: "
+            f"{size(usable)}) lies beyond the scale."
         )
     )
     return chart + f'<p class="note">{keys}.{esc(note)}</p>'

@@ -109,8 +109,39 @@ def _comm_item(it) -> dict:
     }
 
 
-def _verdict(job, v) -> dict:
+def _device(d) -> dict:
+    """A role's analysis.device.DeviceMemory."""
+    r = d.reserve
     return {
+        "total_bytes": d.total,
+        "allocated_peak_bytes": d.allocated,
+        "allocator_reserve_bytes": r.reserved,
+        "allocator_segments": r.segments,
+        "allocator_retries": r.retries,
+        "allocator_out_of_memory": r.oom is not None,
+        "holes": [{"bytes": n, "left_by": who} for n, who in d.holes],
+        "outside_allocator_bytes": d.outside,
+        "context_bytes": d.context,
+        "userbuffer_bytes": d.userbuffers,
+        "nccl": [
+            {
+                "group": c.group,
+                "size": c.size,
+                "setup_bytes": c.setup,
+                "ring_bytes": c.ring,
+                "nvls_bytes": c.nvls,
+                "p2p_bytes": c.p2p,
+            }
+            for c in d.nccl
+        ],
+        "expandable_reserve_bytes": d.expandable.reserved if d.expandable is not None else None,
+    }
+
+
+def verdict_report(job, v) -> dict:
+    """The JSON report's memory_verdict of analysis.memory.Verdict `v`."""
+    d = v.binding
+    out = {
         "not_modelled": [dataclasses.asdict(n) for n in job.not_modelled],
         "fits": v.fits,
         "gpu_memory_bytes": v.capacity,
@@ -120,7 +151,23 @@ def _verdict(job, v) -> dict:
         "highest_peak_ranks": list(v.worst_ranks),
         "headroom_bytes": v.headroom,
         "out_of_memory_ranks": list(v.oom_ranks),
+        "allocator_conf": job.cluster.allocator_conf or "default",
+        "device_bytes": v.device,
+        "device_ranks": list(v.binding_ranks),
+        "allocated_peak_bytes": d.allocated,
+        "allocator_reserve_bytes": d.reserve.reserved,
+        "allocator_retries": d.reserve.retries,
+        "outside_allocator_bytes": d.outside,
+        "outside_terms": [{"term": t, "bytes": n} for t, n in d.terms()],
+        "expandable_segments": None,
     }
+    if v.expandable_ranks_oom is not None:
+        out["expandable_segments"] = {
+            "fits": not v.expandable_ranks_oom,
+            "headroom_bytes": v.expandable_headroom,
+            "out_of_memory_ranks": list(v.expandable_ranks_oom),
+        }
+    return out
 
 
 def role_report(ra, world=None) -> dict:
@@ -145,6 +192,8 @@ def role_report(ra, world=None) -> dict:
         out["gpus"] = [world.gpu(r) for r in rt.role.ranks]
     if ra.memory is not None:
         out["memory"] = _memory(ra.memory)
+    if ra.device is not None:
+        out["device"] = _device(ra.device)
     if ra.comm is not None:
         out["comm"] = {d: _totals(t) for d, t in ra.comm.dims.items()}
         out["comm_collectives"] = [_comm_item(it) for it in ra.comm.items]
@@ -205,7 +254,7 @@ def job_report(analysis) -> dict:
     report["groups"] = {kind: world.groups(kind) for kind in world.kinds()}
     report["roles"] = [role_report(ra, world) for ra in analysis.roles]
     if analysis.verdict is not None:
-        report["memory_verdict"] = _verdict(job, analysis.verdict)
+        report["memory_verdict"] = verdict_report(job, analysis.verdict)
         _add_timing(report, analysis)
     if analysis.full is not None:
         full = role_report(analysis.full)

@@ -78,7 +78,8 @@ def _svg(height: int, label: str) -> str:
 
 def memory_bars(roles, capacity: int, usable: int) -> tuple[str, bool]:
     """One stacked horizontal bar per pipeline stage on a value axis; GPU capacity and capacity
-    minus the reserved overhead as labelled vertical lines when they fall on the scale.
+    less the margin kept free and what lives outside the allocator as labelled vertical lines
+    when they fall on the scale.
     Returns (svg, whether the capacity lines are drawn)."""
     top = max(r["memory"]["peak_bytes"] for r in roles)
     # Capacity far above every peak would squash the bars: then it is named, not drawn.
@@ -123,7 +124,7 @@ def memory_bars(roles, capacity: int, usable: int) -> tuple[str, bool]:
         for j, (value, label, dash) in enumerate(
             (
                 (capacity, "GPU capacity", ""),
-                (usable, "capacity − reserved", ' stroke-dasharray="4 3"'),
+                (usable, "less outside the allocator", ' stroke-dasharray="4 3"'),
             )
         ):
             anchor, dx = ("end", -3) if x(value) - LEFT > plot / 2 else ("start", 3)

@@ -161,38 +161,41 @@ def op(name: str) -> str:
     return _OP.get(name, name)
 
 
-def verdict_text(
-    gpu: str,
-    *,
-    fits: bool,
-    worst: int,
-    worst_ranks,
-    oom_ranks,
-    headroom: int,
-    reserved_gib: float,
-    userbuffers: int,
-) -> str:
-    """The verdict's sentence (terminal and HTML): the GPU ("h100 (79.1 GiB)"), the highest
-    peak, what is added to it (the reserved overhead, Transformer Engine's userbuffers), and
-    the headroom or what is missing; when only the reserved overhead's assumed size is missing
-    room, how small the overhead must be for the job to fit."""
-    added = f"{reserved_gib:g} GiB reserved overhead"
-    if userbuffers:
-        added += f" + {size(userbuffers)} of userbuffers (outside PyTorch's allocator)"
-    if fits:
-        return (
-            f"Fits on {gpu}: highest peak {size(worst)} on ranks {rank_span(worst_ranks)}, "
-            f"+ {added}; headroom {size(headroom)}."
-        )
-    text = (
-        f"Out of memory on {gpu} by {size(-headroom)} on ranks {rank_span(oom_ranks)}: "
-        f"highest peak {size(worst)} (ranks {rank_span(worst_ranks)}) + {added}."
+def verdict_text(gpu: str, v: dict) -> str:
+    """The verdict's sentence (terminal and HTML) from the JSON report's memory_verdict `v`:
+    the GPU ("h100 (79.1 GiB)"), the rank that takes the most of its GPU and its parts (the
+    allocated peak, the caching allocator's reserve, what lives outside the allocator and its
+    largest term), the margin the user keeps, and the headroom or what is missing; where
+    expandable segments would change the verdict, by how much."""
+    terms = v["outside_terms"]
+    largest = f" ({terms[0]['term']} {size(terms[0]['bytes'])})" if terms else ""
+    parts = (
+        f"allocator reserve {size(v['allocator_reserve_bytes'])} (peak "
+        f"{size(v['allocated_peak_bytes'])} allocated) + {size(v['outside_allocator_bytes'])} "
+        f"outside it{largest}"
     )
-    reserved = round(reserved_gib * 2**30)
-    if -headroom < reserved:
-        text += (
-            f" It fits if the CUDA context, NCCL and fragmentation take less than "
-            f"{size(reserved + headroom)} (cluster.reserved_overhead_gib assumes "
-            f"{reserved_gib:g} GiB)."
+    margin = v["reserved_overhead_bytes"]
+    kept = f" + the {size(margin)} margin kept free" if margin else ""
+    who = f"ranks {rank_span(v['device_ranks'])} take {size(v['device_bytes'])}"
+    if v["fits"]:
+        text = f"Fits on {gpu}: {who}: {parts}{kept}; headroom {size(v['headroom_bytes'])}."
+        if v.get("allocator_retries"):
+            text += " The allocator frees its cache to make room (slower steps)."
+    else:
+        text = (
+            f"Out of memory on {gpu} by {size(-v['headroom_bytes'])} on ranks "
+            f"{rank_span(v['out_of_memory_ranks'])}: {who}: {parts}{kept}."
         )
+    e = v.get("expandable_segments")
+    if e is not None and e["fits"] != v["fits"]:
+        if e["fits"]:
+            text += (
+                " With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it fits (headroom "
+                f"{size(e['headroom_bytes'])})."
+            )
+        else:
+            text += (
+                " With expandable_segments:True it would not fit (short by "
+                f"{size(-e['headroom_bytes'])})."
+            )
     return text

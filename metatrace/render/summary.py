@@ -112,7 +112,7 @@ def build_stage_table(analysis) -> Group:
         ]
         m = ra.memory
         if v is not None and m is not None:
-            room = v.headroom_at(m.peak)
+            room = v.headroom_of(ra.device)
             row += [
                 Text(size(m.peak), style="bold"),
                 Text(signed(room), style="" if room >= 0 else "red"),
@@ -223,18 +223,12 @@ def build_assumptions(analysis) -> Text:
 
 def build_verdict(analysis) -> Text:
     from metatrace.analysis.memory import not_modelled_text
+    from metatrace.export.report import verdict_report
     from metatrace.render.format import verdict_text
 
     job, v = analysis.job, analysis.verdict
     sentence = verdict_text(
-        f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)",
-        fits=v.fits,
-        worst=v.worst,
-        worst_ranks=v.worst_ranks,
-        oom_ranks=v.oom_ranks,
-        headroom=v.headroom,
-        reserved_gib=job.cluster.reserved_overhead_gib,
-        userbuffers=v.userbuffers,
+        f"{job.cluster.gpu} ({job.cluster.gpu_memory_gib:g} GiB)", verdict_report(job, v)
     )
     text = Text(sentence, style="bold green" if v.fits else "bold red")
     if job.not_modelled:

@@ -121,7 +121,7 @@ def test_max_mbs_finds_the_largest_micro_batch_that_fits(tmp_path):
     config = write_job(
         tmp_path,
         GPT_YAML.replace("global_batch_size: 16", "global_batch_size: 128").replace(
-            "gpu: a100", "gpu: a100, gpu_memory_gib: 0.6, reserved_overhead_gib: 0"
+            "gpu: a100", "gpu: a100, gpu_memory_gib: 0.6, context_gib: 0, nccl_gib: 0"
         ),
     )
     result = metatrace("run", "--config", config, "--max-mbs", "--json", str(out))
@@ -143,7 +143,7 @@ def test_fail_on_oom_exit_code_follows_the_verdict(tmp_path):
     small = write_job(
         tmp_path,
         "model: {preset: debug}\ntraining: {seq_length: 64}\n"
-        "cluster: {gpu_memory_gib: 0.05, reserved_overhead_gib: 0}",
+        "cluster: {gpu_memory_gib: 0.05, context_gib: 0, nccl_gib: 0}",
     )
     fits = metatrace("run", "--config", DEBUG, "--no-full-model", "--fail-on-oom", "--quiet")
     assert fits.returncode == 0, fits.stderr

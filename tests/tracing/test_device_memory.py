@@ -4,7 +4,7 @@ through the same simulated caching allocator: the reserve must agree."""
 
 import pytest
 
-from metatrace.analysis.allocator import AllocatorConfig
+from metatrace.config.allocator import AllocatorConfig
 from metatrace.tracing.measure import measure_rank, reserves
 from metatrace.tracing.trace import trace_role
 from metatrace.world import World

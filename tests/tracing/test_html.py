@@ -113,7 +113,10 @@ def test_each_stage_peak_is_shown_as_printed(report, page):
         assert row[2] == size(m["params_bytes"]) and row[5] == size(m["workspace_bytes"])
         assert f"Stage {role['pp_stage']} · peak {size(m['peak_bytes'])}" in page
     # The debug job: stage 1 (output layer, its cuBLAS and TE workspaces) peaks highest.
-    assert "Fits on h100 (79.1 GiB): highest peak 97.6 MiB on ranks 2-3" in page
+    v = report["memory_verdict"]
+    assert v["highest_peak_ranks"] == [2, 3]
+    assert f"Fits on h100 (79.1 GiB): ranks 2-3 take {size(v['device_bytes'])}" in page
+    assert f"peak {size(v['allocated_peak_bytes'])} allocated" in page
 
 
 def test_every_dimension_has_a_row_with_its_figures(report, page):
@@ -162,13 +165,19 @@ def test_bars_are_as_long_as_the_peaks_on_an_axis_with_values(report, page):
     assert ticks(bars) == ["0 MiB", "20 MiB", "40 MiB", "60 MiB", "80 MiB", "100 MiB"]
     for stage, width in widths.items():
         assert width == pytest.approx((760 - 64 - 76) * peaks[stage] / (100 * 2**20), abs=0.05)
-    assert "GPU capacity 79.10 GiB (capacity − reserved 75.10 GiB) lies beyond the scale" in page
+    outside = report["memory_verdict"]["outside_allocator_bytes"]
+    usable = size(round(79.1 * 2**30) - outside)
+    assert f"GPU capacity 79.10 GiB (less what lives outside the allocator: {usable}) lies" in page
 
 
 def test_capacity_lines_when_they_fall_on_the_scale(report):
     tight = copy.deepcopy(report)
     peak = tight["memory_verdict"]["highest_peak_bytes"]
-    tight["memory_verdict"].update(gpu_memory_bytes=2 * peak, reserved_overhead_bytes=peak // 2)
+    tight["memory_verdict"].update(
+        gpu_memory_bytes=2 * peak,
+        reserved_overhead_bytes=peak // 4,
+        outside_allocator_bytes=peak // 4,
+    )
     bars = ET.fromstring(re.search(r"<svg\b.*?</svg>", page_html.memory_bars(tight), re.S)[0])
     assert ticks(bars)[-1] == "200 MiB"  # the capacity, 195.2 MiB, is on the scale
     lines = [a for a in bars.iter("line") if a.get("class") == "capacity"]
@@ -178,7 +187,7 @@ def test_capacity_lines_when_they_fall_on_the_scale(report):
     labels = [t.text for t in bars.iter("text") if t.get("class") == "capacity"]
     assert labels == [
         f"GPU capacity {size(2 * peak)}",
-        f"capacity − reserved {size(2 * peak - peak // 2)}",
+        f"less outside the allocator {size(2 * peak - peak // 4 - peak // 4)}",
     ]
     assert "beyond the scale" not in page_html.memory_bars(tight)
 

@@ -257,27 +257,31 @@ def test_replayed_iteration_matches_running_every_step(sections):
 
 
 def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
+    from metatrace.analysis.analyze import analyze
     from metatrace.analysis.memory import verdict
 
+    nothing_outside = {"context_gib": 0, "nccl_gib": 0}
     job = small_job(
         parallel={"pp": 2},
         training={"global_batch_size": 8},
-        cluster={"gpu_memory_gib": 1.0, "reserved_overhead_gib": 0.5},
+        cluster={"gpu_memory_gib": 1.0, "reserved_overhead_gib": 0.5, **nothing_outside},
     )
     jt = trace_job(job, full_model=False)
-    mems = [(rt.role.ranks, role_memory(rt.trace, rt.iteration)) for rt in jt.roles]
-    for _, m in mems:
+    roles = [(ra.role.ranks, ra.memory, ra.device) for ra in analyze(jt).roles]
+    for _, m, d in roles:
         parts = m.params + m.grads + m.optimizer + m.workspaces + m.activations + m.temporary
         assert parts == m.peak
         assert max(level for _, level in m.timeline) == m.peak
-    v = verdict(job, mems)
-    assert v.fits and v.headroom == 2**30 - 2**29 - max(m.peak for _, m in mems)
+        # the allocator reserves whole segments: at least the peak, in 2 MiB steps at least
+        assert d.total == d.reserve.reserved >= m.peak and d.reserve.reserved % 2**21 == 0
+    v = verdict(job, roles)
+    assert v.fits and v.headroom == 2**30 - 2**29 - max(d.total for _, _, d in roles)
     tight = small_job(
         parallel={"pp": 2},
         training={"global_batch_size": 8},
-        cluster={"gpu_memory_gib": 0.5, "reserved_overhead_gib": 0.45},
+        cluster={"gpu_memory_gib": 0.5, "reserved_overhead_gib": 0.45, **nothing_outside},
     )
-    v = verdict(tight, mems)
+    v = verdict(tight, roles)
     # Stage 1 (the output layer, 96 MiB of cuBLAS and TE workspaces) does not fit in 50 MiB.
     assert not v.fits and v.oom_ranks == tuple(jt.roles[1].role.ranks)
 

@@ -65,13 +65,15 @@ def test_the_report_opens_with_the_verdict_peaks_and_time(width):
     assert lines[0].startswith("debug, ") and "on 4 × h100" in lines[0]
     assert "tp 2 · pp 2 · cp 1 · ep 1 · dp 1" in screen
     assert "Fits on h100 (80 GiB)" in screen
-    # Each stage's row: its peak and its own headroom (capacity less the reserved overhead and
-    # the peak), and the micro-batches in flight at the peak (1F1B: pp - stage).
+    # Each stage's row: its peak and its own headroom (capacity less the margin and what the
+    # rank takes of its GPU: the allocator's reserve and what lives outside it), and the
+    # micro-batches in flight at the peak (1F1B: pp - stage).
     capacity = 80 * 2**30 - round(a.job.cluster.reserved_overhead_gib * 2**30)
     for ra in a.roles:
         row = stage_row(lines, ra.role.pp_stage)
-        m = ra.memory
-        assert size(m.peak) in row and size(capacity - m.peak) in row, row
+        m, d = ra.memory, ra.device
+        assert d.total == d.reserve.reserved + d.outside > m.peak
+        assert size(m.peak) in row and size(capacity - d.total) in row, row
         assert re.search(r"GiB\s+(\d+)\s+(fwd|bwd)", row)[1] == str(2 - ra.role.pp_stage), row
     timing = a.timing
     assert f"Estimated iteration time {seconds(timing.iteration_seconds)}" in " ".join(lines)
@@ -103,8 +105,8 @@ def test_summary_alone_and_quiet_verdict_alone(tmp_path):
     rc, quiet = cli(["run", "--config", DEBUG, "--no-full-model", "-q", "--json", str(out)])
     assert rc == 0 and out.exists()
     verdict, written = quiet.split("\n\n")  # the verdict, then where the JSON went
-    assert verdict.startswith("Fits on h100 (79.1 GiB): highest peak")
-    assert verdict.endswith("GiB.") and len(verdict.splitlines()) <= 2  # nothing else
+    assert verdict.startswith("Fits on h100 (79.1 GiB): ranks 2-3 take")
+    assert verdict.endswith("GiB.") and len(verdict.splitlines()) <= 3  # nothing else
     assert written.split() == ["JSON", "report", "written", "to", str(out)]
     assert cli(["run", "--config", DEBUG, "--quiet", "--summary"])[0] == 2
 
@@ -117,4 +119,5 @@ def test_detail_adds_the_trees_and_ends_with_the_verdict():
     tree = text.index("Pipeline stage 0 ·")
     memory = text.index("Memory per GPU over one training iteration")
     assert summary_end < configuration < tree < memory
-    assert text.rstrip().splitlines()[-1].startswith("Fits on h100")  # one line at 150
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("Fits on h100") and len(last.splitlines()) <= 2  # at 150 columns

@@ -95,18 +95,20 @@ def test_workspace_grows_to_three_streams_and_buffers_join_the_verdict(bf16):
 
 
 def test_the_userbuffers_can_make_a_job_not_fit(bf16):
-    """A GPU that holds the peak and the reserved overhead with less room than the buffers:
+    """A GPU that holds the rest of the rank's device memory with less room than the buffers:
     out of memory by what is missing."""
     from metatrace.analysis.memory import verdict
 
     job = ub_job(True)
-    memory = bf16[True].roles[0].memory
-    room = 12 * N * H * 2 // 2  # half the buffers
-    gib = (memory.peak + round(job.cluster.reserved_overhead_gib * 2**30) + room) / 2**30
+    ra = bf16[True].roles[0]
+    ub = 12 * N * H * 2
+    assert ra.device.userbuffers == ub and ra.device.outside >= ub
+    room = ub // 2  # half the buffers
+    gib = (ra.device.total - ub + room) / 2**30
     small = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, gpu_memory_gib=gib))
-    v = verdict(small, [((0, 1), memory)])
+    v = verdict(small, [((0, 1), ra.memory, ra.device)])
     assert not v.fits and v.oom_ranks == (0, 1)
-    assert v.headroom == pytest.approx(room - 12 * N * H * 2, abs=1)
+    assert v.headroom == pytest.approx(room - ub, abs=1)
 
 
 def test_same_traffic_but_the_linear_layers_tp_collectives_are_overlapped(bf16):

@@ -3,14 +3,8 @@ c10/cuda/CUDACachingAllocator.cpp's rules (../shared/notes/device-memory.md)."""
 
 import pytest
 
-from metatrace.analysis.allocator import (
-    AllocatorConfig,
-    CachingAllocator,
-    OutOfMemory,
-    parse_alloc_conf,
-    round_size,
-    segment_size,
-)
+from metatrace.analysis.allocator import CachingAllocator, OutOfMemory, round_size, segment_size
+from metatrace.config.allocator import AllocatorConfig, parse_alloc_conf
 from metatrace.errors import ConfigError
 
 MiB = 1 << 20

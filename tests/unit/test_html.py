@@ -68,7 +68,7 @@ def test_bars_share_an_axis_with_values_and_labelled_capacity_lines():
     lines = [ln for ln in root.iter(f"{SVG}line") if ln.get("class") == "capacity"]
     assert [float(ln.get("x1")) - svg.LEFT for ln in lines] == pytest.approx([plot, plot * 0.95])
     labels = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "capacity"]
-    assert labels == ["GPU capacity 80.00 GiB", "capacity − reserved 76.00 GiB"]
+    assert labels == ["GPU capacity 80.00 GiB", "less outside the allocator 76.00 GiB"]
 
 
 def test_capacity_far_beyond_the_peaks_is_named_not_drawn():

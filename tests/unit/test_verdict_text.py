@@ -8,34 +8,59 @@ from metatrace.render.format import verdict_text
 GIB = 2**30
 
 
-def sentence(headroom, userbuffers=0):
+def sentence(headroom, margin=0, expandable=None, retries=0):
+    """A memory_verdict of a rank that takes 180 GiB of a 184 GiB GPU less `headroom`."""
+    device = 184 * GIB - margin - headroom
     return verdict_text(
         "gb200 (184 GiB)",
-        fits=headroom >= 0,
-        worst=180 * GIB,
-        worst_ranks=(0, 1),
-        oom_ranks=() if headroom >= 0 else (0, 1),
-        headroom=headroom,
-        reserved_gib=4.0,
-        userbuffers=userbuffers,
+        {
+            "fits": headroom >= 0,
+            "device_bytes": device,
+            "device_ranks": [0, 1],
+            "out_of_memory_ranks": [] if headroom >= 0 else [0, 1],
+            "headroom_bytes": headroom,
+            "reserved_overhead_bytes": margin,
+            "allocated_peak_bytes": device - 6 * GIB,
+            "allocator_reserve_bytes": device - 4 * GIB,
+            "allocator_retries": retries,
+            "outside_allocator_bytes": 4 * GIB,
+            "outside_terms": [
+                {"term": "CUDA context and libraries", "bytes": 3 * GIB},
+                {"term": "NCCL (tp)", "bytes": GIB},
+            ],
+            "expandable_segments": expandable,
+        },
     )
 
 
-def test_a_fit_gives_the_headroom_and_what_was_added_to_the_peak():
-    text = sentence(2 * GIB, userbuffers=768 * 2**20)
-    assert text.startswith("Fits on gb200 (184 GiB): highest peak 180.00 GiB on ranks 0-1")
-    assert "+ 4 GiB reserved overhead + 768.0 MiB of userbuffers" in text
+def test_a_fit_gives_the_device_memory_its_parts_and_the_headroom():
+    text = sentence(2 * GIB)
+    assert text.startswith(
+        "Fits on gb200 (184 GiB): ranks 0-1 take 182.00 GiB: allocator reserve 178.00 GiB "
+        "(peak 176.00 GiB allocated) + 4.00 GiB outside it (CUDA context and libraries "
+        "3.00 GiB); headroom 2.00 GiB."
+    )
     assert text.endswith("headroom 2.00 GiB.")
+    assert "margin" not in text
 
 
-def test_missing_less_than_the_reserve_says_how_small_the_overhead_must_be():
-    text = sentence(-21 * 2**20)
-    assert "Out of memory on gb200 (184 GiB) by 21.0 MiB on ranks 0-1" in text
-    assert "It fits if the CUDA context, NCCL and fragmentation take less than 3.98 GiB" in text
+def test_the_margin_kept_free_is_named():
+    assert "+ the 1.00 GiB margin kept free; headroom 2.00 GiB." in sentence(2 * GIB, GIB)
 
 
-def test_missing_more_than_the_reserve_does_not():
-    assert "It fits if" not in sentence(-5 * GIB)
+def test_out_of_memory_says_by_how_much_and_what_expandable_segments_change():
+    text = sentence(-21 * 2**20, expandable={"fits": True, "headroom_bytes": GIB})
+    assert text.startswith("Out of memory on gb200 (184 GiB) by 21.0 MiB on ranks 0-1: ")
+    assert text.endswith(
+        "With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it fits (headroom 1.00 GiB)."
+    )
+    same = sentence(-5 * GIB, expandable={"fits": False, "headroom_bytes": -GIB})
+    assert "expandable" not in same  # the verdict is the same: nothing to say
+
+
+def test_a_fit_only_by_freeing_the_cache_is_said():
+    assert "frees its cache" in sentence(GIB, retries=3)
+    assert "frees its cache" not in sentence(GIB)
 
 
 @pytest.mark.parametrize(
