@@ -13,6 +13,7 @@ import warnings
 
 from metatrace import __version__
 from metatrace.errors import ConfigError
+from metatrace.interrupt import quiet_interrupts
 
 
 def _positive_gib(text: str) -> float:
@@ -796,7 +797,10 @@ def main(argv=None, console=None) -> int:
 def entry() -> None:
     """The console command: main(), its output flushed, and out without finalising the
     interpreter (megatron-core and a trace leave hundreds of thousands of objects: tearing them
-    down took 0.2 s of the 405B example's run, for nothing the command still has to write)."""
+    down took 0.2 s of the 405B example's run, for nothing the command still has to write).
+    Ctrl-C at any moment, the flush included: status 130 and one line (metatrace.interrupt;
+    metatrace.__main__ installs it before this module is even imported)."""
+    quiet_interrupts()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         try:
