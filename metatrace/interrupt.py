@@ -31,7 +31,10 @@ _OWNER: list[int] = []  # the process that installed the handler
 
 
 def quiet_interrupts() -> None:
-    """SIGINT ends this process with status 130 and MESSAGE (see the module's docstring)."""
+    """SIGINT ends this process with status 130 and MESSAGE (see the module's docstring); where
+    it was ignored when the process started (a shell's background job), it stays ignored."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
     _OWNER[:] = [os.getpid()]
     signal.signal(signal.SIGINT, _interrupted)
 
