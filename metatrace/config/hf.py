@@ -158,6 +158,13 @@ ACTIVATIONS = {
 # --use-rope-scaling (llama3) and --rotary-seq-len-interpolation-factor (linear) do: nothing
 # metatrace measures (megatron_flags.py accepts those flags the same way).
 FREQUENCY_ONLY_ROPE = ("default", "linear", "llama3")
+# The fields each of them needs (transformers' rope_config_validation raises without them, and
+# the frequencies cannot be computed): numbers.
+ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 # DeepSeek's yarn fields -> model keys; omitted ones keep Megatron-LM's defaults.
 YARN = {
@@ -239,7 +246,20 @@ def _rope_scaling(src: _Source) -> dict:
             f"type {kind!r} is not modelled (supported: none, "
             f"{', '.join(FREQUENCY_ONLY_ROPE)}; yarn with multi-latent attention)",
         )
+    _check_rope_fields(src, scaling, kind)
     return {}
+
+
+def _check_rope_fields(src: _Source, scaling: dict, kind: str) -> None:
+    """A frequency-only rope_scaling has the fields its kind needs (ROPE_FIELDS), as numbers."""
+    missing = [f for f in ROPE_FIELDS[kind] if f not in scaling]
+    if missing:
+        raise src.error("rope_scaling", f"type {kind!r} needs {', '.join(missing)} (missing)")
+    for field in ROPE_FIELDS[kind]:
+        value = scaling[field]
+        where = f"{src.path}: 'rope_scaling.{field}' = {json.dumps(value)}"
+        want = int if field == "original_max_position_embeddings" else float
+        _typed(value, want, lambda problem, where=where: ConfigError(f"{where}: {problem}"))
 
 
 def _sliding_window(src: _Source) -> dict:
@@ -247,7 +267,7 @@ def _sliding_window(src: _Source) -> dict:
     yet). A window masks nothing where it covers the whole sequence: accepted with a note;
     otherwise refused. Qwen gates the window with use_sliding_window and keeps the first
     max_window_layers layers full; newer files list layer_types; Mistral always uses it."""
-    window = src.get("sliding_window", int, optional=True) if src.has("sliding_window") else None
+    window = _window(src)
     if window is None:
         return {}
     layers = src.get("num_hidden_layers", int)
@@ -274,6 +294,14 @@ def _sliding_window(src: _Source) -> dict:
         "plain causal attention"
     )
     return {}
+
+
+def _window(src: _Source) -> int | None:
+    """sliding_window: null or absent (no window), else a number of tokens, at least 1."""
+    window = src.get("sliding_window", int, optional=True) if src.has("sliding_window") else None
+    if window is not None and window < 1:
+        raise src.error("sliding_window", "must be a number of tokens, at least 1 (null: none)")
+    return window
 
 
 def _sparse(pattern: list[int]) -> int | list[int]:
@@ -431,7 +459,7 @@ def _gpt_oss_window(src: _Source) -> dict:
     """GPT-OSS: sliding_window on the layers layer_types marks sliding_attention, as megatron-core's
     window_size [w, 0] with window_attn_skip_freq (2 for HF's alternation from a windowed
     first layer, else the 0/1 list)."""
-    window = src.get("sliding_window", int, optional=True)
+    window = _window(src)
     layers = src.get("num_hidden_layers", int)
     types = src.get("layer_types", list, optional=True)
     if types is None:  # transformers' GptOssConfig: alternating, sliding first
@@ -454,6 +482,7 @@ def _gpt_oss_rope(src: _Source) -> dict:
         return {"position_embedding_type": "rope"}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in FREQUENCY_ONLY_ROPE:
+        _check_rope_fields(src, scaling, kind)
         return {"position_embedding_type": "rope"}
     if kind != "yarn":
         raise src.error("rope_scaling", f"type {kind!r} is not modelled (supported: none, yarn)")

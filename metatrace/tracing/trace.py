@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -144,12 +145,14 @@ def shared_workers():
     For commands that trace one job after another (`plan`, `--max-mbs`, `diff`); a worker is
     forked from the process as it is then, so nothing changed after that reaches it."""
     _SHARED["depth"] += 1
+    failed = True
     try:
         yield
+        failed = False
     finally:
         _SHARED["depth"] -= 1
         if not _SHARED["depth"] and _SHARED["pool"] is not None:
-            _SHARED["pool"].shutdown()
+            _close(_SHARED["pool"], failed)
             _SHARED["pool"] = None
 
 
@@ -160,17 +163,38 @@ def _executor(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("fork")
+    def start():
+        return ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=signal.signal,  # Ctrl-C: the parent ends its workers (_close)
+            initargs=(signal.SIGINT, signal.SIG_IGN),
+        )
+
     if not _SHARED["depth"]:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        pool, failed = start(), True
+        try:
             yield pool
+            failed = False
+        finally:
+            _close(pool, failed)
         return
     if _SHARED["pool"] is None or _SHARED["workers"] < workers:
         if _SHARED["pool"] is not None:
             _SHARED["pool"].shutdown()
-        _SHARED["pool"] = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        _SHARED["pool"] = start()
         _SHARED["workers"] = workers
     yield _SHARED["pool"]
+
+
+def _close(pool, failed: bool) -> None:
+    """Shut `pool` down; after an error or a KeyboardInterrupt, kill its workers first rather
+    than wait for their traces (and for the queued ones) to finish: they ignore SIGINT, and a
+    shutdown that waits on a worker the signal had killed would wait on its pipe for good."""
+    if failed:
+        for process in list((pool._processes or {}).values()):  # the executor's own table
+            process.kill()
+    pool.shutdown(wait=not failed, cancel_futures=failed)
 
 
 def _run_tasks(tasks, workers: int, progress, then=None) -> list:

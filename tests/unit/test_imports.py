@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYERS = (
     (
         "base",
-        ("metatrace", "metatrace.errors", "metatrace.records"),
+        ("metatrace", "metatrace.errors", "metatrace.interrupt", "metatrace.records"),
         "the error types and frozen event records every other layer speaks",
     ),
     (

@@ -514,11 +514,23 @@ def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused()
     assert "unknown Megatron-LM flags: --fim-rat (did you mean --fim-rate?)" in error(
         BASE + " --fim-rat 0.5"
     )
-    # No parser in the table has it and it is no misspelling: a newer Megatron-LM's, perhaps,
-    # so not refused but reported (its effect unknown); its values go with it.
-    resolved, notes = job(BASE + " --frobnicate-widgets 3 --micro-batch-size 2")
-    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
-        ("--frobnicate-widgets", "unknown")
+    # No parser in the table has it and it is no misspelling: refused, unless the user names
+    # the newer Megatron-LM it comes from; then reported (its effect unknown), its values with it.
+    assert error(BASE + " --frobnicate-widgets 3 --micro-batch-size 2") == (
+        "unknown Megatron-LM flag --frobnicate-widgets: in no release metatrace knows "
+        "(core_v0.16.1, HEAD of 2026-08-22), and no misspelling of theirs; if it comes from a "
+        "newer Megatron-LM, name the release (--newer-megatron RELEASE) to have it reported as "
+        "not modelled"
+    )
+    resolved, notes = job(
+        BASE + " --frobnicate-widgets 3 --micro-batch-size 2", release="core_v0.17.0"
+    )
+    assert [(n.option, n.feature, n.direction) for n in resolved.not_modelled] == [
+        (
+            "--frobnicate-widgets",
+            "a flag of Megatron-LM core_v0.17.0, in neither core_v0.16.1's nor HEAD's parser",
+            "unknown",
+        )
     ]
     assert resolved.training.micro_batch_size == 2 and "--frobnicate-widgets" in notes[0]
     # Flags of older releases are known by their successors' class; a negation is never

@@ -13,9 +13,11 @@ attributes, so values are read as argparse reads them):
 3. not modelled yet: given with a value other than its default, it is listed in one warning and
    carried on the Job (`Job.not_modelled`) for the verdict; the job describes the run without it;
 4. refused by Megatron-LM itself: an error with its message.
-Environment variables are classified the same way (`_cluster`). A flag in no parser of the table
-is an error when it is close to one (a misspelling), else reported as not modelled (a newer
-Megatron-LM's flag, its effect unknown).
+Environment variables are classified the same way (`_cluster`); a value the run could not parse
+is an error (`_check_env`). A flag in no parser of the table is an error when it is close to one
+(a misspelling), and otherwise too, unless the user names the newer Megatron-LM release it comes
+from (`release`, the command line's --newer-megatron): then it is reported as not modelled, its
+effect unknown.
 
 Known limitations: flags that only Megatron-LM's own training code reads were classified from
 their help and Megatron-Bridge's port of that code; HEAD-only flags from their help alone.
@@ -28,6 +30,7 @@ from typing import Any
 
 from metatrace.config.job import NotModelled
 from metatrace.config.megatron.flags import (
+    ENV_FORMATS,
     ENV_MODELLED,
     ENV_NO_EFFECT,
     ENV_NO_EFFECT_PREFIXES,
@@ -63,12 +66,12 @@ NOT_MODELLED_REASONS: dict[str, str] = {
 # --------------------------------------------------------------------------- parsing
 
 
-def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+def _parse(tokens: list[str], release: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Flag -> value as argparse would store it (a switch: what it stores, True or False; lists
     for several values); the last of a repeated flag wins. And the flags no parser in the table
-    has that are not a misspelling of one: a newer Megatron-LM's, as far as metatrace can tell
-    (a misspelt flag is an error that names the closest one). Every problem is reported in one
-    ConfigError."""
+    has that are not a misspelling of one, when the user named the newer Megatron-LM `release`
+    they come from (a misspelt flag is an error that names the closest one; any other, without
+    `release`, an error that asks for it). Every problem is reported in one ConfigError."""
     values: dict[str, Any] = {}
     unknown, problems = [], []
     i, previous = 0, None
@@ -125,9 +128,19 @@ def _parse(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
                 f"{f} (did you mean {closest[f]}?)" if closest[f] else repr(f) for f in misspelt
             ),
         )
+    strangers = [f for f in unknown if f not in misspelt]
+    if strangers and release is None:
+        many = len(strangers) > 1
+        problems.insert(
+            int(bool(misspelt)),
+            f"unknown Megatron-LM flag{'s' * many} {', '.join(strangers)}: in no release "
+            f"metatrace knows (core_v0.16.1, HEAD of 2026-08-22), and no misspelling of theirs; "
+            f"if {'they come' if many else 'it comes'} from a newer Megatron-LM, name the "
+            "release (--newer-megatron RELEASE) to have it reported as not modelled",
+        )
     if problems:
         raise ConfigError(problems)
-    return values, [f for f in unknown if f not in misspelt]
+    return values, strangers
 
 
 def _is_flag(token: str) -> bool:
@@ -172,24 +185,51 @@ def job_dict_from_args(
     gpu: str | None = None,
     gpus_per_node: int | None = None,
     env: dict[str, str] | None = None,
+    release: str | None = None,
 ) -> tuple[dict, list[str]]:
     """The job mapping for `job_from_dict` and notes for the user; the first note is the one
-    warning that lists every given flag metatrace does not model yet."""
-    data, notes, _ = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    warning that lists every given flag metatrace does not model yet. `release`: the newer
+    Megatron-LM the arguments are for, whose flags no table has are then not modelled."""
+    data, notes, _ = _derive(tokens, world_size, gpu, gpus_per_node, env, release)
     return data, notes
 
 
-def _derive(tokens, world_size, gpu, gpus_per_node, env):
+def _check_env(env: dict[str, str]) -> None:
+    """Refuse the values of environment variables that the run could not parse
+    (`ENV_FORMATS`), all of them in one error."""
+    problems = []
+    for name, value in env.items():
+        kind = ENV_FORMATS.get(name)
+        if kind == "int":
+            try:
+                int(value)
+            except ValueError:
+                problems.append(f"{name}={value!r}: the run reads it as a whole number")
+        elif kind == "0/1" and value not in ("0", "1"):
+            problems.append(
+                f"{name}={value!r}: PyTorch takes only 1 as set (and anything else as unset); "
+                "give 0 or 1"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _tokens(tokens: list[str] | dict) -> list[str]:
+    return args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens)
+
+
+def _derive(tokens, world_size, gpu, gpus_per_node, env, release=None):
     """(job mapping, notes, what is not modelled) of a Megatron-LM command line."""
-    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    v, strangers = _parse(_tokens(tokens), release)
     env = {k: str(val) for k, val in (env or {}).items()}
+    _check_env(env)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be a whole number >= 1, got {world_size!r}")
     job: dict = {s: {} for s in ("model", "parallel", "training", "implementation", "cluster")}
     notes: list[str] = []
     problems: list[str] = []
     unmodelled = _unmodelled(v, notes) + [
-        (f, NotModelled(f, _STRANGER, "unknown")) for f in strangers
+        (f, NotModelled(f, _stranger(release), "unknown")) for f in strangers
     ]
     skipped = {flag for flag, _ in unmodelled}
     for flag, value in v.items():
@@ -227,6 +267,7 @@ def job_from_args(
     gpus_per_node: int | None = None,
     env: dict[str, str] | None = None,
     source: str = "<megatron-args>",
+    release: str | None = None,
 ):
     """`job_dict_from_args`, resolved and checked by `job_from_dict`: (Job, notes). The Job
     carries what is not modelled (`Job.not_modelled`), for the verdict."""
@@ -234,17 +275,17 @@ def job_from_args(
 
     from metatrace.config.load import job_from_dict
 
-    data, notes, missing = _derive(tokens, world_size, gpu, gpus_per_node, env)
+    data, notes, missing = _derive(tokens, world_size, gpu, gpus_per_node, env, release)
     job = job_from_dict(data, source=source)
     return dataclasses.replace(job, not_modelled=tuple(missing)), notes
 
 
-def not_modelled(tokens: list[str] | dict) -> list[str]:
+def not_modelled(tokens: list[str] | dict, release: str | None = None) -> list[str]:
     """'option: what is not modelled' for every given flag (or value) metatrace does not model
     yet; empty when the run is fully modelled. Environment variables are not looked at."""
-    v, strangers = _parse(args_from_mapping(tokens) if isinstance(tokens, dict) else list(tokens))
+    v, strangers = _parse(_tokens(tokens), release)
     return [f"{m.option}: {m.feature}" for _, m in _unmodelled(v, [])] + [
-        f"{f}: {_STRANGER}" for f in strangers
+        f"{f}: {_stranger(release)}" for f in strangers
     ]
 
 
@@ -260,7 +301,9 @@ def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
 
-_STRANGER = "a flag in neither core_v0.16.1's nor HEAD's parser (an older or newer Megatron-LM's?)"
+def _stranger(release: str | None) -> str:
+    """What is not modelled about a flag of the newer Megatron-LM `release` no table has."""
+    return f"a flag of Megatron-LM {release}, in neither core_v0.16.1's nor HEAD's parser"
 
 
 def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:

@@ -15,8 +15,9 @@ in exactly one class:
 
 A flag of either version is known (a command line for a newer Megatron-LM than the
 megatron-core 0.16.1 metatrace runs is read the same way; its HEAD-only flags are noted). A flag
-in neither is a misspelling when it is close to one (an error naming it), else taken for a
-newer Megatron-LM's and reported as not modelled (metatrace.config.megatron.args).
+in neither is a misspelling when it is close to one (an error naming it), else an error too
+unless the user names the newer Megatron-LM it comes from: then it is reported as not modelled
+(metatrace.config.megatron.args).
 
 The classes were decided from megatron-core 0.16.1's and Transformer Engine 2.20's sources
 (where the dest is read), the flag's help, and, for flags only Megatron-LM's own training code
@@ -1069,6 +1070,22 @@ ENV_NOT_MODELLED: dict[str, tuple[str, Direction]] = {
     "NVTE_FUSED_ATTN_BACKEND": ("a cuDNN attention sub-backend chosen by hand", "either"),
     "NVTE_CPU_OFFLOAD_V1": ("Transformer Engine's first CPU-offloading implementation", "either"),
     "PYTORCH_NO_CUDA_MEMORY_CACHING": ("PyTorch's caching allocator switched off", "unknown"),
+}
+# Variables whose values the run parses, and how (a value it cannot parse is refused by name,
+# whether or not it changes what metatrace predicts): "int" as Python's int() reads it (Transformer
+# Engine's int(os.getenv(...)), torch.distributed's WORLD_SIZE, the CUDA driver's count), "0/1"
+# for PyTorch's switches, which take "1" alone as set (torch/_dynamo/config.py) and so would take
+# "true" silently for unset.
+ENV_FORMATS: dict[str, Literal["int", "0/1"]] = {
+    "NVTE_FLASH_ATTN": "int",
+    "NVTE_FUSED_ATTN": "int",
+    "NVTE_UNFUSED_ATTN": "int",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "int",
+    "NVTE_FUSED_ATTN_BACKEND": "int",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "int",
+    "WORLD_SIZE": "int",
+    "TORCHDYNAMO_DISABLE": "0/1",
+    "TORCH_COMPILE_DISABLE": "0/1",
 }
 # CUDA_DEVICE_MAX_CONNECTIONS aside, these are what the attention backends set (megatron-core
 # 0.16.1 LanguageModule._set_attention_backend: each --attention-backend sets
