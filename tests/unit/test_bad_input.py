@@ -176,6 +176,10 @@ def test_hugging_face_values_the_model_cannot_have(
         ("CUDA_DEVICE_MAX_CONNECTIONS=1x", "CUDA_DEVICE_MAX_CONNECTIONS='1x': the run reads it"),
         ("WORLD_SIZE=eight", "WORLD_SIZE='eight': the run reads it as a whole number"),
         (
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:yes",  # the verdict simulates it
+            "cluster.allocator_conf: PYTORCH_ALLOC_CONF: expandable_segments is True or False",
+        ),
+        (
             "TORCHDYNAMO_DISABLE=true",  # PyTorch reads it as unset
             "TORCHDYNAMO_DISABLE='true': PyTorch takes only 1 as set (and anything else as "
             "unset); give 0 or 1",

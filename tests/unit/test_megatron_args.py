@@ -343,6 +343,13 @@ def test_environment():
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
     assert job(BASE, env=env)[0].cluster.cublas_workspace_config == ":4096:2:16:8"
+    # The allocator's settings: PYTORCH_ALLOC_CONF before its deprecated alias, as torch reads
+    alloc = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert job(BASE, env=alloc)[0].cluster.allocator_conf == "expandable_segments:True"
+    both = {**alloc, "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
+    resolved, notes = job(BASE, env=both)
+    assert resolved.cluster.allocator_conf == "max_split_size_mb:512"
+    assert any("PyTorch reads the first only" in n for n in notes)
     # Variables that change nothing are accepted silently, unknown ones are named in a note,
     # and those that change memory in ways metatrace does not model are reported as such.
     quiet = {

@@ -1115,12 +1115,16 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
                 f"{expected}; megatron-core asserts they agree (choose the attention with "
                 "--attention-backend)"
             )
-    if "PYTORCH_CUDA_ALLOC_CONF" in env:
-        notes.append(
-            f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']} changes reserved "
-            "memory and fragmentation, not the allocated bytes metatrace predicts "
-            "(cluster.reserved_overhead_gib stands for them)"
-        )
+    # torch reads PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF (deprecated) only without it
+    # (c10/core/AllocatorConfig.cpp).
+    conf = env.get("PYTORCH_ALLOC_CONF", env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    if conf is not None:
+        c["allocator_conf"] = conf
+        if "PYTORCH_ALLOC_CONF" in env and env.get("PYTORCH_CUDA_ALLOC_CONF", conf) != conf:
+            notes.append(
+                f"PYTORCH_ALLOC_CONF={conf} and PYTORCH_CUDA_ALLOC_CONF="
+                f"{env['PYTORCH_CUDA_ALLOC_CONF']}: PyTorch reads the first only"
+            )
     from metatrace.config.hardware import GPU_ARCH
 
     tp, cp = v.get("--tensor-model-parallel-size", 1), v.get("--context-parallel-size", 1)

@@ -1015,8 +1015,10 @@ ENV_MODELLED = {
     "NVTE_UNFUSED_ATTN": "checked against --attention-backend (megatron-core asserts they agree)",
     "CUDA_DEVICE_MAX_CONNECTIONS": "checked: Megatron-LM asserts 1 with TP or CP before Blackwell",
     "WORLD_SIZE": "checked against the world size",
-    "PYTORCH_CUDA_ALLOC_CONF": "changes reserved memory and fragmentation (a note), not the "
-    "allocated bytes metatrace predicts",
+    "PYTORCH_CUDA_ALLOC_CONF": "the caching allocator's settings the device-memory verdict "
+    "simulates (cluster.allocator_conf)",
+    "PYTORCH_ALLOC_CONF": "the caching allocator's settings the device-memory verdict simulates "
+    "(cluster.allocator_conf; read before PYTORCH_CUDA_ALLOC_CONF)",
 }
 # Variables that cannot change allocated memory or traffic: accepted silently.
 ENV_NO_EFFECT = {
