@@ -121,8 +121,10 @@ ACTIONS = (
 
 
 def job_dict(name: str, gpu: str) -> dict:
-    model, extra, _ = CASES[name]
-    cluster = {"cluster": {"gpu": gpu, "num_gpus": 1, "gpus_per_node": 1}}
+    model, extra, conf = CASES[name]
+    cluster = {
+        "cluster": {"gpu": gpu, "num_gpus": 1, "gpus_per_node": 1, "allocator_conf": conf or None}
+    }
     return merged(BASE, model, extra, cluster, {"training": {"precision": "bf16"}})
 
 
@@ -330,11 +332,10 @@ def detected_gpu() -> str:
 
 
 def compare(args) -> int:
-    """The prediction of each case (allocated peak, the simulated allocator's reserve) against
-    the stored measurement where there is one (no GPU needed)."""
-    from metatrace.analysis.device import allocations, simulate
+    """The prediction of each case (allocated peak, the simulated allocator's reserve, the
+    device's use: the reserve and the CUDA context, the fake world running no NCCL) against the
+    stored measurement where there is one (no GPU needed)."""
     from metatrace.config import job_from_dict, resolve
-    from metatrace.config.allocator import parse_alloc_conf
     from metatrace.tracing.measure import predicted
     from metatrace.tracing.trace import trace_job
 
@@ -349,7 +350,7 @@ def compare(args) -> int:
         print(f"{args.measured}: no stored measurements; predictions only")
     print(
         f"{'case':42} {'allocated GiB':>17} {'error':>7}  {'reserved GiB':>17} {'error':>7}  "
-        f"{'device GiB':>10}"
+        f"{'device GiB (no NCCL)':>17} {'error':>7}"
     )
 
     def pair(p: float, m: float | None) -> str:
@@ -363,14 +364,12 @@ def compare(args) -> int:
         if args.only not in name:
             continue
         job = resolve(job_from_dict(job_dict(name, gpu)))
-        rt = trace_job(job, full_model=False).roles[0]
-        peak = predicted(job, rt).peak
-        reserve = simulate(allocations(rt.trace, rt.iteration), parse_alloc_conf(CASES[name][2]))
+        p = predicted(job, trace_job(job, full_model=False).roles[0])
         row = stored.get(name, {})
         print(
-            f"{name:42} {pair(peak, row.get('measured_peak_bytes'))}  "
-            f"{pair(reserve.reserved, row.get('max_reserved'))}  "
-            + (f"{row['device_used'] / 2**30:10.2f}" if row else f"{'-':>10}"),
+            f"{name:42} {pair(p.peak, row.get('measured_peak_bytes'))}  "
+            f"{pair(p.reserved, row.get('max_reserved'))}  "
+            f"{pair(p.device, row.get('device_used'))}",
             flush=True,
         )
     return 0

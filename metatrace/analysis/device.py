@@ -421,6 +421,12 @@ class DeviceMemory:
         return sorted(terms, key=lambda t: -t[1])
 
 
+def context_bytes(job) -> int:
+    """What a process holds beside the allocator and NCCL (cluster.context_gib, or measured)."""
+    gib = job.cluster.context_gib
+    return round(gib * 2**30) if gib is not None else CONTEXT_BYTES
+
+
 def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) -> DeviceMemory:
     """A traced role's device memory: its allocations through the allocator of the job's
     PYTORCH_ALLOC_CONF (cluster.allocator_conf), then what lives outside it. `capacity`: the
@@ -437,7 +443,7 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     if rt.iteration is not None:
         collectives += [c for c, _ in rt.iteration.tally("collectives")]
     cl = job.cluster
-    context = round(cl.context_gib * 2**30) if cl.context_gib is not None else CONTEXT_BYTES
+    context = context_bytes(job)
     memory = DeviceMemory(
         allocated=allocated,
         reserve=reserve,

@@ -62,6 +62,9 @@ COMM_FIGURES = (
 CLUSTER_FIGURES = (
     ("memory_verdict.fits", "fits", "higher"),
     ("memory_verdict.highest_peak_bytes", "highest peak", "lower"),
+    ("memory_verdict.device_bytes", "device memory (tightest rank)", "lower"),
+    ("memory_verdict.allocator_reserve_bytes", "its allocator reserve", "lower"),
+    ("memory_verdict.outside_allocator_bytes", "its memory outside the allocator", "lower"),
     ("memory_verdict.headroom_bytes", "headroom", "higher"),
     ("memory_verdict.out_of_memory_ranks", "ranks out of memory", "lower"),
     ("model.total_params", "parameters", None),

@@ -254,11 +254,20 @@ class Plan:
         return sorted((t for t in self.traced if t.fits), key=lambda t: t.estimate.seconds)
 
 
+def _room(job) -> int:
+    """What the closed forms may fill of a GPU: its memory less the margin kept free and the
+    CUDA context (the traced verdict adds the allocator's reserve and NCCL's buffers)."""
+    from metatrace.analysis.device import context_bytes
+
+    cl = job.cluster
+    return (
+        round(cl.gpu_memory_gib * GiB) - round(cl.reserved_overhead_gib * GiB) - context_bytes(job)
+    )
+
+
 def candidates(job, num_gpus: int) -> tuple[list[Candidate], int, int, int]:
     """(valid candidates after the memory bound, enumerated, invalid, pruned by memory)."""
-    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(
-        job.cluster.reserved_overhead_gib * GiB
-    )
+    capacity = _room(job)
     every = layouts(job, num_gpus)
     out, invalid, pruned = [], 0, 0
     for layout in every:
@@ -321,9 +330,7 @@ def plan(
     `trace(job) -> report dict` traces one; `progress(done, total, text)` reports."""
     found, enumerated, invalid, pruned = candidates(job, num_gpus)
     result = Plan(layouts=enumerated, invalid=invalid, pruned_memory=pruned)
-    capacity = round(job.cluster.gpu_memory_gib * GiB) - round(
-        job.cluster.reserved_overhead_gib * GiB
-    )
+    capacity = _room(job)
     order = sorted(
         found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout)
     )

@@ -137,8 +137,9 @@ def render_plan(
     cl, tr = job.cluster, job.training
     console.print(
         section(
-            f"Layouts of {job.source} on {num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB, "
-            f"{cl.reserved_overhead_gib:g} GiB reserved), sequence {tr.seq_length:,}, "
+            f"Layouts of {job.source} on {num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB"
+            + (f", {cl.reserved_overhead_gib:g} GiB kept free" if cl.reserved_overhead_gib else "")
+            + f"), sequence {tr.seq_length:,}, "
             f"global batch {tr.global_batch_size:,}"
         )
     )

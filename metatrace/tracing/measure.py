@@ -83,6 +83,16 @@ class Predicted:
     """Parameters and gradient buffers (role_memory's params + grads)."""
     steady: int
     """Static memory and workspaces (cuBLAS included), what exists before the iteration."""
+    reserved: int = 0
+    """The simulated caching allocator's reserve (max_memory_reserved) under the job's
+    settings (analysis.device)."""
+    reserved_cpu: int = 0
+    """The same without the cuBLAS workspaces, which a CPU run does not allocate."""
+    device: int = 0
+    """The reserve and the CUDA context and userbuffers: the device's use of a run in the
+    fake world, where no NCCL communicator exists."""
+    allocator: object = None
+    """The job's metatrace.config.allocator.AllocatorConfig."""
 
 
 def allocation_running(events, block: int = 1) -> list[tuple[int, int]]:
@@ -453,7 +463,9 @@ def predict(job, rank: int) -> Predicted:
 def predicted(job, rt) -> Predicted:
     """The prediction from a traced role (a RoleTrace with its iteration)."""
     from metatrace.analysis import aggregate as agg
+    from metatrace.analysis.device import context_bytes, role_device_memory
     from metatrace.analysis.memory import lifetimes, role_memory
+    from metatrace.config.allocator import parse_alloc_conf
     from metatrace.config.hardware import cublas_workspace_bytes
 
     # The cuBLAS workspaces are the micro-batch's persistent storages of exactly the configured
@@ -464,12 +476,18 @@ def predicted(job, rt) -> Predicted:
         life.bytes[sid] for sid in life.persistent() if workspace and life.bytes[sid] == workspace
     )
     memory = role_memory(rt.trace, rt.iteration)
+    config = parse_alloc_conf(job.cluster.allocator_conf or "")
+    device = role_device_memory(job, rt, memory.peak)
     return Predicted(
         peak=memory.peak,
         saved=agg.role_summary(rt.trace).activation_bytes,
         cuda_only=cublas,
         model=memory.params + memory.grads,
         steady=memory.static,
+        reserved=device.reserve.reserved,
+        reserved_cpu=_reserve_cpu(job, rt, config).reserved,
+        device=device.reserve.reserved + context_bytes(job) + device.userbuffers,
+        allocator=config,
     )
 
 
@@ -549,6 +567,19 @@ def build_comparison(predicted: Predicted, measured: Measured, rank: int):
         ),
         ("saved activations / micro-batch", predicted.saved, measured.saved_blocks),
     ]
+    if measured.reserved is not None:  # a GPU: the allocator's own reserve and the device's use
+        rows += [
+            ("allocator reserve (max_memory_reserved)", predicted.reserved, measured.reserved),
+            ("device use (mem_get_info; no NCCL here)", predicted.device, measured.device_used),
+        ]
+    elif measured.allocations and predicted.allocator is not None:
+        rows.append(
+            (
+                "allocator reserve, simulated over each side's allocations",
+                predicted.reserved_cpu,
+                measured_reserve(measured, predicted.allocator).reserved,
+            )
+        )
     for label, p, m in rows:
         diff = p - m
         pct = f"{100 * diff / m:+.2f}" if m else "-"
@@ -568,14 +599,23 @@ def reserves(job, rt, measured: Measured, config) -> tuple:
     allocator settings `config`: the check of the allocations metatrace feeds the simulation
     against megatron-core's own, without a GPU. The cuBLAS workspaces, which a CPU run does
     not allocate, are left out of the prediction's."""
-    from metatrace.analysis.device import FREE, allocations, simulate
+    return _reserve_cpu(job, rt, config), measured_reserve(measured, config)
+
+
+def measured_reserve(measured: Measured, config):
+    """The simulated allocator's Reserve over a CPU run's own allocations."""
+    from metatrace.analysis.device import FREE, simulate
+
+    return simulate([(n if n > 0 else FREE, ptr) for _, n, ptr in measured.allocations], config)
+
+
+def _reserve_cpu(job, rt, config):
+    """The simulated allocator's Reserve over the role's allocations without the cuBLAS
+    workspaces (what a CPU run allocates)."""
+    from metatrace.analysis.device import allocations, simulate
     from metatrace.config.hardware import cublas_workspace_bytes
 
     workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
     predicted = list(allocations(rt.trace, rt.iteration))
     workspaces = {key for delta, key in predicted if delta == workspace}
-    real = [(n if n > 0 else FREE, ptr) for _, n, ptr in measured.allocations]
-    return (
-        simulate([e for e in predicted if e[1] not in workspaces], config),
-        simulate(real, config),
-    )
+    return simulate([e for e in predicted if e[1] not in workspaces], config)
