@@ -150,8 +150,11 @@ PATCHES = (
 
 # Optimizers (models/te_optim.py): megatron-core takes FusedAdam/FusedSGD and the multi-tensor
 # kernels from Transformer Engine (else Apex) at import; without them it falls back to torch.optim
-# and to Python loops whose temporaries the CUDA kernels do not allocate.
-PATCHES += (
+# and to Python loops whose temporaries the CUDA kernels do not allocate. FUSED_OPTIMIZER_PATCHES
+# stand in for TE's (Apex's keep the same states and allocate the same); a job whose run has
+# neither (training.optimizer_impl: torch) keeps megatron-core's fallback, with
+# TORCH_OPTIMIZER_PATCHES.
+FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
     Patch(
         "megatron.core.optimizer",
         "Adam",
@@ -226,7 +229,7 @@ for _module, _names in (
     ("megatron.core.optimizer.optimizer", ("multi_tensor_applier", "multi_tensor_scale_impl")),
 ):
     for _name in _names:
-        PATCHES += (
+        FUSED_OPTIMIZER_PATCHES += (
             Patch(
                 _module,
                 _name,
@@ -242,6 +245,42 @@ for _module, _names in (
                 "copies every gradient (src * scale) and reads norms back to the host.",
             ),
         )
+
+
+def _foreach_default(orig):
+    """torch.optim's Adam/AdamW with foreach on, as torch picks it for CUDA tensors (the
+    multi-tensor step: its sqrt of every second moment at once is one state-sized temporary);
+    on meta tensors torch would take the per-parameter loop."""
+
+    class Foreach(orig):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("foreach", True)
+            super().__init__(*args, **kwargs)
+
+    Foreach.__name__ = Foreach.__qualname__ = orig.__name__
+    return Foreach
+
+
+TORCH_OPTIMIZER_PATCHES = tuple(
+    Patch(
+        "torch.optim",
+        name,
+        _foreach_default,
+        Versions((0, 12), (0, 16)),
+        "get_megatron_optimizer's fallback (no TE, no Apex) builds torch.optim.AdamW or Adam; on "
+        "a GPU torch runs their foreach step, on meta tensors its per-parameter loop.",
+    )
+    for name in ("AdamW", "Adam")
+) + (
+    Patch(
+        "megatron.core.optimizer.clip_grads",
+        "l2_norm_impl",
+        _standin("metatrace.models.te_optim", "local_multi_tensor_l2_norm"),
+        Versions((0, 12), (0, 16)),
+        "bound at import to megatron-core's local_multi_tensor_l2_norm without TE and Apex, "
+        "which reads every norm to the host (not on meta); its scale and applier run as they are.",
+    ),
+)
 
 
 def _wgrad_extension(orig):
@@ -1458,12 +1497,18 @@ def _fresh_offload_manager():
 
 
 @contextlib.contextmanager
-def megatron_patches(*, compiled: bool = True):
+def megatron_patches(*, compiled: bool = True, optimizer: str = "te"):
     """Everything above, applied together and restored on exit (also on error), once the
     installed megatron-core is checked (check_megatron_core); `compiled`: megatron-core's
-    torch.compile'd kernels allocate as compiled (COMPILED_PATCHES)."""
+    torch.compile'd kernels allocate as compiled (COMPILED_PATCHES); `optimizer`: the run's
+    optimizer implementation (training.optimizer_impl): te and apex run the fused stand-ins,
+    torch megatron-core's fallback to torch.optim (TORCH_OPTIMIZER_PATCHES)."""
     release = check_megatron_core()
-    attributes = PATCHES + (COMPILED_PATCHES if compiled else ())
+    attributes = (
+        PATCHES
+        + (COMPILED_PATCHES if compiled else ())
+        + (TORCH_OPTIMIZER_PATCHES if optimizer == "torch" else FUSED_OPTIMIZER_PATCHES)
+    )
     with contextlib.ExitStack() as stack:
         for instrument in (
             _nvte_env_isolated,

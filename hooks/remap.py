@@ -225,6 +225,9 @@ def _forget_null_streams() -> None:
             setattr(owner, attr, None)
 
 
+KNOWN = "_metatrace_known_value"
+"""A tensor attribute: its value is set by metatrace and meaningful (torch.optim's step count),
+so reading it on the stand-in device gives the value, not zero."""
 _READ_BACK = {
     torch.Tensor.item: lambda zero: zero,
     torch.Tensor.__bool__: bool,
@@ -241,7 +244,7 @@ class _UnknownValues(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _READ_BACK and args and isinstance(args[0], torch.Tensor):
             t = args[0]
-            if t.device == self.device:
+            if t.device == self.device and not getattr(t, KNOWN, False):
                 zero = False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
                 return _READ_BACK[func](zero)
         return func(*args, **(kwargs or {}))

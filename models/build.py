@@ -554,6 +554,17 @@ def build_optimizer(job, model):
                     )
         elif inner.init_state_fn is not None:
             inner.init_state_fn(inner.optimizer, inner.config)
+            if isinstance(inner.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                # torch.optim (training.optimizer_impl: torch) counts steps in a state of its
+                # own, a CPU scalar its first step creates beside the moments; the steady
+                # state's is past that step.
+                from metatrace.hooks.remap import KNOWN
+
+                for group in inner.optimizer.param_groups:
+                    for p in group["params"]:
+                        step = torch.tensor(1.0, device="cpu")
+                        setattr(step, KNOWN, True)  # its reads give the count (measure's CPU run)
+                        inner.optimizer.state[p].setdefault("step", step)
         elif hasattr(
             inner.optimizer, "initialize_state"
         ):  # SGD: megatron-core has no init_state_fn

@@ -46,6 +46,16 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         dst.mul_(scale)
 
 
+def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron.core.utils.local_multi_tensor_l2_norm (megatron-core's fallback without TE and
+    Apex), its allocations without its read to the host: a 0-d norm per tensor, kept until the
+    total is taken, then the one-element result made on the device from the host's value."""
+    norms = [torch.norm(t) for tensors in tensor_lists for t in tensors]
+    device = norms[0].device if norms else noop_flag.device
+    torch.stack(norms).norm() if norms else None  # torch.norm(torch.tensor(l2)): on the host
+    return torch.zeros(1, dtype=torch.float32, device=device), None
+
+
 class FusedAdam(torch.optim.Optimizer):
     """transformer_engine.pytorch.optimizers.FusedAdam (TE 2.8): states and step allocations."""
 

@@ -490,6 +490,18 @@ def _check_optimizer(job):
                 "training.use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
                 "(implementation.transformer_impl: transformer_engine)"
             )
+        if tr.optimizer_impl != "te":
+            yield (
+                "training.use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
+                f"(training.optimizer_impl: te, not {tr.optimizer_impl})"
+            )
+    if tr.optimizer_impl == "torch" and job.implementation.transformer_impl == "transformer_engine":
+        # megatron-core falls back to torch.optim only where TE cannot be imported
+        yield (
+            "training.optimizer_impl: torch means neither Transformer Engine nor Apex is "
+            "installed, and implementation.transformer_impl: transformer_engine needs TE; use "
+            "transformer_impl: local"
+        )
     if tr.optimizer_cpu_offload:
         yield from _check_optimizer_offload(job)
     if tr.grad_reduce_in_fp32 and tr.main_grads_dtype != "fp32":

@@ -450,6 +450,13 @@ class Training:
     """With defer_embedding_wgrad_compute: how many micro-batches are deferred (0: all)."""
     calculate_per_token_loss: bool = False
     """Normalise the loss by the tokens of the whole global batch (--calculate-per-token-loss)."""
+    optimizer_impl: Literal["te", "apex", "torch"] = "te"
+    """Where the run's optimizer comes from, as megatron-core picks it by what is installed:
+    Transformer Engine's FusedAdam / FusedSGD and multi-tensor kernels (te, NVIDIA's
+    containers), Apex's (apex: the same states and allocations), or neither (torch:
+    torch.optim's AdamW / Adam with its foreach step, whose sqrt of the second moments is one
+    temporary the size of the optimizer's parameters, and megatron-core's Python loops for
+    gradient norms and scaling)."""
     moe_routing: Literal["balanced", "capacity"] = "balanced"
     """Token counts per expert, which depend on the data, as metatrace assumes them: balanced
     (every expert gets tokens x topk / experts; dropless routing) or capacity (each expert's

@@ -351,7 +351,9 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     )
     dropout = contextlib.nullcontext() if cuda else cuda_like_dropout()
-    patches = megatron_patches(compiled=job.implementation.torch_compile)
+    patches = megatron_patches(
+        compiled=job.implementation.torch_compile, optimizer=job.training.optimizer_impl
+    )
     base = 0  # on a GPU: what earlier work in this process still holds, not the rank's
     if cuda:
         gc.collect()

@@ -309,7 +309,7 @@ def _trace_role(
     te = job.implementation.transformer_impl == "transformer_engine"
     compiled = job.implementation.torch_compile
     with (
-        megatron_patches(compiled=compiled),
+        megatron_patches(compiled=compiled, optimizer=job.training.optimizer_impl),
         remap_cuda(device),
         fake_world(world.layout, rank),
         te_process(te, userbuffers(job), device) as te_state,

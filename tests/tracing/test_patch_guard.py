@@ -17,7 +17,9 @@ from metatrace.hooks import guards, training
 from metatrace.hooks.guards import MEGATRON_CORE, PatchError, Versions, parse_release
 from metatrace.hooks.patches import (
     COMPILED_PATCHES,
+    FUSED_OPTIMIZER_PATCHES,
     PATCHES,
+    TORCH_OPTIMIZER_PATCHES,
     Patch,
     _resolve,
     megatron_patches,
@@ -27,6 +29,8 @@ from metatrace.hooks.patches import (
 ALL_PATCHES = (
     PATCHES
     + COMPILED_PATCHES
+    + FUSED_OPTIMIZER_PATCHES
+    + TORCH_OPTIMIZER_PATCHES
     + (training._backward_step(lambda orig: orig),)
     + training._combined_patches(None, None)
 )

@@ -292,6 +292,22 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
         ),
         ({"parallel": {"rank_order": "tp-pp-dp"}}, "must order each of tp, cp, ep, dp, pp"),
         ({"cluster": {"gpu": "h1000"}}, "did you mean 'h100'?"),
+        (
+            # torch.optim is megatron-core's fallback where TE cannot be imported
+            {"training": {"optimizer_impl": "torch"}},
+            "training.optimizer_impl: torch means neither Transformer Engine nor Apex",
+        ),
+        (
+            {
+                "training": {"optimizer_impl": "apex", "use_precision_aware_optimizer": True},
+            },
+            "needs Transformer Engine's FusedAdam (training.optimizer_impl: te, not apex)",
+        ),
+        (
+            {"cluster": {"allocator_conf": "expandable_segments:yes"}},
+            "cluster.allocator_conf: PYTORCH_ALLOC_CONF: expandable_segments is True or False",
+        ),
+        ({"cluster": {"nccl_gib": -1}}, "cluster.nccl_gib = -1 must be at least 0"),
         ({"model": {"preset": "llama2-7"}}, "did you mean 'llama2-7b'?"),
     ],
 )
