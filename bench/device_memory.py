@@ -4,9 +4,9 @@ lives outside it, beside the allocated peak.
     python bench/device_memory.py --device cuda --json FILE [--traces FILE.npz] [--only S]
     python bench/device_memory.py [--measured bench/data/h200_device_memory.json] [--only S]
 
-Each case is a one-GPU job on megatron-core's local layer spec (no Transformer Engine or Apex:
-the optimizer is torch's AdamW, foreach), run in a process of its own as a training process
-runs: `metatrace measure`'s model and optimizer, its counted micro-batch and three iterations,
+Each case is a one-GPU job on megatron-core's local layer spec (no Transformer Engine or Apex;
+the optimizer is metatrace's stand-in for TE's FusedAdam, or torch's foreach AdamW where the case
+sets training.optimizer_impl: torch), run in a process of its own as a training process runs: `metatrace measure`'s model and optimizer, its counted micro-batch and three iterations,
 under the case's PYTORCH_CUDA_ALLOC_CONF. Per case it stores torch.cuda.max_memory_allocated(),
 max_memory_reserved(), the allocator's statistics, the device's use from
 torch.cuda.mem_get_info() (right after the CUDA context exists, after the first GEMM, at the
@@ -95,6 +95,13 @@ CASES = {
         "",
     ),
     "gpt 1.3b, full recompute": (GPT_1B, FULL, ""),
+    # megatron-core's fallback without TE and Apex: torch's foreach AdamW (as the GPU machine
+    # runs it); the cases above run the fused stand-in's step
+    "gpt 1.3b, full recompute, torch adamw": (
+        GPT_1B,
+        merged(FULL, {"training": {"optimizer_impl": "torch"}}),
+        "",
+    ),
     "llama-like h4096, s8192, full recompute": (
         LLAMA_LIKE,
         merged(

@@ -27,6 +27,7 @@ from metatrace.analysis.allocator import (
     Peak,
 )
 from metatrace.config.allocator import AllocatorConfig
+from metatrace.config.hardware import NCCL_CHANNELS
 from metatrace.records import Trace
 
 FREE = -(1 << 62)
@@ -233,10 +234,6 @@ NCCL_LL, NCCL_LL128, NCCL_SIMPLE = 512 * 1024, 4_915_200, 4 * MiB
 NCCL_LL128_BUFFSIZE, NCCL_BUFFSIZE."""
 NCCL_CONN_MEM = 4096
 """ncclSendMem / ncclRecvMem beside each connection's buffers."""
-NCCL_CHANNELS = 32
-"""Collective channels per communicator: twice the rings NCCL's topology search finds, at most
-64 (src/graph/connect.cc:326-360). [assumption] 32, the channel count of an 8-GPU NVSwitch
-node in ../shared/notes/device-memory.md; it depends on the topology."""
 NVLS_CHANNELS = {"sm90": 16, "sm100": 24}
 """NVLS channels (src/transport/nvls.cc:148-151: NVLS_NCHANNELS_SM90, _SM100_NVL inside one
 NVLink domain)."""
@@ -288,18 +285,16 @@ class Communicator:
 
 
 def communicator(
-    group: str,
-    ranks: tuple[int, ...],
-    ops: set,
-    peers: set,
-    rank: int,
-    gpus_per_node: int,
-    gpu: str,
+    group: str, ranks: tuple[int, ...], ops: set, peers: set, rank: int, cluster
 ) -> Communicator:
     """The device memory of rank `rank`'s communicator over `ranks` that ran collectives `ops`
-    and sent to or received from `peers` (see Communicator; ../shared/notes/device-memory.md)."""
+    and sent to or received from `peers` (see Communicator; ../shared/notes/device-memory.md),
+    under the job's `cluster` (its GPU, GPUs per node and NCCL settings)."""
     from metatrace.config.hardware import GPU_ARCH
 
+    gpu, gpus_per_node = cluster.gpu, cluster.gpus_per_node
+    simple = cluster.nccl_buffsize or NCCL_SIMPLE
+    channels = cluster.nccl_channels or NCCL_CHANNELS
     arch = GPU_ARCH.get(gpu, "")
     node = rank // gpus_per_node
     local = sum(1 for r in ranks if r // gpus_per_node == node)
@@ -308,19 +303,19 @@ def communicator(
     # pairs over NVLink, src/graph/paths.cc:375) the SIMPLE buffer moves to the sender.
     if arch == "sm80":
         p2p_recv = _align(NCCL_CONN_MEM + NCCL_LL + NCCL_LL128)
-        p2p_send = _align(NCCL_CONN_MEM + NCCL_SIMPLE)
+        p2p_send = _align(NCCL_CONN_MEM + simple)
     else:
-        p2p_recv = _align(NCCL_CONN_MEM + NCCL_LL + NCCL_LL128 + NCCL_SIMPLE)
+        p2p_recv = _align(NCCL_CONN_MEM + NCCL_LL + NCCL_LL128 + simple)
         p2p_send = _align(NCCL_CONN_MEM)
     # NET transport with GPUDirect RDMA (src/transport/net.cc:887-920, 1054-1090): the send
     # side keeps LL128 and SIMPLE on the GPU, the receive side all three.
-    net_send = _align(NCCL_LL128 + NCCL_SIMPLE)
-    net_recv = _align(NCCL_LL + NCCL_LL128 + NCCL_SIMPLE)
+    net_send = _align(NCCL_LL128 + simple)
+    net_recv = _align(NCCL_LL + NCCL_LL128 + simple)
     nvls_channels = 0
-    nvls_ok = gpu in NVLS_GPUS and local == len(ranks) and local >= 2
+    nvls_ok = cluster.nccl_nvls and gpu in NVLS_GPUS and local == len(ranks) and local >= 2
     if nvls_ok:
         nvls_channels = NVLS_CHANNELS.get(arch, 16)
-    setup = (2 + 3 * NCCL_CHANNELS + nvls_channels) * GRANULE
+    setup = (2 + 3 * channels + nvls_channels) * GRANULE
     ring = 0
     if ops & RING_OPS:
         # A ring enters and leaves each node once per channel: of the `local` members on this
@@ -328,7 +323,7 @@ def communicator(
         outside = 1 / local if local < len(ranks) else 0.0
         recv = outside * net_recv + (1 - outside) * p2p_recv
         send = outside * net_send + (1 - outside) * p2p_send
-        ring = round(NCCL_CHANNELS * (recv + send))
+        ring = round(channels * (recv + send))
     nvls = 0
     if nvls_ok and ops & NVLS_OPS:
         nvls = _align(nvls_channels * 2 * NVLS_CHUNK * local)
@@ -339,9 +334,9 @@ def communicator(
         # Channels per NVLink peer: twice the peer's bandwidth in links, a power of two, at
         # most the communicator's p2p channels (src/graph/paths.cc:833-912): all of them on an
         # NVSwitch system.
-        p2p += len(near) * NCCL_CHANNELS * (p2p_recv + p2p_send)
+        p2p += len(near) * channels * (p2p_recv + p2p_send)
     if far:
-        p2p += 2 * NCCL_CHANNELS * NET_SHARED_CHUNKS
+        p2p += 2 * channels * NET_SHARED_CHUNKS
     return Communicator(group, len(ranks), setup, ring, nvls, p2p)
 
 
@@ -359,9 +354,8 @@ def communicators(job, collectives, rank: int) -> tuple[Communicator, ...]:
             peers.add(c.peer)
         elif c.op in P2P_OPS:
             peers.update(r for r in c.ranks if r != rank)
-    cl = job.cluster
     return tuple(
-        communicator(name, ranks, ops, peers, rank, cl.gpus_per_node, cl.gpu)
+        communicator(name, ranks, ops, peers, rank, job.cluster)
         for ranks, (ops, peers, name) in sorted(groups.items())
     )
 

@@ -752,6 +752,13 @@ def _check_cluster(job):
             f"cluster.reserved_overhead_gib = {cl.reserved_overhead_gib:g} must be at least 0 "
             f"and at most {_MAX_GPU_GIB:,}"
         )
+    if cl.nccl_buffsize is not None and not 0 < cl.nccl_buffsize <= 1 << 40:
+        yield f"cluster.nccl_buffsize = {cl.nccl_buffsize} must be more than 0 bytes"
+    if cl.nccl_channels is not None and not 1 <= cl.nccl_channels <= 64:
+        yield (
+            f"cluster.nccl_channels = {cl.nccl_channels} must be between 1 and 64 (NCCL's "
+            "MAXCHANNELS)"
+        )
     for key in ("context_gib", "nccl_gib"):
         value = getattr(cl, key)
         if value is not None and not 0 <= value <= _MAX_GPU_GIB:

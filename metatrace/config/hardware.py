@@ -125,3 +125,10 @@ def te_workspace_bytes(arch: str) -> int:
     32 MiB + 1 KiB on sm90 and later, 4 MiB before."""
     hopper_or_later = arch.startswith("sm") and int(arch[2:]) >= 90
     return 32 * 2**20 + 1024 if hopper_or_later else 4 * 2**20
+
+
+NCCL_CHANNELS = 32
+"""Collective channels per NCCL communicator: twice the rings NCCL's topology search finds, at
+most 64 (nccl src/graph/connect.cc:326-360). [assumption] 32, the channel count of an 8-GPU
+NVSwitch node in ../shared/notes/device-memory.md; it depends on the topology
+(cluster.nccl_channels sets it, NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS bound it)."""

@@ -569,6 +569,14 @@ class Cluster:
     """NCCL's device memory per GPU (its communicators' buffers); default derived per
     communicator from NCCL's own rules (metatrace.analysis.device.communicator). A measured
     figure (ncclCommMemStats, or the device's use less the rest) replaces the estimate."""
+    nccl_nvls: bool = True
+    """NCCL's NVLS (NVSwitch multicast) buffers where the GPUs have them (NCCL_NVLS_ENABLE=0:
+    off)."""
+    nccl_buffsize: int | None = None
+    """NCCL's SIMPLE-protocol buffer per connection, bytes (NCCL_BUFFSIZE; default 4 MiB)."""
+    nccl_channels: int | None = None
+    """Collective channels per NCCL communicator (default 32, an 8-GPU NVSwitch node's;
+    NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS bound it)."""
     context_gib: float | None = None
     """What a training process holds on its GPU beside the allocator's reserve and NCCL's
     buffers (the CUDA context, loaded kernels, libraries' own memory); default measured, 2.6 GB

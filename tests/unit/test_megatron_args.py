@@ -360,6 +360,9 @@ def test_environment():
         "NCCL_NVLS_ENABLE": "0",
     }
     resolved, notes = job(BASE, env={**quiet, "FOO": "1"})
+    assert resolved.cluster.nccl_nvls is False  # NCCL_NVLS_ENABLE=0: no NVLS buffers
+    sized = job(BASE, env={"NCCL_BUFFSIZE": "8388608", "NCCL_MAX_NCHANNELS": "16"})[0].cluster
+    assert (sized.nccl_buffsize, sized.nccl_channels) == (8 << 20, 16)
     assert [n for n in notes if "environment" in n] == [
         "environment variables metatrace does not know, taken to change nothing it predicts: FOO"
     ]

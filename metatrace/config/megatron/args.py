@@ -1115,6 +1115,16 @@ def _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env) -> li
                 f"{expected}; megatron-core asserts they agree (choose the attention with "
                 "--attention-backend)"
             )
+    if "NCCL_NVLS_ENABLE" in env:
+        c["nccl_nvls"] = env["NCCL_NVLS_ENABLE"] != "0"
+    if "NCCL_BUFFSIZE" in env:
+        c["nccl_buffsize"] = int(env["NCCL_BUFFSIZE"])
+    if "NCCL_MIN_NCHANNELS" in env or "NCCL_MAX_NCHANNELS" in env:
+        from metatrace.config.hardware import NCCL_CHANNELS
+
+        low = int(env.get("NCCL_MIN_NCHANNELS", 1))
+        high = int(env.get("NCCL_MAX_NCHANNELS", 64))
+        c["nccl_channels"] = max(low, min(high, NCCL_CHANNELS))
     # torch reads PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF (deprecated) only without it
     # (c10/core/AllocatorConfig.cpp).
     conf = env.get("PYTORCH_ALLOC_CONF", env.get("PYTORCH_CUDA_ALLOC_CONF"))

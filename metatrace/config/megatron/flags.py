@@ -1015,6 +1015,10 @@ ENV_MODELLED = {
     "NVTE_UNFUSED_ATTN": "checked against --attention-backend (megatron-core asserts they agree)",
     "CUDA_DEVICE_MAX_CONNECTIONS": "checked: Megatron-LM asserts 1 with TP or CP before Blackwell",
     "WORLD_SIZE": "checked against the world size",
+    "NCCL_NVLS_ENABLE": "0: no NVLS buffers (cluster.nccl_nvls)",
+    "NCCL_BUFFSIZE": "NCCL's SIMPLE buffer per connection (cluster.nccl_buffsize)",
+    "NCCL_MIN_NCHANNELS": "bounds NCCL's channels per communicator (cluster.nccl_channels)",
+    "NCCL_MAX_NCHANNELS": "bounds NCCL's channels per communicator (cluster.nccl_channels)",
     "PYTORCH_CUDA_ALLOC_CONF": "the caching allocator's settings the device-memory verdict "
     "simulates (cluster.allocator_conf)",
     "PYTORCH_ALLOC_CONF": "the caching allocator's settings the device-memory verdict simulates "
@@ -1053,7 +1057,7 @@ ENV_NO_EFFECT = {
     "NON_DETERMINSTIC_RESULTS",
 }
 ENV_NO_EFFECT_PREFIXES = (
-    "NCCL_",  # NCCL's buffers are outside PyTorch's allocator; the same collectives run
+    "NCCL_",  # the same collectives run (those that size NCCL's buffers are listed above)
     "TORCH_NCCL_",
     "TORCHELASTIC_",
     "TORCHINDUCTOR_",
@@ -1072,6 +1076,25 @@ ENV_NOT_MODELLED: dict[str, tuple[str, Direction]] = {
     "NVTE_FUSED_ATTN_BACKEND": ("a cuDNN attention sub-backend chosen by hand", "either"),
     "NVTE_CPU_OFFLOAD_V1": ("Transformer Engine's first CPU-offloading implementation", "either"),
     "PYTORCH_NO_CUDA_MEMORY_CACHING": ("PyTorch's caching allocator switched off", "unknown"),
+    **{
+        # NCCL's device buffers sized or placed otherwise than the verdict's estimate assumes
+        name: ("NCCL's device buffers outside the allocator, sized otherwise", "either")
+        for name in (
+            "NCCL_LL_BUFFSIZE",
+            "NCCL_LL128_BUFFSIZE",
+            "NCCL_P2P_NET_CHUNKSIZE",
+            "NCCL_P2P_NVL_CHUNKSIZE",
+            "NCCL_NVLS_CHUNKSIZE",
+            "NCCL_MAX_P2P_NCHANNELS",
+            "NCCL_NCHANNELS_PER_NET_PEER",
+            "NCCL_CUMEM_ENABLE",
+            "NCCL_RUNTIME_CONNECT",
+            "NCCL_P2P_READ_ENABLE",
+            "NCCL_SHM_USE_CUDA_MEMCPY",
+            "NCCL_COMM_SPLIT_SHARE_RESOURCES",
+            "NCCL_WORK_FIFO_BYTES",
+        )
+    },
 }
 # Variables whose values the run parses, and how (a value it cannot parse is refused by name,
 # whether or not it changes what metatrace predicts): "int" as Python's int() reads it (Transformer
@@ -1086,6 +1109,10 @@ ENV_FORMATS: dict[str, Literal["int", "0/1"]] = {
     "NVTE_FUSED_ATTN_BACKEND": "int",
     "CUDA_DEVICE_MAX_CONNECTIONS": "int",
     "WORLD_SIZE": "int",
+    "NCCL_NVLS_ENABLE": "int",
+    "NCCL_BUFFSIZE": "int",
+    "NCCL_MIN_NCHANNELS": "int",
+    "NCCL_MAX_NCHANNELS": "int",
     "TORCHDYNAMO_DISABLE": "0/1",
     "TORCH_COMPILE_DISABLE": "0/1",
 }
