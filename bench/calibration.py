@@ -9,7 +9,8 @@ configuration is complete. For each it prints the predicted and measured peak an
 cases that use features metatrace does not model yet are listed as "not modelled" with the
 reason. At the end: median, 90th percentile and maximum absolute error over the modelled dense
 cases, and the signed errors of the mixture-of-experts cases (their runs route by the data;
-metatrace assumes balanced routing).
+metatrace assumes the job's routing, by default random top-k routing as at the start of
+training).
 
 The prediction is the traced peak of the role holding the measured rank, nothing else: no
 per-case or per-dataset factor.
@@ -242,10 +243,10 @@ def main(argv=None) -> int:
             f"({time.perf_counter() - start:.0f} s)"
         )
     if moe_errors:
-        # Dropless routing in these runs: the prediction assumes balanced routing, so it is a
-        # floor for what data-dependent imbalance adds; signed errors show on which side.
+        # Dropless routing in these runs: the prediction assumes random top-k routing (the
+        # hottest expert's expected load on every rank); signed errors show on which side.
         print(
-            f"{len(moe_errors)} MoE cases (balanced routing assumed): signed errors "
+            f"{len(moe_errors)} MoE cases (random top-k routing assumed): signed errors "
             + ", ".join(f"{100 * e:+.2f}%" for e in sorted(moe_errors))
             + f"; median |error| {100 * statistics.median(abs(e) for e in moe_errors):.2f}%"
         )

@@ -576,7 +576,7 @@ def _balanced_routing(orig):
     def routing(self, logits, padding_mask=None):
         probs, routing_map = orig(self, logits, padding_mask=padding_mask)
         routing = _moe().Routing.of(self.config)
-        if routing.policy == "balanced" and routing.hottest == 1.0:
+        if routing.policy == "balanced" and routing.balanced_load == 1.0:
             _moe().balance_routing_map(routing_map, self.topk)
         return probs, routing_map
 
@@ -625,8 +625,9 @@ PATCHES += (
         "TopKRouter.routing",
         _balanced_routing,
         Versions((0, 15), (0, 16)),
-        "on real tensors (the CPU check of a meta trace) the routing map is made the balanced "
-        "one metatrace assumes; on meta it holds no values and is left alone.",
+        "on real tensors (the CPU check of a meta trace) under balanced routing the routing map "
+        "is made the balanced one metatrace assumes (random routing keeps the router's own "
+        "draw); on meta it holds no values and is left alone.",
     ),
     Patch(
         "megatron.core.transformer.moe.router",

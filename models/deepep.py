@@ -91,8 +91,9 @@ class FlexLayout:
         ep_rank = self.rank // self.tp  # the tp_ep group is ordered TP-fastest
         first = ep_rank * self.local_experts
         sent = balanced_split(tokens * topk, experts)
+        load = Routing.of(config).load(tokens, self.ranks, experts, topk)
         per_source = received_per_local_expert(
-            Routing.of(config),
+            load,
             sent,
             range(first, first + self.local_experts),
             alone=self.ranks == 1,

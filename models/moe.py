@@ -6,7 +6,15 @@ its all-to-alls, permutations and expert GEMMs, and `masked_select` sizes its ou
 routing map's values. metatrace supplies the counts from a stated assumption
 (`training.moe_routing`):
 
-- balanced (default, dropless routing): every rank sends its N tokens x topk choices evenly over
+- random (default, dropless routing): routing at the start of training
+  (metatrace.config.routing). Every source rank routes its N tokens each to k distinct experts
+  drawn uniformly (random router weights); per layer and micro-batch an expert's count from the
+  S = tp x ep sources of the dispatcher's group is Binomial(S*N, k/E), and the hottest of the E
+  experts gets L = E[max]/mean of its share (`Routing.load`, computed where the counts are made:
+  N the routing map's rows, S the group's size; the all-gather dispatcher's rank routes the
+  S*N gathered tokens itself). The binding rank is the one holding the hottest expert: what it
+  holds is what a GPU must fit, and each rank is shown so, as below with hottest load L;
+- balanced (dropless routing): every rank sends its N tokens x topk choices evenly over
   the E experts (N*k // E each, the remainder one more on the first experts); every expert gets
   the same share from every source rank. With `training.moe_hottest_expert_load` = L > 1 the
   first local expert of every rank receives ceil(L x its share) from every source, the others
@@ -53,16 +61,16 @@ def balanced_split(total: int, parts: int) -> list[int]:
 
 
 def received_per_local_expert(
-    routing: Routing, sent: list[int], local: range, *, alone: bool = False
+    load: float, sent: list[int], local: range, *, alone: bool = False
 ) -> list[int]:
     """Tokens one source rank sends to each of this rank's local experts: its balanced share
-    `sent[e]`, the first local expert scaled by the hottest-expert load (rounded up). `alone`:
-    the rank is the only source (no expert or tensor parallelism), so what the hottest expert
-    gains the others lose."""
+    `sent[e]`, the first local expert scaled by the hottest expert's `load` (rounded up).
+    `alone`: the rank is the only source (no expert or tensor parallelism), so what the hottest
+    expert gains the others lose."""
     out = [sent[e] for e in local]
-    if routing.hottest != 1.0 and out:
+    if load != 1.0 and out:
         total = sum(out)
-        out[0] = math.ceil(out[0] * routing.hottest)
+        out[0] = math.ceil(out[0] * load)
         if alone:
             out[0] = min(out[0], total)
             out[1:] = balanced_split(total - out[0], len(out) - 1)
@@ -107,7 +115,8 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     sent = balanced_split(tokens * topk, experts)  # what every source rank sends per expert
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
     sources = d.tp_size * d.ep_size
-    per_source = received_per_local_expert(routing, sent, local, alone=sources == 1)
+    load = routing.load(tokens, sources, experts, topk)
+    per_source = received_per_local_expert(load, sent, local, alone=sources == 1)
     if sources == 1:  # the rank sends its experts what they receive (the hottest one's gain)
         sent = list(per_source)
     if d.config.moe_router_padding_for_quantization:
@@ -142,7 +151,9 @@ def allgather_local_counts(dispatcher, global_tokens: int) -> torch.Tensor:
     sent = balanced_split(global_tokens * d.router_topk, d.config.num_moe_experts)
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
     alone = d.tp_size * d.ep_size == 1
-    counts = received_per_local_expert(routing, sent, local, alone=alone)
+    # every rank routes the gathered tokens of the whole group: one source of them all
+    load = routing.load(global_tokens, 1, d.config.num_moe_experts, d.router_topk)
+    counts = received_per_local_expert(load, sent, local, alone=alone)
     return torch.tensor(counts, dtype=torch.long)
 
 

@@ -31,6 +31,9 @@ MLA = {
     "qk_layernorm": True,
 }
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96}
+# The training section's routing for tests of balanced routing's closed forms (the default is
+# random top-k routing, whose hottest expert gets more than its share).
+BALANCED = {"moe_routing": "balanced"}
 
 # A Megatron-LM command line of a small GPT job (tp 2, pp 2, sequence parallel) on 8 GPUs.
 GPT_ARGS = (

@@ -951,15 +951,21 @@ def _check_moe(job):
         yield f"training.moe_expert_capacity_factor = {factor:g} must be positive"
     if tr.moe_routing == "capacity" and factor is None:
         yield "training.moe_routing: capacity needs training.moe_expert_capacity_factor"
-    if tr.moe_hottest_expert_load < 1:
+    load = tr.moe_hottest_expert_load
+    if load is not None and load < 1:
         yield (
-            f"training.moe_hottest_expert_load = {tr.moe_hottest_expert_load:g} must be at "
-            "least 1 (the hottest expert's multiple of the balanced share)"
+            f"training.moe_hottest_expert_load = {load:g} must be at least 1 (the hottest "
+            "expert's multiple of the balanced share)"
         )
-    elif tr.moe_hottest_expert_load != 1 and tr.moe_routing == "capacity":
+    elif load is not None and tr.moe_routing == "capacity":
         yield (
             "training.moe_hottest_expert_load applies to balanced routing; with "
             "moe_routing: capacity every expert's input is padded to its capacity"
+        )
+    elif load is not None and tr.moe_routing == "random":
+        yield (
+            "training.moe_hottest_expert_load applies to balanced routing; moe_routing: random "
+            "derives the hottest expert's load from the routing (give one of them)"
         )
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"

@@ -457,17 +457,21 @@ class Training:
     torch.optim's AdamW / Adam with its foreach step, whose sqrt of the second moments is one
     temporary the size of the optimizer's parameters, and megatron-core's Python loops for
     gradient norms and scaling)."""
-    moe_routing: Literal["balanced", "capacity"] = "balanced"
-    """Token counts per expert, which depend on the data, as metatrace assumes them: balanced
-    (every expert gets tokens x topk / experts; dropless routing) or capacity (each expert's
-    input padded to its capacity, megatron-core's static path; needs moe_expert_capacity_factor)."""
+    moe_routing: Literal["random", "balanced", "capacity"] | None = None
+    """Token counts per expert, which depend on the data, as metatrace assumes them: random
+    (the default; routing at the start of training: each token's top-k a uniform draw of
+    distinct experts, the hottest expert's expected load on every rank, dropless), balanced
+    (every expert gets tokens x topk / experts; the default when moe_hottest_expert_load is
+    given) or capacity (each expert's input padded to its capacity, megatron-core's static path;
+    needs moe_expert_capacity_factor)."""
     moe_expert_capacity_factor: float | None = None
     """Expert capacity as a multiple of the balanced share. With moe_routing capacity every
-    expert's input is padded to it; with balanced routing tokens beyond it are dropped (which
-    caps moe_hottest_expert_load)."""
-    moe_hottest_expert_load: float = 1.0
-    """With balanced routing: the most loaded expert on each rank gets this multiple of the
-    balanced share (e.g. 1.5), to see the worst case; the other experts keep theirs."""
+    expert's input is padded to it; with random or balanced routing tokens beyond it are
+    dropped (which caps the hottest expert's load)."""
+    moe_hottest_expert_load: float | None = None
+    """Balanced routing with the most loaded expert on each rank at this multiple of the
+    balanced share (e.g. 1.5), to see a worst case; the other experts keep theirs. Not with
+    moe_routing random, which derives that load from the routing."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
     moe_router_padding_for_quantization: bool = False

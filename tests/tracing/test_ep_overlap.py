@@ -9,7 +9,7 @@ import pytest
 
 from metatrace.analysis.memory import role_memory, step_profiles
 from metatrace.tracing.trace import trace_job
-from tests.helpers import MOE, small_job
+from tests.helpers import BALANCED, MOE, small_job
 
 H, S, B, FFN, K = 64, 64, 2, 96, 2  # debug preset's hidden size, tests' s and b, MOE's ffn, topk
 BF16 = 2
@@ -28,7 +28,7 @@ def moe_job(overlap, delay=False, pp=1, vpp=None, layers=2, gbs=8):
     return small_job(
         model={**MOE, "num_layers": layers},
         parallel=par,
-        training={"global_batch_size": gbs},
+        training={"global_batch_size": gbs, **BALANCED},
         implementation={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},
         cluster={"num_gpus": 2 * pp},
     )

@@ -8,7 +8,7 @@ from metatrace.analysis import aggregate as agg
 from metatrace.analysis.comm import job_comm
 from metatrace.analysis.memory import role_memory
 from metatrace.tracing.trace import trace_job
-from tests.helpers import MOE, assert_meta_matches_real, small_job
+from tests.helpers import BALANCED, MOE, assert_meta_matches_real, small_job
 
 H, S, B = 64, 64, 2  # the debug preset's hidden size; the tests' sequence and micro-batch
 BF16, FP32 = 2, 4
@@ -18,7 +18,7 @@ def moe_job(model=None, parallel=None, training=None, **sections):
     return small_job(
         model={**MOE, **(model or {})},
         parallel=parallel or {},
-        training={"global_batch_size": 4, **(training or {})},
+        training={"global_batch_size": 4, **BALANCED, **(training or {})},
         **sections,
     )
 
@@ -147,6 +147,50 @@ def test_hottest_expert_load_raises_what_arrives():
     assert combine.shape[0] == tokens * 5 // 4
     assert dispatch.sent == even.sent and dispatch.received == even.received * 5 // 4
     assert combine.sent == even.sent * 5 // 4 and combine.received == even.received
+
+
+def test_random_routing_gives_the_hottest_expert_its_expected_load():
+    # The default routing, ep 2, alltoall: each of the 2 sources routes T = s·b = 128 tokens to
+    # 2 of 4 experts, a share of 64 per expert; the hottest expert's expected count is 1.0742x
+    # its share (config.routing.expected_hottest(256, 4, 2), checked against a Monte-Carlo draw
+    # in tests/unit/test_routing.py). A rank's first expert gets ceil(64 x 1.0742) = 69 from
+    # each source, the second 64: the combine sends 2 x (69 + 64) = 266 rows (balanced: 256).
+    def forward_alltoalls(training):
+        job = moe_job(
+            parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+            training=training,
+            cluster={"num_gpus": 2},
+        )
+        return [
+            it
+            for it in ep_items(job)
+            if it.op == "all_to_all" and it.phase == "forward" and len(it.shape) == 2
+        ]
+
+    tokens = S * B * MOE["moe_router_topk"]
+    (even,) = forward_alltoalls({})
+    random = forward_alltoalls({"moe_routing": "random"})
+    (combine,) = [it for it in random if it.shape[0] != tokens]
+    assert combine.shape[0] == 266
+    assert combine.received == even.received
+
+
+def test_allgather_local_counts_of_random_routing():
+    # allgather, tp 1, ep 2: the rank routes the 2 x 128 gathered tokens itself, 128 per expert
+    # and top-2 of 4 (the hottest 1.0742x its share): its first expert ceil(128 x 1.0742) = 138.
+    from types import SimpleNamespace
+
+    from metatrace.config.routing import Routing
+    from models.moe import allgather_local_counts
+
+    def dispatcher(routing):
+        config = SimpleNamespace(metatrace_routing=routing, num_moe_experts=4)
+        return SimpleNamespace(
+            config=config, router_topk=2, local_expert_indices=[2, 3], tp_size=1, ep_size=2
+        )
+
+    assert allgather_local_counts(dispatcher(Routing()), 256).tolist() == [138, 128]
+    assert allgather_local_counts(dispatcher(Routing("balanced")), 256).tolist() == [128, 128]
 
 
 def test_expert_and_dense_optimizer_state_shard_over_their_own_groups():

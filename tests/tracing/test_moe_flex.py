@@ -10,7 +10,7 @@ import pytest
 from metatrace.analysis.comm import job_comm
 from metatrace.records import Saved
 from metatrace.tracing.trace import trace_job
-from tests.helpers import MOE, small_job
+from tests.helpers import BALANCED, MOE, small_job
 
 H, S, B = 64, 64, 2  # the debug preset's hidden size; sequence, micro-batch
 E, K, EP = 8, 2, 4  # two experts a rank: a token's two experts may share one
@@ -26,7 +26,7 @@ def job(dispatcher, backend="deepep"):
     return small_job(
         model={**MOE, "num_experts": E, "moe_router_topk": K},
         parallel=par,
-        training={"global_batch_size": 8, "seq_length": S, "micro_batch_size": B},
+        training={"global_batch_size": 8, "seq_length": S, "micro_batch_size": B, **BALANCED},
         implementation={"moe_grouped_gemm": True},
         cluster={"num_gpus": EP},
     )

@@ -6,7 +6,7 @@ import pytest
 
 from metatrace.analysis.memory import persistent_bytes
 from metatrace.tracing.trace import trace_job
-from tests.helpers import MOE, small_job
+from tests.helpers import BALANCED, MOE, small_job
 
 H, F = 64, 96  # the debug preset's hidden size; MOE's expert FFN size
 E, LAYERS = 2, 2  # local experts (4 over ep 2); the debug preset's layers
@@ -34,6 +34,7 @@ def fp8_job(
         model={**MOE, "moe_ffn_hidden_size": ffn, **(model or {})},
         parallel={"ep": 2, **(parallel or {})},
         training={
+            **BALANCED,
             "seq_length": seq,
             "global_batch_size": 4,
             "precision": "fp8",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from metatrace.models import te_moe as S
-from tests.helpers import small_job
+from tests.helpers import BALANCED, small_job
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4, torch.int64: 8, torch.bool: 1}
@@ -170,7 +170,7 @@ def fusion_job(fused, **parallel):
             "moe_permute_fusion": fused,
             "moe_router_fusion": fused,
         },
-        training={"global_batch_size": 8},
+        training={"global_batch_size": 8, **BALANCED},
         cluster={"num_gpus": 4},
     )
 

@@ -13,7 +13,7 @@ instead of round_up(40, 16) = 48.
 import pytest
 
 from metatrace.tracing.trace import trace_job
-from tests.helpers import assert_meta_matches_real, collective_rows, small_job
+from tests.helpers import BALANCED, assert_meta_matches_real, collective_rows, small_job
 from tests.tracing.test_moe_fp8 import quantized_saved, rnd, saved_closed_form
 
 H, F, EXPERTS, TOPK, EP, MBS = 64, 96, 8, 2, 2, 2
@@ -26,6 +26,7 @@ def job(pad, seq=40, dispatcher="alltoall", recipe="tensorwise", gpu="h100", tra
         model={"num_experts": EXPERTS, "moe_router_topk": TOPK, "moe_ffn_hidden_size": F},
         parallel={"ep": EP, "moe_token_dispatcher_type": dispatcher},
         training={
+            **BALANCED,
             "seq_length": seq,
             "micro_batch_size": MBS,
             "global_batch_size": 2 * MBS,

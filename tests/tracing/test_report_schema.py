@@ -46,7 +46,11 @@ def test_moe_report_is_valid_and_names_its_routing(validator):
         json.dumps(job_report(analyze(trace_job(job, full_model=False, workers=1))))
     )
     assert errors(validator, report) == []
-    assert report["moe_routing"].startswith("balanced")
+    # the verdict's routing: random top-k, 2 sources of s·b = 128 tokens, top-2 of 4 experts
+    assert report["moe_routing"] == (
+        "random top-k at initialisation: the hottest of 4 experts 1.074x its share "
+        "(2 x 128 tokens, top-2), on every rank"
+    )
     del report["moe_routing"]
     assert any("moe_routing" in e for e in errors(validator, report))
 

@@ -67,6 +67,13 @@ JOB_FILES = [
     ),
     (job(cluster="  intra_node_gbps: .nan\n"), "'cluster.intra_node_gbps' must be a finite number"),
     (job(cluster="  inter_node_gbps: 0\n"), "'cluster.inter_node_gbps' must be positive, got 0.0"),
+    (
+        job(
+            "  num_experts: 4\n",
+            "  moe_routing: random\n  moe_hottest_expert_load: 1.3\n",
+        ).replace("pp: 2", "pp: 2\n  sequence_parallel: true"),
+        "moe_routing: random derives the hottest expert's load from the routing",
+    ),
     (job().replace("gpus_per_node: 2", "gpus_per_node: 3"), "is not a whole number of nodes"),
     (
         job().replace("global_batch_size: 8", "global_batch_size: 2000000002"),
