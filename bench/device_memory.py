@@ -30,7 +30,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import BASE, GPT_1B, LLAMA_LIKE, merged
+from step_time import BASE, GPT_1B, LLAMA_LIKE, MOE, merged
 
 TINY = {  # small enough for a test's stored allocator trace
     "model": {
@@ -46,23 +46,10 @@ TINY = {  # small enough for a test's stored allocator trace
     },
     "training": {"seq_length": 1024, "micro_batch_size": 2, "global_batch_size": 8},
 }
-MOE_FINE = {  # fine-grained experts: 16 experts of a small FFN, top 4
-    "model": {
-        "num_layers": 8,
-        "hidden_size": 2048,
-        "num_attention_heads": 16,
-        "vocab_size": 32000,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "activation": "swiglu",
-        "add_bias_linear": False,
-        "num_experts": 16,
-        "moe_ffn_hidden_size": 1024,
-        "moe_router_topk": 4,
-        "max_position_embeddings": 4096,
-    },
-    "training": {"seq_length": 4096, "micro_batch_size": 2, "global_batch_size": 16},
-}
+# fine-grained experts: step_time's MoE with 16 experts of a small FFN, top 4
+MOE_FINE = merged(
+    MOE, {"model": {"num_experts": 16, "moe_ffn_hidden_size": 1024, "moe_router_topk": 4}}
+)
 GQA_128K = {  # a Llama-3-8B-like layer with grouped queries and a 128k vocabulary
     "model": {
         "num_layers": 4,

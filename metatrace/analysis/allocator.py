@@ -93,8 +93,6 @@ class Peak:
     """The moment reserved memory was at its most."""
 
     reserved: int = 0
-    allocated: int = 0
-    """Bytes allocated at that moment (blocks, after rounding)."""
     event: int = -1
     """Index of the malloc that reserved the last segment."""
     holes: list = field(default_factory=list)
@@ -231,7 +229,7 @@ class CachingAllocator:
                 reverse=True,
             )[:8]
             holes = [(size, self.by_addr[addr].key) for size, addr in largest]
-            self.peak = Peak(self.reserved, self.allocated, self.events, holes)
+            self.peak = Peak(self.reserved, self.events, holes)
 
     def release_cached(self) -> int:
         """Free every cached segment that holds nothing; with expandable segments, unmap the

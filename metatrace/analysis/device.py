@@ -109,6 +109,16 @@ def _micro_steps(micro: Trace) -> tuple[dict, set]:
     return steps, persistent
 
 
+def simulated_iteration(iteration: Trace | None) -> Trace | None:
+    """The iteration the simulation runs: a long one's first micro-batches and STEADY_PERIODS
+    periods of its steady state (metatrace.tracing.steady's recipe), else itself."""
+    recipe = getattr(iteration, "recipe", None)
+    if recipe is None:
+        return iteration
+    steady, n = recipe
+    return steady.trace(min(n, STEADY_PERIODS))
+
+
 def allocations(micro: Trace, iteration: Trace | None):
     """The rank's allocations in order: (delta bytes, key) with keys unique per tensor life
     (see the module docstring); a positive delta is an allocation."""
@@ -116,12 +126,9 @@ def allocations(micro: Trace, iteration: Trace | None):
     seqs, deltas, sids, _ = _columns(micro)
     for delta, sid in zip(deltas, sids):
         yield delta, ("micro", sid)
+    iteration = simulated_iteration(iteration)
     if iteration is None:
         return
-    recipe = getattr(iteration, "recipe", None)
-    if recipe is not None:  # a long iteration: its first micro-batches and two periods
-        steady, n = recipe
-        iteration = steady.trace(min(n, STEADY_PERIODS))
     steps, _ = _micro_steps(micro)
     seqs, deltas, sids, win = _columns(iteration)
     coarse = set()  # the replay's lumps: storages allocated inside a chunk step
@@ -174,8 +181,6 @@ class Reserve:
     """Peak of the segments (torch.cuda.max_memory_reserved())."""
     allocated: int
     """Peak of the blocks allocated (torch.cuda.max_memory_allocated(), at block sizes)."""
-    at_peak_allocated: int
-    """Blocks allocated when the reserve reached its peak."""
     holes: tuple[tuple[int, object], ...]
     """The largest cached free blocks at the peak of the reserve: (bytes, key of the tensor
     whose free left them)."""
@@ -214,7 +219,6 @@ def simulate(events, config: AllocatorConfig, capacity: int | None = None) -> Re
     return Reserve(
         reserved=peak.reserved,
         allocated=alloc.peak_allocated,
-        at_peak_allocated=peak.allocated,
         holes=tuple(peak.holes),
         segments=alloc.segments,
         oom=oom,
@@ -461,9 +465,9 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
 
 
 def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
-    """Reserve.holes with each key told by the module that allocated its storage."""
+    """Reserve.holes with each key told by the module whose tensor's free left the block."""
     modules: dict = {}
-    for trace in (rt.trace, rt.iteration):
+    for origin, trace in (("micro", rt.trace), ("iteration", simulated_iteration(rt.iteration))):
         if trace is None:
             continue
         cols = trace.columns("memory", ("storage", "module", "delta"))
@@ -471,18 +475,14 @@ def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
             cols["storage"].tolist(), cols["module"].tolist(), cols["delta"].tolist()
         ):
             if delta > 0:
-                modules.setdefault((trace is rt.trace, sid), module)
-    out = []
-    for nbytes, key in reserve.holes:
-        key = (
-            key[0]
-            if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple)
-            else key
-        )
-        name = "(static)"
-        if isinstance(key, tuple) and key and key[0] in ("micro", "step"):
-            name = modules.get((True, key[-1]), "?")
-        elif isinstance(key, tuple) and key and key[0] == "iteration":
-            name = modules.get((False, key[-1]), "?")
-        out.append((nbytes, name or "(step)"))
-    return tuple(out)
+                modules.setdefault((origin, sid), module)
+
+    def who(key) -> str:
+        if not isinstance(key, tuple):
+            return "(a segment's unused rest)"
+        if key[0] == "static":
+            return "(static)"
+        origin = "iteration" if key[0] == "iteration" else "micro"
+        return modules.get((origin, key[-1])) or "(step)"
+
+    return tuple((nbytes, who(key)) for nbytes, key in reserve.holes)
