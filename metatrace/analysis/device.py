@@ -138,9 +138,14 @@ def allocations(micro: Trace, iteration: Trace | None):
         size[sid] = now
         if delta > 0 and now == delta and _window_of(win, seq) is not None:
             coarse.add(sid)
-    freed_in_iteration = {sid for sid, now in size.items() if now <= 0}
+    # What the iteration allocates and keeps (the optimizer step's new FP8 weight caches, ...)
+    # stands for what the next iteration finds: role_memory counts it only after it is made.
+    # The second iteration frees the first's as it starts, and makes its own again.
+    left = [sid for sid, now in size.items() if now > 0 and sid not in coarse]
     count = len(win["first"])
     for rep in range(2):
+        if rep:
+            yield from ((FREE, ("iteration", 0, sid)) for sid in left)
         outputs: dict = {}  # the replay's output lump -> the traced step's output
         j = 0
 
@@ -165,8 +170,6 @@ def allocations(micro: Trace, iteration: Trace | None):
                 continue
             if sid in coarse:
                 continue
-            if rep and sid not in freed_in_iteration:
-                continue  # kept from the first iteration (workspaces made there)
             yield delta, ("iteration", rep, sid)
         while j < count:
             yield from step_events(j)
@@ -371,15 +374,23 @@ class DeviceMemory:
     allocated: int
     """The allocated peak (torch.cuda.max_memory_allocated())."""
     reserve: Reserve
-    """The caching allocator under the job's settings."""
+    """The caching allocator under the job's settings, on a device with room for it
+    (torch.cuda.max_memory_reserved() on a GPU large enough)."""
     context: int
     """The CUDA context and libraries (CONTEXT_BYTES, or cluster.context_gib)."""
     nccl: tuple[Communicator, ...]
     userbuffers: int
     """Transformer Engine's userbuffers (tp_comm_overlap)."""
+    room: int | None = None
+    """The GPU's memory less the margin kept free (None: not asked)."""
+    retried: Reserve | None = None
+    """Where the reserve does not fit beside the rest: the allocator run again with the room
+    left, freeing its cache and retrying before it gives up (its oom says whether it does)."""
     expandable: Reserve | None = None
     """The reserve with expandable_segments:True, where the job does not set it and its
     default does not fit with EXPANDABLE_SLACK to spare."""
+    expandable_retried: Reserve | None = None
+    """The same run with the room left, where it does not fit either."""
     nccl_given: int | None = None
     """cluster.nccl_gib, which replaces the communicators' estimate, in bytes."""
     holes: tuple[tuple[int, str], ...] = ()
@@ -400,12 +411,42 @@ class DeviceMemory:
     def total(self) -> int:
         return self.reserve.reserved + self.outside
 
+    def _fit(self, reserve: Reserve, retried: Reserve | None) -> tuple[bool, int]:
+        room = self.room if self.room is not None else 1 << 62
+        left = room - (reserve.reserved + self.outside)
+        if left >= 0:
+            return True, left
+        if retried is not None and retried.oom is None:  # fits by freeing the cache
+            return True, room - (retried.reserved + self.outside)
+        return False, left  # short by what the allocator would reserve beyond the room
+
     @property
-    def expandable_total(self) -> tuple[int, bool]:
-        """(device memory, out of memory) with expandable_segments:True; where it was not
-        simulated, the default's (it fits with room to spare)."""
-        r = self.expandable or self.reserve
-        return r.reserved + self.outside, r.oom is not None
+    def fit(self) -> tuple[bool, int]:
+        """(whether the rank fits its GPU, its headroom: negative, what the allocator would
+        reserve beyond the room)."""
+        return self._fit(self.reserve, self.retried)
+
+    @property
+    def used(self) -> Reserve:
+        """The run the verdict reads: the one that fits by freeing the cache where only that
+        one does, else the reserve on a device with room for it."""
+        fits, _ = self.fit
+        if fits and self.retried is not None and self.retried.oom is None:
+            return self.retried
+        return self.reserve
+
+    @property
+    def retries(self) -> int:
+        """Times the allocator frees its cache in the run that fits (0: it fits without)."""
+        return self.used.retries if self.used is self.retried else 0
+
+    @property
+    def expandable_fit(self) -> tuple[bool, int]:
+        """fit with expandable_segments:True; where not simulated, the default's (it fits with
+        room to spare)."""
+        if self.expandable is None:
+            return self.fit
+        return self._fit(self.expandable, self.expandable_retried)
 
     def terms(self) -> list[tuple[str, int]]:
         """What lives outside the allocator, largest first."""
@@ -430,7 +471,7 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     PYTORCH_ALLOC_CONF (cluster.allocator_conf), then what lives outside it. `capacity`: the
     device's memory less the margin the user keeps; where the reserve would not fit beside the
     rest, the allocator is run again with what is left, as the real one frees its cache and
-    retries before it gives up (Reserve.retries, Reserve.oom)."""
+    retries before it gives up (DeviceMemory.retried)."""
     from metatrace.config.allocator import parse_alloc_conf
     from metatrace.config.userbuffers import userbuffer_bytes
 
@@ -445,22 +486,25 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     memory = DeviceMemory(
         allocated=allocated,
         reserve=reserve,
+        room=capacity,
         context=context,
         nccl=communicators(job, collectives, rt.trace.rank),
         userbuffers=userbuffer_bytes(job),
         nccl_given=None if cl.nccl_gib is None else round(cl.nccl_gib * 2**30),
     )
-    if capacity is not None and memory.total > capacity:
-        reserve = simulate(events, config, capacity - memory.outside)
-        memory = dataclasses.replace(memory, reserve=reserve)
     memory = dataclasses.replace(memory, holes=_holes(rt, reserve))
+    if capacity is None:
+        return memory
+    left = capacity - memory.outside
+    if memory.total > capacity:
+        memory = dataclasses.replace(memory, retried=simulate(events, config, left))
     # Expandable segments can change the verdict only where the default's does not fit with
     # room to spare (they reserve whole 20 MiB pages, so a little more at times).
-    tight = capacity is not None and memory.total + EXPANDABLE_SLACK > capacity
-    if not config.expandable_segments and tight:
+    if not config.expandable_segments and memory.total + EXPANDABLE_SLACK > capacity:
         expandable = dataclasses.replace(config, expandable_segments=True)
-        limit = capacity - memory.outside if capacity is not None else None
-        memory = dataclasses.replace(memory, expandable=simulate(events, expandable, limit))
+        grown = simulate(events, expandable)
+        retried = simulate(events, expandable, left) if grown.reserved > left else None
+        memory = dataclasses.replace(memory, expandable=grown, expandable_retried=retried)
     return memory
 
 

@@ -583,16 +583,13 @@ class Verdict:
     @property
     def device(self) -> int:
         """The binding rank's device memory (its reserve and what lives outside it)."""
-        return self.binding.total if self.binding is not None else self.worst
+        return self.binding.total
 
     @property
     def headroom(self) -> int:
-        """Capacity left on the tightest rank (negative: how much is missing)."""
-        return self.capacity - self.overhead - self.device
-
-    def headroom_of(self, device) -> int:
-        """Capacity left on a rank whose analysis.device.DeviceMemory is `device`."""
-        return self.capacity - self.overhead - device.total
+        """Capacity left on the tightest rank (negative: what its allocator would reserve
+        beyond the GPU's room)."""
+        return self.binding.fit[1]
 
 
 _DIRECTIONS = {
@@ -618,29 +615,23 @@ def not_modelled_text(items: list[dict]) -> str:
 
 
 def verdict(job, roles) -> Verdict:
-    """`roles`: (ranks, RoleMemory, analysis.device.DeviceMemory) for every role."""
+    """`roles`: (ranks, RoleMemory, analysis.device.DeviceMemory) for every role, the device
+    memory's fit asked against the GPU's memory less the margin kept free."""
     from metatrace.config.allocator import parse_alloc_conf
     from metatrace.config.userbuffers import userbuffer_bytes
 
     capacity = round(job.cluster.gpu_memory_gib * GiB)
     overhead = round(job.cluster.reserved_overhead_gib * GiB)
-    room = capacity - overhead
     worst = max(m.peak for _, m, _ in roles)
     worst_ranks = sorted(r for ranks, m, _ in roles if m.peak == worst for r in ranks)
-    binding = max((d for _, _, d in roles), key=lambda d: d.total)
-    binding_ranks = sorted(r for ranks, _, d in roles if d.total == binding.total for r in ranks)
-
-    def out(d) -> bool:
-        return d.total > room or d.reserve.oom is not None
-
-    oom = sorted(r for ranks, _, d in roles if out(d) for r in ranks)
+    binding = min((d for _, _, d in roles), key=lambda d: d.fit[1])
+    binding_ranks = sorted(r for ranks, _, d in roles if d.fit[1] == binding.fit[1] for r in ranks)
+    oom = sorted(r for ranks, _, d in roles if not d.fit[0] for r in ranks)
     expandable_oom = expandable_room = None
     if not parse_alloc_conf(job.cluster.allocator_conf or "").expandable_segments:
-        totals = [(ranks, d.expandable_total) for ranks, _, d in roles]
-        expandable_oom = tuple(
-            sorted(r for ranks, (total, failed) in totals if failed or total > room for r in ranks)
-        )
-        expandable_room = room - max(total for _, (total, _) in totals)
+        fits = [(ranks, d.expandable_fit) for ranks, _, d in roles]
+        expandable_oom = tuple(sorted(r for ranks, (ok, _) in fits if not ok for r in ranks))
+        expandable_room = min(left for _, (_, left) in fits)
     return Verdict(
         capacity,
         overhead,

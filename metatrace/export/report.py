@@ -111,14 +111,14 @@ def _comm_item(it) -> dict:
 
 def _device(d) -> dict:
     """A role's analysis.device.DeviceMemory."""
-    r = d.reserve
+    r = d.used
     return {
-        "total_bytes": d.total,
+        "total_bytes": d.used.reserved + d.outside,
         "allocated_peak_bytes": d.allocated,
-        "allocator_reserve_bytes": r.reserved,
+        "allocator_reserve_bytes": d.used.reserved,
         "allocator_segments": r.segments,
-        "allocator_retries": r.retries,
-        "allocator_out_of_memory": r.oom is not None,
+        "allocator_retries": d.retries,
+        "allocator_out_of_memory": not d.fit[0],
         "holes": [{"bytes": n, "left_by": who} for n, who in d.holes],
         "outside_allocator_bytes": d.outside,
         "context_bytes": d.context,
@@ -152,11 +152,11 @@ def verdict_report(job, v) -> dict:
         "headroom_bytes": v.headroom,
         "out_of_memory_ranks": list(v.oom_ranks),
         "allocator_conf": job.cluster.allocator_conf or "default",
-        "device_bytes": v.device,
+        "device_bytes": d.used.reserved + d.outside,
         "device_ranks": list(v.binding_ranks),
         "allocated_peak_bytes": d.allocated,
-        "allocator_reserve_bytes": d.reserve.reserved,
-        "allocator_retries": d.reserve.retries,
+        "allocator_reserve_bytes": d.used.reserved,
+        "allocator_retries": d.retries,
         "outside_allocator_bytes": d.outside,
         "outside_terms": [{"term": t, "bytes": n} for t, n in d.terms()],
         "expandable_segments": None,

@@ -112,7 +112,7 @@ def build_stage_table(analysis) -> Group:
         ]
         m = ra.memory
         if v is not None and m is not None:
-            room = v.headroom_of(ra.device)
+            room = ra.device.fit[1]
             row += [
                 Text(size(m.peak), style="bold"),
                 Text(signed(room), style="" if room >= 0 else "red"),

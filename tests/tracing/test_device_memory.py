@@ -46,3 +46,56 @@ def test_reserve_of_the_traced_allocations_matches_the_real_ones(case):
         assert predicted.reserved == pytest.approx(real.reserved, rel=0.02), config.text
         assert predicted.allocated == pytest.approx(real.allocated, rel=0.02), config.text
         assert predicted.reserved > predicted.allocated
+
+
+def _live_peak(events) -> int:
+    """The highest sum of the live allocations of a stream of (delta, key)."""
+    size: dict = {}
+    live = best = 0
+    for delta, key in events:
+        now = size.get(key, 0)
+        change = delta if delta > 0 else -min(now, -delta)
+        size[key] = now + change
+        live += change
+        best = max(best, live)
+    return best
+
+
+LAYOUTS = {
+    "dense, pp 2 with virtual stages": {
+        "model": {"num_layers": 4},
+        "parallel": {"pp": 2, "vpp": 2},
+        "training": {"global_batch_size": 8},
+    },
+    "fp8 weights gathered by the distributed optimizer": {
+        "parallel": {"dp": 2},
+        "training": {
+            "precision": "fp8",
+            "fp8_recipe": "tensorwise",
+            "fp8_param_gather": True,
+            "distributed_optimizer": True,
+            "global_batch_size": 8,
+        },
+    },
+    "Megatron-FSDP": {
+        "parallel": {"dp": 2},
+        "training": {"megatron_fsdp": True, "global_batch_size": 8},
+    },
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_simulated_allocations_peak_where_the_iteration_does(layout):
+    """The allocations the simulation replays hold at their highest what the analysis calls
+    the peak: nothing counted twice (the replay's lumps and the traced step's tensors, what one
+    iteration keeps for the next) and nothing left out."""
+    from metatrace.analysis.device import allocations
+    from metatrace.analysis.memory import role_memory
+    from metatrace.config import resolve
+    from metatrace.tracing.trace import trace_job
+
+    sections = LAYOUTS[layout]
+    job = resolve(small_job(**sections))
+    for rt in trace_job(job, full_model=False).roles:
+        peak = role_memory(rt.trace, rt.iteration).peak
+        assert _live_peak(allocations(rt.trace, rt.iteration)) == pytest.approx(peak, rel=0.002)

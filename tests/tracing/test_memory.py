@@ -2,6 +2,8 @@
 micro-batches against megatron-core's own warm-up formulas, recompute, the replayed iteration
 against the model running every step, and the parts adding up to the peak."""
 
+import dataclasses
+
 import pytest
 
 from metatrace.analysis.memory import persistent_bytes, role_memory
@@ -281,7 +283,7 @@ def test_the_parts_add_up_to_the_peak_and_the_verdict_follows():
         training={"global_batch_size": 8},
         cluster={"gpu_memory_gib": 0.5, "reserved_overhead_gib": 0.45, **nothing_outside},
     )
-    v = verdict(tight, roles)
+    v = analyze(dataclasses.replace(jt, job=tight)).verdict
     # Stage 1 (the output layer, 96 MiB of cuBLAS and TE workspaces) does not fit in 50 MiB.
     assert not v.fits and v.oom_ranks == tuple(jt.roles[1].role.ranks)
 
