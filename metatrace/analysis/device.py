@@ -145,7 +145,7 @@ def allocations(micro: Trace, iteration: Trace | None):
     count = len(win["first"])
     for rep in range(2):
         if rep:
-            yield from ((FREE, ("iteration", 0, sid)) for sid in left)
+            yield from ((FREE, ("iteration", rep - 1, sid)) for sid in left)
         outputs: dict = {}  # the replay's output lump -> the traced step's output
         j = 0
 
