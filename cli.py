@@ -445,9 +445,11 @@ def cmd_run(args, console=None) -> int:
         write_json(chrome_trace(analysis), args.chrome_trace)
         console.print(f"\nChrome trace written to {args.chrome_trace}", soft_wrap=True)
     if args.memory_snapshot:
+        from metatrace.config.allocator import parse_alloc_conf
         from metatrace.export.snapshot import write_snapshots
 
-        lines = write_snapshots(analysis.traced.roles, args.memory_snapshot)
+        config = parse_alloc_conf(analysis.job.cluster.allocator_conf or "")
+        lines = write_snapshots(analysis.traced.roles, args.memory_snapshot, config)
         console.print("\n" + "\n".join(lines), markup=False, soft_wrap=True)
     if args.fail_on_oom and not analysis.verdict.fits:
         return 1

@@ -147,20 +147,30 @@ def allocated_over_time(snap) -> list[int]:
 
 
 def replay(snap) -> dict[int, tuple[int, list]]:
-    """Replay the trace as an allocator would, checking every step; the blocks left at the end."""
-    from metatrace.export.snapshot import BASE
-
+    """Replay the trace as an allocator would, checking every step: every allocation inside a
+    segment the trace reserved before it (segment_alloc, or segment_map of expandable
+    segments), none overlapping another live one; the blocks left at the end."""
     entries = snap["device_traces"][0]
-    first = entries[0]
-    assert first["action"] == "segment_alloc" and first["addr"] == BASE
-    end = BASE + first["size"]
+    ranges: list[tuple[int, int]] = []
     live: dict[int, tuple[int, list]] = {}
     requested = None
-    for e in entries[1:]:
+    for e in entries:
         addr, size = e["addr"], e["size"]
-        if e["action"] == "alloc":
+        if e["action"] in ("segment_alloc", "segment_map"):
+            assert all(addr + size <= a or a + s <= addr for a, s in ranges), e
+            ranges.append((addr, size))
+            ranges.sort()
+            merged: list[tuple[int, int]] = []  # pages mapped next to each other: one range
+            for a, s in ranges:
+                if merged and sum(merged[-1]) == a:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + s)
+                else:
+                    merged.append((a, s))
+            ranges = merged
+        elif e["action"] == "alloc":
             assert requested is None
-            assert BASE <= addr and addr + size <= end and size > 0 and addr % 512 == 0
+            assert any(a <= addr and addr + size <= a + s for a, s in ranges), e
+            assert size > 0 and addr % 512 == 0
             assert all(addr + size <= a or a + s <= addr for a, (s, _) in live.items()), e
             live[addr] = (size, e["frames"])
         elif e["action"] == "free_requested":
@@ -172,3 +182,15 @@ def replay(snap) -> dict[int, tuple[int, list]]:
             requested = None
     assert requested is None
     return live
+
+
+def reserved_over_time(snap) -> list[int]:
+    """Bytes the trace's segments hold after every entry."""
+    held, out = 0, []
+    for e in snap["device_traces"][0]:
+        if e["action"] in ("segment_alloc", "segment_map"):
+            held += e["size"]
+        elif e["action"] in ("segment_free", "segment_unmap"):
+            held -= e["size"]
+        out.append(held)
+    return out

@@ -128,6 +128,9 @@ class CachingAllocator:
         self.segments = 0
         self.events = 0
         self.retries = 0
+        self.segment_log: list | None = None
+        """When a list: (action, address, bytes) of every segment_alloc, segment_free,
+        segment_map and segment_unmap, as the allocator's own trace names them."""
 
     # -------------------------------------------------------------- free-block sets
     def _insert(self, pool: tuple[int, bool], block: _Block) -> None:
@@ -178,6 +181,8 @@ class CachingAllocator:
         self.by_addr[block.addr] = block
         self._reserve(nbytes)
         self.segments += 1
+        if self.segment_log is not None:
+            self.segment_log.append(("segment_alloc", block.addr, nbytes))
         return block
 
     def _page(self, pool: tuple[int, bool]) -> int:
@@ -201,6 +206,8 @@ class CachingAllocator:
         if not self._fits(nbytes):
             return None
         self._reserve(nbytes)
+        if self.segment_log is not None:
+            self.segment_log.append(("segment_map", tail.addr, nbytes))
         del self.by_addr[tail.addr]
         if start is not None:
             self._remove(pool, start)
@@ -251,6 +258,8 @@ class CachingAllocator:
                     del self.by_addr[tail.addr]
                     tail.addr -= nbytes
                     tail.size += nbytes
+                    if self.segment_log is not None:
+                        self.segment_log.append(("segment_unmap", tail.addr, nbytes))
                     self.by_addr[tail.addr] = tail
                     if keep:
                         block.size = keep
@@ -265,6 +274,8 @@ class CachingAllocator:
                     del self.by_addr[addr]
                     nbytes = size
                     self.segments -= 1
+                    if self.segment_log is not None:
+                        self.segment_log.append(("segment_free", addr, size))
                 else:
                     continue
                 self.reserved -= nbytes
@@ -313,6 +324,20 @@ class CachingAllocator:
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+
+    def segment_blocks(self) -> list[list]:
+        """Every mapped segment's blocks in address order (a segment: the blocks linked from
+        one without a predecessor, an expandable segment's unmapped rest left out)."""
+        heads = [b for b in self.by_addr.values() if b.prev is None and b.mapped]
+        out = []
+        for head in sorted(heads, key=lambda b: b.addr):
+            blocks: list[_Block] = []
+            block: _Block | None = head
+            while block is not None and block.mapped:
+                blocks.append(block)
+                block = block.next
+            out.append(blocks)
+        return out
 
     def rename(self, old: object, new: object) -> None:
         """The tensor `old` is known as `new` from now on."""

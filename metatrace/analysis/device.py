@@ -194,9 +194,12 @@ class Reserve:
     """Times it freed its cache to find room (num_alloc_retries)."""
 
 
-def simulate(events, config: AllocatorConfig, capacity: int | None = None) -> Reserve:
-    """Run `events` ((delta, key) as allocations() gives) through the allocator."""
-    alloc = CachingAllocator(config, capacity)
+def simulate(
+    events, config: AllocatorConfig, capacity: int | None = None, *, alloc=None
+) -> Reserve:
+    """Run `events` ((delta, key) as allocations() gives) through the allocator (`alloc`, a
+    CachingAllocator to watch, made here by default)."""
+    alloc = alloc or CachingAllocator(config, capacity)
     size: dict = {}
     oom = None
     try:
