@@ -43,7 +43,10 @@ def _interrupted(signum, frame) -> None:
     if os.getpid() not in _OWNER:
         return  # a forked worker: its parent ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not start this again
-    _end_children()
+    try:
+        _end_children()
+    except Exception:  # whatever the process was doing, the exit below must happen
+        pass
     # A progress bar (rich, on a terminal) hides the cursor and redraws its line: clear the
     # line and show the cursor again before the one line.
     prefix = "\r\x1b[2K\x1b[?25h" if os.isatty(2) else ""
@@ -76,9 +79,14 @@ def _children() -> set[int]:
     it after the fork) would be left running, holding the pipes of the terminal or the caller
     open and reading its task queue for good (each worker keeps the queue's writing end too)."""
     me, pids = os.getpid(), set()
-    multiprocessing = sys.modules.get("multiprocessing")
-    if multiprocessing is not None:
-        pids.update(child.pid for child in multiprocessing.active_children())
+    # A signal during the import of multiprocessing finds it partly initialised (seen in a
+    # fresh environment, where imports compile first): its list only once it has one.
+    active = getattr(sys.modules.get("multiprocessing"), "active_children", None)
+    if active is not None:
+        try:
+            pids.update(child.pid for child in active())
+        except Exception:  # its state half made: /proc below still finds the children
+            pass
     try:
         entries = os.listdir("/proc")
     except OSError:
