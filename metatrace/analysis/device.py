@@ -8,12 +8,18 @@ The allocations a rank makes, in order (`allocations`):
 3. the iteration, twice: its schedule's own work (pipeline transfers, the loss, the gradient
    synchronisation, the optimizer step) as recorded, and each chunk's forward and backward step
    of each micro-batch as the traced micro-batch's step ran it (the iteration replays a step as
-   a few lumps of the same bytes; the allocator sees the step's every tensor). A long
-   iteration's steady state repeats: the simulation runs its first micro-batches and two
-   periods of its steady state (metatrace.tracing.steady).
+   a few lumps of the same bytes; the allocator sees the step's every tensor); what one
+   iteration makes and keeps for the next is freed as the next starts. A long iteration's
+   steady state repeats: the simulation runs its first micro-batches and two periods of its
+   steady state (metatrace.tracing.steady).
 
 A storage that grows in place (resize_) is a new allocation and the old one's free, as
 PyTorch's resize_ does; one that shrinks keeps its block.
+
+Outside the allocator (`role_device_memory`): the CUDA context and libraries, NCCL's buffers
+per communicator the rank's collectives use (`communicator`, NCCL 2.29's rules), Transformer
+Engine's userbuffers. `DeviceMemory.fit` says whether the rank fits its GPU, where only by the
+allocator freeing its cache, and by how much.
 """
 
 from __future__ import annotations
