@@ -32,20 +32,19 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_time import BASE, GPT_1B, LLAMA_LIKE, MOE, merged
 
-TINY = {  # small enough for a test's stored allocator trace
-    "model": {
-        "num_layers": 4,
-        "hidden_size": 1024,
-        "num_attention_heads": 16,
-        "vocab_size": 32000,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "activation": "swiglu",
-        "add_bias_linear": False,
-        "max_position_embeddings": 1024,
+TINY = merged(  # step_time's Llama-like layers, small enough for a test's stored allocator trace
+    LLAMA_LIKE,
+    {
+        "model": {
+            "num_layers": 4,
+            "hidden_size": 1024,
+            "ffn_hidden_size": 2816,
+            "num_attention_heads": 16,
+            "max_position_embeddings": 1024,
+        },
+        "training": {"seq_length": 1024, "micro_batch_size": 2, "global_batch_size": 8},
     },
-    "training": {"seq_length": 1024, "micro_batch_size": 2, "global_batch_size": 8},
-}
+)
 # fine-grained experts: step_time's MoE with 16 experts of a small FFN, top 4
 MOE_FINE = merged(
     MOE, {"model": {"num_experts": 16, "moe_ffn_hidden_size": 1024, "moe_router_topk": 4}}
