@@ -95,6 +95,8 @@ class Peak:
     reserved: int = 0
     event: int = -1
     """Index of the malloc that reserved the last segment."""
+    key: object = None
+    """The tensor that malloc was for."""
     holes: list = field(default_factory=list)
     """[(bytes, key)]: the largest cached free blocks then, each with the key of the tensor
     whose free left it (largest first, at most eight)."""
@@ -128,6 +130,7 @@ class CachingAllocator:
         self.segments = 0
         self.events = 0
         self.retries = 0
+        self._key: object = None  # the tensor of the malloc under way
         self.segment_log: list | None = None
         """When a list: (action, address, bytes) of every segment_alloc, segment_free,
         segment_map and segment_unmap, as the allocator's own trace names them."""
@@ -236,7 +239,7 @@ class CachingAllocator:
                 reverse=True,
             )[:8]
             holes = [(size, self.by_addr[addr].key) for size, addr in largest]
-            self.peak = Peak(self.reserved, self.events, holes)
+            self.peak = Peak(self.reserved, self.events, self._key, holes)
 
     def release_cached(self) -> int:
         """Free every cached segment that holds nothing; with expandable segments, unmap the
@@ -286,6 +289,7 @@ class CachingAllocator:
     def malloc(self, key: object, size: int, stream: int = 0) -> None:
         """Allocate `size` bytes for the tensor `key` on `stream`."""
         self.events += 1
+        self._key = key
         if self.pending:
             self._process_events()
         if self._plain:

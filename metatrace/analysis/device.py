@@ -194,6 +194,8 @@ class Reserve:
     """The largest cached free blocks at the peak of the reserve: (bytes, key of the tensor
     whose free left them)."""
     segments: int
+    peak_key: object = None
+    """The tensor whose allocation reserved the last segment (analysis.allocator.Peak.key)."""
     oom: OutOfMemory | None = None
     """Where the allocator ran out of `capacity`, if it did."""
     retries: int = 0
@@ -233,6 +235,7 @@ def simulate(
         allocated=alloc.peak_allocated,
         holes=tuple(peak.holes),
         segments=alloc.segments,
+        peak_key=peak.key,
         oom=oom,
         retries=alloc.retries,
     )
@@ -405,6 +408,8 @@ class DeviceMemory:
     holes: tuple[tuple[int, str], ...] = ()
     """The largest cached free blocks at the reserve's peak: (bytes, the module whose tensor's
     free left the block)."""
+    reserve_peak_at: str = ""
+    """What the allocator reserved its last segment for: the module and the step."""
 
     @property
     def nccl_bytes(self) -> int:
@@ -501,7 +506,8 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
         userbuffers=userbuffer_bytes(job),
         nccl_given=None if cl.nccl_gib is None else round(cl.nccl_gib * 2**30),
     )
-    memory = dataclasses.replace(memory, holes=_holes(rt, reserve))
+    holes, at = _holes(rt, reserve)
+    memory = dataclasses.replace(memory, holes=holes, reserve_peak_at=at)
     if capacity is None:
         return memory
     left = capacity - memory.outside
@@ -517,8 +523,9 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     return memory
 
 
-def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
-    """Reserve.holes with each key told by the module whose tensor's free left the block."""
+def _holes(rt, reserve: Reserve) -> tuple[tuple[tuple[int, str], ...], str]:
+    """Reserve.holes with each key told by the module whose tensor's free left the block, and
+    what the last segment was reserved for (module and step)."""
     modules: dict = {}
     for origin, trace in (("micro", rt.trace), ("iteration", simulated_iteration(rt.iteration))):
         if trace is None:
@@ -531,6 +538,8 @@ def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
                 modules.setdefault((origin, sid), module)
 
     def who(key) -> str:
+        if isinstance(key, tuple) and key and key[0] == "grown":
+            key = key[1]
         if not isinstance(key, tuple):
             return "(a segment's unused rest)"
         if key[0] == "static":
@@ -538,4 +547,17 @@ def _holes(rt, reserve: Reserve) -> tuple[tuple[int, str], ...]:
         origin = "iteration" if key[0] == "iteration" else "micro"
         return modules.get((origin, key[-1])) or "(step)"
 
-    return tuple((nbytes, who(key)) for nbytes, key in reserve.holes)
+    def when(key) -> str:
+        if isinstance(key, tuple) and key and key[0] == "grown":
+            key = key[1]
+        if not isinstance(key, tuple) or key[0] == "static":
+            return "set-up"
+        if key[0] == "micro":
+            return "the first micro-batch"
+        if key[0] == "step":
+            return f"iteration {key[1] + 1}, micro-batch {key[2]}"
+        return f"iteration {key[1] + 1}"
+
+    holes = tuple((nbytes, who(key)) for nbytes, key in reserve.holes)
+    key = reserve.peak_key
+    return holes, f"{who(key)} ({when(key)})" if key is not None else ""

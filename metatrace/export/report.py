@@ -120,6 +120,7 @@ def _device(d) -> dict:
         "allocator_retries": d.retries,
         "allocator_out_of_memory": not d.fit[0],
         "holes": [{"bytes": n, "left_by": who} for n, who in d.holes],
+        "reserve_peak_at": d.reserve_peak_at,
         "outside_allocator_bytes": d.outside,
         "context_bytes": d.context,
         "userbuffer_bytes": d.userbuffers,

@@ -99,3 +99,30 @@ def test_the_simulated_allocations_peak_where_the_iteration_does(layout):
     for rt in trace_job(job, full_model=False).roles:
         peak = role_memory(rt.trace, rt.iteration).peak
         assert _live_peak(allocations(rt.trace, rt.iteration)) == pytest.approx(peak, rel=0.002)
+
+
+def test_the_report_says_when_the_reserve_peaks_and_which_frees_left_its_holes():
+    from metatrace.analysis.analyze import analyze
+    from metatrace.config import resolve
+    from metatrace.export.report import job_report
+    from metatrace.tracing.trace import trace_job
+
+    job = resolve(small_job(**BIG))
+    report = job_report(analyze(trace_job(job, full_model=False)))
+    (role,) = report["roles"]
+    device = role["device"]
+    modules = {m["fqn"] for m in role["modules"]} | {"(step)", "(static)", "model"}
+    assert device["allocator_reserve_bytes"] > device["allocated_peak_bytes"] > 0
+    module, _, step = device["reserve_peak_at"].partition(" (")
+    assert module in modules or module.startswith("decoder.") or module == "", device
+    assert step.rstrip(")") in {"set-up", "the first micro-batch"} or step.startswith("iteration")
+    holes = device["holes"]
+    assert holes and [h["bytes"] for h in holes] == sorted(
+        (h["bytes"] for h in holes), reverse=True
+    )
+    assert all(isinstance(h["left_by"], str) and h["left_by"] for h in holes)
+    verdict = report["memory_verdict"]
+    assert verdict["device_bytes"] == device["total_bytes"]
+    assert verdict["device_bytes"] == device["allocator_reserve_bytes"] + sum(
+        t["bytes"] for t in verdict["outside_terms"]
+    )
