@@ -15,6 +15,7 @@ from metatrace.config.job import (
     GATED_ACTIVATIONS,
     Job,
     Model,
+    NotModelled,
     Parallel,
     Recompute,
     Training,
@@ -95,6 +96,18 @@ def resolve(job: Job) -> Job:
         training = replace(training, global_batch_size=training.micro_batch_size * par.dp)
     notes = []
     notes += _cublas_notes(cl)
+    not_modelled = list(job.not_modelled)
+    for item in _allocator_unknown(cl):
+        if item.startswith("backend:"):
+            missing = NotModelled(
+                f"PYTORCH_ALLOC_CONF {item}",
+                "CUDA's asynchronous allocator (the verdict simulates PyTorch's)",
+                "either",
+            )
+            if missing not in not_modelled:
+                not_modelled.append(missing)
+        else:
+            notes.append(f"PYTORCH_ALLOC_CONF {item}: no effect on what metatrace predicts")
     if par.moe_token_dispatcher_type == "flex" and model.num_experts:
         notes.append(
             "warning: DeepEP's and HybridEP's communication buffers (cudaMalloc / NVSHMEM, "
@@ -204,6 +217,7 @@ def resolve(job: Job) -> Job:
         implementation=impl,
         padded_vocab_size=padded,
         notes=tuple(notes),
+        not_modelled=tuple(not_modelled),
         attention_kernel=kernel,
     )
     check_job(job)
@@ -306,6 +320,19 @@ def _resolve_model(model: Model) -> Model:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
     return Model(**values)
+
+
+def _allocator_unknown(cl) -> tuple[str, ...]:
+    """What the allocator simulation leaves out of cluster.allocator_conf (AllocatorConfig
+    .unknown); a malformed one is left to the checks, which name its key."""
+    from metatrace.config.allocator import parse_alloc_conf
+
+    if not cl.allocator_conf:
+        return ()
+    try:
+        return parse_alloc_conf(cl.allocator_conf).unknown
+    except ConfigError:
+        return ()
 
 
 def _cublas_notes(cl) -> list[str]:

@@ -318,6 +318,16 @@ def test_rules_megatron_enforces(sections, expected):
     assert expected in problems(data)
 
 
+def test_allocator_settings_the_simulation_leaves_out_are_said():
+    from metatrace.config import resolve
+
+    job = resolve(small_job(cluster={"allocator_conf": "expandable_segment:True"}))
+    assert any("expandable_segment:True (a key PyTorch does not know" in n for n in job.notes)
+    job = resolve(small_job(cluster={"allocator_conf": "backend:cudaMallocAsync"}))
+    assert [n.option for n in job.not_modelled] == ["PYTORCH_ALLOC_CONF backend:cudaMallocAsync"]
+    assert resolve(job).not_modelled == job.not_modelled  # resolving again adds nothing
+
+
 def test_several_problems_are_reported_together():
     with pytest.raises(ConfigError) as info:
         small_job(parallel={"tp": 8, "pp": 3})
