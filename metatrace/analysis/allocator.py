@@ -93,10 +93,8 @@ class Peak:
     """The moment reserved memory was at its most."""
 
     reserved: int = 0
-    event: int = -1
-    """Index of the malloc that reserved the last segment."""
     key: object = None
-    """The tensor that malloc was for."""
+    """The tensor whose malloc reserved the last segment."""
     holes: list = field(default_factory=list)
     """[(bytes, key)]: the largest cached free blocks then, each with the key of the tensor
     whose free left it (largest first, at most eight)."""
@@ -239,7 +237,7 @@ class CachingAllocator:
                 reverse=True,
             )[:8]
             holes = [(size, self.by_addr[addr].key) for size, addr in largest]
-            self.peak = Peak(self.reserved, self.events, self._key, holes)
+            self.peak = Peak(self.reserved, self._key, holes)
 
     def release_cached(self) -> int:
         """Free every cached segment that holds nothing; with expandable segments, unmap the

@@ -450,6 +450,11 @@ class DeviceMemory:
         return self.reserve
 
     @property
+    def taken(self) -> int:
+        """What the rank takes of its GPU in the run the verdict reads (`used`)."""
+        return self.used.reserved + self.outside
+
+    @property
     def retries(self) -> int:
         """Times the allocator frees its cache in the run that fits (0: it fits without)."""
         return self.used.retries if self.used is self.retried else 0

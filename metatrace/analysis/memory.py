@@ -581,11 +581,6 @@ class Verdict:
         return not self.oom_ranks
 
     @property
-    def device(self) -> int:
-        """The binding rank's device memory (its reserve and what lives outside it)."""
-        return self.binding.total
-
-    @property
     def headroom(self) -> int:
         """Capacity left on the tightest rank (negative: what its allocator would reserve
         beyond the GPU's room)."""

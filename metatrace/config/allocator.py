@@ -38,19 +38,6 @@ class AllocatorConfig:
     keys PyTorch does not know (it ignores them), backend:cudaMallocAsync (CUDA's own
     allocator, not simulated); the job's notes and not-modelled options name them."""
 
-    @property
-    def text(self) -> str:
-        parts = []
-        if self.expandable_segments:
-            parts.append("expandable_segments:True")
-        if self.max_split_size is not None:
-            parts.append(f"max_split_size_mb:{self.max_split_size // MiB}")
-        if any(self.roundup_power2_divisions):
-            parts.append("roundup_power2_divisions:...")
-        if self.garbage_collection_threshold:
-            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
-        return ",".join(parts) or "default"
-
 
 _IGNORED_KEYS = {
     # Settings of pinned host memory, CUDA-graph capture, IPC and the backend: no effect on the

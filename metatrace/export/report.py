@@ -111,12 +111,11 @@ def _comm_item(it) -> dict:
 
 def _device(d) -> dict:
     """A role's analysis.device.DeviceMemory."""
-    r = d.used
     return {
-        "total_bytes": d.used.reserved + d.outside,
+        "total_bytes": d.taken,
         "allocated_peak_bytes": d.allocated,
         "allocator_reserve_bytes": d.used.reserved,
-        "allocator_segments": r.segments,
+        "allocator_segments": d.used.segments,
         "allocator_retries": d.retries,
         "allocator_out_of_memory": not d.fit[0],
         "holes": [{"bytes": n, "left_by": who} for n, who in d.holes],
@@ -153,7 +152,7 @@ def verdict_report(job, v) -> dict:
         "headroom_bytes": v.headroom,
         "out_of_memory_ranks": list(v.oom_ranks),
         "allocator_conf": job.cluster.allocator_conf or "default",
-        "device_bytes": d.used.reserved + d.outside,
+        "device_bytes": d.taken,
         "device_ranks": list(v.binding_ranks),
         "allocated_peak_bytes": d.allocated,
         "allocator_reserve_bytes": d.used.reserved,

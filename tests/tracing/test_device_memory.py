@@ -43,8 +43,8 @@ def test_reserve_of_the_traced_allocations_matches_the_real_ones(case):
     for config in (AllocatorConfig(), AllocatorConfig(expandable_segments=True)):
         predicted, real = reserves(job, rt, measured, config)
         # measured with these cases: within 0.8 %, default and expandable segments alike
-        assert predicted.reserved == pytest.approx(real.reserved, rel=0.02), config.text
-        assert predicted.allocated == pytest.approx(real.allocated, rel=0.02), config.text
+        assert predicted.reserved == pytest.approx(real.reserved, rel=0.02), config
+        assert predicted.allocated == pytest.approx(real.allocated, rel=0.02), config
         assert predicted.reserved > predicted.allocated
 
 
