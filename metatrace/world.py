@@ -137,11 +137,13 @@ def _per_world(method):
 class World:
     """Ranks, groups and roles of a parallel layout (`World.from_job(job)` for a job)."""
 
-    def __init__(self, layout: Layout, gpus_per_node: int = 8):
+    def __init__(self, layout: Layout, gpus_per_node: int = 8, nvlink_domain: int | None = None):
         self._memo: dict[tuple, object] = {}
         self.layout = layout
         self.size = layout.world_size
         self.gpus_per_node = gpus_per_node
+        self.nvlink_domain = nvlink_domain or gpus_per_node
+        """GPUs joined by NVLink: what crosses a domain goes over the network."""
         self.dp = self.size // (layout.tp * layout.pp * layout.cp)
         self.expert_dp = self.size // ((layout.etp or layout.tp) * layout.ep * layout.pp)
 
@@ -162,7 +164,7 @@ class World:
             ),
             dist_opt_instances=job.training.num_distributed_optimizer_instances,
         )
-        return cls(layout, job.cluster.gpus_per_node)
+        return cls(layout, job.cluster.gpus_per_node, job.cluster.nvlink_domain)
 
     @cached_property
     def _grids(self) -> dict[str, _Grid]:
@@ -236,8 +238,9 @@ class World:
         return {r: g for g in self._groups(name) for r in g}
 
     def crosses_nodes(self, ranks) -> bool:
-        first = ranks[0] // self.gpus_per_node
-        return any(r // self.gpus_per_node != first for r in ranks)
+        """Whether `ranks` span more than one NVLink domain (the node, or an NVL72 rack)."""
+        first = ranks[0] // self.nvlink_domain
+        return any(r // self.nvlink_domain != first for r in ranks)
 
     @_per_world
     def crossing_ranks(self, name: str) -> frozenset[int]:
@@ -269,3 +272,7 @@ class World:
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
+
+    def domain(self, rank: int) -> int:
+        """The NVLink domain of `rank`."""
+        return rank // self.nvlink_domain

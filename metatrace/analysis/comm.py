@@ -190,19 +190,19 @@ _RING_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"
 
 def link_gbps(job, world, op: str, ranks) -> float:
     """The bandwidth one rank's share of a call over `ranks` moves at. Inside a node: the GPU's
-    link (cluster.intra_node_gbps). Across nodes, a ring collective's data leaves each node once
-    per ring, and NCCL lays one ring per NIC: the group's members on a node send through their
+    link (cluster.intra_node_gbps), also across the nodes of one NVLink domain (an NVL72 rack).
+    Across domains, a ring collective's data leaves each domain once per ring, and NCCL lays one
+    ring per NIC: the group's members in a domain send through their
     k NICs together (k x inter_node_gbps, at most the intra-node link; an assumption, not
     measured here); point-to-point and all-to-all traffic leaves through the GPU's own NIC."""
     cl = job.cluster
-    gpn = world.gpus_per_node
     if not world.crosses_nodes(ranks):
         return cl.intra_node_gbps
     if op not in _RING_OPS:
         return cl.inter_node_gbps
     members: dict[int, int] = {}
     for r in ranks:
-        members[r // gpn] = members.get(r // gpn, 0) + 1
+        members[world.domain(r)] = members.get(world.domain(r), 0) + 1
     return min(cl.intra_node_gbps, min(members.values()) * cl.inter_node_gbps)
 
 
@@ -318,7 +318,7 @@ def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:
             for r in role.ranks:
                 group = world.group_of(kind, r)
                 peer = group[(group.index(r) + step) % len(group)]
-                crossing += world.node(r) != world.node(peer)
+                crossing += world.domain(r) != world.domain(peer)
             cache[key] = crossing
         return cache[key]
     if not world.knows(item.group):

@@ -258,7 +258,7 @@ NVLS_CHANNELS = {"sm90": 16, "sm100": 24}
 NVLink domain)."""
 NVLS_CHUNK = 128 * 1024 * 8
 """NCCL_NVLS_CHUNKSIZE (128 KiB) x NCCL_STEPS (8): one NVLS buffer per channel and head."""
-NVLS_GPUS = frozenset({"h100", "h800", "h200", "b200", "gb200"})
+NVLS_GPUS = frozenset({"h100", "h800", "h200", "b200", "gb200", "b300", "gb300"})
 """GPUs whose NVSwitch systems support multicast (NVLS: sm90 and later with NVSwitch)."""
 NET_SHARED_CHUNKS = 16 * 128 * 1024
 """Send/receive across nodes: shared buffers of p2pnChannels x 16 x NCCL_P2P_NET_CHUNKSIZE
@@ -311,7 +311,7 @@ def communicator(
     under the job's `cluster` (its GPU, GPUs per node and NCCL settings)."""
     from metatrace.config.hardware import GPU_ARCH
 
-    gpu, gpus_per_node = cluster.gpu, cluster.gpus_per_node
+    gpu, gpus_per_node = cluster.gpu, cluster.nvlink_domain or cluster.gpus_per_node
     simple = cluster.nccl_buffsize or NCCL_SIMPLE
     channels = cluster.nccl_channels or NCCL_CHANNELS
     arch = GPU_ARCH.get(gpu, "")

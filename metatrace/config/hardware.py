@@ -14,6 +14,10 @@ GPU_ARCH = {
     "h200": "sm90",
     "b200": "sm100",
     "gb200": "sm100",
+    # Blackwell Ultra is compute capability 10.3; Transformer Engine takes its sm100 paths for
+    # every capability from 10.0 below 12.0 (is_non_tn_fp8_gemm_supported, the MXFP8 checks).
+    "b300": "sm100",
+    "gb300": "sm100",
     "l40s": "sm89",
     "mi300x": "gfx942",
 }
@@ -28,6 +32,10 @@ GPU_MEMORY_GIB = {
     "h200": 139.8,
     "b200": 178.4,
     "gb200": 184.0,
+    # Blackwell Ultra: 288 GB of HBM3e per GPU (HGX B300: 2.3 TB for 8; GB300 NVL72: 20.7 TB
+    # for 72), taken as 288e9 bytes: PyTorch's reported total on these parts is not measured.
+    "b300": 268.2,
+    "gb300": 268.2,
     "l40s": 44.4,
     "mi300x": 191.5,
 }
@@ -44,6 +52,8 @@ GPU_LINKS_GBPS = {
     "h200": (3600, 400),
     "b200": (7200, 400),  # NVLink 5, 900 GB/s
     "gb200": (7200, 400),
+    "b300": (7200, 800),  # NVLink 5; one ConnectX-8 800 Gb/s port per GPU
+    "gb300": (7200, 800),
     "l40s": (256, 200),  # PCIe 4.0 x16, 32 GB/s
     "mi300x": (3584, 400),  # Infinity Fabric, 7 links of 64 GB/s
 }
@@ -60,6 +70,8 @@ GPU_HOST_GBPS = {
     "h200": 512,
     "b200": 512,
     "gb200": 3600,
+    "b300": 512,
+    "gb300": 3600,  # NVLink-C2C to the Grace CPU, as on GB200
     "l40s": 256,
     "mi300x": 512,
 }
@@ -76,12 +88,33 @@ GPU_PEAK_TFLOPS = {
     "h200": 989,
     "b200": 2250,
     "gb200": 2500,
+    "b300": 2250,
+    "gb300": 2500,
     "l40s": 362,
     "mi300x": 1307,
 }
+"""Sources: the data sheets' sparse figures halved where they print only those. HGX B200 and
+HGX B300: 36 PFLOPS FP16/BF16 for 8 GPUs (sparse); GB200 NVL72 and GB300 NVL72: 360 PFLOPS for
+72 GPUs (sparse)."""
 
 # Architectures whose tensor cores run FP8 at twice the bf16 rate (Ada, Hopper, Blackwell).
 GPU_FP8_ARCHS = ("sm89", "sm90", "sm100")
+
+# Peak dense FP4 (NVFP4, MXFP4) tensor-core throughput, TFLOP/s, on the GPUs that have it. Data
+# sheets: HGX B200 144 | 72 PFLOPS FP4 for 8 GPUs (sparse | dense); GB200 NVL72 1,440 | 720 for
+# 72; HGX B300 144 | 108 for 8; GB300 NVL72 1,440 | 1,080 for 72 (Blackwell Ultra raised dense
+# FP4 by half over Blackwell; its FP8 and BF16 rates are Blackwell's).
+GPU_FP4_TFLOPS = {
+    "b200": 9000,
+    "gb200": 10000,
+    "b300": 13500,
+    "gb300": 15000,
+}
+
+# GPUs joined by NVLink in one domain where it spans more than a node: the NVL72 racks of
+# GB200 and GB300 (72 GPUs, 18 trays of 4, one NVLink switch fabric). cluster.nvlink_domain
+# sets it; elsewhere the domain is the node (cluster.gpus_per_node).
+GPU_NVLINK_DOMAIN = {"gb200": 72, "gb300": 72}
 
 # Device memory bandwidth, TB/s (data sheets): the optimizer step's element-wise update is
 # bound by it (metatrace.analysis.timing).
@@ -93,6 +126,8 @@ GPU_HBM_TBPS = {
     "h200": 4.8,
     "b200": 8.0,
     "gb200": 8.0,
+    "b300": 8.0,
+    "gb300": 8.0,
     "l40s": 0.864,
     "mi300x": 5.3,
 }

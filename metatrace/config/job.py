@@ -558,6 +558,10 @@ class Cluster:
     """GPUs in the job; default tp x pp x cp x dp."""
     gpus_per_node: int = 8
     """GPUs per node; ranks are placed on nodes in order (GPU names n{node}_g{gpu})."""
+    nvlink_domain: int | None = None
+    """GPUs joined by NVLink (ranks in order, a multiple of gpus_per_node): traffic inside a
+    domain runs at intra_node_gbps, across domains over the network. Default: 72 on GB200 and
+    GB300 (an NVL72 rack), else the node."""
     gpu: str = "h100"
     """GPU model: one of GPU_MEMORY_GIB's keys."""
     gpu_memory_gib: float | None = None

@@ -73,6 +73,8 @@ GPU_SMS = {
     "h200": 132,
     "b200": 148,
     "gb200": 152,
+    "b300": 160,  # Blackwell Ultra: 160 SMs (NVIDIA's "Inside Blackwell Ultra", 2025)
+    "gb300": 160,
     "l40s": 142,
     "mi300x": 304,
 }

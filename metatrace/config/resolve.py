@@ -10,7 +10,12 @@ import difflib
 import math
 
 from metatrace.config.checks import check_job, layout_stages
-from metatrace.config.hardware import GPU_HOST_GBPS, GPU_LINKS_GBPS, GPU_MEMORY_GIB
+from metatrace.config.hardware import (
+    GPU_HOST_GBPS,
+    GPU_LINKS_GBPS,
+    GPU_MEMORY_GIB,
+    GPU_NVLINK_DOMAIN,
+)
 from metatrace.config.job import (
     GATED_ACTIVATIONS,
     Job,
@@ -53,6 +58,13 @@ def resolve(job: Job) -> Job:
         raise ConfigError(f"'cluster.num_gpus' must be at least 1, got {cl.num_gpus}")
     if cl.gpus_per_node < 1:
         raise ConfigError(f"'cluster.gpus_per_node' must be at least 1, got {cl.gpus_per_node}")
+    if cl.nvlink_domain is None:
+        cl = replace(cl, nvlink_domain=GPU_NVLINK_DOMAIN.get(cl.gpu, cl.gpus_per_node))
+    if cl.nvlink_domain < cl.gpus_per_node or cl.nvlink_domain % cl.gpus_per_node:
+        raise ConfigError(
+            f"'cluster.nvlink_domain' ({cl.nvlink_domain}) must be a multiple of "
+            f"cluster.gpus_per_node ({cl.gpus_per_node})"
+        )
     if par.dp is None:
         if cl.num_gpus % model_size:
             raise ConfigError(

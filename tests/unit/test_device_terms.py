@@ -16,6 +16,7 @@ def cluster(gpu="h100", gpus_per_node=8, **nccl):
         nccl_nvls=nccl.get("nvls", True),
         nccl_buffsize=nccl.get("buffsize"),
         nccl_channels=nccl.get("channels"),
+        nvlink_domain=nccl.get("domain"),
     )
 
 
@@ -50,6 +51,9 @@ def test_send_and_receive_peers_inside_and_across_nodes():
     far = communicator("pp", (0, 8), {"send", "recv"}, {8}, 0, cluster())
     # shared buffers: 32 p2p channels x 16 x 128 KiB chunks, a direction (net.cc:636-673)
     assert far.p2p == 2 * 32 * 16 * 128 * 1024
+    # An NVL72 rack: the peer on the next tray of 4 is reached over NVLink (P2P buffers)
+    rack = cluster("gb200", gpus_per_node=4, domain=72)
+    assert communicator("pp", (0, 8), {"send", "recv"}, {8}, 0, rack).p2p == near.p2p
 
 
 def test_the_nccl_settings_a_run_gives():
