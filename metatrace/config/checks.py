@@ -673,7 +673,7 @@ def _check_fp8(job):
     elif arch is None or not arch.startswith("sm"):
         yield f"training.precision fp8 is not modelled on cluster.gpu {job.cluster.gpu!r}"
     elif tr.fp8_recipe == "mxfp8" and arch != "sm100":
-        yield f"training.fp8_recipe mxfp8 needs a Blackwell GPU (b200, gb200), not {job.cluster.gpu}"
+        yield f"training.fp8_recipe mxfp8 needs a Blackwell GPU (b200, gb200, b300, gb300), not {job.cluster.gpu}"
     if tr.fp8_param_gather and not tr.distributed_optimizer:
         yield "training.fp8_param_gather needs training.distributed_optimizer"
 
