@@ -127,3 +127,22 @@ def overlapped(what: str):
 
 def current_overlap() -> str | None:
     return _OVERLAP[-1] if _OVERLAP else None
+
+
+_CROSSING: list[int] = []
+
+
+@contextlib.contextmanager
+def crossing(nbytes: int):
+    """A collective issued inside sends `nbytes` of its message out of the rank's NVLink domain
+    (a kernel that forwards inside the domain, e.g. DeepEP's internode dispatch sending a token
+    once per node): the recorder marks it so."""
+    _CROSSING.append(int(nbytes))
+    try:
+        yield
+    finally:
+        _CROSSING.pop()
+
+
+def current_crossing() -> int | None:
+    return _CROSSING[-1] if _CROSSING else None

@@ -41,6 +41,7 @@ from metatrace.hooks.collectives import (
     COLLECTIVES,
     COMPUTE_NAMESPACES,
     NOT_COLLECTIVES,
+    current_crossing,
     current_overlap,
     message_tensors,
     op_key,
@@ -809,6 +810,7 @@ class Recorder:
                 peer=peer,
                 output_bytes=output_bytes,
                 overlap=current_overlap(),
+                inter_bytes=current_crossing(),
             )
         )
 

@@ -111,6 +111,10 @@ class Collective:
     overlap: str | None = None
     """What the issuing kernel overlaps it with (e.g. "GEMM (userbuffers)"), None if it
     runs on its own."""
+    inter_bytes: int | None = None
+    """Bytes of the message that leave the rank's NVLink domain where the kernel forwards
+    inside it (DeepEP's internode kernels send a token once per node); None: every peer outside
+    the domain gets its share over the network."""
 
 
 @_pickled_by_fields

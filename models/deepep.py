@@ -27,8 +27,10 @@ change. HybridEP pads whenever FP8 is on (megatron-core passes pad_multiple), wi
 
 Known limitations:
 - one all-to-all over the whole group is recorded per call; inter-node DeepEP sends a token once
-  per destination node over RDMA and forwards it over NVLink inside the node, which moves fewer
-  inter-node bytes than recorded (`node_hit_probability` gives the RDMA share);
+  per destination node over RDMA and forwards it over NVLink inside the node: the call is marked
+  with the bytes that leave the node (FlexLayout.rdma_sent rows, from `node_hit_probability`),
+  which the time model sends through the NIC (metatrace.analysis.comm.wire_seconds); the
+  traffic tables count the whole message. HybridEP's hierarchical path is not marked;
 - the DeepEP / HybridEP communication buffers (deep_ep.Buffer's num_nvl_bytes and
   num_rdma_bytes, HybridEPBuffer) are allocated with cudaMalloc / NVSHMEM, outside PyTorch's
   allocator (deep_ep.cpp:45): not in the predicted peak, and not added to the verdict;
@@ -37,12 +39,14 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 
 from metatrace.config.routing import Routing
+from metatrace.hooks import collectives
 from metatrace.models.moe import balanced_split, received_per_local_expert
 
 NVL_PEERS = 8
@@ -106,17 +110,27 @@ class FlexLayout:
         self.rdma_ranks = max(self.ranks // NVL_PEERS, 1)
         p_node = node_hit_probability(experts, topk, ep, max(NVL_PEERS // self.tp, 1))
         self.rdma_received = self.rdma_ranks * math.ceil(tokens * p_node)
+        self.rdma_sent = (self.rdma_ranks - 1) * math.ceil(tokens * p_node) if self.internode else 0
+        """Rows a rank sends over RDMA (to the other nodes, once per node that hosts one of a
+        token's experts; NVLink forwards it inside the node); the combine sends as many back."""
 
 
-def _exchange(group, arrive: torch.Tensor, leave: torch.Tensor, rows_out: int, rows_in: int):
+def _exchange(
+    group, arrive: torch.Tensor, leave: torch.Tensor, rows_out: int, rows_in: int, layout=None
+):
     """One all-to-all carrying `rows_out` rows of `leave` to the group and `rows_in` rows of
-    `arrive` from it, equal shares per peer; expanded views, so no memory is allocated."""
+    `arrive` from it, equal shares per peer; expanded views, so no memory is allocated. With an
+    internode DeepEP `layout`, marked with the bytes that leave the node (layout.rdma_sent rows)."""
     n = group.size()
     out = arrive.reshape(-1, arrive.shape[-1])[:1].expand(rows_in, arrive.shape[-1])
     inp = leave.reshape(-1, leave.shape[-1])[:1].expand(rows_out, leave.shape[-1])
-    dist.all_to_all_single(
-        out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
-    )
+    across = contextlib.nullcontext()
+    if layout is not None and layout.internode:
+        across = collectives.crossing(layout.rdma_sent * leave.shape[-1] * leave.element_size())
+    with across:
+        dist.all_to_all_single(
+            out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
+        )
 
 
 def _exchange_rows(group, arrive, leave, rows_out: int, rows_in: int, width: int):
@@ -130,13 +144,13 @@ def _exchange_rows(group, arrive, leave, rows_out: int, rows_in: int, width: int
     )
 
 
-def _payload(group, x, idx, weights, rows_out, rows_in):
+def _payload(group, x, idx, weights, rows_out, rows_in, layout=None):
     """The hidden states, then the top-k indices and weights beside them (DeepEP sends both
     with every token: intranode.cu dispatch's topk_idx / topk_weights buffers)."""
-    _exchange(group, x, x, rows_out, rows_in)
+    _exchange(group, x, x, rows_out, rows_in, layout)
     if idx is not None:
-        _exchange(group, idx, idx, rows_out, rows_in)
-        _exchange(group, weights, weights, rows_out, rows_in)
+        _exchange(group, idx, idx, rows_out, rows_in, layout)
+        _exchange(group, weights, weights, rows_out, rows_in, layout)
 
 
 def _sms(num_sms: int) -> int:
@@ -183,7 +197,7 @@ class _Dispatch(torch.autograd.Function):
                 torch.empty((layout.rdma_received, NVL_PEERS), **i32),  # send_nvl_head
             )
         sent = layout.per_peer * w
-        _payload(group, x, token_indices, token_probs, sent, r)
+        _payload(group, x, token_indices, token_probs, sent, r, layout)
         # FusedDispatch keeps the handle on ctx (fused_a2a.py:130); saved here so that the
         # report lists it with the layer's activations (the same lifetime).
         ctx.save_for_backward(*handle)
@@ -204,11 +218,10 @@ class _Dispatch(torch.autograd.Function):
             weights = torch.empty(
                 (n, grad_weights.shape[1]), dtype=torch.float32, device=out.device
             )
-        _payload(ctx.group, grad_x, None, None, grad_x.shape[0], layout.per_peer * layout.ranks)
+        back = layout.per_peer * layout.ranks
+        _payload(ctx.group, grad_x, None, None, grad_x.shape[0], back, layout)
         if weights is not None:
-            _exchange(
-                ctx.group, weights, grad_weights, grad_x.shape[0], layout.per_peer * layout.ranks
-            )
+            _exchange(ctx.group, weights, grad_weights, grad_x.shape[0], back, layout)
         return out, None, weights, None, None, None
 
 
@@ -219,7 +232,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, x, group, handle, layout):
         n = handle[0 if layout.internode else 4].shape[0]
         combined = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
-        _exchange(group, combined, x, x.shape[0], layout.per_peer * layout.ranks)
+        _exchange(group, combined, x, x.shape[0], layout.per_peer * layout.ranks, layout)
         ctx.group, ctx.layout, ctx.n = group, layout, n
         return combined
 
@@ -228,7 +241,7 @@ class _Combine(torch.autograd.Function):
         # buffer.dispatch of the gradient with the cached handle (fused_a2a.py:197-203).
         layout = ctx.layout
         out = torch.empty((layout.received, grad.shape[1]), dtype=grad.dtype, device=grad.device)
-        _exchange(ctx.group, out, grad, layout.per_peer * layout.ranks, layout.received)
+        _exchange(ctx.group, out, grad, layout.per_peer * layout.ranks, layout.received, layout)
         return out, None, None, None
 
 

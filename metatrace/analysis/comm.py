@@ -112,6 +112,9 @@ class Item:
     crosses_nodes: bool
     overlapped: str | None
     """What Megatron overlaps it with (None: exposed)."""
+    inter_bytes: int | None = None
+    """Of one call's message, the bytes a forwarding kernel sends out of the NVLink domain
+    (Collective.inter_bytes)."""
 
 
 @dataclass
@@ -206,14 +209,23 @@ def link_gbps(job, world, op: str, ranks) -> float:
     return min(cl.intra_node_gbps, min(members.values()) * cl.inter_node_gbps)
 
 
-def wire_seconds(job, world, op: str, ranks, rank: int, nbytes: int) -> float:
+def wire_seconds(
+    job, world, op: str, ranks, rank: int, nbytes: int, inter_bytes: int | None = None
+) -> float:
     """Seconds one call moving `nbytes` (the larger of what `rank` sends and receives) over
     `ranks` takes on the wire. An all-to-all spanning NVLink domains sends each peer its share
     at once: the peers in `rank`'s own domain over NVLink, the others through the GPU's NIC,
     so it lasts as long as the slower of the two (NCCL's all-to-all runs one send and receive
-    per peer concurrently). Other calls at link_gbps."""
+    per peer concurrently); a kernel that forwards inside the domain (`inter_bytes`, the bytes
+    it sends out of it: Collective.inter_bytes) moves those through the NIC and at most the
+    whole message over NVLink. Other calls at link_gbps."""
+    cl = job.cluster
+    if inter_bytes is not None and len(ranks) > 1 and world.crosses_nodes(ranks):
+        return max(
+            nbytes * 8 / (cl.intra_node_gbps * 1e9), inter_bytes * 8 / (cl.inter_node_gbps * 1e9)
+        )
     if op == "all_to_all" and len(ranks) > 1 and world.crosses_nodes(ranks):
-        cl, home = job.cluster, world.domain(rank)
+        home = world.domain(rank)
         near = sum(1 for r in ranks if r != rank and world.domain(r) == home)
         far = len(ranks) - 1 - near
         share = nbytes / (len(ranks) - 1)
@@ -226,7 +238,9 @@ def wire_seconds(job, world, op: str, ranks, rank: int, nbytes: int) -> float:
 
 def _seconds(job, world, item: Item, rank: int) -> float:
     nbytes = max(item.sent, item.received)
-    return item.count * wire_seconds(job, world, item.op, item.ranks, rank, nbytes)
+    return item.count * wire_seconds(
+        job, world, item.op, item.ranks, rank, nbytes, item.inter_bytes
+    )
 
 
 def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleComm:
@@ -290,6 +304,7 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
                 layers,
                 world.crosses_nodes(ranks),
                 _overlap(job, calls[0][0], dimension),
+                calls[0][0].inter_bytes,
             )
         )
     out = RoleComm(items=items, dims={d: Totals() for d in DIMENSIONS})
@@ -316,7 +331,7 @@ def call_seconds(job, world, c: Collective, rank: int) -> tuple[str, float, str 
     sent, received = ring_bytes(c.op, c.bytes, len(c.ranks) if c.peer is None else 2)
     if c.output_bytes is not None:
         received = ring_bytes(c.op, c.output_bytes, len(c.ranks))[1]
-    seconds = wire_seconds(job, world, c.op, ranks, rank, max(sent, received))
+    seconds = wire_seconds(job, world, c.op, ranks, rank, max(sent, received), c.inter_bytes)
     return dimension, seconds, _overlap(job, c, dimension)
 
 

@@ -119,3 +119,25 @@ def test_flex_sends_less_over_ep_than_alltoall(traced):
 
 def _ep_sent(job_trace) -> int:
     return job_comm(job_trace).cluster["ep"].bytes_sent
+
+
+def test_internode_deepep_marks_what_leaves_the_node():
+    """EP 16 over two nodes of 8: DeepEP sends a token over RDMA once to the other node when it
+    hosts one of the token's K experts (P = 1 - C(E/2, K) / C(E, K)) and forwards it over
+    NVLink there; the dispatch and combine are marked with those bytes, the intranode run
+    (EP 4 above) with none."""
+    e, k, ep = 32, 4, 16
+    internode = small_job(
+        model={**MOE, "num_experts": e, "moe_router_topk": k},
+        parallel={"ep": ep, "moe_token_dispatcher_type": "flex"},
+        training={"global_batch_size": 32, "seq_length": S, "micro_batch_size": B, **BALANCED},
+        implementation={"moe_grouped_gemm": True},
+        cluster={"num_gpus": ep, "gpus_per_node": 8},
+    )
+    trace = trace_job(internode, full_model=False).roles[0].trace
+    rows = math.ceil(N * (1 - math.comb(e - e // 2, k) / math.comb(e, k)))  # to the other node
+    assert rows == 122  # 128 x (1 - 1820 / 35960)
+    hidden = [c for c in layer0(trace, "forward") if c.dtype == "bfloat16"]
+    assert [c.inter_bytes for c in hidden] == [rows * H * BF16] * 2
+    intranode = trace_job(job("flex"), full_model=False).roles[0].trace
+    assert all(c.inter_bytes is None for c in layer0(intranode, "forward"))

@@ -47,6 +47,10 @@ def test_an_all_to_all_across_nodes_sends_to_its_node_over_nvlink_and_to_the_res
     assert wire_seconds(job, world, "reduce_scatter", tuple(range(16)), 3, nbytes) == (
         nbytes * 8 / min(intra, 8 * inter)
     )
+    # DeepEP's internode kernels: what leaves the node (marked) through the NIC, the rest
+    # forwarded over NVLink
+    marked = wire_seconds(job, world, "all_to_all", tuple(range(16)), 3, nbytes, 2**20)
+    assert marked == max(nbytes * 8 / intra, 2**20 * 8 / inter)
     rack = small_job(cluster={"gpu": "gb200", "gpus_per_node": 4})
     assert rack.cluster.nvlink_domain == 72
     got = wire_seconds(rack, World.from_job(rack), "all_to_all", tuple(range(16)), 3, nbytes)
