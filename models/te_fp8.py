@@ -42,7 +42,9 @@ get_fp8_context (which returns a null context without TE); `metatrace.hooks.patc
 them.
 
 Known limitations: FP8 attention (fp8_dot_product_attention), NVFP4 primary weights
-(fp4_param: megatron-core 0.16.1's DDP and distributed optimizer have no NVFP4 path),
+(fp4_param: megatron-core 0.16.1's DDP and distributed optimizer have no NVFP4 path), the
+transient swizzled copies of MXFP8 / NVFP4 scales each GEMM makes (gemm.cpp:229-236), the
+weight workspaces' casts (made once, not timed, for every recipe),
 the amax-history clones kept for FP8 activation recompute, the bf16 fallback for MXFP8 /
 blockwise tensors whose dimensions are not multiples of 32 / 128, and GEMM workspaces are not
 modelled.

@@ -21,7 +21,13 @@ the wgrad GEMM; then `clear_tensor_data` frees the saved quantized input before 
 gradients are returned (with gradient-accumulation fusion a new tensor of main_grad's shape per
 expert, as in bf16).
 
-Not modelled: the transient MXFP8 scale swizzles of the GEMMs (as for dense layers).
+NVFP4 (TE 2.8 has no bulk allocation for it, cast.cpp:546-568): each expert's input and output
+gradient is an NVFP4 tensor of its own, quantized by its own quantizer (the amax pass, the
+Hadamard kernels, stochastic rounding for the gradients; timed by their bytes); a bias's
+gradient is each expert's rows summed apart (grouped_linear.py:286-303).
+
+Not modelled: the transient MXFP8 / NVFP4 scale swizzles of the GEMMs (as for dense layers);
+the FP8 recipes' split_quantize kernels are not timed (NVFP4's are).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ Backward: the output gradient is quantized (gathered in FP8 for row parallel + S
 input is gathered again in FP8 for column parallel + SP (and transposed on Hopper), dgrad and
 wgrad come out in bf16, dgrad is reduce-scattered or all-reduced as in bf16. Delayed scaling
 reduces the amaxes when the backward of the region's first module ends.
+
+NVFP4 takes the same path (TE runs it under fp8_autocast): its gathers are TE's
+_all_gather_nvfp4 (`_gather_nvfp4`: data and scales in one coalesced call, the column-wise
+copy interleaved and reordered after, for the saved input only when the wgrad GEMM waits on the
+asynchronous gather), its amaxes all-reduced over TP before a gathered tensor is quantized, a
+bias's gradient summed apart from the cast (base.py:1224-1229).
 """
 
 from __future__ import annotations
