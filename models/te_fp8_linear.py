@@ -327,7 +327,7 @@ def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
             interleaved.clear()
             return gathered.tensors()
 
-        return [*gathered.tensors(), *interleaved], finish
+        return [], finish  # (what finish holds: the output's buffers alone, as TE's)
     buffers = _gathered_fp8_input(kept, local_rows, in_features, mode, recipe, arch, device)
     return buffers, lambda: buffers
 

@@ -250,3 +250,23 @@ def test_fp4_experts_keep_each_experts_nvfp4_input():
 
     assert saved("linear_fc1") == closed_form(MH) == 2 * (2560 + 1024 + 512)
     assert saved("linear_fc2") == closed_form(MF) == 2 * (4096 + 1024 + 512)
+
+
+def test_the_saved_input_is_reordered_when_the_wgrad_gemm_waits():
+    """Column parallel + SP backward (linear_qkv, tp 2, its saved [256, 128] column-wise input):
+    _all_gather_nvfp4 runs asynchronously (linear.py:651-656); make_empty's column-wise buffers
+    (data [128, 256], scales [128, 32], amax) and the interleaved ones (scales [256, 16], data
+    [256, 128]) are live across the dgrad GEMM (its bf16 [512, 128] output, reduce-scattered into
+    [256, 128]); only when the wgrad GEMM waits are they reordered (tex.swap_first_dims: scales
+    then data, each replacing make_empty's) and the scales padded (a new [128, 32])."""
+    trace = _trace(_job(parallel={"tp": 2, "sequence_parallel": True}))
+    deltas = [
+        e.delta
+        for e in trace.memory
+        if e.module == "decoder.layers.1.self_attention.linear_qkv" and e.phase == "backward"
+    ]
+    gather = [32768, 4096, 512, 4096, 32768, -512]  # make_empty, interleaved, amax replaced
+    dgrad = [131072, 65536]
+    reorder = [4096, -4096, 32768, -32768, 4096, -4096]
+    start = deltas.index(32768)
+    assert deltas[start : start + 14] == gather + dgrad + reorder
