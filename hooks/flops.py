@@ -31,16 +31,18 @@ from metatrace.config import kernels
 
 
 class FlopCount:
-    """A running count: all FLOPs, and of them those of FP8 GEMMs; and, with a GPU's kernel
-    rates (metatrace.config.kernels), the picoseconds its kernels take (`ps`: GEMMs and attention
-    from their shapes, memory-bound operators from the bytes they move; an integer, so that
-    counts of identical work are equal)."""
+    """A running count: all FLOPs, and of them those of FP8 GEMMs and, apart, those of FP4
+    (NVFP4) GEMMs; and, with a GPU's kernel rates (metatrace.config.kernels), the picoseconds
+    its kernels take (`ps`: GEMMs and attention from their shapes, memory-bound operators from
+    the bytes they move; an integer, so that counts of identical work are equal)."""
 
-    __slots__ = ("attention_ps", "fp8", "margin", "model", "ps", "total")
+    __slots__ = ("attention_ps", "fp4", "fp8", "margin", "model", "ps", "total")
 
     def __init__(self, model=None):
         self.total = 0
         self.fp8 = 0
+        self.fp4 = 0
+        """FLOPs of FP4 GEMMs (not in `fp8`)."""
         self.ps = 0
         self.attention_ps = 0
         """Of `ps`, the fused attention kernels' (what the context-parallel ring runs beside)."""
@@ -82,47 +84,52 @@ def _count() -> FlopCount | None:
     return _ACTIVE[-1] if _ACTIVE and not _UNCOUNTED[0] else None
 
 
-def report(flops: int, *, fp8: bool = False) -> None:
-    """A stand-in's kernel computes `flops` (FP8 GEMMs: `fp8`) that no dispatched operator
-    shows, of no known shape (timed at the large-GEMM rate). Nothing happens outside a
-    recorder."""
+def report(flops: int, *, fp8: bool = False, fp4: bool = False) -> None:
+    """A stand-in's kernel computes `flops` (FP8 GEMMs: `fp8`, FP4 GEMMs: `fp4`) that no
+    dispatched operator shows, of no known shape (timed at the large-GEMM rate). Nothing
+    happens outside a recorder."""
     count = _count()
     if count is not None:
-        _add(count, int(flops), fp8)
+        _add(count, int(flops), fp8, fp4)
         if count.model is not None:
-            count.add_seconds(kernels.flops_seconds(count.model, int(flops), fp8=fp8))
+            count.add_seconds(kernels.flops_seconds(count.model, int(flops), fp8=fp8, fp4=fp4))
 
 
-def _add(count: FlopCount, flops: int, fp8: bool) -> None:
+def _add(count: FlopCount, flops: int, fp8: bool, fp4: bool = False) -> None:
     count.total += flops
-    if fp8:
+    if fp4:
+        count.fp4 += flops
+    elif fp8:
         count.fp8 += flops
 
 
-def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, into=None) -> None:
-    """A stand-in's kernel runs the GEMM [m, k] @ [k, n]; `into`: the tensor it adds the
-    product into (DDP's main_grad under gradient-accumulation fusion), else a fresh output."""
+def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, fp4: bool = False, into=None) -> None:
+    """A stand-in's kernel runs the GEMM [m, k] @ [k, n] (operands in FP8: `fp8`, in NVFP4:
+    `fp4`); `into`: the tensor it adds the product into (DDP's main_grad under
+    gradient-accumulation fusion), else a fresh output."""
     count = _count()
     if count is not None:
-        _add(count, gemm(m, k, n), fp8)
+        _add(count, gemm(m, k, n), fp8, fp4)
         if count.model is not None:
             acc = into.element_size() if into is not None else 0
             sec = kernels.gemm_seconds(
-                count.model, m, n, k, fp8=fp8, margin=count.margin, accumulate=acc
+                count.model, m, n, k, fp8=fp8, fp4=fp4, margin=count.margin, accumulate=acc
             )
             count.add_seconds(sec)
 
 
-def report_grouped(rows, k: int, n: int, *, fp8: bool = False, times: int = 1) -> None:
+def report_grouped(
+    rows, k: int, n: int, *, fp8: bool = False, fp4: bool = False, times: int = 1
+) -> None:
     """A stand-in's grouped GEMM kernel: [rows[i], k] @ [k, n] per group, `times` such kernels
     (the backward's data and weight gradients are timed as the forward's shape)."""
     count = _count()
     if count is not None and times > 0:
         rows = tuple(int(r) for r in rows)
-        _add(count, times * gemm(sum(rows), k, n), fp8)
+        _add(count, times * gemm(sum(rows), k, n), fp8, fp4)
         if count.model is not None:
             sec = kernels.grouped_gemm_seconds(
-                count.model, rows, n, k, fp8=fp8, margin=count.margin
+                count.model, rows, n, k, fp8=fp8, fp4=fp4, margin=count.margin
             )
             count.add_seconds(times * sec)
 

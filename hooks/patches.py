@@ -474,6 +474,17 @@ for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transforme
             "without Transformer Engine it returns a null context, so FP8 would never start.",
         ),
     )
+# FP4 (NVFP4): get_fp4_context likewise; TE runs NVFP4 through the same autocast.
+for _module in ("megatron.core.fp4_utils", "megatron.core.transformer.transformer_block"):
+    PATCHES += (
+        Patch(
+            _module,
+            "get_fp4_context",
+            _standin("metatrace.models.te_fp8", "get_fp4_context"),
+            Versions((0, 16, 1)),
+            "without Transformer Engine it returns a null context, so NVFP4 would never start.",
+        ),
+    )
 for _module in (
     "megatron.core.transformer.transformer_block",
     "megatron.core.extensions.transformer_engine",

@@ -171,7 +171,8 @@ class Window:
     attention; a backward step includes its recompute). A replayed step computes nothing: read
     the traced micro-batch's windows."""
     fp8_flops: int = 0
-    """Of `flops`, those of FP8 GEMMs."""
+    """Of `flops`, those of FP8 GEMMs (not those of FP4 GEMMs, which hooks/flops.py's FlopCount
+    keeps apart in `fp4`)."""
     kernel_ps: int = 0
     """Picoseconds the window's kernels take on the job's GPU (metatrace.config.kernels: GEMMs
     and attention by shape, memory-bound operators by bytes moved), 0 without its rates."""

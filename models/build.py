@@ -21,6 +21,7 @@ DTYPES = {
     "fp16": torch.float16,
     "fp32": torch.float32,
     "fp8": torch.bfloat16,  # FP8 GEMMs over bf16 parameters (--fp8-format with --bf16)
+    "fp4": torch.bfloat16,  # NVFP4 GEMMs over bf16 parameters (--fp4-format with --bf16)
 }
 
 
@@ -122,11 +123,16 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         account_for_embedding_in_pipeline_split=par.account_for_embedding,
         account_for_loss_in_pipeline_split=par.account_for_loss,
         pipeline_model_parallel_layout=par.layout,
-        bf16=tr.precision in ("bf16", "fp8"),
+        bf16=tr.precision in ("bf16", "fp8", "fp4"),
         fp8=tr.fp8_format if tr.precision == "fp8" else None,
         fp8_recipe=tr.fp8_recipe or "delayed",
         fp8_param=tr.precision == "fp8" and tr.fp8_param_gather,
         fp8_amax_history_len=tr.fp8_amax_history_len,
+        fp4="e2m1" if tr.precision == "fp4" else None,
+        fp4_recipe=tr.fp4_recipe or "nvfp4",
+        first_last_layers_bf16=tr.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=tr.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=tr.num_layers_at_end_in_bf16,
         fp16=tr.precision == "fp16",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -501,7 +507,7 @@ def optimizer_config(job, *, check_only: bool = False):
     fields = dict(
         optimizer=tr.optimizer,
         lr=1e-4,  # values do not matter on meta; the learning rate allocates nothing
-        bf16=tr.precision in ("bf16", "fp8"),
+        bf16=tr.precision in ("bf16", "fp8", "fp4"),
         fp16=tr.precision == "fp16",
         params_dtype=DTYPES[tr.precision],
         use_distributed_optimizer=tr.distributed_optimizer,

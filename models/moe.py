@@ -26,7 +26,8 @@ routing map's values. metatrace supplies the counts from a stated assumption
 
 With `training.moe_router_padding_for_quantization` (megatron-core's
 moe_router_padding_for_quantization, alltoall dispatcher) every source rank pads its routing map
-so that what it sends each expert is a multiple of the FP8 GEMM alignment A (16, 32 for MXFP8;
+so that what it sends each expert is a multiple of the FP8 or FP4 GEMM alignment A (16, 32 for
+MXFP8, 128 for FP4: megatron-core's get_align_size_for_quantization;
 moe_utils.pad_routing_map turns the first zeros of the expert's column into ones, at most all N
 of the rank's tokens). The counts above are rounded up per source and expert, after the hottest
 expert's scaling: the hot expert gets round_up(ceil(L x share), A) from every source, the

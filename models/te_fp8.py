@@ -9,8 +9,25 @@ What quantized copies exist, from TE's tensor/ and module/ sources (shapes for a
 | mxfp8 (32-element blocks) | data u8 [M, K] + scales u8 [rnd(M,128), rnd(K/32,4)] | data u8 [M, K] + scales u8 [rnd(M/32,4), rnd(K,128)] |
 | blockwise, activations and gradients (1x128) | data u8 [M, K] + fp32 [K/128, rnd(M,4)] | data u8 [K, M] + fp32 [M/128, rnd(K,4)] |
 | blockwise, weights (128x128) | data u8 [M, K] + fp32 [M/128, rnd(K/128,4)] | data u8 [K, M] + fp32 [K/128, rnd(M/128,4)] |
+| nvfp4 (16-element blocks, sm100) | data u8 [M, K/2] + E4M3 u8 [rnd(M,128), rnd(K/16,4)] + amax fp32 [1] | data u8 [K, M/2] + E4M3 u8 [rnd(K,128), rnd(M/16,4)] + amax fp32 [1] |
 
-Every Float8 tensor also has a scale_inv fp32 [1]. Per module, delayed scaling keeps fp8_meta
+Every Float8 tensor also has a scale_inv fp32 [1].
+
+NVFP4 (TE 2.8 NVFP4BlockScaling, common/recipe/__init__.py:381-445; NVFP4Quantizer::create_tensor,
+csrc/quantizer.cpp:1172-1273; get_scale_shape, quantizer.cpp:1671-1700): two E2M1 values a byte,
+an E4M3 scale per 16 elements of a row (row-wise) or of a column (column-wise, the data
+transposed), the scales padded to 128 rows and 4 columns for cuBLAS's swizzle, and a per-tensor
+fp32 amax per usage; both dimensions must be multiples of 16 (quantizer.cpp:1186-1191). Weights
+are quantized in 16x16 blocks (fp4_quant_fwd_weight: the same buffers, each block's scale
+repeated over its 16 rows), activations and gradients in 1x16 blocks with a random Hadamard
+transform on their column-wise (wgrad) copy, gradients with stochastic rounding. A quantize
+(NVFP4Quantizer::quantize_impl, quantizer.cpp:1438-1640) first reads the input for its amaxes
+(with the Hadamard transform: nvte_hadamard_transform_amax, the column-wise amax after it;
+weights: nvte_compute_amax), all-reduces them over TP where the tensor is about to be
+all-gathered, then writes the usages: weights in one kernel (cast_kernels.cuh:2097-2138), the
+others row-wise in one kernel and column-wise in a fused Hadamard-and-cast kernel (bf16 input,
+rows a multiple of 64, columns of 128), else through a bf16 [K, M] Hadamard output quantized in
+turn. Stochastic rounding draws a Philox state into an int64 [2] for each quantize. Per module, delayed scaling keeps fp8_meta
 (scale [3], amax_history [H, 3], scale [2], amax_history [H, 2], fp32; H is megatron-core's
 fp8_amax_history_len, which it passes to TE's DelayedScaling: 1 by default) and current
 scaling a scale and an amax [1] per quantizer (five); the weight is quantized once into a
@@ -24,7 +41,10 @@ all-gather of activations or gradients.
 get_fp8_context (which returns a null context without TE); `metatrace.hooks.patches` installs
 them.
 
-Known limitations: FP8 attention (fp8_dot_product_attention),
+Known limitations: FP8 attention (fp8_dot_product_attention), NVFP4 primary weights
+(fp4_param: megatron-core 0.16.1's DDP and distributed optimizer have no NVFP4 path), the
+transient swizzled copies of MXFP8 / NVFP4 scales each GEMM makes (gemm.cpp:229-236), the
+weight workspaces' casts (made once, not timed, for every recipe),
 the amax-history clones kept for FP8 activation recompute, the bf16 fallback for MXFP8 /
 blockwise tensors whose dimensions are not multiples of 32 / 128, and GEMM workspaces are not
 modelled.
@@ -78,6 +98,11 @@ class Quantized:
         return [*self.rowwise[:1], *self.columnwise[:1]]
 
 
+def gemm_kind(recipe: str) -> dict:
+    """The keyword flops.report_gemm / report_grouped take for a recipe's GEMMs."""
+    return {"fp4": True} if recipe == "nvfp4" else {"fp8": True}
+
+
 def quantize(
     shape,
     recipe: str,
@@ -87,16 +112,40 @@ def quantize(
     columnwise: bool,
     device,
     weight: bool = False,
+    grad: bool = False,
     compact: bool = False,
     cast: torch.Tensor | None = None,
+    amax_group=None,
 ) -> Quantized:
     """Allocate what TE's quantizer allocates for a [M, K] tensor. `cast`: the high-precision
     tensor a quantizing kernel (cast, cast-transpose, a norm writing FP8) reads to fill these
     buffers, timed by the bytes read and written; None where they are a collective's destination
-    or timed elsewhere."""
+    or timed elsewhere. NVFP4: `weight` (16x16 blocks, no Hadamard transform) or `grad`
+    (stochastic rounding) pick the quantizer's settings; `amax_group`: the TP group its amaxes
+    are all-reduced over (an input about to be all-gathered)."""
     m, k = shape
     empty = lambda *s, dtype=U8: torch.empty(s, dtype=dtype, device=device)
     q = Quantized()
+    if recipe == "nvfp4":
+        if m % 16 or k % 16:  # quantizer.cpp:1186-1191
+            raise ValueError(
+                f"NVFP4 requires tensor dims that are divisible by 16 (got shape={[m, k]})"
+            )
+        if rowwise:
+            q.rowwise += [
+                empty(m, k // 2),
+                empty(_rnd(m, 128), _rnd(k // 16, 4)),
+                empty(1, dtype=F32),
+            ]
+        if columnwise:
+            q.columnwise += [
+                empty(k, m // 2),
+                empty(_rnd(k, 128), _rnd(m // 16, 4)),
+                empty(1, dtype=F32),
+            ]
+        if cast is not None:
+            _nvfp4_kernels(cast, q, rht=not weight, stochastic=grad, group=amax_group)
+        return q
     if recipe in ("delayed", "tensorwise"):
         if arch == "sm100":  # one [M, K] buffer serves both usages
             if rowwise or columnwise:
@@ -129,6 +178,38 @@ def quantize(
     if cast is not None:
         flops.report_moved(cast, *q.tensors())
     return q
+
+
+def _nvfp4_kernels(x: torch.Tensor, q: Quantized, *, rht: bool, stochastic: bool, group) -> None:
+    """What NVFP4Quantizer::quantize_impl (quantizer.cpp:1438-1640) runs to fill `q` from the
+    bf16 [rows, cols] `x`: the kernels' bytes, the transient buffers, the amax all-reduce."""
+    if x.numel() == 0:  # quantizer.cpp:1442-1444
+        return
+    rows, cols = x.shape
+    # quantizer.cpp:1460-1471: a Philox state per quantize with stochastic rounding
+    rng = torch.empty(2, dtype=torch.int64, device=x.device) if stochastic else None
+    amaxes = q.rowwise[2:] + q.columnwise[2:]
+    flops.report_moved(x, *amaxes)  # the amax pass (1476-1514): reads the whole input
+    if group is not None and dist.get_world_size(group) > 1:
+        # quantizer.cpp:1516-1535: allreduce_coalesced (MAX) of the usages' amaxes
+        with dist._coalescing_manager(group=group, device=x.device):
+            for amax in amaxes:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if not rht:  # one kernel writes both usages (cast_kernels.cuh:2097-2138)
+        flops.report_moved(x, *q.rowwise[:2], *q.columnwise[:2])
+        del rng
+        return
+    if q.rowwise:  # the row-wise usage without the transform (quantizer.cpp:1537-1555)
+        flops.report_moved(x, *q.rowwise[:2])
+    if q.columnwise:
+        if rows % 64 == 0 and cols % 128 == 0:  # the fused Hadamard cast (1570, 1622-1631)
+            flops.report_moved(x, *q.columnwise[:2])
+        else:  # RHT(x^T) into a bf16 [cols, rows] buffer, then quantized (1594-1621)
+            transformed = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
+            flops.report_moved(x, transformed)
+            flops.report_moved(transformed, *q.columnwise[:2])
+            del transformed
+    del rng
 
 
 # ----------------------------------------------------------------------------- autocast state
@@ -196,21 +277,48 @@ def _device(module):
     return weight.device if weight is not None else next(module.parameters()).device
 
 
-def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
-    """megatron-core's get_fp8_context with metatrace's fp8_autocast."""
+def bf16_layer(config, layer_no: int) -> bool:
+    """Whether the global layer `layer_no` (0-based) runs in bf16 under first_last_layers_bf16:
+    restates megatron-core 0.16.1 fp8_utils.py:511-530 (is_first_last_bf16_layer), which
+    fp4_utils.py:122-136 repeats."""
+    if layer_no < 0 or not config.first_last_layers_bf16:
+        return False
+    return (
+        layer_no < config.num_layers_at_start_in_bf16
+        or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16
+    )
+
+
+def _amax_group(config):
     from megatron.core import parallel_state as ps
 
-    if is_init or not config.fp8:
-        return contextlib.nullcontext()
-    group = None
-    if ps.model_parallel_is_initialized():
-        group = ps.get_amax_reduction_group(
-            with_context_parallel=True, tp_only_amax_red=config.tp_only_amax_red
-        )
-    return fp8_autocast(
-        str(config.fp8_recipe.value if hasattr(config.fp8_recipe, "value") else config.fp8_recipe),
-        group,
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_amax_reduction_group(
+        with_context_parallel=True, tp_only_amax_red=config.tp_only_amax_red
     )
+
+
+def _value(recipe) -> str:
+    return str(recipe.value if hasattr(recipe, "value") else recipe)
+
+
+def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
+    """megatron-core's get_fp8_context with metatrace's fp8_autocast; the first and last layers
+    in bf16 where first_last_layers_bf16 asks (fp8_utils.py:516-526)."""
+    if is_init or not config.fp8 or bf16_layer(config, layer_no):
+        return contextlib.nullcontext()
+    return fp8_autocast(_value(config.fp8_recipe), _amax_group(config))
+
+
+def get_fp4_context(config, layer_no: int = -1, is_init: bool = False):
+    """megatron-core's get_fp4_context (fp4_utils.py:120-161) with metatrace's fp8_autocast:
+    TE runs NVFP4 through the same autocast (fp8_recipe=NVFP4BlockScaling). At init it would
+    enter fp8_model_init for fp4_param, which metatrace refuses (Megatron-LM's
+    --fp4-param-gather is not modelled): a null context."""
+    if is_init or not config.fp4 or bf16_layer(config, layer_no):
+        return contextlib.nullcontext()
+    return fp8_autocast(_value(config.fp4_recipe), _amax_group(config))
 
 
 def module_state(module, recipe: str, device) -> None:
@@ -270,14 +378,43 @@ def register_fp8_param_buffers(module, config, shape, device, prefix: str) -> No
 
 
 def split_quantize(
-    m_splits, cols: int, recipe: str, arch: str, *, rowwise: bool, columnwise: bool, device
+    m_splits,
+    cols: int,
+    recipe: str,
+    arch: str,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    device,
+    x: torch.Tensor | None = None,
+    grad: bool = False,
 ) -> list[Quantized]:
     """TE's tex.split_quantize of a [sum(m_splits), cols] tensor, one quantizer per expert
-    (extensions/cast.cpp:496-598). Float8 (delayed, tensorwise) quantizes each expert's rows
-    into tensors of its own; MXFP8 and blockwise allocate one uint8 buffer per usage for all
-    experts (each expert's data 256-byte aligned, then each expert's scales 16-byte aligned,
-    cast.cpp:245-265, 288-308) and hand out views of it: returned as one Quantized holding the
-    bulk buffers."""
+    (extensions/cast.cpp:496-598). Float8 (delayed, tensorwise) and NVFP4 quantize each expert's
+    rows into tensors of their own (create_tensor, then each quantizer's own quantize:
+    cast.cpp:560-568, 145-148; NVFP4 with its amax pass and Hadamard kernels, priced from `x`,
+    the [sum(m_splits), cols] input; `grad`: gradient quantizers); MXFP8 and blockwise allocate
+    one uint8 buffer per usage for all experts (each expert's data 256-byte aligned, then each
+    expert's scales 16-byte aligned, cast.cpp:245-265, 288-308) and hand out views of it:
+    returned as one Quantized holding the bulk buffers."""
+    if recipe == "nvfp4":
+        out, start = [], 0
+        for m in m_splits:
+            cast = x[start : start + m] if x is not None else None
+            start += m
+            out.append(
+                quantize(
+                    (m, cols),
+                    recipe,
+                    arch,
+                    rowwise=rowwise,
+                    columnwise=columnwise,
+                    device=device,
+                    grad=grad,
+                    cast=cast,
+                )
+            )
+        return out
     if recipe in ("delayed", "tensorwise"):
         return [
             quantize((m, cols), recipe, arch, rowwise=rowwise, columnwise=columnwise, device=device)

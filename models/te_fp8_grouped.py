@@ -21,7 +21,13 @@ the wgrad GEMM; then `clear_tensor_data` frees the saved quantized input before 
 gradients are returned (with gradient-accumulation fusion a new tensor of main_grad's shape per
 expert, as in bf16).
 
-Not modelled: the transient MXFP8 scale swizzles of the GEMMs (as for dense layers).
+NVFP4 (TE 2.8 has no bulk allocation for it, cast.cpp:546-568): each expert's input and output
+gradient is an NVFP4 tensor of its own, quantized by its own quantizer (the amax pass, the
+Hadamard kernels, stochastic rounding for the gradients; timed by their bytes); a bias's
+gradient is each expert's rows summed apart (grouped_linear.py:286-303).
+
+Not modelled: the transient MXFP8 / NVFP4 scale swizzles of the GEMMs (as for dense layers);
+the FP8 recipes' split_quantize kernels are not timed (NVFP4's are).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from metatrace.hooks import flops
 from metatrace.models import te_wgrad
 from metatrace.models.te_fp8 import (
+    gemm_kind,
     module_state,
     reduce_amax,
     register,
@@ -56,6 +63,7 @@ def fp8_forward(ctx, x2, m_splits, module, weights, biases, recipe, arch, grad_e
         rowwise=True,
         columnwise=grad_enabled and needs_wgrad and not original,
         device=device,
+        x=x2,
     )
     per_call = []
     if weights[0].element_size() > 1:  # FP8 parameters are their own quantized weights
@@ -65,7 +73,7 @@ def fp8_forward(ctx, x2, m_splits, module, weights, biases, recipe, arch, grad_e
             else:
                 weight_workspace(module, w, recipe, arch, key=f"weight{i}")
     out = torch.empty((x2.shape[0], module.out_features), dtype=x2.dtype, device=device)
-    flops.report_grouped(m_splits, module.in_features, module.out_features, fp8=True)
+    flops.report_grouped(m_splits, module.in_features, module.out_features, **gemm_kind(recipe))
     if original:
         inputs, kept = [], [x2]
     elif needs_wgrad:
@@ -99,14 +107,28 @@ def fp8_backward(ctx, grad, wgrad):
     biases = saved[ctx.kept + ctx.per_call + n :]
     device = grad.device
     dy = grad.contiguous().view(-1, grad.shape[-1])
-    grads = split_quantize(  # both usages, always
-        m_splits, module.out_features, recipe, arch, rowwise=True, columnwise=True, device=device
-    )
-    # bgrad_quantize: a bias TE adds gets its gradient [N] per expert; a returned one none
+    # bgrad_quantize: a bias TE adds gets its gradient [N] per expert; a returned one none.
+    # NVFP4 (and blockwise) sum each expert's rows apart instead (grouped_linear.py:286-303).
     applied = getattr(module, "apply_bias", True)
-    bgrads = [
-        torch.empty(b.shape, dtype=b.dtype, device=device) if applied else None for b in biases
-    ]
+    if recipe == "nvfp4":
+        bgrads = [
+            part.sum(dim=0) if applied else None for part, _ in zip(dy.split(m_splits), biases)
+        ]
+    else:
+        bgrads = [
+            torch.empty(b.shape, dtype=b.dtype, device=device) if applied else None for b in biases
+        ]
+    grads = split_quantize(  # both usages, always
+        m_splits,
+        module.out_features,
+        recipe,
+        arch,
+        rowwise=True,
+        columnwise=True,
+        device=device,
+        x=dy,
+        grad=True,
+    )
     dgrad = None
     if ctx.needs_input_grad[0]:
         dgrad = torch.empty((dy.shape[0], module.in_features), dtype=dy.dtype, device=device)
@@ -114,7 +136,8 @@ def fp8_backward(ctx, grad, wgrad):
     gemm = flops.gemm(dy.shape[0], module.out_features, module.in_features)
     delayed = needs_wgrad and te_wgrad.delays(module)
     times = (dgrad is not None) + (needs_wgrad and not delayed)
-    flops.report_grouped(m_splits, module.out_features, module.in_features, fp8=True, times=times)
+    kind = gemm_kind(recipe)
+    flops.report_grouped(m_splits, module.out_features, module.in_features, **kind, times=times)
     wgrads = [None] * n
     requantized = []
     if needs_wgrad and ctx.original:  # save_original_input: the bf16 input is quantized now
@@ -126,6 +149,7 @@ def fp8_backward(ctx, grad, wgrad):
             rowwise=recipe in _FLOAT8,
             columnwise=True,
             device=device,
+            x=saved[0] if recipe == "nvfp4" else None,
         )
     fused = needs_wgrad and _fused(module, weights)
     if delayed:
@@ -135,7 +159,7 @@ def fp8_backward(ctx, grad, wgrad):
         wgrads = [wgrad(module, w, dy) for w in weights]
         buffers = [] if fused else wgrads
         stored = [*kept, *(t for q in requantized + grads for t in q.tensors()), *buffers]
-        te_wgrad.put(module, stored, gemm, fp8=True)
+        te_wgrad.put(module, stored, gemm, **kind)
     elif needs_wgrad:
         if not fused:  # the wgrad GEMM's outputs, before it runs
             wgrads = [wgrad(module, w, dy) for w in weights]

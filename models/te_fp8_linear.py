@@ -13,6 +13,12 @@ Backward: the output gradient is quantized (gathered in FP8 for row parallel + S
 input is gathered again in FP8 for column parallel + SP (and transposed on Hopper), dgrad and
 wgrad come out in bf16, dgrad is reduce-scattered or all-reduced as in bf16. Delayed scaling
 reduces the amaxes when the backward of the region's first module ends.
+
+NVFP4 takes the same path (TE runs it under fp8_autocast): its gathers are TE's
+_all_gather_nvfp4 (`_gather_nvfp4`: data and scales in one coalesced call, the column-wise
+copy interleaved and reordered after, for the saved input only when the wgrad GEMM waits on the
+asynchronous gather), its amaxes all-reduced over TP before a gathered tensor is quantized, a
+bias's gradient summed apart from the cast (base.py:1224-1229).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from metatrace.models.te_cpu_offload import mark_if_offloading
 from metatrace.models.te_fp8 import (
     F32,
     U8,
+    Quantized,
+    gemm_kind,
     module_state,
     quantize,
     reduce_amax,
@@ -57,11 +65,70 @@ def _amax_all_reduce(mode, device):
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mode.group)
 
 
+def _gather_nvfp4(local: Quantized, local_shape, mode, device) -> tuple[Quantized, list]:
+    """TE 2.8's _all_gather_nvfp4 (distributed.py:1275-1446) of the usages `local` has, from
+    [M, K] on each rank into [M x tp, K]: make_empty allocates the output; the row-wise scales
+    are gathered into the output's own with their padding rows sliced off, the column-wise ones
+    (padding columns copied away where there are any) and the column-wise data into interleaved
+    [K x tp, ...] buffers, all in one coalesced call; the amaxes are the input's. Returns the
+    output and the interleaved column-wise buffers (scales, data) for `_nvfp4_post_gather`."""
+    m, k = local_shape
+    rowwise, columnwise = bool(local.rowwise), bool(local.columnwise)
+    out = quantize(
+        (m * mode.tp, k), "nvfp4", "sm100", rowwise=rowwise, columnwise=columnwise, device=device
+    )
+    pairs, interleaved = [], []
+    if rowwise:
+        data, scale, amax = local.rowwise
+        pairs += [(out.rowwise[1][: m * mode.tp], scale[:m]), (out.rowwise[0], data)]
+        out.rowwise[2] = amax
+    if columnwise:
+        data, scale, amax = local.columnwise
+        unpadded = scale[:k, : m // 16]
+        if unpadded.shape[1] != scale.shape[1]:
+            unpadded = unpadded.contiguous()
+        interleaved = [
+            torch.empty((k * mode.tp, m // 16), dtype=U8, device=device),
+            torch.empty((k * mode.tp, m // 2), dtype=U8, device=device),
+        ]
+        pairs += [(interleaved[0], unpadded), (interleaved[1], data)]
+        out.columnwise[2] = amax
+    _coalesced_gather(pairs, mode, device)
+    return out, interleaved
+
+
+def _nvfp4_post_gather(out: Quantized, interleaved: list, tp: int) -> None:
+    """_post_process_nvfp4_gather (distributed.py:1230-1248): the interleaved column-wise scales
+    and data de-interleaved into new tensors (tex.swap_first_dims, out=None), replacing the
+    output's; the scales then padded into another (pad_columnwise_scale_inv, triton/pad.py:64-94,
+    which always allocates)."""
+    scale_i, data_i = interleaved
+    k = scale_i.shape[0] // tp
+    device = scale_i.device
+    scale = torch.empty((k, tp * scale_i.shape[1]), dtype=U8, device=device)
+    flops.report_moved(scale_i, scale)
+    out.columnwise[1] = scale
+    data = torch.empty((k, tp * data_i.shape[1]), dtype=U8, device=device)
+    flops.report_moved(data_i, data)
+    out.columnwise[0] = data
+    padded = torch.empty((_rnd(k, 128), _rnd(scale.shape[1], 4)), dtype=U8, device=device)
+    flops.report_moved(scale, padded)
+    out.columnwise[1] = padded
+
+
+def _rnd(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 def _gather_rowwise(q, local_shape, mode, recipe, arch, device):
     """All-gather the row-wise usage of a quantized [M, K] tensor into a new quantized
     [M x tp, K]; returns the gathered buffers."""
     m, k = local_shape
     full = (m * mode.tp, k)
+    if recipe == "nvfp4":  # the input quantizer is set to row-wise usage for the gather
+        rows_only = Quantized(rowwise=q.rowwise)
+        gathered, _ = _gather_nvfp4(rows_only, local_shape, mode, device)
+        return gathered.tensors()
     if recipe in ("delayed", "tensorwise"):
         data = torch.empty(full, dtype=U8, device=device)
         dist.all_gather_into_tensor(data, q.row_data(), group=mode.group)
@@ -105,6 +172,8 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
         columnwise=columnwise,
         device=device,
         compact=column_sp and recipe == "blockwise",
+        # NVFP4 all-reduces the input's amaxes over TP before it is gathered (linear.py:1663-1672)
+        amax_group=mode.group if column_sp and recipe == "nvfp4" else None,
     )
     mu = rsigma = None
     if mode.norm is not None:
@@ -137,7 +206,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
     rows = shape[0] * (mode.tp if column_sp else 1)
     out = gemm_output((rows, weight.shape[0]), dtype=x2.dtype, device=device)  # bf16 GEMM output
     with flops.sm_margin(ub_margin(mode, "fprop")):
-        flops.report_gemm(rows, weight.shape[1], weight.shape[0], fp8=True)
+        flops.report_gemm(rows, weight.shape[1], weight.shape[0], **gemm_kind(recipe))
     del gathered
     if not (float8 and column_sp):
         q.drop_rowwise()
@@ -166,6 +235,7 @@ def fp8_forward(ctx, x2, weight, bias, ln_weight, ln_bias):
 def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
     """The output gradient in FP8 (gathered for row parallel + SP); returns its buffers."""
     device = dy.device
+    nvfp4 = recipe == "nvfp4"
     if not (mode.parallel == "row" and mode.sequence_parallel):
         return quantize(
             tuple(dy.shape),
@@ -174,10 +244,27 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
             rowwise=True,
             columnwise=needs_wgrad,
             device=device,
+            grad=nvfp4,
             cast=dy,
         ).tensors()
     local_shape = tuple(dy.shape)
     full = (local_shape[0] * mode.tp, local_shape[1])
+    if nvfp4:  # gather_along_first_dim quantizes (amaxes all-reduced over TP), then gathers
+        local = quantize(
+            local_shape,
+            recipe,
+            arch,
+            rowwise=True,
+            columnwise=True,
+            device=device,
+            grad=True,
+            cast=dy,
+            amax_group=mode.group,
+        )
+        gathered, interleaved = _gather_nvfp4(local, local_shape, mode, device)
+        _nvfp4_post_gather(gathered, interleaved, mode.tp)
+        del local, interleaved  # locals of _all_gather_nvfp4
+        return gathered.tensors()
     if recipe in ("delayed", "tensorwise"):
         local = quantize(
             local_shape, recipe, arch, rowwise=True, columnwise=False, device=device, cast=dy
@@ -227,7 +314,25 @@ def _quantized_grad(dy, mode, recipe, arch, needs_wgrad):
 
 
 def _gathered_input(kept, local_rows, in_features, mode, recipe, arch, device):
-    """Column parallel + SP: the saved local input gathered again in FP8 for wgrad."""
+    """Column parallel + SP: the saved local input gathered again in FP8 for wgrad. Returns
+    its buffers and what runs when the wgrad GEMM waits for the gather (the buffers then)."""
+    if recipe == "nvfp4":
+        # async_op=True (linear.py:651-656): the interleaved buffers wait in the handle until
+        # the wgrad GEMM waits on it (linear.py:735-738), after the dgrad GEMM
+        local = Quantized(columnwise=list(kept[:3]))
+        gathered, interleaved = _gather_nvfp4(local, (local_rows, in_features), mode, device)
+
+        def finish():
+            _nvfp4_post_gather(gathered, interleaved, mode.tp)
+            interleaved.clear()
+            return gathered.tensors()
+
+        return [], finish  # (what finish holds: the output's buffers alone, as TE's)
+    buffers = _gathered_fp8_input(kept, local_rows, in_features, mode, recipe, arch, device)
+    return buffers, lambda: buffers
+
+
+def _gathered_fp8_input(kept, local_rows, in_features, mode, recipe, arch, device):
     full = (local_rows * mode.tp, in_features)
     if recipe in ("delayed", "tensorwise"):
         if "bulk_dgrad" in mode.ub:  # into the userbuffer, beside the dgrad GEMM
@@ -277,6 +382,7 @@ def _requantized_input(x2, mode, recipe, arch):
         device=x2.device,
         compact=column_sp and recipe == "blockwise",
         cast=x2,
+        amax_group=mode.group if column_sp and recipe == "nvfp4" else None,
     )
     return q.tensors()
 
@@ -291,12 +397,18 @@ def fp8_backward(ctx, grad):
     if ctx.original and needs_wgrad:  # the saved bf16 input, quantized again for wgrad
         kept = _requantized_input(x2, mode, recipe, arch)
     ensure_transpose(weight, arch)  # dgrad reads it (recomputed layers: discarded since)
-    bgrad = torch.zeros_like(bias) if bias is not None else None  # fused into bgrad_quantize
+    bgrad = None
+    if bias is not None and recipe == "nvfp4":  # unfused for NVFP4 (base.py:1224-1229)
+        bgrad = dy.sum(dim=0)
+    elif bias is not None:
+        bgrad = torch.zeros_like(bias)  # fused into bgrad_quantize
     column_sp = mode.parallel == "column" and mode.sequence_parallel
     in_features = weight.shape[1]
-    inputs = []
+    inputs, finish = [], list
     if column_sp and needs_wgrad:
-        inputs = _gathered_input(kept, ctx.local_rows, in_features, mode, recipe, arch, device)
+        inputs, finish = _gathered_input(
+            kept, ctx.local_rows, in_features, mode, recipe, arch, device
+        )
     rows = ctx.local_rows * (mode.tp if column_sp else 1)
     # bf16 dgrad (into the wgrad GEMM's bf16 userbuffer under bulk_wgrad)
     dgrad, dinput = dgrad_and_input(
@@ -312,12 +424,14 @@ def fp8_backward(ctx, grad):
         ),
     )
     # The FP8 dgrad and wgrad GEMMs (wgrad over the gathered rows, as dgrad).
+    kind = gemm_kind(recipe)
     with flops.sm_margin(ub_margin(mode, "dgrad")):
-        flops.report_gemm(rows, weight.shape[0], in_features, fp8=True)
+        flops.report_gemm(rows, weight.shape[0], in_features, **kind)
     if needs_wgrad:
+        inputs = finish()  # the gathered input waited on before the wgrad GEMM
         with flops.sm_margin(ub_margin(mode, "wgrad")):
             flops.report_gemm(
-                weight.shape[0], rows, in_features, fp8=True, into=wgrad_into(ctx.module, weight)
+                weight.shape[0], rows, in_features, **kind, into=wgrad_into(ctx.module, weight)
             )
     # bf16 wgrad (autograd casts it to an FP8 parameter's dtype; with megatron-core's DDP, TE
     # accumulates it into main_grad instead)
@@ -327,7 +441,7 @@ def fp8_backward(ctx, grad):
         else None
     )
     dinput = bulk_reduced(mode, dgrad, dinput)
-    del dy_buffers, inputs
+    del dy_buffers, inputs, finish
     dln_w = dln_b = None
     if mode.norm is not None:
         dinput, dln_w, dln_b = norm_backward(

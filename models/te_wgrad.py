@@ -34,11 +34,11 @@ def mark(module, params) -> None:
         p.skip_backward_post_hook = True
 
 
-def put(module, tensors, wgrad_flops: int, fp8: bool = False) -> None:
-    """Keep `tensors` until the module's backward_dw; count `wgrad_flops` (FP8 GEMMs or not)
-    then."""
+def put(module, tensors, wgrad_flops: int, fp8: bool = False, fp4: bool = False) -> None:
+    """Keep `tensors` until the module's backward_dw; count `wgrad_flops` (FP8 or FP4 GEMMs or
+    neither) then."""
     store = module.__dict__.setdefault(_STORE, deque())
-    store.append((tuple(tensors), wgrad_flops, fp8))
+    store.append((tuple(tensors), wgrad_flops, fp8, fp4))
 
 
 def register_hook(module, hook) -> None:
@@ -52,8 +52,8 @@ def pop(module) -> None:
     store = module.__dict__.get(_STORE)
     if not store:
         return
-    tensors, wgrad_flops, fp8 = store.popleft()
-    flops.report(wgrad_flops, fp8=fp8)
+    tensors, wgrad_flops, fp8, fp4 = store.popleft()
+    flops.report(wgrad_flops, fp8=fp8, fp4=fp4)
     del tensors
     for hook in module.__dict__.get(_HOOKS, ()):
         hook()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 
-from metatrace.config.hardware import GPU_ARCH
+from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
 from metatrace.errors import ConfigError
 
 RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -434,6 +434,8 @@ def _check_training(job, split_ok: bool):
             "training.overlap_param_gather and parallel.vpp"
         )
     yield from _check_fp8(job)
+    yield from _check_fp4(job)
+    yield from _check_first_last_bf16(job)
     # megatron-core overlaps the parameter all-gathers of the distributed optimizer only
     # (DistributedDataParallel.__init__); it does not need overlap_grad_reduce, which
     # Megatron-LM's arguments.py asks for and Megatron-Bridge does not.
@@ -678,6 +680,111 @@ def _check_fp8(job):
         yield "training.fp8_param_gather needs training.distributed_optimizer"
 
 
+def _check_fp4(job):
+    """NVFP4 (Transformer Engine's NVFP4BlockScaling through megatron-core's fp4 options)."""
+    tr = job.training
+    if tr.precision != "fp4":
+        if tr.fp4_recipe is not None:
+            yield "training.fp4_recipe applies with training.precision: fp4 only"
+        return
+    if job.implementation.transformer_impl != "transformer_engine":
+        yield "training.precision fp4 needs implementation.transformer_impl: transformer_engine"
+    if job.cluster.gpu not in GPU_FP4_TFLOPS:
+        # TE 2.8 fp8.py:57-61 check_nvfp4_support: compute capability 10.0 or higher
+        yield (
+            "training.precision fp4 (NVFP4) needs a Blackwell GPU (compute capability 10.0: "
+            f"{', '.join(GPU_FP4_TFLOPS)}), not {job.cluster.gpu}"
+        )
+    if job.parallel.tp_comm_overlap:
+        yield (
+            "parallel.tp_comm_overlap with training.precision fp4 is not modelled yet "
+            "(Transformer Engine's userbuffers with NVFP4 data and scales)"
+        )
+    if job.implementation.te_op_fuser:
+        yield (
+            "implementation.te_op_fuser with training.precision fp4 is not modelled yet "
+            "(the op fuser's NVFP4 path); leave te_op_fuser off"
+        )
+    if job.cluster.compute_efficiency is not None:
+        yield (
+            "cluster.compute_efficiency with training.precision fp4 is not modelled yet (the "
+            "flat-rate time model has bf16 and FP8 rates only); leave it unset to time each "
+            "kernel at its modelled rate, FP4 GEMMs at the GPU's FP4 peak"
+        )
+    yield from _check_fp4_dims(job)
+
+
+def _check_fp4_dims(job):
+    """Transformer Engine 2.8 quantizes to NVFP4 only tensors whose rows and columns are both
+    multiples of 16 (NVFP4Quantizer::create_tensor, csrc/quantizer.cpp:1186-1191, and
+    NVFP4Quantizer.is_quantizable): there is no bf16 fallback, the layer fails. The rows are a
+    rank's tokens (its sequence share times the micro-batch, over tp too with sequence
+    parallelism, where the local rows are quantized before the all-gather); the columns the
+    linear layers' widths on a tensor-parallel rank."""
+    m, par, tr = job.model, job.parallel, job.training
+    if tr.seq_length is None or m.hidden_size is None:
+        return
+    rows = tr.seq_length // par.cp * tr.micro_batch_size
+    if par.sequence_parallel:
+        rows //= par.tp
+    how = "seq_length / cp x micro_batch_size" + (" / tp" if par.sequence_parallel else "")
+    if rows % 16:
+        yield (
+            f"training.precision fp4: {how} = {rows} tokens per rank; Transformer Engine "
+            "quantizes to NVFP4 only row counts that are multiples of 16"
+        )
+    widths = {"model.hidden_size": m.hidden_size}
+    if m.ffn_hidden_size is not None and not m.num_experts:
+        widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // par.tp
+    if m.num_experts and m.moe_ffn_hidden_size is not None:
+        widths["model.moe_ffn_hidden_size / etp"] = m.moe_ffn_hidden_size // par.etp
+    if not m.multi_latent_attention and m.num_attention_heads:
+        kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+        groups = m.num_query_groups or m.num_attention_heads
+        widths["model.num_attention_heads x kv_channels / tp"] = (
+            m.num_attention_heads * kv // par.tp
+        )
+        widths["model.num_query_groups x kv_channels / tp"] = groups * kv // par.tp
+    for name, width in widths.items():
+        if width % 16:
+            yield (
+                f"training.precision fp4: {name} = {width}; Transformer Engine quantizes to "
+                "NVFP4 only widths that are multiples of 16"
+            )
+
+
+def _check_first_last_bf16(job):
+    """--first-last-layers-bf16 (megatron-core transformer_config.py:988-1016)."""
+    tr = job.training
+    names = ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+    if not tr.first_last_layers_bf16:
+        for name in names:
+            if getattr(tr, name) != 1:
+                yield f"training.{name} applies with training.first_last_layers_bf16 only"
+        return
+    if tr.precision not in ("fp8", "fp4"):
+        yield "training.first_last_layers_bf16 applies with training.precision fp8 or fp4 only"
+        return
+    if tr.precision == "fp8" and tr.fp8_recipe == "delayed":
+        yield (
+            "training.first_last_layers_bf16 with fp8_recipe delayed: megatron-core refuses it "
+            "(delayed scaling does not support first / last layers in bf16)"
+        )
+    if tr.precision == "fp8" and tr.fp8_param_gather:
+        yield (
+            "training.first_last_layers_bf16 with training.fp8_param_gather is not modelled yet "
+            "(the bf16 layers' weights are built outside fp8_model_init)"
+        )
+    most = (job.model.num_layers or 0) // job.parallel.pp
+    for name in names:
+        n = getattr(tr, name)
+        if n < 0 or n > most:
+            yield (
+                f"training.{name} = {n} must be between 0 and the layers per pipeline stage "
+                f"(model.num_layers // parallel.pp = {most}; megatron-core refuses it otherwise)"
+            )
+
+
 def _check_recompute(job, split_ok: bool):
     rec = job.training.recompute
     if rec.granularity is None:
@@ -902,7 +1009,7 @@ def _check_flex(job):
             "training.moe_routing: capacity (moe_pad_expert_input_to_capacity) is refused by "
             "megatron-core with the flex dispatcher's deepep backend"
         )
-    if tr.precision not in ("bf16", "fp8"):  # deep_ep buffer.py:255: x must be bfloat16
+    if tr.precision not in ("bf16", "fp8", "fp4"):  # deep_ep buffer.py:255: x must be bfloat16
         yield f"DeepEP dispatches bf16 tokens only; training.precision is {tr.precision}"
     if group > 8 and group not in _DEEPEP_RANKS:
         yield (
@@ -981,12 +1088,11 @@ def _check_moe(job):
 
 def _check_router_padding(job):
     """What megatron-core 0.16.1 refuses with moe_router_padding_for_quantization
-    (transformer_config.py:1621-1631): no FP8 (metatrace models no FP4), the allgather
-    dispatcher."""
+    (transformer_config.py:1621-1631): no FP8 or FP4, the allgather dispatcher."""
     name = "training.moe_router_padding_for_quantization"
-    if job.training.precision != "fp8":
+    if job.training.precision not in ("fp8", "fp4"):
         yield (
-            f"{name} pads for FP8 GEMMs and needs training.precision: fp8 "
+            f"{name} pads for FP8 or FP4 GEMMs and needs training.precision: fp8 or fp4 "
             f"(megatron-core refuses it with {job.training.precision})"
         )
     if job.parallel.moe_token_dispatcher_type == "allgather":

@@ -23,7 +23,7 @@ def replace(obj: _T, **changes) -> _T:
     return new
 
 
-Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8", "fp4"]
 Activation = Literal["gelu", "swiglu", "geglu", "quick_geglu", "relu", "squared_relu", "silu"]
 GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
 
@@ -319,7 +319,8 @@ class Training:
     """Samples per optimizer step; default micro_batch_size x dp."""
     precision: Precision = "bf16"
     """Parameter and compute precision; fp8 is bf16 parameters with Transformer Engine's FP8
-    GEMMs (--fp8-format with --bf16)."""
+    GEMMs (--fp8-format with --bf16), fp4 bf16 parameters with its FP4 GEMMs (--fp4-format
+    e2m1 with --bf16; Blackwell only)."""
     fp8_format: Literal["hybrid", "e4m3"] | None = None
     """With precision fp8: e4m3 everywhere, or hybrid (default: e4m3 forward, e5m2 gradients)."""
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = None
@@ -330,6 +331,17 @@ class Training:
     fp8_amax_history_len: int = 1
     """With the delayed FP8 recipe: how many amax values each quantizer keeps (Megatron-LM's
     --fp8-amax-history-len, default 1; Transformer Engine's own default would be 1024)."""
+    fp4_recipe: Literal["nvfp4"] | None = None
+    """With precision fp4: the scaling recipe (--fp4-recipe; nvfp4, the default and the only
+    one Megatron-LM ships: E2M1 data in blocks of 16 with E4M3 scales and a per-tensor amax)."""
+    first_last_layers_bf16: bool = False
+    """With precision fp8 (not the delayed recipe) or fp4: run the first
+    num_layers_at_start_in_bf16 and the last num_layers_at_end_in_bf16 transformer layers in
+    bf16 (--first-last-layers-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """With first_last_layers_bf16: how many of the first layers (--num-layers-at-start-in-bf16)."""
+    num_layers_at_end_in_bf16: int = 1
+    """With first_last_layers_bf16: how many of the last layers (--num-layers-at-end-in-bf16)."""
     recompute: Recompute = field(default_factory=Recompute)
     """Activation recomputation."""
     activation_offload_modules: (
@@ -475,11 +487,12 @@ class Training:
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Router logits and probabilities in fp32 / fp64 instead of the model dtype."""
     moe_router_padding_for_quantization: bool = False
-    """Pad each expert's tokens from every source rank to a multiple of the FP8 GEMM alignment
-    (16 rows, 32 with mxfp8) in the routing map (--moe-router-padding-for-quantization, alias
-    --moe-router-padding-for-fp8): the alltoall dispatcher sends the padding rows through its
-    all-to-alls, the flex dispatcher pads what it received; TE's Fp8Padding then has nothing
-    left to pad. Needs precision fp8 and the alltoall or flex dispatcher."""
+    """Pad each expert's tokens from every source rank to a multiple of the FP8 or FP4 GEMM
+    alignment (16 rows, 32 with mxfp8, 128 with fp4) in the routing map
+    (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8): the alltoall
+    dispatcher sends the padding rows through its all-to-alls, the flex dispatcher pads what it
+    received; TE's Fp8Padding then has nothing left to pad. Needs precision fp8 or fp4 and the
+    alltoall or flex dispatcher."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     """CUDA graphs (--cuda-graph-impl): transformer_engine captures each transformer layer (or
     the parts cuda_graph_scope names) with TE's make_graphed_callables; local with megatron-core's

@@ -45,6 +45,11 @@ have the same 132 multiprocessors and boost clock; other GPUs scale by their mul
 These rates explain what a one-GPU megatron-core run on the local spec spends beyond the
 streaming rate (bench/step_time.py).
 
+FP4 (NVFP4) GEMMs run at the GPU's dense FP4 peak (hardware.GPU_FP4_TFLOPS) at FP8's
+GEMM_EFFICIENCY, their per-tile cost FP8's time in FP4 steps, their operands half a byte per
+element plus an E4M3 scale per 16 elements: none of it is measured (no Blackwell GPU was at
+hand), all of it assumed from FP8.
+
 Known limitations: measured on Hopper only; other GPUs use the same fractions of their own
 peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). Kernel launch
 overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS (not
@@ -62,7 +67,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from metatrace.config.hardware import GPU_ARCH, GPU_FP8_ARCHS, GPU_HBM_TBPS, GPU_PEAK_TFLOPS
+from metatrace.config.hardware import (
+    GPU_ARCH,
+    GPU_FP4_TFLOPS,
+    GPU_FP8_ARCHS,
+    GPU_HBM_TBPS,
+    GPU_PEAK_TFLOPS,
+)
 
 # Streaming multiprocessors (compute units on AMD), from the data sheets.
 GPU_SMS = {
@@ -79,9 +90,14 @@ GPU_SMS = {
     "mi300x": 304,
 }
 
-GEMM_EFFICIENCY = {"bf16": 0.74, "fp8": 0.68}
+GEMM_EFFICIENCY = {"bf16": 0.74, "fp8": 0.68, "fp4": 0.68}
+"""fp4 is not measured (no Blackwell GPU was at hand): FP8's fraction of peak, assumed."""
 TILE = (128, 128)
 TILE_OVERHEAD_K = {"bf16": 96, "fp8": 192}
+"""fp4: FP8's fixed time per tile, in steps of the GPU's FP4 rate (fp8 x fp4 peak / fp8 peak)."""
+# Bytes per operand element read by a GEMM: NVFP4 packs two E2M1 values in a byte and adds one
+# E4M3 scale per 16 (Transformer Engine 2.8 nvfp4_tensor.py:186-220, 249-253).
+OPERAND_BYTES = {"bf16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
 SPLIT_K_CHUNK = 512
 HBM_EFFICIENCY = {"gemm": 0.9, "memory": 0.8}
 ELEMENTS_PER_SM_SECOND = {"generic": 2.75e9, "softmax_warp": 3.5e9, "softmax_block": 2.2e9}
@@ -101,6 +117,17 @@ class KernelModel:
     """Dense FP8 FLOP/s (the bf16 peak on GPUs without FP8 tensor cores)."""
     sms: int
     hbm_bytes_per_s: float
+    fp4_flops: float = 0.0
+    """Dense FP4 FLOP/s (hardware.GPU_FP4_TFLOPS; the FP8 rate on GPUs without FP4 tensor
+    cores, where metatrace.config.checks refuses FP4 anyway)."""
+
+
+def _dtype(fp8: bool, fp4: bool) -> str:
+    return "fp4" if fp4 else "fp8" if fp8 else "bf16"
+
+
+def _peak(model: KernelModel, dtype: str) -> float:
+    return {"bf16": model.peak_flops, "fp8": model.fp8_flops, "fp4": model.fp4_flops}[dtype]
 
 
 def kernel_model(gpu: str) -> KernelModel | None:
@@ -109,7 +136,8 @@ def kernel_model(gpu: str) -> KernelModel | None:
         return None
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     fp8 = 2 * peak if GPU_ARCH.get(gpu) in GPU_FP8_ARCHS else peak
-    return KernelModel(gpu, peak, fp8, GPU_SMS[gpu], GPU_HBM_TBPS[gpu] * 1e12)
+    fp4 = GPU_FP4_TFLOPS[gpu] * 1e12 if gpu in GPU_FP4_TFLOPS else fp8
+    return KernelModel(gpu, peak, fp8, GPU_SMS[gpu], GPU_HBM_TBPS[gpu] * 1e12, fp4)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -120,16 +148,17 @@ def gemm_seconds(
     k: int,
     *,
     fp8: bool = False,
+    fp4: bool = False,
     batch: int = 1,
     margin: int = 0,
     accumulate: int = 0,
 ) -> float:
-    """[m, k] x [k, n], `batch` times in one kernel (bmm, a grouped GEMM's equal groups);
-    `margin` multiprocessors left to a communication kernel beside it; `accumulate`: bytes per
-    element of an output the product is added into (read and written), 0 for a fresh bf16
-    output."""
+    """[m, k] x [k, n], `batch` times in one kernel (bmm, a grouped GEMM's equal groups); `fp8`
+    / `fp4`: operands in FP8 / NVFP4 (fp4 wins); `margin` multiprocessors left to a
+    communication kernel beside it; `accumulate`: bytes per element of an output the product is
+    added into (read and written), 0 for a fresh bf16 output."""
     return grouped_gemm_seconds(
-        model, (m,) * batch, n, k, fp8=fp8, margin=margin, accumulate=accumulate
+        model, (m,) * batch, n, k, fp8=fp8, fp4=fp4, margin=margin, accumulate=accumulate
     )
 
 
@@ -141,6 +170,7 @@ def grouped_gemm_seconds(
     k: int,
     *,
     fp8: bool = False,
+    fp4: bool = False,
     margin: int = 0,
     accumulate: int = 0,
 ) -> float:
@@ -157,6 +187,7 @@ def grouped_gemm_seconds(
             sms=sms,
             peak_flops=model.peak_flops * sms / model.sms,
             fp8_flops=model.fp8_flops * sms / model.sms,
+            fp4_flops=model.fp4_flops * sms / model.sms,
         )
     tm, tn = TILE
     cols = math.ceil(n / tn)
@@ -169,18 +200,25 @@ def grouped_gemm_seconds(
     work = tiles * split
     waves = math.ceil(work / model.sms)
     filled = work / (waves * model.sms)
-    dtype = "fp8" if fp8 else "bf16"
-    peak = model.fp8_flops if fp8 else model.peak_flops
+    dtype = _dtype(fp8, fp4)
+    peak = _peak(model, dtype)
     # A tile's work outside its K loop (the pipeline's prologue, the epilogue's output write) as
-    # TILE_OVERHEAD_K more steps of K: the same time in FP8 is twice the steps.
+    # TILE_OVERHEAD_K more steps of K: the same time in FP8 is twice the steps, in FP4 the FP8
+    # steps times the FP4 / FP8 peak ratio.
     steps = k / split
-    overhead = (steps + TILE_OVERHEAD_K[dtype]) / steps
+    overhead = (steps + _tile_overhead(model, dtype)) / steps
     compute = 2.0 * m * n * k * overhead / (peak * GEMM_EFFICIENCY[dtype] * useful * filled)
-    operand = 1 if fp8 else 2
+    operand = OPERAND_BYTES[dtype]
     output = 2 * accumulate if accumulate else 2  # bytes per output element: read + written
     moved = (m * k + len(ms) * k * n) * operand + m * n * output
     memory = moved / (model.hbm_bytes_per_s * HBM_EFFICIENCY["gemm"])
     return math.hypot(compute, memory) + LAUNCH_SECONDS
+
+
+def _tile_overhead(model: KernelModel, dtype: str) -> float:
+    if dtype == "fp4":
+        return TILE_OVERHEAD_K["fp8"] * model.fp4_flops / model.fp8_flops
+    return TILE_OVERHEAD_K[dtype]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -210,8 +248,7 @@ def memory_seconds(
     return seconds + LAUNCH_SECONDS
 
 
-def flops_seconds(model: KernelModel, flops: int, *, fp8: bool = False) -> float:
+def flops_seconds(model: KernelModel, flops: int, *, fp8: bool = False, fp4: bool = False) -> float:
     """FLOPs reported without a shape: at the large-GEMM rate."""
-    dtype = "fp8" if fp8 else "bf16"
-    peak = model.fp8_flops if fp8 else model.peak_flops
-    return flops / (peak * GEMM_EFFICIENCY[dtype])
+    dtype = _dtype(fp8, fp4)
+    return flops / (_peak(model, dtype) * GEMM_EFFICIENCY[dtype])

@@ -151,7 +151,7 @@ def resolve(job: Job) -> Job:
         # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
         training = replace(
             training,
-            grad_reduce_in_fp32=training.precision in ("bf16", "fp8")
+            grad_reduce_in_fp32=training.precision in ("bf16", "fp8", "fp4")
             and training.main_grads_dtype == "fp32",
         )
     if training.megatron_fsdp:
@@ -212,6 +212,8 @@ def resolve(job: Job) -> Job:
             fp8_format=training.fp8_format or "hybrid",
             fp8_recipe=training.fp8_recipe or "delayed",
         )
+    if training.precision == "fp4":
+        training = replace(training, fp4_recipe=training.fp4_recipe or "nvfp4")
     rec = training.recompute
     if rec.granularity == "selective" and rec.modules is None:
         rec = replace(rec, modules=["core_attn"])

@@ -223,7 +223,8 @@ FALLBACK_EFFICIENCY = 0.5
 def kernel_seconds(job) -> float | None:
     """Compute seconds per iteration of the busiest pipeline stage, kernel by kernel
     (metatrace.config.kernels, as the tracer prices what it dispatches): each layer's GEMMs at
-    their shapes (forward, data and weight gradients; FP8 with training.precision fp8), its
+    their shapes (forward, data and weight gradients; FP8 / FP4 with training.precision fp8 /
+    fp4), its
     fused attention, its memory-bound work (the MEMORY_* constants), the experts' grouped GEMMs
     with balanced routing, and on the last stage the output layer; full recompute runs the
     layers' forward again, selective the attention's. None when the GPU is not in the tables."""
@@ -236,8 +237,10 @@ def kernel_seconds(job) -> float | None:
     tp, cp = par.tp, par.cp
     t = tr.seq_length // cp * tr.micro_batch_size
     h, d = m.hidden_size, m.kv_channels
-    fp8 = tr.precision == "fp8"
-    precision = "fp8" if fp8 else "bf16"
+    fp8, fp4 = tr.precision == "fp8", tr.precision == "fp4"
+    # FP4's casts and element-wise work are taken as FP8's (the constants are fitted to bf16
+    # and FP8 traces only; an NVFP4 layer moves somewhat more: a Hadamard pass per cast)
+    precision = "fp8" if fp8 or fp4 else "bf16"
     gated = _gated(m)
     # gradient-accumulation fusion: the weight gradient is added into main_grad (fp32 or the
     # parameters' dtype), which the GEMM reads and writes
@@ -245,9 +248,9 @@ def kernel_seconds(job) -> float | None:
 
     def linear(n_in: int, n_out: int, rows: int = t) -> tuple[float, float]:
         """(forward, backward) seconds of a linear layer over `rows` tokens."""
-        fwd = K.gemm_seconds(model, rows, n_out, n_in, fp8=fp8)
-        bwd = K.gemm_seconds(model, rows, n_in, n_out, fp8=fp8) + K.gemm_seconds(
-            model, n_out, n_in, rows, fp8=fp8, accumulate=acc
+        fwd = K.gemm_seconds(model, rows, n_out, n_in, fp8=fp8, fp4=fp4)
+        bwd = K.gemm_seconds(model, rows, n_in, n_out, fp8=fp8, fp4=fp4) + K.gemm_seconds(
+            model, n_out, n_in, rows, fp8=fp8, fp4=fp4, accumulate=acc
         )
         return fwd, bwd
 

@@ -42,7 +42,7 @@ def keeps_state(job) -> bool:
     stage's records nor a layer's are derived from another's where it does."""
     t = job.training
     return bool(
-        t.precision == "fp8"
+        t.precision in ("fp8", "fp4")
         or t.activation_offload_modules
         or t.cpu_offloading_num_layers
         or t.cuda_graph_impl != "none"

@@ -39,8 +39,13 @@ BAD = [
         "global_batch_size = 12 is not a multiple of micro_batch_size x dp = 2 x 4 = 8",
     ),
     (
-        "model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}",
+        "model: {preset: debug}\ntraining: {seq_length: 64, precision: int8}",
         "'training.precision' must be one of",
+    ),
+    (
+        "model: {preset: debug}\ntraining: {seq_length: 64, precision: fp4}",
+        "training.precision fp4 (NVFP4) needs a Blackwell GPU (compute capability 10.0: b200, "
+        "gb200, b300, gb300), not h100",
     ),
     (
         "model: {preset: debug}\ncluster: {num_gpus: 4}\ntraining: {seq_length: 64, megatron_fsdp: "

@@ -319,3 +319,41 @@ def test_the_recorder_prices_broadcast_and_strided_operands_on_the_generic_path(
         assert timed(lambda s=s: torch.softmax(s, -1)) == pytest.approx(
             memory_seconds(H100, 2 * s.nbytes, kind, s.numel()), rel=1e-6
         )
+
+
+def test_fp4_gemms_run_at_the_fp4_peak():
+    """An NVFP4 GEMM on a B200 (148 SMs, dense FP4 9,000 TFLOP/s, FP8 4,500): 8192^3 is 64 x 64
+    tiles in 28 waves; FP8's efficiency (0.68, not measured for FP4) and per-tile cost in FP4
+    steps (192 x 9000 / 4500 = 384); operands of half a byte plus an E4M3 scale per 16
+    elements (0.5625 bytes), a bf16 output."""
+    from metatrace.config.hardware import GPU_HBM_TBPS
+
+    b200 = kernel_model("b200")
+    assert (b200.peak_flops, b200.fp8_flops, b200.fp4_flops) == (2250e12, 4500e12, 9000e12)
+    n = 8192
+    filled = 64 * 64 / (28 * 148)
+    compute = 2 * n**3 * (n + 384) / n / (9000e12 * 0.68 * filled)
+    memory = (2 * n * n * 0.5625 + n * n * 2) / (GPU_HBM_TBPS["b200"] * 1e12 * 0.9)
+    expected = math.hypot(compute, memory) + 4e-6
+    assert gemm_seconds(b200, n, n, n, fp4=True) == pytest.approx(expected, rel=1e-12)
+    # about half of FP8's time at this size; a GPU without FP4 runs it at its FP8 rate
+    assert 0.5 < expected / gemm_seconds(b200, n, n, n, fp8=True) < 0.56
+    grouped = grouped_gemm_seconds(b200, (n,), n, n, fp4=True)
+    assert grouped == gemm_seconds(b200, n, n, n, fp4=True)
+    assert kernel_model("h100").fp4_flops == kernel_model("h100").fp8_flops
+
+
+def test_fp4_flops_are_counted_apart_from_fp8():
+    from metatrace.hooks import flops
+
+    count = flops.FlopCount(kernel_model("b200"))
+    flops.push(count)
+    try:
+        flops.report_gemm(128, 256, 512, fp4=True)
+        flops.report_gemm(128, 256, 512, fp8=True)
+        flops.report_grouped([64, 64], 256, 512, fp4=True, times=2)
+        flops.report(1000, fp4=True)
+    finally:
+        flops.pop(count)
+    one = 2 * 128 * 256 * 512
+    assert (count.total, count.fp8, count.fp4) == (4 * one + 1000, one, 3 * one + 1000)

@@ -250,6 +250,48 @@ def test_precision_from_bf16_fp16_fp8():
     assert fp16_fp8 == ["--fp8-format without --bf16: FP8 over fp16 or fp32 parameters"]
 
 
+def test_fp4_flags_map_to_precision_fp4():
+    """--fp4-format e2m1 --fp4-recipe nvfp4 (with --bf16) is training.precision fp4; the
+    first/last-layers flags are modelled; --fp4-param-gather and the custom recipe are not."""
+    fp4, notes = job(
+        BASE + " --fp4-format e2m1 --fp4-recipe nvfp4 --first-last-layers-bf16 "
+        "--num-layers-at-end-in-bf16 2",
+        gpu="b200",
+    )
+    tr = fp4.training
+    assert (tr.precision, tr.fp4_recipe, tr.fp8_recipe, tr.grad_reduce_in_fp32) == (
+        "fp4",
+        "nvfp4",
+        None,
+        True,
+    )
+    assert (tr.first_last_layers_bf16, tr.num_layers_at_start_in_bf16) == (True, 1)
+    assert tr.num_layers_at_end_in_bf16 == 2
+    assert fp4.not_modelled == ()
+    assert job(BASE + " --fp4-format e2m1", gpu="b200")[0].training.fp4_recipe == "nvfp4"
+    assert not_modelled(split_args(BASE + " --fp4-format e2m1 --fp4-param-gather")) == [
+        "--fp4-param-gather: FP4 (NVFP4) parameters gathered in FP4"
+    ]
+    assert not_modelled(split_args(BASE + " --fp4-format e2m1 --fp4-recipe custom")) == [
+        "--fp4-recipe custom: custom FP4 quantizers"
+    ]
+    assert not_modelled(split_args(BASE.replace("--bf16", "--fp16") + " --fp4-format e2m1")) == [
+        "--fp4-format without --bf16: FP4 over fp16 or fp32 parameters"
+    ]
+    both = BASE + " --fp8-format hybrid --fp4-format e2m1"
+    assert "--fp8-format and --fp4-format exclude each other" in error(both, gpu="b200")
+    assert "--fp4-param-gather needs --fp4-format" in error(BASE + " --fp4-param-gather")
+    with pytest.raises(ConfigError, match="fp4 \\(NVFP4\\) needs a Blackwell GPU"):
+        job(BASE + " --fp4-format e2m1", gpu="h100")
+    # without FP8 or FP4 the bf16-layer flags change nothing (megatron-core reads them there)
+    plain, notes = job(BASE + " --first-last-layers-bf16")
+    assert plain.training.first_last_layers_bf16 is False
+    assert any("changes nothing without --fp8-format or --fp4-format" in n for n in notes)
+    # delayed scaling cannot keep layers in bf16 (megatron-core refuses it)
+    with pytest.raises(ConfigError, match="fp8_recipe delayed: megatron-core refuses it"):
+        job(BASE + " --fp8-format hybrid --first-last-layers-bf16", gpu="h100")
+
+
 def test_recompute_activations_means_selective():
     rec = job(BASE + " --recompute-activations")[0].training.recompute
     assert (rec.granularity, rec.modules) == ("selective", ["core_attn"])

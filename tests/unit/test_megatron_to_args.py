@@ -70,7 +70,7 @@ def test_layout_args_parse_back_to_the_same_layout(layout, world, model):
     assert ("--overlap-grad-reduce" in args) == job.training.overlap_grad_reduce
 
 
-# A dense Llama, GQA Llama-3s (FP8, FSDP with offloading, CUDA graphs), MoEs (Mixtral, Qwen3),
+# A dense Llama, GQA Llama-3s (FP8, FSDP with offloading, CUDA graphs, NVFP4), MoEs (Mixtral, Qwen3),
 # DeepSeek-V3 (MLA, MTP, a pipeline layout), GPT-OSS (YaRN, sinks, windows), a Hugging Face
 # config, the local spec; and what each has that no flag gives.
 EVERY_FLAG = {
@@ -78,6 +78,7 @@ EVERY_FLAG = {
     "llama3-8b-h100-fp8.yaml": [],
     "llama3-70b-gb200-fsdp-offload-fp8.yaml": [],
     "llama3-8b-gb200-cuda-graphs.yaml": [],
+    "llama3-70b-gb200-nvfp4.yaml": [],
     "mixtral-8x7b-64gpu.yaml": [],
     "qwen3-235b-a22b-h100-fp8.yaml": [],
     "deepseek-v3-h100-fp8.yaml": [],

@@ -61,14 +61,14 @@ def test_both_flags_set_the_key_and_are_modelled(flag):
     assert plain.training.moe_router_padding_for_quantization is False
 
 
-def test_padding_for_fp4_goes_with_fp4():
-    """FP4 is not modelled (the run is described in bf16): the padding it would align for is
-    left out with it, instead of refusing the run."""
-    args = split_args(f"{MOE_ARGS} --fp4-format e2m1 --moe-router-padding-for-quantization")
+def test_padding_for_fp4_is_kept_with_fp4():
+    """FP4 is modelled: the padding aligns for its GEMMs (megatron-core's
+    get_fp4_align_size, 128 rows) and nothing is left out."""
+    args = split_args(f"{MOE_ARGS} --bf16 --fp4-format e2m1 --moe-router-padding-for-quantization")
     data, notes = job_dict_from_args(args, world_size=2, gpu="b200")
-    assert "moe_router_padding_for_quantization" not in data["training"]
-    assert any("pads for FP4" in n for n in notes)
-    assert [m.split(":")[0] for m in not_modelled(args)] == ["--fp4-format e2m1"]
+    assert data["training"]["moe_router_padding_for_quantization"] is True
+    assert data["training"]["precision"] == "fp4"
+    assert not_modelled(args) == []
 
 
 @pytest.mark.parametrize(
@@ -76,8 +76,8 @@ def test_padding_for_fp4_goes_with_fp4():
     [
         (
             lambda: fp8_moe(precision="bf16"),
-            "training.moe_router_padding_for_quantization pads for FP8 GEMMs and needs "
-            "training.precision: fp8 (megatron-core refuses it with bf16)",
+            "training.moe_router_padding_for_quantization pads for FP8 or FP4 GEMMs and needs "
+            "training.precision: fp8 or fp4 (megatron-core refuses it with bf16)",
         ),
         (
             lambda: fp8_moe(dispatcher="allgather"),

@@ -341,15 +341,16 @@ def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
                 ),
             )
         )
-    if "--fp8-format" in v and "--bf16" not in v:
-        out.append(
-            (
-                "--fp8-format",
-                NotModelled(
-                    "--fp8-format without --bf16", "FP8 over fp16 or fp32 parameters", "unknown"
-                ),
+    for flag, what in (("--fp8-format", "FP8"), ("--fp4-format", "FP4")):
+        if flag in v and "--bf16" not in v:
+            out.append(
+                (
+                    flag,
+                    NotModelled(
+                        f"{flag} without --bf16", f"{what} over fp16 or fp32 parameters", "unknown"
+                    ),
+                )
             )
-        )
     if len(set(v.get("--cp-comm-type", ()))) > 1:
         out.append(
             (
@@ -662,12 +663,6 @@ def _experts(v, job, notes, problems) -> None:
                 "(Megatron-LM asserts it)"
             )
         t["moe_routing"] = "capacity"
-    # Router padding aligns for FP8 or FP4 GEMMs; FP4 is not modelled (the job is described
-    # without it, in bf16), and the padding goes with it.
-    padding = ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8")
-    if any(v.get(f) for f in padding) and "--fp4-format" in v and "--fp8-format" not in v:
-        t.pop("moe_router_padding_for_quantization", None)
-        notes.append("--moe-router-padding-for-quantization pads for FP4, which is not modelled")
     # --moe-enable-deepep (deprecated in megatron-core 0.16.1) is the flex dispatcher's deepep
     # backend; megatron-core refuses it with another dispatcher or with the hybridep backend
     # (transformer_config.py:1063-1068).
@@ -867,6 +862,33 @@ def _training(v, job, notes, problems) -> None:
             "--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
             "parameters without FP8)"
         )
+    if "--fp4-format" in v and "--fp8-format" in v:
+        problems.append(
+            "--fp8-format and --fp4-format exclude each other (megatron-core refuses fp8 and "
+            "fp4 at once)"
+        )
+    elif "--fp4-format" in v and bf16:
+        t["precision"] = "fp4"
+        if v.get("--fp4-recipe") not in (None, "custom"):  # custom is listed as not modelled
+            t["fp4_recipe"] = v["--fp4-recipe"]
+    if "--fp4-param-gather" in v and "--fp4-format" not in v:
+        problems.append(
+            "--fp4-param-gather needs --fp4-format (megatron-core refuses FP4 parameters "
+            "without FP4)"
+        )
+    bf16_layers = ("--first-last-layers-bf16", "--num-layers-at-start-in-bf16")
+    bf16_layers += ("--num-layers-at-end-in-bf16",)
+    given = [f for f in bf16_layers if f in v]
+    if given and t["precision"] not in ("fp8", "fp4"):
+        # megatron-core reads them only under FP8 or FP4 (fp8_utils.py:516, fp4_utils.py:122)
+        for flag in given:
+            t.pop(FLAGS[flag].key.split(".")[1], None)
+        notes.append(f"{' '.join(given)} changes nothing without --fp8-format or --fp4-format")
+    elif "--first-last-layers-bf16" not in v:
+        for flag in given[:]:  # the counts act only with the switch (fp8_utils.py:515-520)
+            t.pop(FLAGS[flag].key.split(".")[1], None)
+        if given:
+            notes.append(f"{' '.join(given)} changes nothing without --first-last-layers-bf16")
     if "--overlap-param-gather" in v and "--overlap-grad-reduce" not in v:
         problems.append(
             "--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it)"

@@ -199,6 +199,11 @@ _MODELLED: dict[str, str | None] = {
     "--fp8-recipe": None,
     "--fp8-param-gather": None,
     "--fp8-amax-history-len": "training.fp8_amax_history_len",
+    "--fp4-format": None,
+    "--fp4-recipe": None,
+    "--first-last-layers-bf16": "training.first_last_layers_bf16",
+    "--num-layers-at-start-in-bf16": "training.num_layers_at_start_in_bf16",
+    "--num-layers-at-end-in-bf16": "training.num_layers_at_end_in_bf16",
     "--recompute-activations": None,
     "--recompute-granularity": None,
     "--recompute-method": None,
@@ -289,6 +294,7 @@ UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
         "unknown",
     ),
     "--fp8-recipe": (("custom",), "custom FP8 quantizers", "unknown"),
+    "--fp4-recipe": (("custom",), "custom FP4 quantizers", "unknown"),
     "--rerun-mode": (
         ("report_stats",),
         "the rerun state machine's report_stats mode (every step run twice)",
@@ -629,12 +635,13 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--rampup-batch-size --decrease-batch-size-if-needed --step-batch-size-schedule"
     ),
     # precision
-    ("low-precision options: some layers in bf16, FP4, custom quantizers", "either"): (
-        "--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 "
-        "--fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory "
-        "--fp8-quantizer-factory --te-precision-config-file --fp8-output-proj "
-        "--reuse-grad-buf-for-mxfp8-param-ag"
+    ("low-precision options: custom quantizers, per-module precision", "either"): (
+        "--fp4-quantizer-factory --fp8-quantizer-factory --te-precision-config-file "
+        "--fp8-output-proj --reuse-grad-buf-for-mxfp8-param-ag"
     ),
+    # megatron-core 0.16.1's DistributedDataParallelConfig has no fp4_param_gather and its
+    # distributed optimizer no NVFP4 parameter path: the run is described with bf16 parameters.
+    ("FP4 (NVFP4) parameters gathered in FP4", "lowers"): "--fp4-param-gather",
     ("weight gradients without FP8 (high-precision inputs kept)", "raises"): (
         "--no-fp8-wgrad --disable-fp8-wgrad"
     ),
@@ -937,8 +944,7 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     "--fp8-format --fp4-format": (
-        "--no-fp8-wgrad --disable-fp8-wgrad --first-last-layers-bf16 --num-layers-at-start-in-bf16 "
-        "--num-layers-at-end-in-bf16 --fp8-output-proj --fp8-quantizer-factory "
+        "--no-fp8-wgrad --disable-fp8-wgrad --fp8-output-proj --fp8-quantizer-factory "
         "--reuse-grad-buf-for-mxfp8-param-ag --fp8-recipe --te-precision-config-file"
     ),
     "--fp4-format": "--fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
@@ -1073,6 +1079,13 @@ ENV_NO_EFFECT_PREFIXES = (
 )
 # Variables that change memory in ways metatrace does not model.
 ENV_NOT_MODELLED: dict[str, tuple[str, Direction]] = {
+    # NVFP4BlockScaling's switches (TE 2.8 common/recipe/__init__.py:412-416)
+    "NVTE_NVFP4_DISABLE_RHT": ("NVFP4 without the random Hadamard transform", "either"),
+    "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": (
+        "NVFP4 gradients without stochastic rounding",
+        "either",
+    ),
+    "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": ("NVFP4 weights in 1x16 blocks", "unknown"),
     "NVTE_FUSED_ATTN_BACKEND": ("a cuDNN attention sub-backend chosen by hand", "either"),
     "NVTE_CPU_OFFLOAD_V1": ("Transformer Engine's first CPU-offloading implementation", "either"),
     "PYTORCH_NO_CUDA_MEMORY_CACHING": ("PyTorch's caching allocator switched off", "unknown"),

@@ -56,6 +56,7 @@ LAYOUT_FIELDS = (
     ("training", "fp8_format"),
     ("training", "fp8_recipe"),
     ("training", "fp8_param_gather"),
+    ("training", "fp4_recipe"),
     ("training", "recompute"),
     ("training", "distributed_optimizer"),
     ("training", "overlap_grad_reduce"),
@@ -150,6 +151,8 @@ def _precision(t) -> list[str]:
             out += ["--fp8-recipe", t.fp8_recipe]
         if t.fp8_param_gather:
             out.append("--fp8-param-gather")
+    if t.precision == "fp4":
+        out += ["--fp4-format", "e2m1", "--fp4-recipe", t.fp4_recipe or "nvfp4"]
     return out
 
 
