@@ -217,11 +217,18 @@ def _mbridge(
         training.update(precision="fp8", fp8_recipe="tensorwise")
     elif precision == "mxfp8":
         training.update(precision="fp8", fp8_recipe="mxfp8")
+    elif precision.startswith("nvfp4"):
+        training.update(precision="fp4", fp4_recipe="nvfp4")
+        if "fp4_param_gather=True" in detail:
+            notes.append("FP4 parameter gathering (megatron-core 0.16.1 has none)")
     else:
         raise ValueError(f"precision {tr['precision']!r} is not modelled yet")
-    training["fp8_param_gather"] = "fp8_param_gather=True" in detail or (
-        "fp8_param_gather" in detail and "OFF" not in detail
-    )
+    if training["precision"] == "fp8":
+        training["fp8_param_gather"] = "fp8_param_gather=True" in detail or (
+            "fp8_param_gather" in detail and "OFF" not in detail
+        )
+    if "first/last layers not in bf16" in detail.lower() or "no bf16 first/last" in detail.lower():
+        training["first_last_layers_bf16"] = False
     training["distributed_optimizer"] = bool(tr.get("distributed_optimizer"))
     training["overlap_grad_reduce"] = bool(overlap.get("dp_overlap_grad_reduce"))
     training["overlap_param_gather"] = bool(overlap.get("dp_overlap_param_gather"))

@@ -177,6 +177,8 @@ def quantize(
         raise ValueError(f"unknown fp8 recipe {recipe!r}")
     if cast is not None:
         flops.report_moved(cast, *q.tensors())
+        if recipe == "tensorwise":  # its amax first (quantizer.cpp:497-535): one more read
+            flops.report_moved(cast)
     return q
 
 
@@ -416,10 +418,12 @@ def split_quantize(
             )
         return out
     if recipe in ("delayed", "tensorwise"):
-        return [
+        out = [
             quantize((m, cols), recipe, arch, rowwise=rowwise, columnwise=columnwise, device=device)
             for m in m_splits
         ]
+        _price_split(x, recipe, [t for q in out for t in q.tensors()])
+        return out
     out = Quantized()
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if not wanted:
@@ -435,7 +439,22 @@ def split_quantize(
         for q in per_expert:
             offset = _rnd(offset, 16) + _nbytes(getattr(q, usage)[1])
         getattr(out, usage).append(torch.empty(offset, dtype=U8, device=device))
+    _price_split(x, recipe, out.tensors())
     return [out]
+
+
+def _price_split(x, recipe: str, written: list) -> None:
+    """The split quantization's kernels, by the bytes they move: each reads its expert's rows
+    of `x` once and writes their quantized buffers (MXFP8 and blockwise: one kernel over all
+    experts; Float8: one per expert, the same bytes in all); current scaling (tensorwise) reads
+    each expert's rows once more before, for its amax (the cast needs the scale first:
+    Float8CurrentScalingQuantizer::quantize_impl, TE 2.8 quantizer.cpp:497-535). Nothing
+    without `x` (a quantization timed elsewhere)."""
+    if x is None:
+        return
+    flops.report_moved(x, *written)
+    if recipe == "tensorwise":
+        flops.report_moved(x)
 
 
 def _other(usage: str) -> dict:

@@ -149,7 +149,7 @@ def fp8_backward(ctx, grad, wgrad):
             rowwise=recipe in _FLOAT8,
             columnwise=True,
             device=device,
-            x=saved[0] if recipe == "nvfp4" else None,
+            x=saved[0],
         )
     fused = needs_wgrad and _fused(module, weights)
     if delayed:
