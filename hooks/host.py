@@ -10,7 +10,6 @@ MoE dispatchers' token counts, the optimizer's gradient norm) says so with `sync
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 from metatrace.config.host import D2H_COPY_SECONDS, HOST_SECONDS, Piece
@@ -23,13 +22,13 @@ class HostCount:
     """Kernels, host work and synchronisations so far, and the max-plus pieces they fold into:
     a piece ends where the recorder cuts (a window's start and end, a layer's mark).
 
-    `captured(module)`: whether a module's work replays from a CUDA graph (its operators and
-    module calls cost the host nothing and launch nothing; entering a captured stretch costs
-    one launch, the graph's)."""
+    `captured(module, phase)`: whether a module's work in that phase replays from a CUDA graph
+    (its operators and module calls cost the host nothing and launch nothing; entering a
+    captured stretch costs one launch, the graph's)."""
 
     __slots__ = ("captured", "host_ps", "in_graph", "kernels", "piece", "pieces", "syncs")
 
-    def __init__(self, captured: Callable[[str], bool] | None = None):
+    def __init__(self, captured: Callable[[str, str], bool] | None = None):
         self.captured = captured
         self.kernels = 0
         self.host_ps = 0
@@ -44,8 +43,8 @@ class HostCount:
         self.piece = Piece()
         return len(self.pieces)
 
-    def _graph(self, module: str) -> bool:
-        inside = self.captured is not None and self.captured(module)
+    def _graph(self, module: str, phase: str) -> bool:
+        inside = self.captured is not None and self.captured(module, phase)
         if inside and not self.in_graph:
             self.work(_PS["launch"])  # the graph's launch
         self.in_graph = inside
@@ -62,19 +61,21 @@ class HostCount:
         self.kernels += launches
         self.piece.kernel(ps)
 
-    def operator(self, module: str, kind: str, launches: int, ps: int, sync: bool) -> None:
+    def operator(
+        self, module: str, phase: str, kind: str, launches: int, ps: int, sync: bool
+    ) -> None:
         """A dispatched operator of `kind` ("operator", "view", "backward") issued for
-        `module`, launching `launches` kernels that take `ps` on the GPU."""
-        if not self._graph(module):
+        `module` in `phase`, launching `launches` kernels that take `ps` on the GPU."""
+        if not self._graph(module, phase):
             self.work(_PS[kind])
         if launches:
             self.kernel(ps, launches)
         if sync:
             self.sync()
 
-    def module(self, module: str) -> None:
-        """A module's forward is called."""
-        if not self._graph(module):
+    def module(self, module: str, phase: str) -> None:
+        """A module's forward is called (in forward, or recomputed in backward)."""
+        if not self._graph(module, phase):
             self.work(_PS["module"])
 
     def sync(self) -> None:
@@ -101,14 +102,3 @@ def sync() -> None:
     (.item(), .tolist(), .cpu()): the host waits for the GPU here. Nothing outside a recorder."""
     if _ACTIVE:
         _ACTIVE[-1].sync()
-
-
-@contextlib.contextmanager
-def no_count():
-    """Nothing inside counts as host work (a recorder's own bookkeeping)."""
-    saved = _ACTIVE[:]
-    _ACTIVE.clear()
-    try:
-        yield
-    finally:
-        _ACTIVE[:] = saved

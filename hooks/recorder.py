@@ -703,7 +703,8 @@ class Recorder:
         fqn = self._fqn.get(id(module))
         if fqn is not None:
             if _flops.counting():
-                self._host.module(fqn)
+                in_backward = torch._C._current_graph_task_id() != -1
+                self._host.module(fqn, "recompute" if in_backward else "forward")
             self._stack.append(fqn)
             # Nodes behind the module's inputs were made before it ran (by its parent, e.g. a
             # MoE layer's dispatcher before its experts): not the module's to label.
@@ -815,8 +816,8 @@ class Recorder:
         host = self._host
         backward = torch._C._current_graph_task_id() != -1 and not self._stack
         kind = "backward" if backward else "view" if view else "operator"
-        module = self._where()[0] if host.captured is not None else ""
-        host.operator(module, kind, launches, ps, sync)
+        module, phase = self._where() if host.captured is not None else ("", "")
+        host.operator(module, phase, kind, launches, ps, sync)
 
     def _record_collective(self, func, spec, args, out) -> None:
         tensors = message_tensors(spec, args, out)

@@ -1,0 +1,206 @@
+"""The host in the step time (metatrace.config.host, hooks/host.py): the max-plus model against
+hand-worked sequences, the kernels and host work the recorder counts for what a layer
+dispatches, and CUDA graphs' launches."""
+
+import pytest
+import torch
+
+from metatrace.config.host import (
+    HOST_SECONDS,
+    IDENTITY,
+    Piece,
+    apply,
+    kernels_of,
+    power,
+    product,
+    then,
+)
+from metatrace.config.kernels import kernel_model
+
+US = 10**6  # picoseconds in a microsecond
+LAUNCH = round(HOST_SECONDS["launch"] * 1e12)
+H100 = kernel_model("h100")
+
+
+def _stream(events) -> Piece:
+    """A piece from ("host", us) / ("kernel", us) / ("sync",) events."""
+    p = Piece()
+    for kind, *arg in events:
+        getattr(p, kind)(*(round(a * US) for a in arg))
+    return p
+
+
+def _run(events, host=0.0, gpu=0.0):
+    """(host, GPU) clocks in us after `events`, simulated one by one."""
+    h, g = host, gpu
+    for kind, *arg in events:
+        if kind == "host":
+            h += arg[0]
+        elif kind == "kernel":
+            g = max(g, h) + arg[0]
+        else:
+            h = max(h, g)
+    return h, g
+
+
+def test_a_gpu_bound_window_ends_with_its_kernels():
+    # The host issues three 100 us kernels 10 us apart: the GPU never waits after the first.
+    events = [("host", 10), ("kernel", 100)] * 3
+    h, g = apply(_stream(events).matrix(), 0, 0)
+    assert (h / US, g / US) == (30, 310)  # 10 us before the first kernel, then 300 us of work
+
+
+def test_a_host_bound_window_ends_with_its_host():
+    # 50 us of host work per 5 us kernel: each kernel waits for its issue.
+    events = [("host", 50), ("kernel", 5)] * 4
+    h, g = apply(_stream(events).matrix(), 0, 0)
+    assert (h / US, g / US) == (200, 205)
+    # Started behind a GPU still busy for 1 ms, the same window is GPU-bound again.
+    h, g = apply(_stream(events).matrix(), 0, 1000 * US)
+    assert (h / US, g / US) == (200, 1020)
+
+
+def test_a_synchronisation_in_the_middle_empties_the_gpus_queue():
+    # The host issues a 1 ms kernel, reads a value back (waits for it), then issues 20 small
+    # kernels at 30 us each: after the wait the GPU waits for every one of them.
+    events = [("host", 10), ("kernel", 1000), ("sync",)] + [("host", 30), ("kernel", 5)] * 20
+    h, g = apply(_stream(events).matrix(), 0, 0)
+    assert h / US == 10 + 1000 + 20 * 30 == _run(events)[0]
+    assert g / US == 1010 + 20 * 30 + 5 == _run(events)[1]
+    # Without the read, the 20 kernels run while the first is still on the GPU.
+    no_sync = [e for e in events if e[0] != "sync"]
+    assert apply(_stream(no_sync).matrix(), 0, 0)[1] / US == 10 + 1000 + 20 * 5
+
+
+@pytest.mark.parametrize("split", [0, 3, 7, 12])
+def test_pieces_compose_exactly(split):
+    events = [("host", 7), ("kernel", 40), ("host", 60), ("kernel", 3), ("sync",)] * 3
+    events = events[:13] + [("host", 25), ("kernel", 90)]
+    whole = _stream(events).matrix()
+    assert then(_stream(events[:split]).matrix(), _stream(events[split:]).matrix()) == whole
+    for start in ((0, 0), (500, 0), (0, 500)):
+        h, g = apply(whole, *(x * US for x in start))
+        assert (h / US, g / US) == pytest.approx(_run(events, *start))
+
+
+def test_a_layer_repeated():
+    layer = _stream([("host", 20), ("kernel", 15), ("sync",), ("host", 5), ("kernel", 30)])
+    m = layer.matrix()
+    assert power(m, 5) == product([m] * 5)
+    assert power(m, 0) == IDENTITY
+    # The first layer: 20 us to issue its first kernel, 15 us on the GPU, the host waits, then
+    # 5 us and a 30 us kernel: the GPU done at 70 us, the host at 40. Each next layer's 20 us
+    # of host work runs beside that kernel: 50 us more each.
+    h, g = apply(power(m, 5), 0, 0)
+    assert (h / US, g / US) == (70 + 4 * 50 - 30, 70 + 4 * 50)
+
+
+def test_kernels_per_operator():
+    assert kernels_of("mm", view=False) == 1
+    assert kernels_of("view", view=True) == 0
+    assert kernels_of("empty", view=False) == 0  # an allocation launches nothing
+    assert kernels_of("nonzero", view=False) == 3  # count, copy the count, write the indices
+
+
+def _recorded(fn, captured=None, module=None, device="meta"):
+    from metatrace.hooks.recorder import Recorder
+
+    module = module or torch.nn.Linear(4, 4, device=device)
+    rec = Recorder(
+        chunks={"": module}, devices=(device,), groups={}, rank=0, kernels=H100, captured=captured
+    )
+    with rec, rec.window("forward", 0):
+        fn()
+    (w,) = rec.trace().windows
+    return w
+
+
+def test_the_recorder_counts_a_layers_launches_and_host_work():
+    """A linear layer with a bias and a GeLU on meta: the operators it dispatches are a GEMM with
+    the bias (addmm), the GeLU and the weight's transpose (a view): two kernels."""
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).to("meta")
+    x = torch.empty(8, 64, device="meta")
+    w = _recorded(lambda: layer(x), module=layer)
+    assert w.kernels == 2
+    ps = {key: round(v * 1e12) for key, v in HOST_SECONDS.items()}
+    # Three module calls (the Sequential, the Linear, the GELU), two operators, one view, two
+    # launches.
+    assert w.host_ps == 3 * ps["module"] + 2 * ps["operator"] + ps["view"] + 2 * ps["launch"]
+    assert w.syncs == 0
+    # Host-bound: the kernels of an 8 x 64 layer take a few microseconds.
+    (m,) = w.host
+    h, g = apply(m, 0, 0)
+    assert h == w.host_ps  # no synchronisation: the host never waits
+    assert 0 < g - h < w.kernel_ps  # the last kernel (the GeLU) alone runs after the host is done
+
+
+def test_a_value_read_back_synchronises():
+    """On real (CPU) tensors: masked_select's output size depends on the mask, .item() reads a
+    value back; a stand-in that replaced such a read says so (hooks.host.sync)."""
+    from metatrace.hooks import host
+
+    x = torch.randn(1000)
+
+    def reads():
+        x.masked_select(x > 0)
+        x.sum().item()
+        host.sync()
+
+    w = _recorded(reads, device="cpu")
+    assert w.syncs == 3
+    # the comparison, masked_select's four, the sum; a copy of the value per synchronisation
+    assert w.kernels == 1 + 4 + 1 + 3
+
+
+def test_a_cuda_graph_launches_its_captured_modules_once():
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).to("meta")
+    x = torch.empty(8, 64, device="meta")
+    eager = _recorded(lambda: layer(x), module=layer)
+    graphed = _recorded(lambda: layer(x), captured=lambda m, phase: True, module=layer)
+    assert graphed.kernels == eager.kernels == 2
+    assert graphed.kernel_ps == eager.kernel_ps
+    assert graphed.host_ps == LAUNCH  # the graph's own launch, nothing else
+
+
+@pytest.mark.parametrize(
+    "training, captured, eager",
+    [
+        # Transformer Engine's per-layer graphs: the whole layer, in forward and backward.
+        (
+            {"cuda_graph_impl": "transformer_engine"},
+            ["decoder.layers.0", "chunk1.decoder.layers.3.mlp.linear_fc1"],
+            ["embedding", "decoder.final_layernorm", "output_layer", "(step)"],
+        ),
+        # Only the attention part.
+        (
+            {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]},
+            ["decoder.layers.2.self_attention.linear_qkv", "decoder.layers.2.input_layernorm"],
+            ["decoder.layers.2.mlp", "decoder.layers.2"],
+        ),
+        # The whole iteration: every step's work, the optimizer step's none.
+        (
+            {"cuda_graph_impl": "local", "cuda_graph_scope": ["full_iteration"]},
+            ["embedding", "output_layer", "(step)"],
+            [],
+        ),
+    ],
+)
+def test_what_cuda_graphs_capture(training, captured, eager):
+    from metatrace.config import job_from_dict
+    from metatrace.tracing.graphs import captured_by_graphs
+
+    job = job_from_dict(
+        {
+            "model": {"preset": "debug"},
+            "implementation": {"transformer_impl": "transformer_engine"},
+            "training": {"seq_length": 64, "micro_batch_size": 1, **training},
+        }
+    )
+    inside = captured_by_graphs(job)
+    for module in captured:
+        assert inside(module, "forward") and inside(module, "backward")
+        assert not inside(module, "optimizer")
+    for module in eager:
+        assert not inside(module, "forward")
+    plain = {"model": {"preset": "debug"}, "training": {"seq_length": 64}}
+    assert captured_by_graphs(job_from_dict(plain)) is None
