@@ -790,6 +790,8 @@ class Recorder:
                     memory_seconds(count.model, nbytes, path, elements), launches=0
                 )
         if counting:
+            if (launches or sync) and not self._on_device(args, out):
+                launches, sync = 0, False  # work on host tensors: no kernel, no wait
             self._on_host(launches, ps, sync, view)
         if written:
             positions, names = written
@@ -809,6 +811,16 @@ class Recorder:
             self._unclassified[func] += 1
             return
         self._record_collective(func, spec, args, out)
+
+    def _on_device(self, args, out) -> bool:
+        """Whether an operator works on the traced device's tensors (its first tensor argument,
+        or its output), not on host tensors (a CPU scalar megatron-core reads back)."""
+        t = args[0] if args else out
+        if isinstance(t, (list, tuple)) and t:
+            t = t[0]
+        if not isinstance(t, torch.Tensor):
+            t = out if isinstance(out, torch.Tensor) else None
+        return t is None or t.device.type == self.device_types[0]
 
     def _on_host(self, launches: int, ps: int, sync: bool, view: bool) -> None:
         """The host's side of a dispatched operator (hooks/host.py): issued from Python, a view,
