@@ -236,9 +236,10 @@ def simulate(
     `phase` (default 0); `least(s, phase, chunk, microbatch)` a step's least duration and
     `ends_after(s, phase, chunk, microbatch)` the earliest time it can end (defaults none: what
     it waits for beside its compute). `host(s, phase, chunk)`: the step's host matrix in
-    seconds and its kernels' seconds (config.host; None: the host keeps up), applied to the
-    stage's host clock and to the GPU's where the step starts; the step's other GPU time (its
-    exposed communication) follows its kernels. `clocks`: a list that gets each stage's host
+    seconds, its kernels' seconds and its GPU stream's (kernels and exposed communication)
+    (config.host; None: the host keeps up), applied to the stage's host clock and to the GPU's
+    where the step starts; the exposed communication follows the kernels, copies on other
+    streams run beside them. `clocks`: a list that gets each stage's host
     clock at its end; `waited`: a dict that gets what each step (s, phase, chunk, microbatch)
     lasts longer waiting for the host. Returns, per stage, [(start, end, phase, chunk, microbatch)]."""
     chunks = vpp or 1
@@ -270,9 +271,9 @@ def simulate(
                 gpu_end = end
                 issued = host(s, phase, chunk) if host is not None else None
                 if issued is not None:
-                    matrix, kernels = issued
+                    matrix, kernels, serial = issued
                     host_clock[s], gpu = apply(matrix, host_clock[s], ready)
-                    end = max(end, gpu + max(0.0, took - kernels))
+                    end = max(end, gpu + max(0.0, serial - kernels))
                 if ends_after is not None:
                     after = ends_after(s, phase, chunk, mb)
                     end, gpu_end = max(end, after), max(gpu_end, after)
@@ -494,7 +495,7 @@ def job_timing(job_trace) -> Timing | None:
     # Per (stage, phase, chunk), what every micro-batch's step does: (flops, compute seconds,
     # exposed communication seconds, the collectives placed in the step).
     kinds, sends, orders = {}, {}, []
-    issued: dict[tuple, tuple] = {}  # (stage, phase, chunk): (host matrix, kernel seconds)
+    issued: dict[tuple, tuple] = {}  # (stage, phase, chunk): (host matrix, kernels, stream)
     counts: dict[tuple, tuple] = {}  # (stage, phase, chunk): (host seconds, kernels, syncs)
     for rt in roles:
         s, micro = rt.role.pp_stage, rt.trace
@@ -530,6 +531,7 @@ def job_timing(job_trace) -> Timing | None:
                     issued[(s, w.phase, w.chunk)] = (
                         scaled(product(w.host), 1e-12),
                         w.kernel_ps / 1e12,
+                        comp + exposed,
                     )
                 counts[(s, w.phase, w.chunk)] = (w.host_ps / 1e12, w.kernels, w.syncs)
         sends[s] = _p2p(job, world, micro, micro.rank)
