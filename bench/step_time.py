@@ -298,7 +298,7 @@ def main() -> int:
         )
         if host is not None:
             print(
-                f"{'':32} host: {host.kernels:,} kernels, {host.syncs:,} synchronisations, "
+                f"{'':32} host: {host.kernels:,} kernels, {host.syncs:,} synchronisation(s), "
                 f"{host.seconds:.3f} s of host work; the GPU waits {host.wait_seconds:.3f} s",
                 flush=True,
             )

@@ -177,7 +177,9 @@ def host_bound(t) -> str | None:
     if host is None or host.wait_seconds < 0.01 * t.iteration_seconds:
         return None
     where = f" (stage {host.stage})" if len(t.stages) > 1 else ""
-    syncs = f", {host.syncs:,} synchronisations" if host.syncs else ""
+    syncs = (
+        f", {host.syncs:,} synchronisation{'s' if host.syncs != 1 else ''}" if host.syncs else ""
+    )
     return (
         f"Host-bound{where}: the GPU waits {seconds(host.wait_seconds)} of "
         f"{seconds(t.iteration_seconds)} per iteration for the host ({host.kernels:,} kernels "
