@@ -643,10 +643,19 @@ class Recorder:
                     fp8_flops=count.fp8 - fp8,
                     kernel_ps=count.ps - ps,
                     attention_ps=count.attention_ps - attention,
-                    kernels=host.kernels - kernels,
-                    host_ps=host.host_ps - host_ps,
-                    syncs=host.syncs - syncs,
-                    host=tuple(pieces),
+                    # Priced windows only (the time model's): a replayed iteration's steps stand
+                    # for work the traced micro-batch's windows price, and its counts would
+                    # not extend as steady.py extends a replay.
+                    **(
+                        {
+                            "kernels": host.kernels - kernels,
+                            "host_ps": host.host_ps - host_ps,
+                            "syncs": host.syncs - syncs,
+                            "host": tuple(pieces),
+                        }
+                        if count.model is not None
+                        else {}
+                    ),
                 )
             )
 
