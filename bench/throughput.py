@@ -23,7 +23,11 @@ import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CALIBRATION = os.path.join(ROOT, "..", "shared", "calibration", "throughput.jsonl")
+SHARED = os.path.join(ROOT, "..", "shared", "calibration")
+CALIBRATION = [
+    os.path.join(SHARED, "throughput.jsonl"),
+    os.path.join(SHARED, "throughput-2026.jsonl"),
+]
 
 # What each source family leaves out, filled the same way for every row of the family.
 ASSUMED = {
@@ -52,7 +56,49 @@ ASSUMED = {
     "nemo": "the NeMo model configs (Llama presets, GPT-3 as above, Nemotron: squared ReLU, "
     "LayerNorm, RoPE, no biases, vocab 256,000), FP8 delayed scaling, sequence parallel and TP "
     "communication overlap where tp > 1, the distributed optimizer with overlap",
+    "mbridge": "the recipe's settings as the row gives them (MBRIDGE_PRESETS for the models); "
+    "DGX B200/B300/H100 nodes of 8, GB200/GB300 trays of 4 in NVL72 racks, 64 GPUs of a "
+    "rack to a job (16 of its 18 trays: the rack is the NVLink domain); force-balanced routing (the tables' footnote); Transformer Engine graphs "
+    "of scope attn where the recipe also graphs moe_router and moe_preprocess (megatron-core "
+    "0.16.1's scopes); what metatrace does not model said per row (MBRIDGE_LEFT_OUT)",
 }
+
+# GPU families the summary reports apart.
+GENERATION = {
+    "a100": "Ampere",
+    "h100": "Hopper",
+    "h800": "Hopper",
+    "h200": "Hopper",
+    "b200": "Blackwell",
+    "gb200": "Blackwell",
+    "b300": "Blackwell",
+    "gb300": "Blackwell",
+}
+
+# Megatron-Bridge recipe models -> metatrace presets (the rows' dimensions are the presets').
+MBRIDGE_PRESETS = {
+    "Llama 3.1 405B": "llama3.1-405b",
+    "Llama 3 70B": "llama3-70b",
+    "DeepSeek-V3": "deepseek-v3",
+    "GPT-OSS-120B": "gpt-oss-120b",
+    "Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen3-235B-A22B": "qwen3-235b-a22b",
+}
+
+# What a Megatron-Bridge row cannot be built with yet, by a word of its settings.
+MBRIDGE_UNBUILDABLE = {
+    "Muon": "the Muon optimizer (layer-wise distributed optimizer: megatron-core 0.19, issue 45)",
+    "Nemotron 3": "a hybrid Mamba/attention model (issue 46)",
+}
+
+# Recipe settings metatrace does not model (megatron-core 0.18-0.19 features, kernels without a
+# stand-in): named in the output, left out of the job.
+MBRIDGE_LEFT_OUT = (
+    ("fp8_dot_product_attention=True", "FP8 attention"),
+    ("moe_paged_stash", "paged stash and the experts padded for the graph"),
+    ("cutedsl_fused_grouped_mlp", "cuteDSL fused grouped MLP"),
+    ("moe_router, moe_preprocess", "graphs of the router and the dispatch preprocessing"),
+)
 
 
 # Narayanan et al. 2021, Table 1: attention heads by hidden size (the README's table omits them).
@@ -71,7 +117,7 @@ PAPER_HEADS = {
 
 
 def family(name: str) -> str:
-    for key in ("megatron-lm-h100", "megatron-lm-a100", "llama3", "deepseek-v3", "nemo"):
+    for key in ("megatron-lm-h100", "megatron-lm-a100", "llama3", "deepseek-v3", "nemo", "mbridge"):
         if name.startswith(key):
             return key
     return "mixtral" if "mixtral" in name else "other"
@@ -79,7 +125,7 @@ def family(name: str) -> str:
 
 def _gpu(text: str) -> str:
     text = text.lower()
-    for name in ("h100", "h800", "a100", "h200", "b200", "gb200"):
+    for name in ("h100", "h800", "a100", "h200", "gb200", "gb300", "b200", "b300"):
         if name in text:
             return name
     raise ValueError(text)
@@ -102,8 +148,145 @@ def _gpt(m: dict, *, vocab: int) -> dict:
     }
 
 
-def job_for(row: dict) -> dict:
-    """The job dict of a calibration row (see ASSUMED)."""
+def unbuildable(row: dict) -> str | None:
+    """Why a row cannot be laid out as a job yet, or None."""
+    text = json.dumps(row["model"]) + json.dumps(row["training"])
+    return next((why for word, why in MBRIDGE_UNBUILDABLE.items() if word in text), None)
+
+
+def left_out(row: dict) -> list[str]:
+    """The row's settings metatrace does not model (a Megatron-Bridge row's)."""
+    text = json.dumps(row["training"])
+    return [what for word, what in MBRIDGE_LEFT_OUT if word in text]
+
+
+def _mbridge_layout(row: dict) -> dict:
+    """The pipeline split of a Megatron-Bridge recipe as parallel keys."""
+    tr, layers = row["training"], row["model"]["num_layers"]
+    layout = tr.get("pipeline_layout", "")
+    if layout.startswith("E"):
+        return {"layout": layout.split()[0]}
+    if "= E" in layout:
+        return {"layout": layout.split("= ")[1].rstrip(")")}
+    if "recipe map" in layout:  # [emb+a], n x [b], [c+MTP+loss]
+        import re
+
+        first, middle, times, last = re.search(
+            r"\[emb\+(\d+)\], (\d+)x\[(\d+)\], \[(\d+)\+", layout
+        ).group(1, 3, 2, 4)
+        mtp = "m" if "MTP" in layout else ""
+        t = lambda n: f"t*{n}" if int(n) > 1 else "t"
+        return {"layout": f"E{t(first)}|({t(middle)}|)*{times}{t(last)}{mtp}L"}
+    split = tr.get("pipeline_split", "")
+    if "no embedding" in split:
+        return {}
+    if "embedding" in split:
+        return {"account_for_embedding": True, "account_for_loss": True}
+    if split and str(layers) not in split.split("/")[0]:
+        raise ValueError(f"pipeline split not understood: {split}")
+    return {}
+
+
+def _mbridge(
+    row: dict, parallel: dict, training: dict, cluster: dict, notes: list
+) -> tuple[dict, dict]:
+    """(model, implementation) of a Megatron-Bridge recipe row; fills the other sections and
+    appends to `notes` what of the recipe metatrace leaves out."""
+    m, par, tr = row["model"], row["parallel"], row["training"]
+    name = next(k for k in MBRIDGE_PRESETS if m["name"].startswith(k))
+    model = {"preset": MBRIDGE_PRESETS[name]}
+    if m.get("vocab_size"):
+        model["vocab_size"] = m["vocab_size"]
+    if "GB" not in row["system"]:
+        cluster["gpus_per_node"] = 8
+    else:  # trays of 4; a job takes 16 of an NVL72 rack's 18 trays (2 spares): 64 per domain
+        cluster.update(gpus_per_node=4, nvlink_domain=64)
+    parallel["sequence_parallel"] = bool(par.get("sequence_parallel"))
+    if par.get("etp"):
+        parallel["etp"] = par["etp"]
+    if (par.get("pp") or 1) > 1:
+        parallel.update(_mbridge_layout(row))
+    overlap = tr.get("comm_overlap") or {}
+    parallel["tp_comm_overlap"] = str(overlap.get("tp_comm_overlap", "")).startswith("on")
+    if parallel["tp_comm_overlap"] and tr["precision"].lower() == "mxfp8":
+        parallel["tp_comm_overlap"] = False
+        notes.append("TP communication overlap (metatrace: not with MXFP8 yet)")
+    precision = tr["precision"].lower()
+    detail = tr.get("precision_detail", "")
+    if precision.startswith("fp8"):
+        training.update(precision="fp8", fp8_recipe="tensorwise")
+    elif precision == "mxfp8":
+        training.update(precision="fp8", fp8_recipe="mxfp8")
+    else:
+        raise ValueError(f"precision {tr['precision']!r} is not modelled yet")
+    training["fp8_param_gather"] = "fp8_param_gather=True" in detail or (
+        "fp8_param_gather" in detail and "OFF" not in detail
+    )
+    training["distributed_optimizer"] = bool(tr.get("distributed_optimizer"))
+    training["overlap_grad_reduce"] = bool(overlap.get("dp_overlap_grad_reduce"))
+    training["overlap_param_gather"] = bool(overlap.get("dp_overlap_param_gather"))
+    training["overlap_param_gather_with_optimizer_step"] = bool(
+        overlap.get("overlap_param_gather_with_optimizer_step")
+    )
+    training["grad_reduce_in_fp32"] = bool(tr.get("grad_reduce_in_fp32"))
+    if "BF16 main grads" in tr.get("optimizer", ""):
+        training.update(
+            use_precision_aware_optimizer=True,
+            main_grads_dtype="bf16",
+            exp_avg_dtype="bf16",
+            exp_avg_sq_dtype="bf16",
+        )
+    recompute = tr.get("recompute", "none")
+    if recompute.startswith("selective:"):
+        modules = [x.strip() for x in recompute.split(":")[1].split(",")]
+        training["recompute"] = {"granularity": "selective", "modules": modules}
+    if tr.get("megatron_fsdp") or (overlap.get("fsdp") or "").startswith("Megatron-FSDP"):
+        training.update(
+            megatron_fsdp=True,
+            fsdp_sharding_strategy="optim_grads_params",
+            fsdp_double_buffer=True,
+            distributed_optimizer=True,
+        )
+    offload = tr.get("offloading", "none")
+    if "cpu_offloading_num_layers=" in offload:
+        training["cpu_offloading_num_layers"] = int(
+            offload.split("cpu_offloading_num_layers=")[1].split(")")[0]
+        )
+    graphs = tr.get("cuda_graphs", "none")
+    if tr.get("moe") and not graphs.startswith("none"):
+        notes.append("CUDA graphs (metatrace: not with MoE models yet)")
+    elif "full_iteration" in graphs:
+        training.update(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    elif graphs.startswith("Transformer Engine"):
+        training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])
+    impl = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
+    moe = tr.get("moe")
+    if moe:
+        training["moe_routing"] = "balanced"  # force-balanced (the tables' footnote)
+        dispatcher = moe["token_dispatcher"]
+        if dispatcher.startswith("flex"):
+            backend = "hybridep" if "HybridEP" in dispatcher else "deepep"
+            parallel.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+            training["moe_router_dtype"] = "fp32"  # what DeepEP and HybridEP take
+        else:
+            parallel["moe_token_dispatcher_type"] = "alltoall"
+        if moe.get("ep_a2a_overlap"):
+            parallel.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+        parallel["moe_shared_expert_overlap"] = bool(moe.get("shared_expert_overlap"))
+        if model["preset"].startswith("gpt-oss"):  # expert biases: TEGroupedMLP refuses it
+            impl["bias_dropout_fusion"] = False
+        impl.update(
+            moe_grouped_gemm=bool(moe.get("grouped_gemm")),
+            moe_permute_fusion=bool(moe.get("permute_fusion")),
+            moe_router_fusion=bool(moe.get("router_fusion")),
+        )
+    return model, impl
+
+
+def job_for(row: dict, notes: list | None = None) -> dict:
+    """The job dict of a calibration row (see ASSUMED); `notes` gets what of the row's settings
+    the job leaves out."""
+    notes = [] if notes is None else notes
     fam, m, par, tr = family(row["name"]), row["model"], row["parallel"], row["training"]
     derived = row.get("derived") or {}
     tp = par.get("tp") or derived.get("tp") or 1
@@ -170,6 +353,8 @@ def job_for(row: dict) -> dict:
             recompute={"granularity": "selective", "modules": ["layernorm", "mla_up_proj"]},
         )
         impl = {"moe_grouped_gemm": True, "moe_permute_fusion": True}
+    elif fam == "mbridge":
+        model, impl = _mbridge(row, parallel, training, cluster, notes)
     elif fam == "mixtral":
         model = {"preset": "mixtral-8x7b"}
         parallel["moe_token_dispatcher_type"] = "alltoall"
@@ -275,7 +460,11 @@ def predict(job_dict: dict):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="rows whose name contains this")
-    parser.add_argument("--calibration", default=CALIBRATION)
+    parser.add_argument(
+        "--calibration",
+        action="append",
+        help="a throughput file (repeatable; default both of ../shared/calibration's)",
+    )
     parser.add_argument("--json", help="write the rows' figures here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # megatron-core's advice for real runs
@@ -283,7 +472,12 @@ def main() -> int:
     from metatrace.analysis.timing import breakdown
     from metatrace.tracing.trace import shared_workers
 
-    rows = [json.loads(line) for line in open(args.calibration) if line.strip()]
+    rows = [
+        json.loads(line)
+        for path in args.calibration or CALIBRATION
+        for line in open(path)
+        if line.strip()
+    ]
     rows = [r for r in rows if args.only in r["name"]]
     out = []
     print(
@@ -293,8 +487,14 @@ def main() -> int:
     with shared_workers():
         for row in rows:
             start = time.perf_counter()
-            job_dict = job_for(row)
+            why = unbuildable(row)
+            if why:
+                print(f"{row['name']:44} {row['num_gpus']:>6} not built: {why}")
+                out.append({"name": row["name"], "not_built": why})
+                continue
+            missing = left_out(row)
             try:
+                job_dict = job_for(row, missing)
                 job, timing = predict(job_dict)
             except Exception as exc:  # a row metatrace cannot lay out: say so, go on
                 print(f"{row['name']:44} {row['num_gpus']:>6} failed: {exc}")
@@ -313,10 +513,15 @@ def main() -> int:
                 flush=True,
             )
             moe = bool(job.model.num_experts)
+            if missing:
+                print(f"{'':44} not modelled: {', '.join(missing)}")
             out.append(
                 {
                     "name": row["name"],
                     "moe": moe,
+                    "gpu": job.cluster.gpu,
+                    "generation": GENERATION.get(job.cluster.gpu, job.cluster.gpu),
+                    "not_modelled": missing,
                     "published_s": pub,
                     "predicted_s": pred,
                     "ratio": ratio,
@@ -329,9 +534,17 @@ def main() -> int:
     for label, pick in (("all", good), ("dense", [r for r in good if not r["moe"]])):
         _summary(label, pick)
     _summary("MoE", [r for r in good if r["moe"]])
+    for gen in dict.fromkeys(r["generation"] for r in good):
+        _summary(gen, [r for r in good if r["generation"] == gen])
     failed = [r["name"] for r in out if "error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}")
+    skipped = [r for r in out if "not_built" in r]
+    if skipped:
+        print(
+            f"not built ({len(skipped)}): "
+            + "; ".join(dict.fromkeys(r["not_built"] for r in skipped))
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

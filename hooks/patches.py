@@ -824,6 +824,30 @@ for _module, _name, _standin_name, _why in (
         "bias_swiglu_back",
         "compiled, one kernel writes the input gradient; eager allocates y + bias and the factors.",
     ),
+    *(
+        (
+            f"megatron.core.fusions.fused_bias_{family}",
+            name,
+            name,
+            "compiled (the MoE experts' activation weighted by the routing probabilities), one "
+            "kernel writes each output; eager allocates every intermediate and runs a kernel "
+            "for each"
+            + (
+                "; the backward realises the gradient's halves concatenated in fp32 (y's shape)"
+                if name.endswith("_back")
+                else ""
+            )
+            + ".",
+        )
+        for family, name in (
+            ("swiglu", "weighted_swiglu"),
+            ("swiglu", "weighted_swiglu_back"),
+            ("geglu", "weighted_quick_geglu"),
+            ("geglu", "weighted_quick_geglu_back"),
+            ("geglu", "weighted_bias_quick_geglu"),
+            ("geglu", "weighted_bias_quick_geglu_back"),
+        )
+    ),
     (
         "megatron.core.fusions.fused_bias_dropout",
         "bias_dropout_add_fused_train",

@@ -357,6 +357,16 @@ def single_gpu_job(job):
         account_for_embedding=False,
         account_for_loss=False,
         layout=None,
+        # megatron-core refuses the EP all-to-all overlap without expert parallelism; one GPU
+        # has no all-to-alls to overlap.
+        overlap_moe_expert_parallel_comm=False,
+        delay_wgrad_compute=False,
+        # and the flex dispatcher (DeepEP, HybridEP) without TP x EP > 1
+        moe_token_dispatcher_type=(
+            "alltoall"
+            if job.parallel.moe_token_dispatcher_type == "flex"
+            else job.parallel.moe_token_dispatcher_type
+        ),
     )
     tr = dataclasses.replace(
         job.training,

@@ -129,6 +129,134 @@ def bias_swiglu_back(g, y, bias):
     return _chunked(out, lambda gg, yy: _swiglu_back(gg, yy + bias), g, y)
 
 
+def weighted_swiglu(y, weights):
+    """fused_bias_swiglu.weighted_swiglu compiled (the MoE experts' activation weighted by the
+    routing probabilities, moe_apply_probs_on_input off): one output [..., f] in y's dtype.
+    Restates megatron.core.fusions.fused_bias_swiglu.weighted_swiglu (source sha256: cc06bb98c982)."""
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    return _chunked(out, lambda yy, ww: (_swiglu(yy) * ww).to(y.dtype), y, weights)
+
+
+def _promoted_cat(y, weights):
+    """The buffer inductor realises in the weighted backward kernels: the input gradient's two
+    halves concatenated in the weights' (fp32) precision before the cast to y's dtype (measured
+    on CPU tensors, tests/tracing/test_compiled.py); freed when the kernel returns."""
+    return torch.empty(y.shape, dtype=torch.promote_types(y.dtype, weights.dtype), device=y.device)
+
+
+def weighted_swiglu_back(g, y, weights):
+    """fused_bias_swiglu.weighted_swiglu_back compiled: the input gradient (y's shape and dtype)
+    and the weights' gradient [..., 1] (their dtype), the row sum fused into the kernel; the
+    promoted concatenation (_promoted_cat) lives while they are written. Restates
+    megatron.core.fusions.fused_bias_swiglu.weighted_swiglu_back (source sha256: c72e1f7820f5)."""
+    grad = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    wgrad = torch.empty((*y.shape[:-1], 1), dtype=weights.dtype, device=y.device)
+    cat = _promoted_cat(y, weights)
+    flops.report_moved(grad, wgrad, g, y, weights)
+    del cat
+    if grad.is_meta:
+        return grad, wgrad
+    with flops.uncounted():
+        _compute(grad, lambda gg, yy, ww: _swiglu_back(gg * ww, yy).to(y.dtype), g, y, weights)
+        _compute(
+            wgrad,
+            lambda gg, yy: (_swiglu(yy) * gg.to(weights.dtype)).sum(-1, keepdim=True),
+            g,
+            y,
+        )
+    return grad, wgrad
+
+
+# megatron/core/fusions/fused_bias_geglu.py (GPT-OSS's experts) --------------------------------
+
+
+def _quick_geglu(y, offset):
+    """Restates megatron.core.fusions.fused_bias_geglu.quick_geglu (source sha256: 488c3ff83c87)."""
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    return y_1 * torch.sigmoid(1.702 * y_1) * (y_2 + offset)
+
+
+def _quick_geglu_back(g, y, offset):
+    """Restates megatron.core.fusions.fused_bias_geglu.quick_geglu_back
+    (source sha256: 7485d96bbf1a)."""
+    y_1, y_2 = torch.chunk(y, 2, -1)
+    sig = torch.sigmoid(1.702 * y_1)
+    dy_1 = g * sig * (1 + 1.702 * y_1 * (1 - sig)) * (y_2 + offset)
+    return torch.cat((dy_1, g * y_1 * sig), -1)
+
+
+def weighted_quick_geglu(y, weights, linear_offset=0.0):
+    """fused_bias_geglu.weighted_quick_geglu compiled: one output [..., f] in y's dtype. Restates
+    megatron.core.fusions.fused_bias_geglu.weighted_quick_geglu (source sha256: 1a55b0f0975a)."""
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    return _chunked(
+        out, lambda yy, ww: (_quick_geglu(yy, linear_offset) * ww).to(y.dtype), y, weights
+    )
+
+
+def weighted_bias_quick_geglu(y, bias, weights, linear_offset=0.0):
+    """fused_bias_geglu.weighted_bias_quick_geglu compiled: one output, none of eager's y + bias.
+    Restates megatron.core.fusions.fused_bias_geglu.weighted_bias_quick_geglu
+    (source sha256: 15baf5103294)."""
+    out = torch.empty((*y.shape[:-1], y.shape[-1] // 2), dtype=y.dtype, device=y.device)
+    return _chunked(
+        out,
+        lambda yy, ww: (_quick_geglu(yy + bias, linear_offset) * ww).to(y.dtype),
+        y,
+        weights,
+    )
+
+
+def _weighted_geglu_back(g, y, weights, offset, bias=None):
+    grad = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    bias_grad = torch.empty(y.shape, dtype=y.dtype, device=y.device) if bias is not None else None
+    wgrad = torch.empty((*y.shape[:-1], 1), dtype=weights.dtype, device=y.device)
+    cat = _promoted_cat(y, weights)
+    written = (grad, bias_grad) if bias_grad is not None else (grad,)
+    flops.report_moved(*written, wgrad, g, y, weights)
+    del cat
+    if grad.is_meta:
+        return written, wgrad
+    shift = (lambda yy: yy + bias) if bias is not None else (lambda yy: yy)
+    with flops.uncounted():
+        _compute(
+            grad,
+            lambda gg, yy, ww: _quick_geglu_back(gg * ww, shift(yy), offset).to(y.dtype),
+            g,
+            y,
+            weights,
+        )
+        _compute(
+            wgrad,
+            lambda gg, yy: (_quick_geglu(shift(yy), offset) * gg.to(weights.dtype)).sum(
+                -1, keepdim=True
+            ),
+            g,
+            y,
+        )
+        if bias_grad is not None:
+            bias_grad.copy_(grad)
+    return written, wgrad
+
+
+def weighted_quick_geglu_back(g, y, weights, linear_offset=0.0):
+    """fused_bias_geglu.weighted_quick_geglu_back compiled: the input gradient and the weights'
+    gradient [..., 1]. Restates megatron.core.fusions.fused_bias_geglu.weighted_quick_geglu_back
+    (source sha256: 3ee00d3c9d85)."""
+    (grad,), wgrad = _weighted_geglu_back(g, y, weights, linear_offset)
+    return grad, wgrad
+
+
+def weighted_bias_quick_geglu_back(g, y, bias, weights, linear_offset=0.0):
+    """fused_bias_geglu.weighted_bias_quick_geglu_back compiled: the input gradient, the bias
+    gradient (the same values in a buffer of its own: inductor writes each output) and the
+    weights' gradient. Restates
+    megatron.core.fusions.fused_bias_geglu.weighted_bias_quick_geglu_back
+    (source sha256: f977cd3d51ac)."""
+    (grad, bias_grad), wgrad = _weighted_geglu_back(g, y, weights, linear_offset, bias)
+    return grad, bias_grad, wgrad
+
+
 # megatron/core/fusions/fused_cross_entropy.py -------------------------------------------------
 
 

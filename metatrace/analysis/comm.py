@@ -206,9 +206,27 @@ def link_gbps(job, world, op: str, ranks) -> float:
     return min(cl.intra_node_gbps, min(members.values()) * cl.inter_node_gbps)
 
 
-def _seconds(job, world, item: Item) -> float:
-    gbps = link_gbps(job, world, item.op, item.ranks)
-    return item.count * max(item.sent, item.received) * 8 / (gbps * 1e9)
+def wire_seconds(job, world, op: str, ranks, rank: int, nbytes: int) -> float:
+    """Seconds one call moving `nbytes` (the larger of what `rank` sends and receives) over
+    `ranks` takes on the wire. An all-to-all spanning NVLink domains sends each peer its share
+    at once: the peers in `rank`'s own domain over NVLink, the others through the GPU's NIC,
+    so it lasts as long as the slower of the two (NCCL's all-to-all runs one send and receive
+    per peer concurrently). Other calls at link_gbps."""
+    if op == "all_to_all" and len(ranks) > 1 and world.crosses_nodes(ranks):
+        cl, home = job.cluster, world.domain(rank)
+        near = sum(1 for r in ranks if r != rank and world.domain(r) == home)
+        far = len(ranks) - 1 - near
+        share = nbytes / (len(ranks) - 1)
+        return max(
+            near * share * 8 / (cl.intra_node_gbps * 1e9),
+            far * share * 8 / (cl.inter_node_gbps * 1e9),
+        )
+    return nbytes * 8 / (link_gbps(job, world, op, ranks) * 1e9)
+
+
+def _seconds(job, world, item: Item, rank: int) -> float:
+    nbytes = max(item.sent, item.received)
+    return item.count * wire_seconds(job, world, item.op, item.ranks, rank, nbytes)
 
 
 def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleComm:
@@ -277,7 +295,7 @@ def role_comm(job, world, micro: Trace, iteration: Trace, *, rank: int) -> RoleC
     out = RoleComm(items=items, dims={d: Totals() for d in DIMENSIONS})
     for it in items:
         t = out.dims[it.dimension]
-        seconds = _seconds(job, world, it)
+        seconds = _seconds(job, world, it, rank)
         _add_calls(t, it, 1)
         t.seconds += seconds
         t.exposed_seconds += 0.0 if it.overlapped else seconds
@@ -298,8 +316,8 @@ def call_seconds(job, world, c: Collective, rank: int) -> tuple[str, float, str 
     sent, received = ring_bytes(c.op, c.bytes, len(c.ranks) if c.peer is None else 2)
     if c.output_bytes is not None:
         received = ring_bytes(c.op, c.output_bytes, len(c.ranks))[1]
-    gbps = link_gbps(job, world, c.op, ranks)
-    return dimension, max(sent, received) * 8 / (gbps * 1e9), _overlap(job, c, dimension)
+    seconds = wire_seconds(job, world, c.op, ranks, rank, max(sent, received))
+    return dimension, seconds, _overlap(job, c, dimension)
 
 
 def _crossing(world, role, item: Item, traced: int, cache: dict) -> int:

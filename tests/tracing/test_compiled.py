@@ -83,8 +83,28 @@ _SWIGLU_BIAS_BACK = (
     "torch.randn(2048, dtype=torch.bfloat16))"
 )
 _SWIGLU_MODULE = "megatron.core.fusions.fused_bias_swiglu"
+_GEGLU_MODULE = "megatron.core.fusions.fused_bias_geglu"
+_B = "torch.bfloat16"
+_Y, _G, _W = (  # routed tokens x 2f, their gradient x f, the routing probabilities (fp32)
+    f"torch.randn(256, 2048, dtype={_B})",
+    f"torch.randn(256, 1024, dtype={_B})",
+    "torch.rand(256, 1)",
+)
+_BIAS, _OFFSET = f"torch.randn(2048, dtype={_B})", f"torch.tensor(1.0, dtype={_B})"
+WEIGHTED = {
+    "weighted_swiglu": (_SWIGLU_MODULE, f"lambda: ({_Y}, {_W})"),
+    "weighted_swiglu_back": (_SWIGLU_MODULE, f"lambda: ({_G}, {_Y}, {_W})"),
+    "weighted_quick_geglu": (_GEGLU_MODULE, f"lambda: ({_Y}, {_W}, {_OFFSET})"),
+    "weighted_quick_geglu_back": (_GEGLU_MODULE, f"lambda: ({_G}, {_Y}, {_W}, {_OFFSET})"),
+    "weighted_bias_quick_geglu": (_GEGLU_MODULE, f"lambda: ({_Y}, {_BIAS}, {_W}, {_OFFSET})"),
+    "weighted_bias_quick_geglu_back": (
+        _GEGLU_MODULE,
+        f"lambda: ({_G}, {_Y}, {_BIAS}, {_W}, {_OFFSET})",
+    ),
+}
 
 CASES = {
+    **{name: (module, name, name, make) for name, (module, make) in WEIGHTED.items()},
     "swiglu": (_SWIGLU_MODULE, "swiglu", "swiglu", _SWIGLU),
     "bias_swiglu": (_SWIGLU_MODULE, "bias_swiglu", "bias_swiglu", _SWIGLU_BIAS),
     "swiglu_back": (_SWIGLU_MODULE, "swiglu_back", "swiglu_back", _SWIGLU_BACK),

@@ -28,3 +28,26 @@ def test_ring_collectives_across_nodes_use_the_nics_of_the_members_on_a_node():
     assert link_gbps(job, world, "reduce_scatter", (0, 2, 4, 6, 8, 10, 12, 14)) == 4 * inter
     assert link_gbps(job, world, "all_reduce", tuple(range(16))) == min(intra, 8 * inter)
     assert link_gbps(job, world, "all_to_all", tuple(range(16))) == inter
+
+
+def test_an_all_to_all_across_nodes_sends_to_its_node_over_nvlink_and_to_the_rest_by_nic():
+    """Each peer gets its share at once: 7 of 15 peers in the node at NVLink's rate, 8 over the
+    NIC; the call lasts as long as the NIC's part. In an NVL72 rack all 15 are NVLink peers."""
+    from metatrace.analysis.comm import wire_seconds
+    from metatrace.world import World
+    from tests.helpers import small_job
+
+    job = small_job(cluster={"gpu": "h100"})
+    world = World.from_job(job)
+    intra, inter = job.cluster.intra_node_gbps * 1e9, job.cluster.inter_node_gbps * 1e9
+    nbytes = 15 * 2**20  # 1 MiB to each peer
+    got = wire_seconds(job, world, "all_to_all", tuple(range(16)), 3, nbytes)
+    assert got == max(7 * 2**20 * 8 / intra, 8 * 2**20 * 8 / inter) == 8 * 2**20 * 8 / inter
+    # a reduce-scatter over the same ranks is not split: the ring's rate (link_gbps)
+    assert wire_seconds(job, world, "reduce_scatter", tuple(range(16)), 3, nbytes) == (
+        nbytes * 8 / min(intra, 8 * inter)
+    )
+    rack = small_job(cluster={"gpu": "gb200", "gpus_per_node": 4})
+    assert rack.cluster.nvlink_domain == 72
+    got = wire_seconds(rack, World.from_job(rack), "all_to_all", tuple(range(16)), 3, nbytes)
+    assert got == nbytes * 8 / (rack.cluster.intra_node_gbps * 1e9)
