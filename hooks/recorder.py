@@ -643,17 +643,21 @@ class Recorder:
                     fp8_flops=count.fp8 - fp8,
                     kernel_ps=count.ps - ps,
                     attention_ps=count.attention_ps - attention,
-                    # Priced windows only (the time model's): a replayed iteration's steps stand
-                    # for work the traced micro-batch's windows price, and its counts would
-                    # not extend as steady.py extends a replay.
+                    # The time model reads the steps' host work from the traced micro-batch's
+                    # priced windows (a replayed step stands for the traced one's work and
+                    # carries none), and the rest of the iteration's (the gradient
+                    # synchronisation, the optimizer step) from the replayed iteration's
+                    # windows outside the steps: their counts only, which are affine in the
+                    # micro-batches as steady.py extends a replay (the losses' reduction
+                    # takes two views per micro-batch), where their pieces would not be.
                     **(
                         {
                             "kernels": host.kernels - kernels,
                             "host_ps": host.host_ps - host_ps,
                             "syncs": host.syncs - syncs,
-                            "host": tuple(pieces),
+                            "host": tuple(pieces) if count.model is not None else (),
                         }
-                        if count.model is not None
+                        if count.model is not None or chunk is None
                         else {}
                     ),
                 )

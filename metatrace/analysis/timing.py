@@ -168,7 +168,8 @@ class Host:
     kernels: int
     """Kernels launched."""
     syncs: int
-    """Synchronisations (the host waits for the GPU)."""
+    """Synchronisations (the host waits for the GPU): in the steps and the optimizer step, and
+    after the pipeline's batched sends and receives (`simulate`'s p2p_sync)."""
 
     def to_json(self) -> dict:
         return {
@@ -205,7 +206,7 @@ def compute_seconds(
 def describe_rates(efficiency: float | None, peak_tflops: float) -> str:
     """How the time model priced the compute, for a report's line."""
     if efficiency is None:
-        return f"compute per kernel at its modelled rate ({peak_tflops:,.0f} TFLOP/s peak)"
+        return f"kernels at their modelled rates ({peak_tflops:,.0f} TFLOP/s peak)"
     return f"compute at {efficiency:.0%} of {peak_tflops:,.0f} TFLOP/s peak"
 
 
@@ -228,6 +229,8 @@ def simulate(
     host=None,
     clocks=None,
     waited=None,
+    p2p_sync: bool = False,
+    synced=None,
 ):
     """Start and end of every step of every stage.
 
@@ -239,9 +242,14 @@ def simulate(
     seconds, its kernels' seconds and its GPU stream's (kernels and exposed communication)
     (config.host; None: the host keeps up), applied to the stage's host clock and to the GPU's
     where the step starts; the exposed communication follows the kernels, copies on other
-    streams run beside them. `clocks`: a list that gets each stage's host
-    clock at its end; `waited`: a dict that gets what each step (s, phase, chunk, microbatch)
-    lasts longer waiting for the host. Returns, per stage, [(start, end, phase, chunk, microbatch)]."""
+    streams run beside them. `p2p_sync`: the host waits for the GPU after each pipeline
+    communication (megatron-core's batched send and receive, batch_p2p_comm, end with
+    torch.cuda.synchronize(): p2p_communication._communicate, batch_p2p_sync, always on in
+    Megatron-LM), before a step that receives or after one that sends; `synced`: a list that
+    gets each stage's number of them. `clocks`: a list that gets each stage's host clock at its
+    end; `waited`: a dict that gets what each step (s, phase,
+    chunk, microbatch) lasts longer waiting for the host. Returns, per stage, [(start, end,
+    phase, chunk, microbatch)]."""
     chunks = vpp or 1
     last = pp * chunks - 1
     p2p = p2p or (lambda stage, phase: 0.0)
@@ -250,6 +258,8 @@ def simulate(
     clock = [0.0] * len(orders)
     host_clock = [0.0] * len(orders)
     cursor = [0] * len(orders)
+    sent = [False] * len(orders)  # whether the stage's last step sent its output on
+    syncs = [0] * len(orders)
     remaining = sum(len(o) for o in orders)
     while remaining:
         progress = False
@@ -270,6 +280,13 @@ def simulate(
                 start, end = ready, ready + took
                 gpu_end = end
                 issued = host(s, phase, chunk) if host is not None else None
+                if p2p_sync and (sent[s] or 0 <= dep <= last):
+                    # The communication before the step (the last step's send, this one's
+                    # receive) ends in a synchronisation: the host goes on when the GPU has
+                    # run everything before the step.
+                    host_clock[s] = max(host_clock[s], ready)
+                    syncs[s] += 1
+                sent[s] = 0 <= (k + 1 if phase == "forward" else k - 1) <= last
                 if issued is not None:
                     matrix, kernels, serial = issued
                     host_clock[s], gpu = apply(matrix, host_clock[s], ready)
@@ -289,7 +306,12 @@ def simulate(
             waiting = [order[cursor[s]] for s, order in enumerate(orders) if cursor[s] < len(order)]
             raise ValueError(f"the stages' step orders wait for each other: {waiting}")
     if clocks is not None:
-        clocks[:] = host_clock
+        # The last step's send synchronises too.
+        clocks[:] = [
+            max(h, clock[s]) if p2p_sync and sent[s] else h for s, h in enumerate(host_clock)
+        ]
+    if synced is not None:
+        synced[:] = [n + (p2p_sync and sent[s]) for s, n in enumerate(syncs)]
     return out
 
 
@@ -574,6 +596,7 @@ def job_timing(job_trace) -> Timing | None:
         return gathered_by[(s, chunk)] if aligned and waits(s, phase, chunk, mb) else 0.0
 
     host_clocks: list[float] = []
+    p2p_syncs: list[int] = []
     waited: dict[tuple, float] = {}
     simulated = simulate(
         orders,
@@ -586,6 +609,8 @@ def job_timing(job_trace) -> Timing | None:
         host=lambda s, phase, chunk: issued.get((s, phase, chunk)),
         clocks=host_clocks,
         waited=waited,
+        p2p_sync=pp > 1 and not job.parallel.overlap_p2p_comm,
+        synced=p2p_syncs,
     )
     pipeline = max((end for stage in simulated for _, end, *_ in stage), default=0.0)
     # The optimizer step starts when every stage's gradients are reduced (the gradient norm's
@@ -670,7 +695,7 @@ def job_timing(job_trace) -> Timing | None:
             seconds=host_seconds,
             wait_seconds=sum(sp.host_wait_seconds for sp in spans),
             kernels=sum(k for _, k, _ in step_counts) + opt_kernels,
-            syncs=sum(n for _, _, n in step_counts) + opt_syncs,
+            syncs=sum(n for _, _, n in step_counts) + opt_syncs + p2p_syncs[s],
         )
         gather_waits = max(gather_waits, gathered)
         busy = sum(end - start for start, end, *_ in stage)

@@ -162,29 +162,11 @@ def build_timing(analysis) -> Text:
             "gathering and gradient reduction outlasting the steps beside them"
         )
     text.append(")")
+    # Host-bound iterations say so here, the GPU's wait as a term (docs/figures.md, "Time
+    # model"); --detail adds the host's kernels, synchronisations and work.
     line = where_it_goes(breakdown(t), t.iteration_seconds, len(t.stages) > 1)
     text.append(f"\n{line}", style="")
-    bound = host_bound(t)
-    if bound:
-        text.append(f"\n{bound}", style="bold")
     return text
-
-
-def host_bound(t) -> str | None:
-    """The line saying that the steps wait for the host (docs/figures.md, "Time model"), where
-    that takes 1 % of the iteration or more; None otherwise."""
-    host = t.host
-    if host is None or host.wait_seconds < 0.01 * t.iteration_seconds:
-        return None
-    where = f" (stage {host.stage})" if len(t.stages) > 1 else ""
-    syncs = (
-        f", {host.syncs:,} synchronisation{'s' if host.syncs != 1 else ''}" if host.syncs else ""
-    )
-    return (
-        f"Host-bound{where}: the GPU waits {seconds(host.wait_seconds)} of "
-        f"{seconds(t.iteration_seconds)} per iteration for the host ({host.kernels:,} kernels "
-        f"launched{syncs}; {seconds(host.seconds)} of host work)"
-    )
 
 
 def build_comm_table(analysis) -> Table:

@@ -204,3 +204,44 @@ def test_what_cuda_graphs_capture(training, captured, eager):
         assert not inside(module, "forward")
     plain = {"model": {"preset": "debug"}, "training": {"seq_length": 64}}
     assert captured_by_graphs(job_from_dict(plain)) is None
+
+
+def test_batched_pipeline_communication_synchronises_the_host():
+    """Two stages of 1F1B, two micro-batches, host-bound steps (100 us of host work issuing a
+    10 us kernel, as one max-plus matrix): megatron-core's batched sends and receives end in
+    torch.cuda.synchronize(), so the host cannot issue a step before the GPU has received its
+    input; without them (overlap_p2p_comm) it runs ahead."""
+    from metatrace.analysis.timing import simulate
+    from metatrace.config.host import scaled
+
+    us = 1e-6
+    step = scaled(_stream([("host", 100), ("kernel", 10)]).matrix(), 1e-12)
+    orders = [
+        [("forward", 0, 0), ("forward", 0, 1), ("backward", 0, 0), ("backward", 0, 1)],
+        [("forward", 0, 0), ("backward", 0, 0), ("forward", 0, 1), ("backward", 0, 1)],
+    ]
+
+    def run(sync):
+        clocks, synced = [], []
+        out = simulate(
+            orders,
+            lambda s, phase, chunk: 10 * us,
+            pp=2,
+            host=lambda s, phase, chunk: (step, 10 * us, 10 * us),
+            clocks=clocks,
+            p2p_sync=sync,
+            synced=synced,
+        )
+        return [round(end / us) for _, end, *_ in out[1]], round(clocks[1] / us), synced
+
+    # Without synchronisations stage 1's host issues its first forward from 0 while stage 0
+    # runs its own (its input arrives at 110 us): the kernel ends at 120; each next step is
+    # 100 us of host work on.
+    assert run(False) == ([120, 210, 310, 410], 400, [0, 0])
+    # With them stage 1's host starts issuing each forward when its input has arrived (110 us,
+    # then 320 where its backward ends). Its backwards follow no communication (the last
+    # stage's send_forward_recv_backward does nothing) and run ahead; the host waits for its
+    # last backward's send (530). Synchronisations: stage 0 after its first forward's send
+    # and before each backward's receive, stage 1 before each forward's receive and after the
+    # last send (megatron-core's 1F1B).
+    assert run(True) == ([220, 320, 430, 530], 530, [3, 3])
