@@ -182,15 +182,16 @@ def op_seconds(model, func, args, out, flops: int, margin: int = 0) -> float:
     )
 
 
-def report_moved(*tensors) -> None:
-    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once."""
+def report_moved(*tensors, launches: int = 1) -> None:
+    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once;
+    `launches`: the kernels that work takes (a multi-tensor kernel's, config.host)."""
     count = _count()
     if count is not None:
         n = sum(t.nbytes for t in tensors if t is not None)
         if n and count.model is not None:
-            count.add_seconds(kernels.memory_seconds(count.model, n))
+            count.add_seconds(kernels.memory_seconds(count.model, n), launches=launches)
         elif n:
-            count.unpriced_launch()
+            count.unpriced_launch(launches)
 
 
 def unpriced(factory, *args, **kwargs):

@@ -34,7 +34,12 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from metatrace.config.host import SYNC, kernels_of
+from metatrace.config.host import (
+    SYNC,
+    embedding_backward_kernels,
+    kernels_of,
+    multi_tensor_launches,
+)
 from metatrace.config.kernels import SOFTMAX_WARP_ROW, KernelModel, memory_seconds
 from metatrace.hooks import flops as _flops
 from metatrace.hooks import host as _host
@@ -235,10 +240,47 @@ def _op_info(func) -> list:
             moves = "iterated"
     if func.namespace == "aten":
         launches = kernels_of(name, view=func.is_view)
+        if launches and name in _SHAPED_KERNELS:
+            launches = _SHAPED_KERNELS[name]
+        elif launches and name.startswith("_foreach_"):
+            launches = partial(_foreach_kernels, not name.endswith("_"))
     else:
         launches = 1 if spec is not None and spec is not _UNCLASSIFIED else 0
     sync = func.namespace == "aten" and name in SYNC
     return [0, formula, _written_args(func), spec, moves, launches, sync, func.is_view]
+
+
+def _empty(out) -> bool:
+    """Whether an operator's outputs are all empty tensors."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() == 0
+    if isinstance(out, (list, tuple)) and out:
+        return all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in out)
+    return False
+
+
+def _foreach_kernels(out_of_place: bool, args, kwargs) -> int:
+    """A foreach operator's multi-tensor launches (config.host.multi_tensor_launches): its
+    tensor lists, and the list it writes when not in place."""
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and _is_tensor(a[0])]
+    if not lists:
+        return 1
+    numels = [t.numel() for t in lists[0]]
+    return multi_tensor_launches(numels, len(lists) + out_of_place)
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _embedding_backward_kernels(args, kwargs) -> int:
+    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)."""
+    scale = args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False)
+    return embedding_backward_kernels(args[1].numel(), bool(scale))
+
+
+# ATen operators whose CUDA kernels' count depends on their arguments: (args, kwargs) -> kernels.
+_SHAPED_KERNELS = {"embedding_dense_backward": _embedding_backward_kernels}
 
 
 def _moved_bytes(args, out) -> int:
@@ -805,6 +847,10 @@ class Recorder:
         if counting:
             if (launches or sync) and not self._on_device(args, out):
                 launches, sync = 0, False  # work on host tensors: no kernel, no wait
+            elif launches and _empty(out):
+                launches = 0  # CUDA operators return before launching on empty outputs
+            elif callable(launches):
+                launches = launches(args, kwargs)
             self._on_host(launches, ps, sync, view)
         if written:
             positions, names = written
@@ -827,13 +873,18 @@ class Recorder:
 
     def _on_device(self, args, out) -> bool:
         """Whether an operator works on the traced device's tensors (its first tensor argument,
-        or its output), not on host tensors (a CPU scalar megatron-core reads back)."""
+        or its output: a copy of host tensors to the device, as get_batch's .cuda(), is a
+        copy the device runs), not on host tensors alone (a CPU scalar megatron-core reads
+        back)."""
+        device = self.device_types[0]
         t = args[0] if args else out
         if isinstance(t, (list, tuple)) and t:
             t = t[0]
         if not isinstance(t, torch.Tensor):
             t = out if isinstance(out, torch.Tensor) else None
-        return t is None or t.device.type == self.device_types[0]
+        if t is None or t.device.type == device:
+            return True
+        return isinstance(out, torch.Tensor) and out.device.type == device
 
     def _on_host(self, launches: int, ps: int, sync: bool, view: bool) -> None:
         """The host's side of a dispatched operator (hooks/host.py): issued from Python, a view,

@@ -142,10 +142,60 @@ SYNC = frozenset(
 
 
 def kernels_of(name: str, *, view: bool) -> int:
-    """Kernels an ATen operator launches on a GPU (0 for views and metadata operators)."""
+    """Kernels an ATen operator launches on a GPU (0 for views and metadata operators); some
+    launch a number that depends on their arguments (`shaped_kernels`)."""
     if view or name in NO_KERNEL:
         return 0
     return KERNELS.get(name, 1)
+
+
+EMBEDDING_DIRECT = 3072
+"""embedding_dense_backward_cuda (PyTorch's Embedding.cu) takes its direct path up to this many
+indices (without scale_grad_by_freq): the gradient zeroed (a fill) and one
+embedding_backward_feature_kernel; past it, it sorts the indices (KERNELS above)."""
+
+
+def embedding_backward_kernels(indices: int, scale_grad_by_freq: bool) -> int:
+    """Kernels of embedding_dense_backward over `indices` token ids."""
+    if indices <= EMBEDDING_DIRECT and not scale_grad_by_freq:
+        return 2
+    return KERNELS["embedding_dense_backward"]
+
+
+# Multi-tensor kernels: PyTorch's foreach operators (aten/src/ATen/native/cuda/
+# MultiTensorApply.cuh) and Apex's and Transformer Engine's multi_tensor_applier
+# (csrc/multi_tensor_apply.cuh, transformer_engine/common/multi_tensor/multi_tensor_apply.cuh)
+# pack the tensors of `depth` lists into launches of at most MAX_BLOCKS chunks of CHUNK
+# elements and of MAX_TENSORS[depth - 1] tensors.
+MULTI_TENSOR_CHUNK = 2048 * 32
+"""Elements per chunk: PyTorch's kChunkSize; Apex's and TE's multi_tensor_applier(2048 * 32),
+with which FusedAdam and megatron-core call them."""
+MULTI_TENSOR_MAX_TENSORS = (110, 64, 48, 36, 30, 24)
+MULTI_TENSOR_MAX_BLOCKS = 320
+
+
+def multi_tensor_launches(
+    numels: Iterable[int], depth: int, chunk: int = MULTI_TENSOR_CHUNK
+) -> int:
+    """Kernel launches of one multi-tensor call over tensors of `numels` elements in `depth`
+    lists. Restates multi_tensor_apply's loop (PyTorch 2.x, Apex, TE 2.x alike): each tensor's
+    chunks fill the launch's blocks; a launch goes when its blocks are full, or its tensors are
+    and a tensor's last chunk is in, and the rest goes in a last launch. Empty tensors are
+    skipped (as PyTorch does)."""
+    max_tensors = MULTI_TENSOR_MAX_TENSORS[min(depth, len(MULTI_TENSOR_MAX_TENSORS)) - 1]
+    launches = blocks = tensors = 0
+    for n in numels:
+        if n == 0:
+            continue
+        tensors += 1
+        chunks = -(-n // chunk)
+        for c in range(chunks):
+            blocks += 1
+            if blocks == MULTI_TENSOR_MAX_BLOCKS or (tensors == max_tensors and c == chunks - 1):
+                launches += 1
+                blocks = 0
+                tensors = 0 if c == chunks - 1 else 1  # a tensor cut in two goes on
+    return launches + (blocks > 0)
 
 
 # ----------------------------------------------------------------------------- max-plus

@@ -245,3 +245,102 @@ def test_batched_pipeline_communication_synchronises_the_host():
     # and before each backward's receive, stage 1 before each forward's receive and after the
     # last send (megatron-core's 1F1B).
     assert run(True) == ([220, 320, 430, 530], 530, [3, 3])
+
+
+# ----------------------------------------------------------------------------- launches a
+# dispatched operator does not show: what the H200 profiles of bench/step_time.py counted
+
+
+CHUNK = 2048 * 32
+
+
+@pytest.mark.parametrize(
+    "numels, depth, launches",
+    [
+        ([100, 100, 100], 1, 1),  # everything in one launch
+        ([1] * 111, 1, 2),  # 110 tensors fill a launch of one list
+        ([1] * 37, 4, 2),  # 36 of four lists (Adam's)
+        ([320 * CHUNK + 1], 4, 2),  # 320 chunks fill a launch; the last one goes alone
+        ([200 * CHUNK, 200 * CHUNK], 1, 2),  # the second tensor goes on in the next launch
+        ([0, 5, 0], 2, 1),  # empty tensors skipped
+        ([], 2, 0),
+    ],
+)
+def test_multi_tensor_launches(numels, depth, launches):
+    from metatrace.config.host import multi_tensor_launches
+
+    assert multi_tensor_launches(numels, depth) == launches
+
+
+def test_the_optimizers_multi_tensor_kernels_launch_by_chunks():
+    """Transformer Engine's multi-tensor kernels as megatron-core calls them in the optimizer
+    step: the gradient norm (one list, then the cleanup kernel that adds the blocks' norms),
+    the copy of the main parameters to the model's (two lists; not a copy and a product per
+    tensor) and FusedAdam's update (four lists: gradients, parameters, both moments)."""
+    from metatrace.config.host import multi_tensor_launches
+    from metatrace.hooks.remap import remap_cuda
+    from metatrace.models import te_optim
+
+    # 150 parameters, the largest of 400 chunks: more tensors and chunks than one launch holds.
+    numels = [400 * CHUNK] + [1000] * 149
+    params = [torch.empty(n, device="meta") for n in numels]
+    copies = [torch.empty(n, dtype=torch.bfloat16, device="meta") for n in numels]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    flag = torch.zeros(1, dtype=torch.int, device="meta")
+    with remap_cuda("meta"):
+        adam = te_optim.FusedAdam(params)
+    grads = [p.grad for p in params]
+    norm = _recorded(lambda: te_optim.multi_tensor_l2norm(CHUNK, flag, [grads], False))
+    fills = 2  # its outputs, zeroed: the total, and no per-tensor norms (an empty fill: none)
+    assert norm.kernels == fills - 1 + multi_tensor_launches(numels, 1) + 1
+    assert multi_tensor_launches(numels, 1) == 3  # 320 chunks, then 80 + 110 tensors, then 39
+    scale = _recorded(lambda: te_optim.multi_tensor_scale(CHUNK, flag, [params, copies], 1.0))
+    assert scale.kernels == multi_tensor_launches(numels, 2) == 4
+    adam.step()  # the first step makes (and zeroes) the moments
+    step = _recorded(adam.step)
+    assert step.kernels == multi_tensor_launches(numels, 4) == 6
+
+
+def test_the_batch_copied_to_the_device_launches_its_copies():
+    """get_batch's .cuda() of the data loader's host tensors: a copy each on the device (the
+    H200 profiles' Memcpy HtoD, five per micro-batch); work on host tensors alone launches
+    nothing."""
+    batch = [torch.zeros(2, 64, dtype=torch.int64) for _ in range(5)]
+    w = _recorded(lambda: [t.to("meta", non_blocking=True) for t in batch])
+    assert w.kernels == 5
+    host = _recorded(lambda: [t.add(1) for t in batch])
+    assert host.kernels == 0
+
+
+def test_empty_outputs_launch_nothing():
+    w = _recorded(lambda: (torch.zeros(0, device="meta"), torch.zeros(3, device="meta")))
+    assert w.kernels == 1
+
+
+@pytest.mark.parametrize("tokens, kernels", [(2048, 2), (3072, 2), (3073, 8)])
+def test_the_embeddings_backward_takes_its_direct_path_for_few_tokens(tokens, kernels):
+    """PyTorch's embedding_dense_backward_cuda: up to 3072 indices, the gradient zeroed and one
+    embedding_backward_feature_kernel (the H200 profile of GPT 1.3B at micro-batch 1, 2048
+    tokens: 2 a micro-batch, for the word and position embeddings); more, it sorts them."""
+    grad = torch.empty(tokens, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(tokens, dtype=torch.int64, device="meta")
+    w = _recorded(lambda: torch.ops.aten.embedding_dense_backward(grad, ids, 1000, -1, False))
+    assert w.kernels == kernels
+
+
+def test_foreach_operators_launch_by_chunks():
+    """torch.optim's foreach step (optimizer_impl: torch): each foreach operator is one
+    multi-tensor call over its lists, and the list it writes when not in place."""
+    from metatrace.config.host import multi_tensor_launches
+
+    numels = [CHUNK] * 120
+    xs = [torch.empty(n, device="meta") for n in numels]
+    ys = [torch.empty(n, device="meta") for n in numels]
+    assert _recorded(lambda: torch._foreach_mul_(xs, 0.5)).kernels == 2  # 110 tensors, then 10
+    add = _recorded(lambda: torch._foreach_add_(xs, ys))
+    assert add.kernels == multi_tensor_launches(numels, 2) == 2
+    sqrt = _recorded(lambda: torch._foreach_sqrt(xs))  # reads one list, writes another
+    assert sqrt.kernels == multi_tensor_launches(numels, 2)
+    lerp = _recorded(lambda: torch._foreach_addcmul_(xs, ys, ys))
+    assert lerp.kernels == multi_tensor_launches(numels, 3) == 3  # 48 tensors a launch
