@@ -1,28 +1,41 @@
-"""The host's cost per operator and per module, measured on this machine's CPU.
+"""The host's cost per operator and per module, on this machine's CPU or on a GPU.
 
-    python bench/host_overhead.py [--only SUBSTRING] [--layers N] [--repeat N] [--json FILE]
+    python bench/host_overhead.py [--device cpu|cuda] [--only SUBSTRING] [--layers N]
+                                  [--repeat N] [--json FILE]
 
 What the time model's host constants (metatrace/config/host.py) come from. A GPU runs a
 step no faster than the host issues its kernels; the host's work per kernel is PyTorch's
 (Python binding, dispatcher, autograd recording, TensorIterator, the allocator) and
-megatron-core's Python around the operators. That code is the same on the CPU: run on tiny
-tensors, whose kernels take next to nothing, the wall time is the host's work.
+megatron-core's Python around the operators. Run on tiny tensors, whose kernels take next to
+nothing, the wall time is the host's work.
 
 1. Operators: a loop of small ATen operators on 8 x 8 tensors that require gradients (what a
    forward records), and views, timed per call (one thread, the median of several rounds).
 2. Modules: the local-spec layers of bench/step_time.py's cases (GPT, Llama-like, 8 local
-   experts) built by megatron-core on the CPU with tiny sizes (hidden 64, sequence 64, the
-   cases' structure and layer count cut to --layers), one micro-batch's forward and backward
-   through megatron-core's schedule, timed per step (the median of --repeat). A counting pass
-   counts the operators each step dispatches, the modules its forward calls and the torch
-   functions the CUDA-to-CPU remapping intercepts (metatrace.hooks.remap; its own cost per call
-   is measured and taken out). Per module: the forward's time less its operators' (1.), over its
-   module calls; per backward operator: the backward's time over its operators (the autograd
-   engine's work per node and megatron-core's Python in custom autograd functions included).
+   experts) built by megatron-core with tiny sizes (hidden 64, sequence 64, the cases'
+   structure and layer count cut to --layers), one micro-batch's forward and backward through
+   megatron-core's schedule, timed per step (the median of --repeat). A counting pass counts
+   the operators each step dispatches, the kernels they launch (config.host.kernels_of), the
+   modules its forward calls and the torch functions the CUDA-to-CPU remapping intercepts
+   (metatrace.hooks.remap, on the CPU; its own cost per call is measured and taken out). Per
+   module: the forward's time less its operators' and launches' (1.), over its module calls;
+   per backward operator: the backward's time less its launches, over its operators (the
+   autograd engine's work per node and megatron-core's Python in custom autograd functions
+   included).
 
-Not measurable here: the CUDA runtime's own cost of a launch (cudaLaunchKernel) and of the
-caching allocator's bookkeeping, which a CPU run replaces with its own kernel on a tiny tensor
-and the CPU allocator; config/host.py takes the launch cost from a published measurement.
+On the CPU (`--device cpu`, the default) the operators run CPU kernels on tiny tensors: the
+CUDA runtime's own cost of a launch (cudaLaunchKernel) and PyTorch's CUDA path (the device
+guard, the caching allocator, the CUDA TensorIterator) are not there, and config/host.py takes
+the launch from a published measurement. On a GPU (`--device cuda`) the same operators run on
+CUDA tensors, and again on CPU tensors in the same process: the CPU's time is the operator's
+host work on that machine's CPU, the difference the CUDA path's and the launch's, per kernel
+(`launch`). Each operator's GPU time is measured too (the calls queued behind a sleeping kernel,
+then run back to back, between two events): the host's time per call is a host cost only
+where it is well above it (`host_bound`). The layers run on CUDA tensors (a synchronisation
+before each step, none inside it). `--json` (default with --device cuda:
+bench/data/GPU_host_overhead.json) stores the measurements and `constants`, the values of
+config.host.HOST_SECONDS they give; bench/device_memory.py --device cuda runs the same
+measurement.
 """
 
 from __future__ import annotations
@@ -50,15 +63,9 @@ def _per_call(fn, calls: int, rounds: int = 7) -> float:
     return statistics.median(out)
 
 
-def operators() -> dict:
-    """Seconds per call of small ATen operators (with autograd recording), of views, of the
-    remapping mode's interception, and of Python's empty call."""
+def _ops(x, y) -> tuple[dict, dict]:
     import torch
 
-    from metatrace.hooks.remap import remap_cuda
-
-    x = torch.randn(8, 8, requires_grad=True)
-    y = torch.randn(8, 8, requires_grad=True)
     ops = {
         "add": lambda: x + y,
         "mul": lambda: x * 0.5,
@@ -74,19 +81,81 @@ def operators() -> dict:
         "transpose": lambda: x.transpose(0, 1),
         "unsqueeze": lambda: x.unsqueeze(0),
     }
+    return ops, views
+
+
+def _gpu_per_call(fn, calls: int, host_s: float) -> float:
+    """The GPU's seconds per call of fn(): `calls` calls queued behind a sleeping kernel that
+    outlasts their issue (fewer than the launch queue holds), then run back to back."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(max(1e7, 4 * calls * host_s * 2e9)))  # cycles, at most ~2 GHz
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def operators(device: str = "cpu") -> dict:
+    """Seconds per call of small ATen operators (with autograd recording), of views, of the
+    remapping mode's interception, and of Python's empty call. On a GPU: each operator's time
+    on CUDA and on CPU tensors, their difference per launch, the GPU's own time per call, and
+    the host's cost of a synchronisation (a value read back)."""
+    import torch
+
+    from metatrace.hooks.remap import remap_cuda
+
     empty = _per_call(lambda: None, 20000)
-    per_op = {name: _per_call(fn, 5000) - empty for name, fn in ops.items()}
-    per_view = {name: _per_call(fn, 5000) - empty for name, fn in views.items()}
-    plain = _per_call(lambda: x.dim(), 20000)
-    with remap_cuda("cpu"):
-        remapped = _per_call(lambda: x.dim(), 20000)
-    return {
+
+    def timed(on: str) -> tuple[dict, dict, dict]:
+        x = torch.randn(8, 8, requires_grad=True, device=on)
+        y = torch.randn(8, 8, requires_grad=True, device=on)
+        ops, views = _ops(x, y)
+        for fn in (*ops.values(), *views.values()):  # the first calls' caches, CUDA's set-up
+            for _ in range(50):
+                fn()
+        if on == "cuda":
+            torch.cuda.synchronize()
+        per_op = {name: _per_call(fn, 5000) - empty for name, fn in ops.items()}
+        per_view = {name: _per_call(fn, 5000) - empty for name, fn in views.items()}
+        if on == "cuda":
+            torch.cuda.synchronize()
+        return per_op, per_view, ops
+
+    per_op, per_view, ops = timed(device)
+    out = {
         "op_s": statistics.median(per_op.values()),
         "view_s": statistics.median(per_view.values()),
         "ops": per_op,
         "views": per_view,
-        "remap_s": remapped - plain,
     }
+    if device == "cpu":
+        x = torch.randn(8, 8)
+        plain = _per_call(lambda: x.dim(), 20000)
+        with remap_cuda("cpu"):
+            remapped = _per_call(lambda: x.dim(), 20000)
+        out["remap_s"] = remapped - plain
+        out["launch_s"] = 0.0
+        out["cpu_op_s"] = out["op_s"]
+        return out
+    cpu_op, _, _ = timed("cpu")
+    gpu = {name: _gpu_per_call(fn, 500, per_op[name]) for name, fn in ops.items()}
+    x = torch.ones(8, device="cuda")
+    read = _per_call(lambda: x.sum().item(), 2000) - empty
+    out.update(
+        remap_s=0.0,
+        cpu_ops=cpu_op,
+        cpu_op_s=statistics.median(cpu_op.values()),
+        launch_s=statistics.median(per_op[k] - cpu_op[k] for k in per_op),
+        gpu_ops=gpu,
+        host_bound={k: per_op[k] > 1.5 * gpu[k] for k in per_op},
+        sync_s=read - per_op["sum"],
+    )
+    return out
 
 
 class _Counts(contextlib.ContextDecorator):
@@ -107,9 +176,15 @@ def _modes(counts: _Counts):
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from metatrace.config.host import kernels_of
+
     class Dispatch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts.count("views" if func.is_view else "ops")
+            if func.namespace == "aten":
+                counts.count(
+                    "kernels", kernels_of(func._overloadpacket.__name__, view=func.is_view)
+                )
             return func(*args, **(kwargs or {}))
 
     class Functions(TorchFunctionMode):
@@ -127,10 +202,11 @@ def _modes(counts: _Counts):
 class _Probe:
     """The recorder's interface to run_iteration: times (or counts) each step."""
 
-    def __init__(self, counts: _Counts | None = None):
+    def __init__(self, counts: _Counts | None = None, cuda: bool = False):
         self.times: dict[str, list[float]] = {}
         self.counts = counts
         self.phase = "forward"
+        self.cuda = cuda
 
     def set_step_phase(self, phase):
         self.phase = phase
@@ -139,6 +215,10 @@ class _Probe:
     def window(self, phase, *args):
         if self.counts is not None:
             self.counts.step = phase
+        if self.cuda:  # the GPU's queue empty: the step's time is its issue
+            import torch
+
+            torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield {}
@@ -168,9 +248,9 @@ def tiny_job(name: str, layers: int):
     return resolve(job_from_dict(data))
 
 
-def steps(job, repeat: int) -> dict:
+def steps(job, repeat: int, device: str = "cpu") -> dict:
     """Per step kind (forward, backward, grad sync, optimizer): the median seconds, and the
-    counts of one iteration (one micro-batch)."""
+    counts of one iteration (one micro-batch), on `device`'s tensors."""
     import torch
 
     from metatrace.hooks.fake_world import fake_world
@@ -189,15 +269,16 @@ def steps(job, repeat: int) -> dict:
 
     world = World.from_job(job)
     pool = random_batches(job, job.num_microbatches)
+    cuda = device == "cuda"
     with (
         megatron_patches(compiled=False, optimizer=job.training.optimizer_impl),
-        remap_cuda("cpu"),
+        contextlib.nullcontext() if cuda else remap_cuda("cpu"),
         fake_world(world.layout, 0),
         local_broadcasts(),
-        cuda_like_dropout(),
+        contextlib.nullcontext() if cuda else cuda_like_dropout(),
     ):
         config = transformer_config(job)
-        model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device="cpu"))
+        model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
         optimizer = build_optimizer(job, model)
 
         def iteration(rec):
@@ -207,13 +288,13 @@ def steps(job, repeat: int) -> dict:
                 model,
                 optimizer,
                 rec=rec,
-                device=torch.device("cpu"),
+                device=torch.device(device),
                 real_steps=True,
                 batches=lambda: _cycle(pool),
             )
 
-        iteration(_Probe())  # warm-up: the optimizer's state, the first calls' caches
-        timed = _Probe()
+        iteration(_Probe(cuda=cuda))  # warm-up: the optimizer's state, the first calls' caches
+        timed = _Probe(cuda=cuda)
         for _ in range(repeat):
             iteration(timed)
         counts = _Counts()
@@ -222,7 +303,7 @@ def steps(job, repeat: int) -> dict:
         try:
             # Functions inside remap_cuda's mode, as run_iteration's calls reach it first.
             with Functions(), Dispatch():
-                iteration(_Probe(counts))
+                iteration(_Probe(counts, cuda=cuda))
         finally:
             handle.remove()
     return {
@@ -234,58 +315,131 @@ def steps(job, repeat: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="cases whose name contains this")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of each case")
-    parser.add_argument("--repeat", type=int, default=9, help="timed iterations per case")
-    parser.add_argument("--json", help="write the measurements here")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    import torch
+CASES = ("gpt 1.3b, mbs 1", "llama-like h4096, s4096", "moe 8x top2, local experts")
 
-    torch.set_num_threads(1)
-    import step_time
 
-    ops = operators()
-    print(
+def measure(device: str = "cpu", *, only: str = "", layers: int = 4, repeat: int = 9) -> dict:
+    """The operators' and the cases' measurements, and the constants they give
+    (config.host.HOST_SECONDS's keys), printed as they come."""
+    ops = operators(device)
+    line = (
         f"operator {ops['op_s'] * 1e6:.2f} us (median of {len(ops['ops'])}: "
         + ", ".join(f"{k} {v * 1e6:.2f}" for k, v in ops["ops"].items())
-        + f"); view {ops['view_s'] * 1e6:.2f} us; remapping {ops['remap_s'] * 1e6:.2f} us a call"
+        + f"); view {ops['view_s'] * 1e6:.2f} us"
     )
+    if device == "cuda":
+        line += (
+            f"; on CPU tensors {ops['cpu_op_s'] * 1e6:.2f} us, so a launch "
+            f"{ops['launch_s'] * 1e6:.2f} us; the GPU's time per call "
+            + ", ".join(f"{k} {v * 1e6:.2f}" for k, v in ops["gpu_ops"].items())
+            + f" (host-bound: {sum(ops['host_bound'].values())} of {len(ops['host_bound'])}); "
+            f"a value read back {ops['sync_s'] * 1e6:.1f} us"
+        )
+    else:
+        line += f"; remapping {ops['remap_s'] * 1e6:.2f} us a call"
+    print(line, flush=True)
     rows = []
-    for name in ("gpt 1.3b, mbs 1", "llama-like h4096, s4096", "moe 8x top2, local experts"):
-        if args.only not in name:
+    for name in CASES:
+        if only not in name:
             continue
-        job = tiny_job(name, args.layers)
-        got = steps(job, args.repeat)
+        job = tiny_job(name, layers)
+        got = steps(job, repeat, device)
         fwd, bwd = got["forward"], got["backward"]
         own = fwd["seconds"] - fwd.get("functions", 0) * ops["remap_s"]
-        ops_s = fwd.get("ops", 0) * ops["op_s"] + fwd.get("views", 0) * ops["view_s"]
+        ops_s = (
+            fwd.get("ops", 0) * ops["cpu_op_s"]
+            + fwd.get("views", 0) * ops["view_s"]
+            + fwd.get("kernels", 0) * ops["launch_s"]
+        )
         module = (own - ops_s) / max(1, fwd.get("modules", 0))
         bwd_own = bwd["seconds"] - bwd.get("functions", 0) * ops["remap_s"]
+        bwd_own -= bwd.get("kernels", 0) * ops["launch_s"]
         per_bwd = bwd_own / max(1, bwd.get("ops", 0) + bwd.get("views", 0))
         row = {"case": name, "layers": job.model.num_layers, "steps": got}
         row.update(module_s=module, backward_op_s=per_bwd)
         rows.append(row)
         print(
             f"{name:30} forward {fwd['seconds'] * 1e3:7.2f} ms: {fwd.get('ops', 0)} operators, "
-            f"{fwd.get('views', 0)} views, {fwd.get('modules', 0)} modules, "
-            f"{fwd.get('functions', 0)} remapped calls -> {module * 1e6:.1f} us a module; "
-            f"backward {bwd['seconds'] * 1e3:7.2f} ms: {bwd.get('ops', 0)} operators, "
-            f"{bwd.get('views', 0)} views -> {per_bwd * 1e6:.2f} us each"
+            f"{fwd.get('views', 0)} views, {fwd.get('kernels', 0)} kernels, "
+            f"{fwd.get('modules', 0)} modules, {fwd.get('functions', 0)} remapped calls -> "
+            f"{module * 1e6:.1f} us a module; backward {bwd['seconds'] * 1e3:7.2f} ms: "
+            f"{bwd.get('ops', 0)} operators, {bwd.get('views', 0)} views, "
+            f"{bwd.get('kernels', 0)} kernels -> {per_bwd * 1e6:.2f} us each",
+            flush=True,
         )
+    out = {"device": device, "operators": ops, "cases": rows}
     if rows:
+        out["constants"] = {
+            "operator": ops["cpu_op_s"],
+            "view": ops["view_s"],
+            "backward": statistics.median(r["backward_op_s"] for r in rows),
+            "module": statistics.median(r["module_s"] for r in rows),
+            "launch": ops["launch_s"] if device == "cuda" else None,
+        }
         print(
-            f"module {statistics.median(r['module_s'] for r in rows) * 1e6:.1f} us, "
-            f"backward operator {statistics.median(r['backward_op_s'] for r in rows) * 1e6:.2f} "
-            "us (medians over the cases)"
+            "constants (config.host.HOST_SECONDS): "
+            + ", ".join(
+                f"{k} {v * 1e6:.1f} us" if v is not None else f"{k} not measured on the CPU"
+                for k, v in out["constants"].items()
+            ),
+            flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"operators": ops, "cases": rows}, f, indent=1)
-    del step_time
+    return out
+
+
+def described(device: str) -> dict:
+    """The machine measured: its CPU, GPU and software."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--only", default="", help="cases whose name contains this")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of each case")
+    parser.add_argument("--repeat", type=int, default=9, help="timed iterations per case")
+    parser.add_argument(
+        "--json",
+        help="write the measurements here (default with --device cuda: "
+        "bench/data/GPU_host_overhead.json)",
+    )
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import torch
+
+    torch.set_num_threads(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU")
+    result = {
+        **described(args.device),
+        **measure(args.device, only=args.only, layers=args.layers, repeat=args.repeat),
+    }
+    path = args.json
+    if path is None and args.device == "cuda":
+        from step_time import detected_gpu
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, "data", f"{detected_gpu()}_host_overhead.json")
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"written to {path}")
     return 0
 
 

@@ -48,13 +48,24 @@ tensors their kernels take next to nothing, so the wall time is the host's work:
   Blog, 2019), where back-to-back launches of a 2.9 us kernel took 3.8 us each (host-bound:
   the launches) and 3.4 us once captured in a graph. A captured graph's launch counts one.
 
+A GPU measurement replaces all five: `bench/host_overhead.py --device cuda` (also run by
+bench/device_memory.py --device cuda) times the same operators on CUDA tensors of small shapes
+(each one's GPU time beside its host time, so that only host-bound ones count) and on CPU
+tensors in the same process, and the same layers on the GPU, and writes the constants to
+bench/data/GPU_host_overhead.json: "operator" and "view" of that machine's CPU, "launch" the
+CUDA operators' extra per kernel (PyTorch's CUDA path: the device guard, the caching allocator,
+the CUDA TensorIterator, and cudaLaunchKernel), "module" and "backward" from the layers on the
+GPU less their operators and launches. None has run on a GPU yet.
+
 Known limitations: the host's speed is the measuring machine's (a data-centre CPU of lower
-clock runs the same code slower: the constants do not scale with it); PyTorch's CUDA path does
-work a CPU run does not (the caching allocator, cuBLAS's host-side set-up of a GEMM), taken as
-balanced by the CPU kernels' own cost on tiny tensors; the CPU's other threads (the data
-loader, NCCL's proxy) are not modelled; Transformer Engine's modules take megatron-core's
-per-module cost (Transformer Engine does not run here); work outside the steps (the schedule's
-own Python, the loss function) is not counted, nor pageable host-to-device copies' staging.
+clock runs the same code slower: the constants do not scale with it); until a GPU measurement
+replaces them, PyTorch's CUDA path (the caching allocator, cuBLAS's host-side set-up of a
+GEMM) is only the published launch's cost; the CPU's other threads (the data loader, NCCL's
+proxy) are not modelled; Transformer Engine's modules take megatron-core's per-module cost
+(Transformer Engine does not run here); work outside the steps (the schedule's own Python, the
+loss function) is not counted; kernels no dispatched operator shows are not counted (PyTorch's
+multi-block reductions zero their semaphores with a memset first: H200 profiles of
+bench/step_time.py count about one a reduction, and more, docs/figures.md).
 """
 
 from __future__ import annotations

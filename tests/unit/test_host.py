@@ -344,3 +344,26 @@ def test_foreach_operators_launch_by_chunks():
     assert sqrt.kernels == multi_tensor_launches(numels, 2)
     lerp = _recorded(lambda: torch._foreach_addcmul_(xs, ys, ys))
     assert lerp.kernels == multi_tensor_launches(numels, 3) == 3  # 48 tensors a launch
+
+
+@pytest.mark.parametrize("host, flagged", [(0.0, False), (0.009, False), (0.01, True), (0.6, True)])
+def test_the_where_it_goes_line_says_host_bound_from_one_percent(host, flagged):
+    from metatrace.analysis.timing import Breakdown
+    from metatrace.render.format import where_it_goes
+
+    b = Breakdown(
+        stage=1,
+        compute=1.0 - host,
+        communication=0.0,
+        idle=0.0,
+        optimizer=0.0,
+        offload=0.0,
+        host=host,
+    )
+    line = where_it_goes(b, 1.0, True)
+    assert line.startswith(
+        "Where it goes (stage 1, the last to finish; host-bound): "
+        if flagged
+        else "Where it goes (stage 1, the last to finish): "
+    )
+    assert ("waiting for the host" in line) == (host >= 1e-3)  # terms under 0.1 % left out
