@@ -241,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         "--reserved-overhead-gib",
         type=float,
         metavar="GIB",
-        help="memory a GPU needs beside the allocator's (default 4)",
+        help="a margin kept free on every GPU beyond the predicted device memory (default 0)",
     )
     plan.add_argument("--seq", type=int, metavar="S", help="sequence length")
     plan.add_argument("--global-batch", type=int, metavar="B", help="samples per iteration")

@@ -13,7 +13,8 @@ torch.cuda.mem_get_info() (right after the CUDA context exists, after the first 
 end), the iteration time, and the allocator's own trace of the run
 (torch.cuda.memory._record_memory_history: every request, free and segment, reduced to
 arrays) for testing an allocator model against the real one without a GPU. The host's cost per
-PyTorch operator (launch, synchronisation) is measured once.
+PyTorch operator, view, kernel launch, module and backward operator is measured once
+(bench/host_overhead.py --device cuda), into the JSON and bench/data/GPU_host_overhead.json.
 
 Without a GPU, it prints the prediction of each case against the stored measurement.
 """
@@ -194,34 +195,12 @@ def run_one(name: str, gpu: str, out: str, trace_file: str | None) -> None:
 
 
 def host_costs() -> dict:
-    """Seconds of host time per PyTorch operator launched on tiny tensors (the GPU waits for
-    the host), and per synchronisation (.item())."""
-    import torch
+    """The host's cost per PyTorch operator, view, launch, module and backward operator on this
+    machine's CPU driving its GPU (bench/host_overhead.py --device cuda: CUDA tensors of small
+    shapes, timed on the host, each operator's GPU time beside it), and per synchronisation."""
+    import host_overhead
 
-    x = torch.ones(8, device="cuda")
-    m = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
-    out = {}
-    for label, fn in (
-        ("add", lambda: x + x),
-        ("mul_", lambda: x.mul_(1.0)),
-        ("matmul 64", lambda: m @ m),
-        ("cat", lambda: torch.cat([x, x])),
-        (
-            "index_select",
-            lambda: x.index_select(0, torch.zeros(2, dtype=torch.long, device="cuda")),
-        ),
-        ("item", lambda: x.sum().item()),
-    ):
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        n = 5000
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        out[label] = (time.perf_counter() - start) / n
-    return out
+    return {**host_overhead.described("cuda"), **host_overhead.measure("cuda")}
 
 
 def nccl_one_rank() -> dict:
@@ -304,8 +283,15 @@ def measure_all(args) -> int:
             )
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    result["host_s_per_op"] = host_costs()
-    print("host seconds per operator:", result["host_s_per_op"], flush=True)
+    try:
+        host = host_costs()
+        # The measurement that replaces config/host.py's constants (docs/figures.md).
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+        with open(os.path.join(path, f"{gpu}_host_overhead.json"), "w") as f:
+            json.dump(host, f, indent=1)
+    except Exception as e:
+        host = {"error": repr(e)}
+    result["host_overhead"] = host
     try:
         result["nccl_one_rank"] = nccl_one_rank()
     except Exception as e:

@@ -36,9 +36,9 @@ class FlopCount:
     its kernels take (`ps`: GEMMs and attention from their shapes, memory-bound operators from
     the bytes they move; an integer, so that counts of identical work are equal)."""
 
-    __slots__ = ("attention_ps", "fp4", "fp8", "margin", "model", "ps", "total")
+    __slots__ = ("attention_ps", "fp4", "fp8", "host", "margin", "model", "ps", "total")
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, host=None):
         self.total = 0
         self.fp8 = 0
         self.fp4 = 0
@@ -49,12 +49,25 @@ class FlopCount:
         self.model = model
         self.margin = 0
         """Multiprocessors the GEMMs running now leave to a collective beside them."""
+        self.host = host
+        """The recorder's hooks.host.HostCount: a stand-in's reported kernel is a launch."""
 
-    def add_seconds(self, seconds: float, *, attention: bool = False) -> None:
+    def add_seconds(self, seconds: float, *, attention: bool = False, launches: int = 1) -> int:
+        """Kernels taking `seconds` in all, `launches` of them launched by the host on their
+        own (a stand-in's report; 0 where the recorder counts a dispatched operator's launches
+        itself). Their picoseconds."""
         ps = round(seconds * 1e12)
         self.ps += ps
         if attention:
             self.attention_ps += ps
+        if launches and self.host is not None:
+            self.host.kernel(ps, launches)
+        return ps
+
+    def unpriced_launch(self, launches: int = 1) -> None:
+        """Kernels a stand-in reports where there are no rates to price them (a replay)."""
+        if self.model is None and self.host is not None:
+            self.host.kernel(0, launches)
 
 
 _ACTIVE: list[FlopCount] = []  # the counts of the recorders running now (innermost last)
@@ -93,6 +106,7 @@ def report(flops: int, *, fp8: bool = False, fp4: bool = False) -> None:
         _add(count, int(flops), fp8, fp4)
         if count.model is not None:
             count.add_seconds(kernels.flops_seconds(count.model, int(flops), fp8=fp8, fp4=fp4))
+        count.unpriced_launch()
 
 
 def _add(count: FlopCount, flops: int, fp8: bool, fp4: bool = False) -> None:
@@ -116,6 +130,7 @@ def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, fp4: bool = False,
                 count.model, m, n, k, fp8=fp8, fp4=fp4, margin=count.margin, accumulate=acc
             )
             count.add_seconds(sec)
+        count.unpriced_launch()
 
 
 def report_grouped(
@@ -131,7 +146,8 @@ def report_grouped(
             sec = kernels.grouped_gemm_seconds(
                 count.model, rows, n, k, fp8=fp8, fp4=fp4, margin=count.margin
             )
-            count.add_seconds(times * sec)
+            count.add_seconds(times * sec, launches=times)
+        count.unpriced_launch(times)
 
 
 def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int | None) -> int:
@@ -147,6 +163,7 @@ def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int 
                 count.model, flops, q_len, head_dim, causal=causal, backward=backward
             )
             count.add_seconds(sec, attention=True)
+        count.unpriced_launch()
     return flops
 
 
@@ -172,13 +189,16 @@ def op_seconds(model, func, args, out, flops: int, margin: int = 0) -> float:
     )
 
 
-def report_moved(*tensors) -> None:
-    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once."""
+def report_moved(*tensors, launches: int = 1) -> None:
+    """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once;
+    `launches`: the kernels that work takes (a multi-tensor kernel's, config.host)."""
     count = _count()
-    if count is not None and count.model is not None:
+    if count is not None:
         n = sum(t.nbytes for t in tensors if t is not None)
-        if n:
-            count.add_seconds(kernels.memory_seconds(count.model, n))
+        if n and count.model is not None:
+            count.add_seconds(kernels.memory_seconds(count.model, n), launches=launches)
+        elif n:
+            count.unpriced_launch(launches)
 
 
 def unpriced(factory, *args, **kwargs):

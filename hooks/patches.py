@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from metatrace.hooks import guards, meta_kernels
+from metatrace.hooks import host as _host
 from metatrace.hooks.guards import PatchError, Versions, check_megatron_core, installed_release
 from metatrace.world import orthogonal_array
 
@@ -566,6 +567,7 @@ def _allgather_dispatch_postprocess(orig):
         self.local_map = self.routing_map[:, first:last].contiguous()
         self.local_probs = probs[:, first:last].contiguous()
         tokens_per_expert = _moe().allgather_local_counts(self, hidden_states.shape[0])
+        _host.sync()  # megatron-core copies the counts to the host: .cpu()
         total = int(tokens_per_expert.sum())
         permuted, _, self.reversed_local_input_permutation_mapping = td.permute(
             hidden_states,
@@ -581,6 +583,18 @@ def _allgather_dispatch_postprocess(orig):
         return permuted, tokens_per_expert, self.local_probs
 
     return dispatch_postprocess
+
+
+def _alltoall_synchronize(orig):
+    def maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        # The host waits at cuda_sync_point for the copies of the counts megatron-core issued
+        # at cuda_dtoh_point (taken here as a wait for everything issued so far). Dropless
+        # only: with drop_and_pad the counts are static.
+        if not self.drop_and_pad and point == self.cuda_sync_point:
+            _host.sync()
+        return orig(self, point, tokens_per_expert)
+
+    return maybe_dtoh_and_synchronize
 
 
 def _balanced_routing(orig):
@@ -622,6 +636,14 @@ PATCHES += (
         "dropless routing reads the tokens per expert and the all-to-all splits on the host "
         "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py), padded "
         "per source rank with moe_router_padding_for_quantization.",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        _alltoall_synchronize,
+        Versions((0, 16, 1)),
+        "the host waits for the token counts' copies at cuda_sync_point (an event's "
+        "synchronize, which does nothing on meta): the time model's synchronisation.",
     ),
     Patch(
         "megatron.core.transformer.moe.token_dispatcher",

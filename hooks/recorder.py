@@ -34,8 +34,15 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from metatrace.config.host import (
+    SYNC,
+    embedding_backward_kernels,
+    kernels_of,
+    multi_tensor_launches,
+)
 from metatrace.config.kernels import SOFTMAX_WARP_ROW, KernelModel, memory_seconds
 from metatrace.hooks import flops as _flops
+from metatrace.hooks import host as _host
 from metatrace.hooks.collectives import (
     COLLECTIVE_NAMESPACES,
     COLLECTIVES,
@@ -205,12 +212,13 @@ _NO_DATA = frozenset(
 
 
 def _op_info(func) -> list:
-    """[calls, flop formula or None, written arguments, collective spec, moves data]: the spec
-    is None for compute and for what is known not to be a collective, _UNCLASSIFIED for the
-    rest; an operator that moves data (not a view, an allocation, a matrix product or a
-    collective) is timed by the bytes it reads and writes, and where its kernel can be bound by
-    its elements instead, moves data names the kind ("_softmax", "cat", "iterated": see
-    _memory_path; True otherwise)."""
+    """[calls, flop formula or None, written arguments, collective spec, moves data, kernels
+    launched, synchronises, host cost kind]: the spec is None for compute and for what is known
+    not to be a collective, _UNCLASSIFIED for the rest; an operator that moves data (not a view,
+    an allocation, a matrix product or a collective) is timed by the bytes it reads and writes,
+    and where its kernel can be bound by its elements instead, moves data names the kind
+    ("_softmax", "cat", "iterated": see _memory_path; True otherwise). Kernels and
+    synchronisations: metatrace.config.host (a known collective launches one, NCCL's)."""
     key = op_key(func)
     spec = None
     if func.namespace not in COMPUTE_NAMESPACES and key not in NOT_COLLECTIVES:
@@ -231,7 +239,49 @@ def _op_info(func) -> list:
             moves = name
         elif name in _ITERATED or torch.Tag.pointwise in func.tags:
             moves = "iterated"
-    return [0, formula, _written_args(func), spec, moves]
+    if func.namespace == "aten":
+        launches = kernels_of(name, view=func.is_view)
+        if launches and name in _SHAPED_KERNELS:
+            launches = _SHAPED_KERNELS[name]
+        elif launches and name.startswith("_foreach_"):
+            launches = partial(_foreach_kernels, not name.endswith("_"))
+    else:
+        launches = 1 if spec is not None and spec is not _UNCLASSIFIED else 0
+    sync = func.namespace == "aten" and name in SYNC
+    return [0, formula, _written_args(func), spec, moves, launches, sync, func.is_view]
+
+
+def _empty(out) -> bool:
+    """Whether an operator's outputs are all empty tensors."""
+    if isinstance(out, torch.Tensor):
+        return out.numel() == 0
+    if isinstance(out, (list, tuple)) and out:
+        return all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in out)
+    return False
+
+
+def _foreach_kernels(out_of_place: bool, args, kwargs) -> int:
+    """A foreach operator's multi-tensor launches (config.host.multi_tensor_launches): its
+    tensor lists, and the list it writes when not in place."""
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and _is_tensor(a[0])]
+    if not lists:
+        return 1
+    numels = [t.numel() for t in lists[0]]
+    return multi_tensor_launches(numels, len(lists) + out_of_place)
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _embedding_backward_kernels(args, kwargs) -> int:
+    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)."""
+    scale = args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False)
+    return embedding_backward_kernels(args[1].numel(), bool(scale))
+
+
+# ATen operators whose CUDA kernels' count depends on their arguments: (args, kwargs) -> kernels.
+_SHAPED_KERNELS = {"embedding_dense_backward": _embedding_backward_kernels}
 
 
 def _moved_bytes(args, out) -> int:
@@ -458,6 +508,7 @@ class Recorder:
         static: dict[str, list[torch.Tensor]] | None = None,
         outside: list[torch.Tensor] = (),
         kernels: KernelModel | None = None,
+        captured=None,
     ):
         self.chunks = chunks
         self._static_tensors = dict(static or {})
@@ -492,7 +543,11 @@ class Recorder:
         self._modes = []
         self._static_bytes = 0
         self._run = _MEMO if self.device_types[0] == "meta" else _call
-        self._flops = _flops.FlopCount(kernels)
+        # The host's side: kernels launched, host work, synchronisations (hooks/host.py);
+        # `captured(module)`: a module whose work a CUDA graph replays.
+        self._host = _host.HostCount(captured)
+        self._flops = _flops.FlopCount(kernels, host=self._host)
+        self._window_pieces: list[int] = []  # pieces closed when each open window began
         self._window_flops: list[int] = []  # FLOPs counted when each open window began
         self._collective_flops: dict[int, int] = {}
 
@@ -531,6 +586,7 @@ class Recorder:
                 mode.__enter__()
                 self._modes.append(mode)
             _flops.push(self._flops)
+            _host.push(self._host)
         except BaseException:
             self._remove()
             raise
@@ -552,6 +608,7 @@ class Recorder:
 
     def _remove(self) -> None:
         _flops.pop(self._flops)
+        _host.pop(self._host)
         while self._modes:
             self._modes.pop().__exit__(None, None, None)
         while self._handles:
@@ -601,13 +658,16 @@ class Recorder:
         the activations it keeps."""
         first = self._seq + 1
         info: dict = {}
-        count = self._flops
+        count, host = self._flops, self._host
         total, fp8, ps, attention = count.total, count.fp8, count.ps, count.attention_ps
+        kernels, host_ps, syncs = host.kernels, host.host_ps, host.syncs
         self._window_flops.append(total)
+        self._window_pieces.append(host.cut())
         try:
             yield info
         finally:
             self._window_flops.pop()
+            pieces = host.pieces[self._window_pieces.pop() : host.cut()]
             sids = {
                 key: self.storages.see(info[key])
                 if isinstance(info.get(key), torch.Tensor)
@@ -626,6 +686,23 @@ class Recorder:
                     fp8_flops=count.fp8 - fp8,
                     kernel_ps=count.ps - ps,
                     attention_ps=count.attention_ps - attention,
+                    # The time model reads the steps' host work from the traced micro-batch's
+                    # priced windows (a replayed step stands for the traced one's work and
+                    # carries none), and the rest of the iteration's (the gradient
+                    # synchronisation, the optimizer step) from the replayed iteration's
+                    # windows outside the steps: their counts only, which are affine in the
+                    # micro-batches as steady.py extends a replay (the losses' reduction
+                    # takes two views per micro-batch), where their pieces would not be.
+                    **(
+                        {
+                            "kernels": host.kernels - kernels,
+                            "host_ps": host.host_ps - host_ps,
+                            "syncs": host.syncs - syncs,
+                            "host": tuple(pieces) if count.model is not None else (),
+                        }
+                        if count.model is not None or chunk is None
+                        else {}
+                    ),
                 )
             )
 
@@ -650,7 +727,9 @@ class Recorder:
 
     def mark(self) -> Mark:
         """Where the recording stands now (metatrace.tracing.layers cuts the records of one
-        layer out between two marks)."""
+        layer out between two marks). The host's running piece ends here."""
+        host = self._host
+        closed = host.cut()
         return Mark(
             self._seq,
             self.storages.next_sid,
@@ -661,6 +740,10 @@ class Recorder:
             self._flops.attention_ps,
             Counter(self._op_counts()),
             Counter(_by_name(self._unclassified)),
+            host.kernels,
+            host.host_ps,
+            host.syncs,
+            closed - (self._window_pieces[-1] if self._window_pieces else 0),
         )
 
     def _op_counts(self) -> dict[str, int]:
@@ -675,6 +758,9 @@ class Recorder:
     def _pre_forward(self, module, args):
         fqn = self._fqn.get(id(module))
         if fqn is not None:
+            if _flops.counting():
+                in_backward = torch._C._current_graph_task_id() != -1
+                self._host.module(fqn, "recompute" if in_backward else "forward")
             self._stack.append(fqn)
             # Nodes behind the module's inputs were made before it ran (by its parent, e.g. a
             # MoE layer's dispatcher before its experts): not the module's to label.
@@ -740,20 +826,33 @@ class Recorder:
         if info is None:
             info = self._ops[func] = _op_info(func)
         info[0] += 1
-        _, formula, written, spec, moves = info
+        _, formula, written, spec, moves, launches, sync, view = info
         count = self._flops
-        if formula is not None and _flops.counting():
+        counting = _flops.counting()
+        ps = 0
+        if formula is not None and counting:
             # Shapes only: also right for the outputs fastmeta's memo makes for repeated layers.
             flops = formula(*args, out_val=out, **kwargs)
             count.total += flops
             if count.model is not None and flops:
                 sec = _flops.op_seconds(count.model, func, args, out, flops, count.margin)
-                count.add_seconds(sec, attention="attention" in func._overloadpacket.__name__)
-        elif moves and count.model is not None and _flops.counting():
+                attention = "attention" in func._overloadpacket.__name__
+                ps = count.add_seconds(sec, attention=attention, launches=0)
+        elif moves and count.model is not None and counting:
             nbytes = _moved_bytes(args, out)
             if nbytes:
                 path, elements = _memory_path(moves, args, out)
-                count.add_seconds(memory_seconds(count.model, nbytes, path, elements))
+                ps = count.add_seconds(
+                    memory_seconds(count.model, nbytes, path, elements), launches=0
+                )
+        if counting:
+            if (launches or sync) and not self._on_device(args, out):
+                launches, sync = 0, False  # work on host tensors: no kernel, no wait
+            elif launches and _empty(out):
+                launches = 0  # CUDA operators return before launching on empty outputs
+            elif callable(launches):
+                launches = launches(args, kwargs)
+            self._on_host(launches, ps, sync, view)
         if written:
             positions, names = written
             found = [args[i] for i in positions if i < len(args)]
@@ -772,6 +871,30 @@ class Recorder:
             self._unclassified[func] += 1
             return
         self._record_collective(func, spec, args, out)
+
+    def _on_device(self, args, out) -> bool:
+        """Whether an operator works on the traced device's tensors (its first tensor argument,
+        or its output: a copy of host tensors to the device, as get_batch's .cuda(), is a
+        copy the device runs), not on host tensors alone (a CPU scalar megatron-core reads
+        back)."""
+        device = self.device_types[0]
+        t = args[0] if args else out
+        if isinstance(t, (list, tuple)) and t:
+            t = t[0]
+        if not isinstance(t, torch.Tensor):
+            t = out if isinstance(out, torch.Tensor) else None
+        if t is None or t.device.type == device:
+            return True
+        return isinstance(out, torch.Tensor) and out.device.type == device
+
+    def _on_host(self, launches: int, ps: int, sync: bool, view: bool) -> None:
+        """The host's side of a dispatched operator (hooks/host.py): issued from Python, a view,
+        or by the autograd engine in backward (a recomputed forward is Python's)."""
+        host = self._host
+        backward = torch._C._current_graph_task_id() != -1 and not self._stack
+        kind = "backward" if backward else "view" if view else "operator"
+        module, phase = self._where() if host.captured is not None else ("", "")
+        host.operator(module, phase, kind, launches, ps, sync)
 
     def _record_collective(self, func, spec, args, out) -> None:
         tensors = message_tensors(spec, args, out)
@@ -832,6 +955,12 @@ class Mark(NamedTuple):
     attention_ps: int
     ops: Counter
     unclassified: Counter
+    kernels: int = 0
+    host_ps: int = 0
+    syncs: int = 0
+    piece: int = 0
+    """Host pieces (hooks/host.py) closed in the window open at the mark before it (the
+    index there of the piece that starts at the mark)."""
 
 
 class _StorageResizes:

@@ -245,6 +245,9 @@ class _UnknownValues(TorchFunctionMode):
         if func in _READ_BACK and args and isinstance(args[0], torch.Tensor):
             t = args[0]
             if t.device == self.device and not getattr(t, KNOWN, False):
+                from metatrace.hooks import host
+
+                host.sync()  # a GPU would copy the value to the host and wait for it
                 zero = False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
                 return _READ_BACK[func](zero)
         return func(*args, **(kwargs or {}))

@@ -179,6 +179,20 @@ class Window:
     attention_ps: int = 0
     """Of `kernel_ps`, the fused attention kernels' (what the context-parallel ring runs
     beside)."""
+    kernels: int = 0
+    """Kernels the window launches on a GPU (metatrace.config.host: dispatched operators but
+    views and metadata, the kernels stand-ins report; those a CUDA graph replays count, and
+    launch nothing)."""
+    host_ps: int = 0
+    """Picoseconds of host work issuing them: PyTorch's per operator, megatron-core's Python per
+    module, the launches (config.host.HOST_SECONDS)."""
+    syncs: int = 0
+    """Synchronisations: where the host waits for the GPU (a value read back on the host, an
+    operator whose output size depends on the data)."""
+    host: tuple = ()
+    """The window's host work, kernels and synchronisations as max-plus matrices (a, b, c, d)
+    in picoseconds, one after another (config.host): what the time model applies to the
+    host's and the GPU's clocks."""
 
 
 @dataclass(frozen=True)

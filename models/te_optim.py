@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import torch
 
-_CHUNK = 2048 * 32  # TE's multi_tensor_applier chunk size; kept for the call signature
+from metatrace.config.host import MULTI_TENSOR_CHUNK, multi_tensor_launches
+from metatrace.hooks import flops
+
+_CHUNK = MULTI_TENSOR_CHUNK  # TE's multi_tensor_applier chunk size
 
 
 def multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
@@ -30,20 +33,28 @@ def multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
 
 
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """The L2 norm kernel: a one-element fp32 total, and one norm per tensor when `per_tensor`."""
+    """The L2 norm kernel: a one-element fp32 total, and one norm per tensor when `per_tensor`.
+    It reads every tensor in the multi-tensor launches of one list and a cleanup kernel sums
+    the blocks' partial norms (config.host.multi_tensor_launches)."""
     tensors = tensor_lists[0]
     device = tensors[0].device if tensors else noop_flag.device
     total = torch.zeros(1, dtype=torch.float32, device=device)
     per = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    launches = multi_tensor_launches((t.numel() for t in tensors), 1, chunk_size)
+    flops.report_moved(*tensors, launches=launches + 1)
     return total, per
 
 
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """dst = src * scale for every pair of tensors, in place."""
-    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
-        if dst is not src:
-            dst.copy_(src)
-        dst.mul_(scale)
+    """dst = src * scale for every pair of tensors, in place: the multi-tensor launches of two
+    lists (config.host.multi_tensor_launches), not a copy and a product per tensor."""
+    with flops.uncounted():
+        for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+            if dst is not src:
+                dst.copy_(src)
+            dst.mul_(scale)
+    launches = multi_tensor_launches((t.numel() for t in tensor_lists[0]), 2, chunk_size)
+    flops.report_moved(*tensor_lists[0], *tensor_lists[1], launches=launches)
 
 
 def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -164,11 +175,28 @@ class FusedAdam(torch.optim.Optimizer):
                         unscaled = self._unscaled(p, name)
                         if unscaled is not state[name]:
                             temporaries.append((state[name], unscaled))
-            # multi_tensor_adam: every update in place.
+            # multi_tensor_adam: every update in place, one multi-tensor call per parameter
+            # dtype over [grads, params, exp_avgs, exp_avg_sqs] (and the master copies or their
+            # remainders with master_weights: five lists).
+            self._report_launches(group["params"])
             for scaled, unscaled in temporaries:  # _apply_scale writes the states back
                 scaled.copy_(unscaled)
             del temporaries
         return loss
+
+    def _report_launches(self, params) -> None:
+        """The multi_tensor_adam launches of a group's step (config.host): TE's FusedAdam.step
+        lists the parameters with a gradient by dtype and calls the kernel once per list."""
+        by_dtype: dict = {}
+        for p in params:
+            grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+            if grad is not None:
+                by_dtype.setdefault(p.dtype, []).append((p, grad))
+        for dtype, pairs in by_dtype.items():
+            depth = 5 if self.master_weights and dtype != torch.float32 else 4
+            launches = multi_tensor_launches((p.numel() for p, _ in pairs), depth)
+            tensors = [t for p, g in pairs for t in (p, g, *self.state[p].values())]
+            flops.report_moved(*tensors, launches=launches)
 
 
 class FusedSGD(torch.optim.Optimizer):

@@ -58,6 +58,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
+from metatrace.config.host import apply, product, scaled
 from metatrace.records import Trace
 
 STEP_PHASES = ("forward", "backward")
@@ -101,6 +102,9 @@ class Span:
     offload_seconds: float = 0.0
     """Activation offloading's host copies beside the step (to the host in forward, back in
     backward); the step takes at least this long."""
+    host_wait_seconds: float = 0.0
+    """What the step lasts longer because the GPU waited for the host to issue its kernels
+    (metatrace.config.host)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,38 @@ class Timing:
     """What overlap_param_gather's gathers and overlap_grad_reduce's reductions add past the
     steps beside them (the first forward steps' waits on the slowest stage, and the optimizer
     step's wait for the reductions)."""
+    host: Host | None = None
+    """The host's side of the iteration of the stage that finishes last (None: not recorded)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the host does in an iteration of one stage (metatrace.config.host)."""
+
+    stage: int
+    seconds: float
+    """Host work issuing the steps' and the optimizer step's kernels."""
+    wait_seconds: float
+    """Of the iteration, the time the GPU waits for the host (the steps last longer than their
+    kernels and communication, the optimizer step longer than its update)."""
+    kernels: int
+    """Kernels launched."""
+    syncs: int
+    """Synchronisations (the host waits for the GPU): in the steps and the optimizer step, and
+    after the pipeline's batched sends and receives (`simulate`'s p2p_sync)."""
+
+    def to_json(self) -> dict:
+        return {
+            "stage": self.stage,
+            "seconds": self.seconds,
+            "wait_seconds": self.wait_seconds,
+            "kernels": self.kernels,
+            "syncs": self.syncs,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Host:
+        return cls(d["stage"], d["seconds"], d["wait_seconds"], d["kernels"], d["syncs"])
 
 
 # ----------------------------------------------------------------------------- rates
@@ -170,7 +206,7 @@ def compute_seconds(
 def describe_rates(efficiency: float | None, peak_tflops: float) -> str:
     """How the time model priced the compute, for a report's line."""
     if efficiency is None:
-        return f"compute per kernel at its modelled rate ({peak_tflops:,.0f} TFLOP/s peak)"
+        return f"kernels at their modelled rates ({peak_tflops:,.0f} TFLOP/s peak)"
     return f"compute at {efficiency:.0%} of {peak_tflops:,.0f} TFLOP/s peak"
 
 
@@ -182,7 +218,19 @@ def virtual_stage(stage: int, chunk: int, pp: int) -> int:
 
 
 def simulate(
-    orders, seconds, *, pp: int, vpp: int | None = None, p2p=None, least=None, ends_after=None
+    orders,
+    seconds,
+    *,
+    pp: int,
+    vpp: int | None = None,
+    p2p=None,
+    least=None,
+    ends_after=None,
+    host=None,
+    clocks=None,
+    waited=None,
+    p2p_sync: bool = False,
+    synced=None,
 ):
     """Start and end of every step of every stage.
 
@@ -190,15 +238,28 @@ def simulate(
     a step's duration; `p2p(s, phase)` the transfer time of what stage s sends after a step of
     `phase` (default 0); `least(s, phase, chunk, microbatch)` a step's least duration and
     `ends_after(s, phase, chunk, microbatch)` the earliest time it can end (defaults none: what
-    it waits for beside its compute). Returns, per stage, [(start, end, phase, chunk,
-    microbatch)]."""
+    it waits for beside its compute). `host(s, phase, chunk)`: the step's host matrix in
+    seconds, its kernels' seconds and its GPU stream's (kernels and exposed communication)
+    (config.host; None: the host keeps up), applied to the stage's host clock and to the GPU's
+    where the step starts; the exposed communication follows the kernels, copies on other
+    streams run beside them. `p2p_sync`: the host waits for the GPU after each pipeline
+    communication (megatron-core's batched send and receive, batch_p2p_comm, end with
+    torch.cuda.synchronize(): p2p_communication._communicate, batch_p2p_sync, always on in
+    Megatron-LM), before a step that receives or after one that sends; `synced`: a list that
+    gets each stage's number of them. `clocks`: a list that gets each stage's host clock at its
+    end; `waited`: a dict that gets what each step (s, phase,
+    chunk, microbatch) lasts longer waiting for the host. Returns, per stage, [(start, end,
+    phase, chunk, microbatch)]."""
     chunks = vpp or 1
     last = pp * chunks - 1
     p2p = p2p or (lambda stage, phase: 0.0)
     finish: dict[tuple[str, int, int], float] = {}
     out: list[list[tuple]] = [[] for _ in orders]
     clock = [0.0] * len(orders)
+    host_clock = [0.0] * len(orders)
     cursor = [0] * len(orders)
+    sent = [False] * len(orders)  # whether the stage's last step sent its output on
+    syncs = [0] * len(orders)
     remaining = sum(len(o) for o in orders)
     while remaining:
         progress = False
@@ -217,8 +278,24 @@ def simulate(
                 if least is not None:
                     took = max(took, least(s, phase, chunk, mb))
                 start, end = ready, ready + took
+                gpu_end = end
+                issued = host(s, phase, chunk) if host is not None else None
+                if p2p_sync and (sent[s] or 0 <= dep <= last):
+                    # The communication before the step (the last step's send, this one's
+                    # receive) ends in a synchronisation: the host goes on when the GPU has
+                    # run everything before the step.
+                    host_clock[s] = max(host_clock[s], ready)
+                    syncs[s] += 1
+                sent[s] = 0 <= (k + 1 if phase == "forward" else k - 1) <= last
+                if issued is not None:
+                    matrix, kernels, serial = issued
+                    host_clock[s], gpu = apply(matrix, host_clock[s], ready)
+                    end = max(end, gpu + max(0.0, serial - kernels))
                 if ends_after is not None:
-                    end = max(end, ends_after(s, phase, chunk, mb))
+                    after = ends_after(s, phase, chunk, mb)
+                    end, gpu_end = max(end, after), max(gpu_end, after)
+                if waited is not None and end > gpu_end:
+                    waited[(s, phase, chunk, mb)] = end - gpu_end
                 finish[(phase, k, mb)] = end
                 out[s].append((start, end, phase, chunk, mb))
                 clock[s] = end
@@ -228,6 +305,13 @@ def simulate(
         if not progress:
             waiting = [order[cursor[s]] for s, order in enumerate(orders) if cursor[s] < len(order)]
             raise ValueError(f"the stages' step orders wait for each other: {waiting}")
+    if clocks is not None:
+        # The last step's send synchronises too.
+        clocks[:] = [
+            max(h, clock[s]) if p2p_sync and sent[s] else h for s, h in enumerate(host_clock)
+        ]
+    if synced is not None:
+        synced[:] = [n + (p2p_sync and sent[s]) for s, n in enumerate(syncs)]
     return out
 
 
@@ -433,6 +517,8 @@ def job_timing(job_trace) -> Timing | None:
     # Per (stage, phase, chunk), what every micro-batch's step does: (flops, compute seconds,
     # exposed communication seconds, the collectives placed in the step).
     kinds, sends, orders = {}, {}, []
+    issued: dict[tuple, tuple] = {}  # (stage, phase, chunk): (host matrix, kernels, stream)
+    counts: dict[tuple, tuple] = {}  # (stage, phase, chunk): (host seconds, kernels, syncs)
     for rt in roles:
         s, micro = rt.role.pp_stage, rt.trace
         calls = _step_calls(job, world, micro, micro.rank)
@@ -461,6 +547,15 @@ def job_timing(job_trace) -> Timing | None:
                 exposed += max(0.0, beside["tp"] - (comp - attention))
                 exposed += max(0.0, beside["ep"] - comp)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
+                if eff is None and w.host and w.kernel_ps:
+                    # The step's host work and kernels (config.host), where its kernels are
+                    # priced; the host keeps up with the GPU otherwise.
+                    issued[(s, w.phase, w.chunk)] = (
+                        scaled(product(w.host), 1e-12),
+                        w.kernel_ps / 1e12,
+                        comp + exposed,
+                    )
+                counts[(s, w.phase, w.chunk)] = (w.host_ps / 1e12, w.kernels, w.syncs)
         sends[s] = _p2p(job, world, micro, micro.rank)
         win = rt.iteration.columns("windows", ("phase", "chunk", "microbatch"))
         steps = zip(win["phase"].tolist(), win["chunk"].tolist(), win["microbatch"].tolist())
@@ -500,6 +595,9 @@ def job_timing(job_trace) -> Timing | None:
     def ends_after(s, phase, chunk, mb):
         return gathered_by[(s, chunk)] if aligned and waits(s, phase, chunk, mb) else 0.0
 
+    host_clocks: list[float] = []
+    p2p_syncs: list[int] = []
+    waited: dict[tuple, float] = {}
     simulated = simulate(
         orders,
         duration,
@@ -508,6 +606,11 @@ def job_timing(job_trace) -> Timing | None:
         p2p=lambda s, phase: sends[s].get(phase, (0.0, 0))[0],
         least=least,
         ends_after=ends_after,
+        host=lambda s, phase, chunk: issued.get((s, phase, chunk)),
+        clocks=host_clocks,
+        waited=waited,
+        p2p_sync=pp > 1 and not job.parallel.overlap_p2p_comm,
+        synced=p2p_syncs,
     )
     pipeline = max((end for stage in simulated for _, end, *_ in stage), default=0.0)
     # The optimizer step starts when every stage's gradients are reduced (the gradient norm's
@@ -519,19 +622,23 @@ def job_timing(job_trace) -> Timing | None:
     )
     wait = reduced - pipeline
     stages, transfers = [], []
+    hosts: dict[int, Host] = {}
     gather_waits = 0.0
     for rt, stage in zip(roles, simulated):
         s = rt.role.pp_stage
         peaks = _peaks(rt.iteration, persistent_bytes(rt.trace))
         spans = []
-        waited = 0.0
+        gathered = 0.0
+        host_seconds = 0.0
         for start, end, phase, chunk, mb in stage:
             flops, comp, exposed, placed = kinds.get((s, phase, chunk), none)
+            host_wait = waited.get((s, phase, chunk, mb), 0.0)
+            host_seconds += counts.get((s, phase, chunk), (0.0,))[0]
             # A first forward waiting for its parameters: the wait is exposed communication.
-            extra = end - start - max(comp + exposed, copies[s].get(phase, 0.0))
+            extra = end - start - host_wait - max(comp + exposed, copies[s].get(phase, 0.0))
             extra = extra if extra > 1e-9 else 0.0  # not the rounding of start + duration
             exposed += extra
-            waited += extra
+            gathered += extra
             spans.append(
                 Span(
                     start,
@@ -545,6 +652,7 @@ def job_timing(job_trace) -> Timing | None:
                     peaks.get((phase, chunk, mb), 0),
                     placed,
                     copies[s].get(phase, 0.0),
+                    host_wait,
                 )
             )
             transfers.extend(_transfers(s, phase, chunk, mb, end, sends[s], pp, vpp))
@@ -552,6 +660,14 @@ def job_timing(job_trace) -> Timing | None:
         host = host_optimizer_seconds(job, rt.host_optimizer) or 0.0
         opt_seconds += host  # the optimizer CPU offload's copies, in the step
         opt_seconds += wait
+        # The optimizer step's host work starts where the host finished issuing the steps;
+        # the step ends no earlier than the host has issued it (and read its gradient norm).
+        opt_host, opt_kernels, opt_syncs = _outside_steps(rt.iteration)
+        opt_wait = 0.0
+        if issued and host_clocks:
+            opt_wait = max(0.0, host_clocks[s] + opt_host - pipeline - opt_seconds)
+        opt_seconds += opt_wait
+        host_seconds += opt_host
         opt_calls = tuple(dataclasses.replace(c, offset=c.offset + wait) for c in opt_calls)
         opt_peak = max(
             (v for (ph, _, _), v in peaks.items() if ph in ("grad sync", "optimizer")), default=0
@@ -564,13 +680,24 @@ def job_timing(job_trace) -> Timing | None:
                 None,
                 None,
                 compute_seconds=update,
-                comm_seconds=opt_seconds - update - host,
+                comm_seconds=opt_seconds - update - host - opt_wait,
                 peak_bytes=opt_peak,
                 calls=opt_calls,
                 offload_seconds=host,
+                host_wait_seconds=opt_wait,
             )
         )
-        gather_waits = max(gather_waits, waited)
+        step_counts = [
+            counts.get((s, phase, chunk), (0.0, 0, 0)) for _, _, phase, chunk, _ in stage
+        ]
+        hosts[s] = Host(
+            stage=s,
+            seconds=host_seconds,
+            wait_seconds=sum(sp.host_wait_seconds for sp in spans),
+            kernels=sum(k for _, k, _ in step_counts) + opt_kernels,
+            syncs=sum(n for _, _, n in step_counts) + opt_syncs + p2p_syncs[s],
+        )
+        gather_waits = max(gather_waits, gathered)
         busy = sum(end - start for start, end, *_ in stage)
         stages.append(
             StageTiming(
@@ -578,6 +705,7 @@ def job_timing(job_trace) -> Timing | None:
             )
         )
     idle = sum(pipeline - st.busy_seconds for st in stages)
+    last = max(stages, key=lambda st: st.iteration_seconds).stage
     return Timing(
         stages=tuple(stages),
         transfers=tuple(transfers),
@@ -587,7 +715,18 @@ def job_timing(job_trace) -> Timing | None:
         peak_tflops=peak[0] / 1e12,
         efficiency=eff,
         dp_exposed_seconds=gather_waits + wait,
+        host=hosts[last] if issued else None,
     )
+
+
+def _outside_steps(iteration: Trace) -> tuple[float, int, int]:
+    """(host seconds, kernels, synchronisations) of the iteration's windows outside the steps
+    (the gradient synchronisation and the optimizer step)."""
+    win = iteration.columns("windows", ("chunk", "host_ps", "kernels", "syncs"))
+    outside = [c is None for c in win["chunk"].tolist()]
+    pick = [i for i, o in enumerate(outside) if o]
+    total = lambda name: int(sum(win[name][i] for i in pick))
+    return total("host_ps") / 1e12, total("kernels"), total("syncs")
 
 
 def _offload_seconds(job, rt) -> dict[str, float]:
@@ -634,6 +773,8 @@ class Breakdown:
     reductions, the optimizer CPU offload's copies."""
     offload: float
     """Activation offloading's copies outlasting the steps."""
+    host: float = 0.0
+    """The GPU waiting for the host to issue the kernels of its steps and optimizer step."""
 
     _JSON = (
         ("compute", "compute_seconds"),
@@ -641,6 +782,7 @@ class Breakdown:
         ("idle", "idle_seconds"),
         ("optimizer", "optimizer_seconds"),
         ("offload", "offload_seconds"),
+        ("host", "host_seconds"),
     )
 
     def to_json(self) -> dict:
@@ -649,7 +791,8 @@ class Breakdown:
 
     @classmethod
     def from_json(cls, d: dict) -> Breakdown:
-        return cls(stage=d["stage"], **{f: d[key] for f, key in cls._JSON})
+        # host_seconds: reports of metatrace before the host was modelled have none.
+        return cls(stage=d["stage"], **{f: d.get(key, 0.0) for f, key in cls._JSON})
 
     def terms(self) -> tuple[tuple[str, float], ...]:
         """(name, seconds) of each term, largest first."""
@@ -659,6 +802,7 @@ class Breakdown:
             ("pipeline idle", self.idle),
             ("optimizer step", self.optimizer),
             ("offload copies", self.offload),
+            ("waiting for the host", self.host),
         )
         return tuple(sorted(named, key=lambda kv: -kv[1]))
 
@@ -670,13 +814,16 @@ def breakdown(timing: Timing) -> Breakdown:
     compute = sum(sp.compute_seconds for sp in steps)
     comm = sum(sp.comm_seconds for sp in steps)
     busy = sum(sp.end - sp.start for sp in steps)
+    waits = sum(sp.host_wait_seconds for sp in steps)
+    opt_wait = sum(sp.host_wait_seconds for sp in st.spans if sp.phase == "optimizer")
     return Breakdown(
         stage=st.stage,
         compute=compute,
         communication=comm,
         idle=max(0.0, timing.pipeline_seconds - busy),
-        optimizer=st.optimizer_seconds,
-        offload=max(0.0, busy - compute - comm),
+        optimizer=st.optimizer_seconds - opt_wait,
+        offload=max(0.0, busy - compute - comm - waits),
+        host=waits + opt_wait,
     )
 
 

@@ -51,10 +51,8 @@ element plus an E4M3 scale per 16 elements: none of it is measured (no Blackwell
 hand), all of it assumed from FP8.
 
 Known limitations: measured on Hopper only; other GPUs use the same fractions of their own
-peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). Kernel launch
-overhead on the host is taken as hidden behind the GPU's queue except for LAUNCH_SECONDS (not
-so where kernels are many and small: a one-GPU GPT 1.3B at micro-batches of 1, 88,000 kernels an
-iteration, took 1.2-1.4x its kernels' time, bench/step_time.py). A
+peaks, multiprocessor counts and bandwidths (an assumption, stated in the report). The host's
+side of a launch is metatrace.config.host's (LAUNCH_SECONDS is the GPU's per kernel). A
 grouped GEMM's weight gradients are timed at the forward's shape, without main_grad's reads.
 The rates are those of the libraries measured (2026: cuBLAS of CUDA 13.0, cuDNN 9.19); the
 published runs of 2021-2024 ran older kernels.

@@ -289,6 +289,7 @@ def _add_timing(report: dict, analysis) -> None:
         "peak_tflops": timing.peak_tflops,
         "compute_efficiency": timing.efficiency,
         "breakdown": breakdown(timing).to_json(),
+        "host": timing.host.to_json() if timing.host is not None else None,
     }
 
 

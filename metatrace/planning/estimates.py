@@ -171,7 +171,11 @@ class Estimate:
     comm: float
     """Exposed communication seconds per iteration (closed form, or traced when known)."""
     seconds: float
-    """The iteration: compute / (1 - bubble) + comm, or the traced time model's figure."""
+    """The iteration: max(compute, host) / (1 - bubble) + comm, or the traced time model's
+    figure."""
+    host: float = 0.0
+    """Seconds of host work per iteration issuing the busiest stage's kernels (host_seconds;
+    0 where the compute is not priced per kernel, as the traced time model does)."""
 
 
 def _flops(job) -> float:
@@ -203,7 +207,76 @@ def estimate(job, exposed_comm: float | None = None) -> Estimate:
     bubble = (par.pp - 1) / ((par.vpp or 1) * m + par.pp - 1)
     if exposed_comm is None:
         exposed_comm = _comm_seconds(job)
-    return Estimate(compute, bubble, exposed_comm, compute / (1 - bubble) + exposed_comm)
+    # A step lasts as long as the longer of its kernels and the host's work issuing them (the
+    # traced time model's host, metatrace.config.host, per iteration rather than per kernel).
+    host = host_seconds(job) if cl.compute_efficiency is None else 0.0
+    seconds = max(compute, host) / (1 - bubble) + exposed_comm
+    return Estimate(compute, bubble, exposed_comm, seconds, host)
+
+
+# The host's work per micro-batch, in config.host's units (module forward calls, operators from
+# Python, views, operators the autograd engine runs, kernel launches), as the tracer counts them
+# on the debug model (tp 1; hooks/host.py): a layer's forward and backward per
+# transformer_impl; a MoE layer's routing and dispatch beside its grouped experts (what it adds
+# to a dense layer), and each local expert more where they run one after another (no
+# moe_grouped_gemm); the first stage's embedding and the last stage's output layer and loss; the
+# optimizer step per layer and once. Collectives (a few per layer with tp > 1) and selective
+# recompute (a few operators) are left out; full recompute runs the layers' forward again in
+# backward.
+HOST_UNITS = {
+    ("transformer_engine", "forward"): {"module": 15, "operator": 14, "view": 17, "launch": 14},
+    ("transformer_engine", "backward"): {"backward": 61, "launch": 22},
+    ("local", "forward"): {"module": 17, "operator": 42, "view": 52, "launch": 40},
+    ("local", "backward"): {"backward": 124, "launch": 42},
+    ("moe", "forward"): {"module": 2, "operator": 24, "view": 18, "launch": 29},
+    ("moe", "backward"): {"backward": 57, "launch": 15},
+    ("expert", "forward"): {"module": 3, "operator": 2, "view": 7, "launch": 3},
+    ("expert", "backward"): {"backward": 14, "launch": 5},
+    ("first", "forward"): {"module": 6, "operator": 21, "view": 13, "launch": 10},
+    ("first", "backward"): {"backward": 9, "launch": 9},
+    ("last", "forward"): {"module": 5, "operator": 48, "view": 23, "launch": 35},
+    ("last", "backward"): {"operator": 1, "backward": 43, "launch": 17},
+    ("optimizer", "layer"): {"operator": 6, "view": 18, "launch": 6},
+    ("optimizer", "once"): {"operator": 14, "view": 12, "launch": 12},
+}
+
+
+def _host_units(key: tuple) -> float:
+    from metatrace.config.host import HOST_SECONDS
+
+    return sum(n * HOST_SECONDS[unit] for unit, n in HOST_UNITS[key].items())
+
+
+def host_seconds(job) -> float:
+    """Closed-form host work per iteration of the busiest pipeline stage (HOST_UNITS at
+    config.host.HOST_SECONDS): its layers' forward and backward per micro-batch, the embedding
+    on the first stage and the output layer on the last, and the optimizer step. Layers that
+    CUDA graphs replay cost the host nothing."""
+    m, par, tr = job.model, job.parallel, job.training
+    impl = job.implementation.transformer_impl
+    forward, backward = _host_units((impl, "forward")), _host_units((impl, "backward"))
+    moe_share = shape_of(job).moe_layers / m.num_layers if m.num_experts else 0.0
+    if moe_share:
+        local = 1 if job.implementation.moe_grouped_gemm else max(1, m.num_experts // par.ep)
+        forward += moe_share * (
+            _host_units(("moe", "forward")) + local * _host_units(("expert", "forward"))
+        )
+        backward += moe_share * (
+            _host_units(("moe", "backward")) + local * _host_units(("expert", "backward"))
+        )
+    if tr.recompute.granularity == "full":
+        backward += forward
+    if tr.cuda_graph_impl != "none":
+        forward = backward = 0.0
+    layers = m.num_layers / par.pp
+    ends = [("first",), ("last",)] if par.pp > 1 else [("first", "last")]
+    per_microbatch = max(
+        layers * (forward + backward)
+        + sum(_host_units((end, phase)) for end in stage for phase in ("forward", "backward"))
+        for stage in ends
+    )
+    optimizer = layers * _host_units(("optimizer", "layer")) + _host_units(("optimizer", "once"))
+    return job.num_microbatches * per_microbatch + optimizer
 
 
 # Memory-bound bytes a layer's element-wise kernels move per token (norms, residuals, rotary,

@@ -405,6 +405,7 @@ def plan_report(result: Plan, top: int) -> dict:
                 "compute_seconds": t.estimate.compute,
                 "bubble_fraction": t.estimate.bubble,
                 "exposed_comm_seconds": t.estimate.comm,
+                "host_seconds": t.estimate.host,
                 "iteration_seconds": t.estimate.seconds,
             },
         }

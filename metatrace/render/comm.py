@@ -14,6 +14,7 @@ from metatrace.render.format import (
     DIM_NAMES,
     DIM_TITLES,
     DTYPE_SHORT,
+    HOST_BOUND,
     PHASE_SHORT,
     compact,
     gpu_span,
@@ -157,6 +158,8 @@ def build_timing_line(analysis) -> Text | None:
             f"{gbps / 8:g} GB/s, {effect}",
             style="",
         )
+    if t.host is not None:
+        text.append(f"\n{host_line(t)}", style="")
     if t.dp_exposed_seconds > 0:
         text.append(
             f"\nData-parallel parameter gathering and gradient reduction (overlapped) outlast "
@@ -171,6 +174,20 @@ def build_timing_line(analysis) -> Text | None:
             style="",
         )
     return text
+
+
+def host_line(t) -> str:
+    """The host's side of the iteration of the stage that finishes last (Timing.host)."""
+    host = t.host
+    where = f" (stage {host.stage})" if len(t.stages) > 1 else ""
+    syncs = f"{host.syncs:,} synchronisation{'s' if host.syncs != 1 else ''}"
+    bound = host.wait_seconds >= HOST_BOUND * t.iteration_seconds
+    return (
+        f"The host{where} launches {host.kernels:,} kernels per iteration with "
+        f"{seconds(host.seconds)} of work and {syncs}; the GPU waits "
+        f"{seconds(host.wait_seconds)} of {seconds(t.iteration_seconds)} for it"
+        + (" (host-bound)" if bound else "")
+    )
 
 
 # ----------------------------------------------------------------------------- pipeline

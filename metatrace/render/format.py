@@ -151,9 +151,18 @@ def time_terms(terms, total: float) -> str:
     )
 
 
+HOST_BOUND = 0.01
+"""The share of an iteration the GPU waits for the host from which the iteration is called
+host-bound."""
+
+
 def where_it_goes(b, total: float, pipelined: bool) -> str:
-    """The line of metatrace.analysis.timing.Breakdown `b` of an iteration of `total` seconds."""
+    """The line of metatrace.analysis.timing.Breakdown `b` of an iteration of `total` seconds;
+    "host-bound" where the GPU waits for the host HOST_BOUND of it or more (the term says how
+    long)."""
     where = f"stage {b.stage}, the last to finish" if pipelined else "the iteration"
+    if total > 0 and b.host >= HOST_BOUND * total:
+        where += "; host-bound"
     return f"Where it goes ({where}): {time_terms(b.terms(), total)}"
 
 

@@ -162,6 +162,8 @@ def build_timing(analysis) -> Text:
             "gathering and gradient reduction outlasting the steps beside them"
         )
     text.append(")")
+    # Host-bound iterations say so here, the GPU's wait as a term (docs/figures.md, "Time
+    # model"); --detail adds the host's kernels, synchronisations and work.
     line = where_it_goes(breakdown(t), t.iteration_seconds, len(t.stages) > 1)
     text.append(f"\n{line}", style="")
     return text

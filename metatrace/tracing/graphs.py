@@ -242,3 +242,41 @@ def _local_layer_buffers(job, config, model) -> list[tuple[tuple[int, ...], torc
             in_flight -= held(c)
     outputs = runs * sum(layers) - most
     return [hidden] * outputs + created
+
+
+_STEP_PHASES = ("forward", "backward", "recompute")
+_SCOPE_MODULES = {
+    # What a layer's attn and mlp graphs hold (megatron-core 0.16.1's TransformerLayer: the
+    # norm before each part, the part, its bias-dropout-add).
+    "attn": ("input_layernorm", "self_attention", "self_attn_bda"),
+    "mlp": ("pre_mlp_layernorm", "mlp", "mlp_bda"),
+}
+
+
+def captured_by_graphs(job):
+    """The time model's view of CUDA graphs (metatrace.config.host): a predicate
+    `captured(module, phase)`, whether the module's work in that phase replays from a graph (its
+    kernels launch with the graph, its Python does not run), or None without graphs. The
+    whole-iteration graph holds every step's work (the optimizer step runs outside it); per-layer
+    graphs (Transformer Engine's, megatron-core's local ones) the decoder layers, or with
+    cuda_graph_scope attn / mlp those parts of them."""
+    tr = job.training
+    if tr.cuda_graph_impl == "none":
+        return None
+    scope = tr.cuda_graph_scope or []
+    if scope == ["full_iteration"]:
+        return lambda module, phase: phase in _STEP_PHASES
+    parts = tuple(m for s in scope for m in _SCOPE_MODULES.get(s, ())) if scope else None
+
+    def captured(module: str, phase: str) -> bool:
+        if phase not in _STEP_PHASES:
+            return False
+        at = module.find("decoder.layers.")
+        if at < 0 or (at and module[at - 1] != "."):
+            return False
+        rest = module[at + len("decoder.layers.") :].split(".", 2)
+        if not rest[0].isdigit():
+            return False
+        return parts is None or (len(rest) > 1 and rest[1] in parts)
+
+    return captured

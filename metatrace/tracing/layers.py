@@ -26,6 +26,8 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+from metatrace.config.host import product
+
 KEEP = 5
 """Leading layers of a run that are traced (the last two are compared)."""
 
@@ -216,7 +218,12 @@ def expand(trace, cut: list[Run], marks: Marks):
         if done is None:
             return None
         trace, at = done
-    return trace
+    # Each window's host pieces (cut at the marks) as one, as tracing every layer gives them.
+    windows = tuple(
+        dataclasses.replace(w, host=(product(w.host),)) if len(w.host) > 1 else w
+        for w in trace.windows
+    )
+    return dataclasses.replace(trace, windows=windows)
 
 
 _COLLECTIVE_FIELDS = (
@@ -275,6 +282,9 @@ class _Span:
             b.attention_ps - a.attention_ps,
             tuple(sorted((b.ops - a.ops).items())),
             tuple(sorted((b.unclassified - a.unclassified).items())),
+            b.kernels - a.kernels,
+            b.host_ps - a.host_ps,
+            b.syncs - a.syncs,
         )
 
     def form(self, trace) -> tuple:
@@ -410,6 +420,7 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
     fwd, bwd = spans[(period, "F")], spans[(period - 1, "B")]
     n_f, k_f, live_f, flops_f, fp8_f, ps_f, at_f = fwd.stats()[:7]
     n_b, k_b, live_b, flops_b, fp8_b, ps_b, at_b = bwd.stats()[:7]
+    host_f, host_b = fwd.stats()[9:], bwd.stats()[9:]  # kernels, host_ps, syncs
     seq_f, sid_f = fwd.end.seq, fwd.end.sid  # the forward copies go here
     seq_b, sid_b = bwd.start.seq, bwd.start.sid  # the backward copies go here
 
@@ -524,6 +535,10 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
     memory = rebuild(trace.memory)
     saved = rebuild(trace.saved)
     collectives = rebuild(trace.collectives)
+    # The host's pieces (cut at every mark): the copies' after the forward span's end, before
+    # the backward span's start (where their records go).
+    pieces_f = w_f.host[fwd.start.piece : fwd.end.piece]
+    pieces_b = w_b.host[bwd.start.piece : bwd.end.piece]
     new_windows = []
     for w in windows:
         changes = {"first": seq_new(w.first - 1) + 1, "last": seq_new(w.last)}
@@ -541,6 +556,16 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
             changes["fp8_flops"] = w.fp8_flops + m * fp8_b
             changes["kernel_ps"] = w.kernel_ps + m * ps_b
             changes["attention_ps"] = w.attention_ps + m * at_b
+        for which, at_piece, pieces, added in (
+            (w_f, fwd.end.piece, pieces_f, host_f),
+            (w_b, bwd.start.piece, pieces_b, host_b),
+        ):
+            if w is which:
+                kernels, host_ps, syncs = added
+                changes["kernels"] = w.kernels + m * kernels
+                changes["host_ps"] = w.host_ps + m * host_ps
+                changes["syncs"] = w.syncs + m * syncs
+                changes["host"] = w.host[:at_piece] + pieces * m + w.host[at_piece:]
         new_windows.append(dataclasses.replace(w, **changes))
     added = [
         (seq_f, fwd, flops_f, fp8_f, ps_f, at_f),
@@ -583,6 +608,17 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
             mark.attention_ps + more(5),
             counted(mark.ops, "ops", s),
             counted(mark.unclassified, "unclassified", s),
+            *(
+                value
+                + sum(m * h[k] for at_seq, h in ((seq_f, host_f), (seq_b, host_b)) if s > at_seq)
+                for k, value in enumerate((mark.kernels, mark.host_ps, mark.syncs))
+            ),
+            mark.piece
+            + sum(
+                m * len(pieces)
+                for w, at_seq, pieces in ((w_f, seq_f, pieces_f), (w_b, seq_b, pieces_b))
+                if at_seq < s <= w.last
+            ),
         )
 
     return expanded, {key: moved(mark) for key, mark in at.items()}

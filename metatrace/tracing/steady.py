@@ -288,10 +288,25 @@ def _values(record) -> tuple:
     return tuple(getattr(record, name) for name in _names(type(record)))
 
 
-COUNTERS = frozenset({"seq", "live", "storage", "microbatch", "first", "last", "output", "held"})
+COUNTERS = frozenset(
+    {
+        "seq",
+        "live",
+        "storage",
+        "microbatch",
+        "first",
+        "last",
+        "output",
+        "held",
+        "kernels",
+        "host_ps",
+        "syncs",
+    }
+)
 """Integer fields that number things (events, storages, micro-batches) or add them up (live
-bytes): they may change from one repetition to the next. The others locate a repetition's
-records in the next replay (`_fit_series`)."""
+bytes; a window's kernels, host work and synchronisations: the optimizer step's reduction of
+the losses views each micro-batch's): they may change from one repetition to the next. The
+others locate a repetition's records in the next replay (`_fit_series`)."""
 
 
 def _key(cls, row: tuple) -> tuple:

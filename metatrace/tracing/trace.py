@@ -296,7 +296,7 @@ def _trace_role(
     )
     from metatrace.models.te_runtime import te_process
     from metatrace.tracing.fsdp import gathered_once, past_first_microbatch
-    from metatrace.tracing.graphs import capture_plan
+    from metatrace.tracing.graphs import capture_plan, captured_by_graphs
     from metatrace.tracing.iteration import Unrecorded, replayed_iteration, run_iteration
     from metatrace.tracing.layers import eligible, runs
 
@@ -339,6 +339,7 @@ def _trace_role(
             groups=groups,
             rank=rank,
             outside=list(te_state.userbuffers.values()),
+            captured=captured_by_graphs(job),
         )
         if micro is not None:
             trace, shapes, deferred, record = micro

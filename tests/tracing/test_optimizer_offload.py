@@ -94,7 +94,7 @@ def test_the_time_model_adds_the_copies_to_the_optimizer_step():
     from metatrace.analysis.timing import host_optimizer_seconds
     from metatrace.tracing.trace import trace_job
 
-    results = {}
+    gpu, ends = {}, {}
     for overlap in (False, True):
         job = offload_job(1.0, overlap_cpu_optimizer_d2h_h2d=overlap)
         a = analyze(trace_job(job, full_model=False, workers=1))
@@ -104,10 +104,18 @@ def test_the_time_model_adds_the_copies_to_the_optimizer_step():
         assert host_optimizer_seconds(job, h) == pytest.approx(moved * 8 / (gbps * 1e9))
         (opt,) = [sp for sp in a.timing.stages[0].spans if sp.phase == "optimizer"]
         assert opt.offload_seconds == host_optimizer_seconds(job, h)
-        results[overlap] = opt.end - opt.start
-    assert results[False] - results[True] == pytest.approx(
-        min(h.d2h_bytes, h.h2d_bytes) * 8 / (gbps * 1e9)
-    )
+        # The step ends when the GPU has done its part and no earlier than the host has issued
+        # it (metatrace.config.host): its GPU side is what the step lasts beyond the wait.
+        gpu[overlap] = opt.end - opt.start - opt.host_wait_seconds
+        ends[overlap] = (opt.end - opt.start, opt.host_wait_seconds)
+    # The GPU side saves the shorter direction's copies.
+    assert gpu[False] - gpu[True] == pytest.approx(min(h.d2h_bytes, h.h2d_bytes) * 8 / (gbps * 1e9))
+    # The host issues the same work in both: where a step waits for it, the host is done at its
+    # end, and the other step lasts as long as the longer of its GPU side and that.
+    (waits,) = [o for o, (_, wait) in ends.items() if wait > 0]  # the overlapped copies' step
+    assert waits is True
+    host_done = ends[waits][0]
+    assert ends[not waits][0] == pytest.approx(max(gpu[not waits], host_done))
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,36 @@ def test_nothing_left_out_would_have_ranked_first(searched):
     assert checked > 10 and fit_elsewhere > 0
 
 
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"implementation": {"transformer_impl": "local"}},
+        {"parallel": {"pp": 2}, "cluster": {"num_gpus": 2}},
+        {"training": {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}},
+        {
+            "model": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96},
+            "implementation": {"transformer_impl": "local"},
+        },
+    ],
+    ids=["te", "local", "pp2", "full-recompute", "moe-local"],
+)
+def test_the_estimates_host_is_the_traced_hosts(sections):
+    """The planner's closed-form host work (estimates.host_seconds, from per-layer counts of
+    config.host's units) against the traced time model's (Timing.host: every operator, module
+    and launch the tracer counted) of the stage that finishes last, within 15 %; and a
+    host-bound estimate lasts at least its host work."""
+    from metatrace.analysis.timing import job_timing
+    from tests.helpers import small_job
+
+    job = small_job(model={"num_layers": 4, **sections.pop("model", {})}, **sections)
+    timing = job_timing(trace_job(job, full_model=False, workers=1))
+    est = E.estimate(job)
+    assert est.host == pytest.approx(timing.host.seconds, rel=0.15)
+    assert est.host > est.compute  # the debug model's kernels take less than issuing them
+    assert est.seconds >= est.host / (1 - est.bubble)
+
+
 def test_bound_below_every_traced_peak(searched):
     _, result = searched
     for t in result.traced:

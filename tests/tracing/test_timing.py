@@ -184,7 +184,11 @@ def test_step_time_is_its_kernels_plus_exposed_communication(debug_timing):
             # work included.
             assert sp.compute_seconds == kernels[(sp.phase, sp.chunk)]
             assert sp.compute_seconds > sp.flops / (989e12 * 0.75)
-            assert sp.end - sp.start == pytest.approx(sp.compute_seconds + sp.comm_seconds)
+            # The debug model's tiny kernels wait for the host (metatrace.config.host).
+            assert sp.host_wait_seconds > 0
+            assert sp.end - sp.start == pytest.approx(
+                sp.compute_seconds + sp.comm_seconds + sp.host_wait_seconds
+            )
             assert sp.comm_seconds == pytest.approx(sum(c.seconds for c in sp.calls))
             assert all(c.offset + c.seconds <= sp.end - sp.start + 1e-15 for c in sp.calls)
             exposed += sp.comm_seconds
@@ -258,6 +262,7 @@ def test_json_report_carries_the_timing(debug_timing):
     jt, timing = debug_timing
     report = json.loads(json.dumps(job_report(jt)))
     parts = report["timing"].pop("breakdown")
+    host = report["timing"].pop("host")
     assert report["timing"] == {
         "iteration_seconds": timing.iteration_seconds,
         "bubble_fraction": timing.bubble_fraction,
@@ -266,15 +271,43 @@ def test_json_report_carries_the_timing(debug_timing):
         "compute_efficiency": None,
     }
     # Where the last stage's iteration goes: its steps' kernels, their exposed communication, its
-    # idle share of the pipeline, its optimizer step; the terms add up to the iteration.
+    # idle share of the pipeline, its optimizer step, the GPU's waits for the host; the terms
+    # add up to the iteration.
     last = max(timing.stages, key=lambda st: st.iteration_seconds)
     steps = [sp for sp in last.spans if sp.chunk is not None]
+    # The host's side of that stage's iteration: the steps' counts per micro-batch (the traced
+    # micro-batch's windows) and the optimizer step's (the replayed iteration's), and the
+    # pipeline's synchronisations (1F1B over two stages: stage 0 after its warm-up forward's
+    # send and before each backward's receive, stage 1 before each forward's receive and after
+    # its last backward's send; m + 1 either way).
+    rt = next(rt for rt in jt.traced.roles if rt.role.pp_stage == last.stage)
+    per_mb = [w for w in rt.trace.windows if w.chunk is not None]
+    outside = [w for w in rt.iteration.windows if w.chunk is None]
+    m = jt.job.num_microbatches
+    p2p = m + 1
+    assert host == {
+        "stage": last.stage,
+        "seconds": pytest.approx(
+            (m * sum(w.host_ps for w in per_mb) + sum(w.host_ps for w in outside)) / 1e12
+        ),
+        "wait_seconds": pytest.approx(sum(sp.host_wait_seconds for sp in last.spans)),
+        "kernels": m * sum(w.kernels for w in per_mb) + sum(w.kernels for w in outside),
+        "syncs": m * sum(w.syncs for w in per_mb) + sum(w.syncs for w in outside) + p2p,
+    }
+    assert sum(w.kernels for w in outside) > 0 and host["wait_seconds"] > 0
+    assert parts["host_seconds"] == pytest.approx(host["wait_seconds"])
     assert parts["stage"] == last.stage
     assert parts["compute_seconds"] == pytest.approx(sum(sp.compute_seconds for sp in steps))
     assert parts["communication_seconds"] == pytest.approx(sum(sp.comm_seconds for sp in steps))
     assert parts["communication_seconds"] > 0 and parts["offload_seconds"] == 0
     assert parts["idle_seconds"] == pytest.approx(last.bubble_fraction * timing.pipeline_seconds)
-    assert parts["optimizer_seconds"] == last.optimizer_seconds > 0
+    # The optimizer step's wait for the host is the host's term.
+    opt = last.spans[-1]
+    assert opt.phase == "optimizer"
+    assert parts["optimizer_seconds"] == pytest.approx(
+        last.optimizer_seconds - opt.host_wait_seconds
+    )
+    assert parts["optimizer_seconds"] > 0
     total = sum(v for k, v in parts.items() if k != "stage")
     assert total == pytest.approx(timing.iteration_seconds)
     stages = {st.stage: st for st in timing.stages}
@@ -309,8 +342,13 @@ def test_overlapped_data_parallel_traffic_shows_past_the_steps_beside_it():
     fast, slow = timing(1e6), timing(0.05)
     assert fast.dp_exposed_seconds < 0.01 * fast.iteration_seconds  # the last bucket only
     assert slow.dp_exposed_seconds > 10 * fast.iteration_seconds
+    # The small model's steps wait for the host over the fast network; over the slow one the
+    # host issues them while the GPU waits for the gathers (metatrace.config.host), so the
+    # exposed traffic replaces the host's wait.
+    assert fast.host.wait_seconds > 0.5 * fast.iteration_seconds
+    assert slow.host.wait_seconds == 0
     assert slow.iteration_seconds == pytest.approx(
-        fast.iteration_seconds + slow.dp_exposed_seconds, rel=0.02
+        fast.iteration_seconds - fast.host.wait_seconds + slow.dp_exposed_seconds, rel=0.02
     )
     # the first forward waits for the gather, the optimizer for the reductions
     (stage,) = slow.stages

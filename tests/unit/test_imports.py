@@ -64,6 +64,7 @@ LAYERS = (
             "metatrace.hooks",
             "metatrace.hooks.collectives",
             "metatrace.hooks.flops",
+            "metatrace.hooks.host",
             "metatrace.hooks.remap",
             "metatrace.hooks.fastmeta",
             "metatrace.hooks.recorder",
