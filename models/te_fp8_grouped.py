@@ -26,8 +26,9 @@ gradient is an NVFP4 tensor of its own, quantized by its own quantizer (the amax
 Hadamard kernels, stochastic rounding for the gradients; timed by their bytes); a bias's
 gradient is each expert's rows summed apart (grouped_linear.py:286-303).
 
-Not modelled: the transient MXFP8 / NVFP4 scale swizzles of the GEMMs (as for dense layers);
-the FP8 recipes' split_quantize kernels are not timed (NVFP4's are).
+Every recipe's split_quantize kernels are timed by the bytes they move (models/te_fp8.py
+_price_split; NVFP4's by its own kernels). Not modelled: the transient MXFP8 / NVFP4 scale
+swizzles of the GEMMs (as for dense layers).
 """
 
 from __future__ import annotations
