@@ -31,7 +31,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import BASE, GPT_1B, LLAMA_LIKE, MOE, merged
+from step_time import BASE, GPT_1B, GQA_128K, LLAMA_LIKE, MOE, merged
 
 TINY = merged(  # step_time's Llama-like layers, small enough for a test's stored allocator trace
     LLAMA_LIKE,
@@ -50,23 +50,7 @@ TINY = merged(  # step_time's Llama-like layers, small enough for a test's store
 MOE_FINE = merged(
     MOE, {"model": {"num_experts": 16, "moe_ffn_hidden_size": 1024, "moe_router_topk": 4}}
 )
-GQA_128K = {  # a Llama-3-8B-like layer with grouped queries and a 128k vocabulary
-    "model": {
-        "num_layers": 4,
-        "hidden_size": 4096,
-        "ffn_hidden_size": 14336,
-        "num_attention_heads": 32,
-        "num_query_groups": 8,
-        "vocab_size": 128256,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "activation": "swiglu",
-        "add_bias_linear": False,
-        "untie_embeddings_and_output_weights": True,
-        "max_position_embeddings": 8192,
-    },
-    "training": {"seq_length": 8192, "micro_batch_size": 1, "global_batch_size": 8},
-}
+GQA_128K = merged(GQA_128K, {"model": {"num_layers": 4}})  # step_time's, 4 layers
 EXPANDABLE = "expandable_segments:True"
 FULL = {"training": {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}}}
 # name: (model, changes, PYTORCH_CUDA_ALLOC_CONF)

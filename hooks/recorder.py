@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from metatrace.config.host import (
+    NO_DATA,
     SYNC,
     embedding_backward_kernels,
     kernels_of,
@@ -190,27 +191,6 @@ _UNCLASSIFIED = object()
 """_op_info's spec of an operator that is neither compute nor a known collective."""
 
 
-# Operators that allocate, alias or describe and move no data (views are told by their schema;
-# _unsafe_view is a view its schema does not mark: a reshape of a fresh tensor, no kernel).
-_NO_DATA = frozenset(
-    {
-        "_unsafe_view",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "set_",
-        "resize_",
-        "record_stream",
-        "_local_scalar_dense",
-        "lift_fresh",
-        "detach",
-        "alias",
-    }
-)
-
-
 def _op_info(func) -> list:
     """[calls, flop formula or None, written arguments, collective spec, moves data, kernels
     launched, synchronises, host cost kind]: the spec is None for compute and for what is known
@@ -232,7 +212,7 @@ def _op_info(func) -> list:
         and formula is None
         and func.namespace == "aten"
         and not func.is_view
-        and name not in _NO_DATA
+        and name not in NO_DATA
     )
     if moves:  # which kernel: see _memory_path
         if name in ("_softmax", "cat"):

@@ -86,9 +86,10 @@ D2H_COPY_SECONDS = 4e-6
 """GPU time of a small device-to-host copy (the count a synchronisation reads): a kernel's
 fixed cost (config.kernels.LAUNCH_SECONDS)."""
 
-# ATen operators (by overload packet name) that launch no kernel although they are not views:
-# they allocate, describe, or only read metadata.
-NO_KERNEL = frozenset(
+# ATen operators (by overload packet name) that allocate, alias or describe and move no data
+# (views are told by their schema; _unsafe_view is a view its schema does not mark: a reshape of
+# a fresh tensor). The recorder times none of them by bytes.
+NO_DATA = frozenset(
     {
         "_unsafe_view",
         "empty",
@@ -99,24 +100,29 @@ NO_KERNEL = frozenset(
         "set_",
         "resize_",
         "record_stream",
+        "_local_scalar_dense",  # the copy it makes is the synchronisation's (SYNC)
         "lift_fresh",
         "detach",
         "alias",
-        "_local_scalar_dense",  # the copy it makes is the synchronisation's (SYNC)
-        "is_nonzero",
-        "size",
-        "stride",
-        "sym_size",
-        "sym_stride",
-        "sym_numel",
-        "numel",
-        "dim",
-        "is_same_size",
-        "_has_compatible_shallow_copy_type",
-        "_reshape_alias",
-        "_nested_tensor_size",
     }
 )
+
+# ATen operators that launch no kernel although they are not views: NO_DATA and those that only
+# read metadata.
+NO_KERNEL = NO_DATA | {
+    "is_nonzero",
+    "size",
+    "stride",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "numel",
+    "dim",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "_reshape_alias",
+    "_nested_tensor_size",
+}
 
 # ATen operators whose CUDA implementation launches more than one kernel (PyTorch 2.x sources):
 # nonzero counts the non-zeros (a reduction), copies the count to the host and writes the
