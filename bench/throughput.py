@@ -274,6 +274,9 @@ def _mbridge(
         if dispatcher.startswith("flex"):
             backend = "hybridep" if "HybridEP" in dispatcher else "deepep"
             parallel.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+            if "moe_hybridep_num_sms=" in dispatcher:
+                sms = int(dispatcher.split("moe_hybridep_num_sms=")[1].split(",")[0].rstrip(")"))
+                parallel["moe_hybridep_num_sms"] = sms
             training["moe_router_dtype"] = "fp32"  # what DeepEP and HybridEP take
         else:
             parallel["moe_token_dispatcher_type"] = "alltoall"

@@ -514,6 +514,7 @@ def job_timing(job_trace) -> Timing | None:
         return None
     eff = job.cluster.compute_efficiency  # None: each kernel at its modelled rate
     pp, vpp = world.layout.pp, job.parallel.vpp
+    taken = dispatch_sms_share(job)
     # Per (stage, phase, chunk), what every micro-batch's step does: (flops, compute seconds,
     # exposed communication seconds, the collectives placed in the step).
     kinds, sends, orders = {}, {}, []
@@ -545,7 +546,7 @@ def job_timing(job_trace) -> Timing | None:
                 beside["cp"] += max(ring.values())
                 exposed += max(0.0, beside["cp"] - attention)
                 exposed += max(0.0, beside["tp"] - (comp - attention))
-                exposed += max(0.0, beside["ep"] - comp)
+                exposed += _beside_dispatch(beside["ep"], comp, taken)
                 kinds[(s, w.phase, w.chunk)] = (w.flops, comp, exposed, _place(comp, w.flops, mine))
                 if eff is None and w.host and w.kernel_ps:
                     # The step's host work and kernels (config.host), where its kernels are
@@ -727,6 +728,35 @@ def _outside_steps(iteration: Trace) -> tuple[float, int, int]:
     pick = [i for i, o in enumerate(outside) if o]
     total = lambda name: int(sum(win[name][i] for i in pick))
     return total("host_ps") / 1e12, total("kernels"), total("syncs")
+
+
+def dispatch_sms_share(job) -> float:
+    """The share of the GPU's multiprocessors the flex dispatcher's kernels hold while they run:
+    DeepEP's moe_deepep_num_sms, HybridEP's moe_hybridep_num_sms (megatron-core passes them to
+    the kernels: fused_a2a.py set_deepep_num_sms, hybrid_ep_dispatch's num_sms); 0 for NCCL's
+    all-to-alls (their share is not modelled, as for every NCCL kernel)."""
+    from metatrace.config.kernels import GPU_SMS
+
+    par = job.parallel
+    total = GPU_SMS.get(job.cluster.gpu)
+    if par.moe_token_dispatcher_type != "flex" or not total:
+        return 0.0
+    sms = (
+        par.moe_deepep_num_sms
+        if par.moe_flex_dispatcher_backend == "deepep"
+        else (par.moe_hybridep_num_sms)
+    )
+    return min(sms, total - 1) / total
+
+
+def _beside_dispatch(dispatch: float, compute: float, taken: float) -> float:
+    """What the expert-parallel all-to-alls of a combined 1F1B step (`dispatch` seconds, run
+    beside the step's `compute`) add to it: the compute runs on the multiprocessors the
+    dispatcher's kernels leave (1 - `taken` of them) while they run, so the step lasts
+    compute + dispatch x taken, or the dispatch where that is longer."""
+    if dispatch <= 0.0:
+        return 0.0
+    return max(dispatch * taken, dispatch - compute)
 
 
 def _offload_seconds(job, rt) -> dict[str, float]:

@@ -965,6 +965,7 @@ _MOE_KEYS = (
     "parallel.moe_shared_expert_overlap",
     "parallel.moe_flex_dispatcher_backend",
     "parallel.moe_deepep_num_sms",
+    "parallel.moe_hybridep_num_sms",
     "parallel.overlap_moe_expert_parallel_comm",
     "parallel.delay_wgrad_compute",
 )
@@ -988,7 +989,11 @@ def _default(cls, key: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == key)
 
 
-_FLEX_KEYS = ("parallel.moe_flex_dispatcher_backend", "parallel.moe_deepep_num_sms")
+_FLEX_KEYS = (
+    "parallel.moe_flex_dispatcher_backend",
+    "parallel.moe_deepep_num_sms",
+    "parallel.moe_hybridep_num_sms",
+)
 # DeepEP's recommended configs by group size (deep_ep 1.0.0 buffer.py:166-178): up to 8 ranks
 # (one NVLink domain), else only these, asserted by Buffer.get_dispatch_config.
 _DEEPEP_RANKS = (16, 24, 32, 64, 128, 144, 160)
@@ -1003,6 +1008,8 @@ def _check_flex(job):
     if par.moe_shared_expert_overlap:  # transformer_config.py:1090, token_dispatcher.py:1371
         yield "parallel.moe_shared_expert_overlap works only with moe_token_dispatcher_type: alltoall"
     if par.moe_flex_dispatcher_backend != "deepep":
+        if par.moe_hybridep_num_sms < 1:
+            yield f"parallel.moe_hybridep_num_sms = {par.moe_hybridep_num_sms} must be at least 1"
         return
     if tr.moe_routing == "capacity":  # transformer_config.py:1074-1081
         yield (

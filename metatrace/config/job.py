@@ -262,7 +262,12 @@ class Parallel:
     """The flex dispatcher's kernels: DeepEP (dispatch, then megatron-core's permutation) or
     HybridEP (the permutation fused into dispatch)."""
     moe_deepep_num_sms: int = 20
-    """SMs DeepEP's kernels use (its channels are half of them; sizes its handle tensors)."""
+    """SMs DeepEP's kernels use (its channels are half of them; sizes its handle tensors; the
+    time model's compute beside an overlapped dispatch runs on the others)."""
+    moe_hybridep_num_sms: int = 16
+    """SMs HybridEP's dispatch and combine kernels use (megatron-core 0.16.1's default 16,
+    --moe-hybridep-num-sms): the time model's compute beside an overlapped dispatch runs on the
+    others."""
     moe_shared_expert_overlap: bool = False
     """Overlap the shared experts' computation with the token dispatch (alltoall)."""
     overlap_moe_expert_parallel_comm: bool = False

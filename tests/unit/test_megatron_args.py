@@ -897,3 +897,22 @@ def test_gpt_oss_flags_read_as_megatron_lm_reads_them():
     # Multi-latent attention rotates by --rope-type; its yarn is not GPTModel's.
     mla = problems(BASE + " --multi-latent-attention --position-embedding-type yarn")
     assert len(mla) == 1 and "yarn with multi-latent attention" in mla[0], mla
+
+
+def test_the_flex_dispatchers_sms_are_read():
+    """--moe-deepep-num-sms (handle sizes, compute beside the dispatch) and
+    --moe-hybridep-num-sms (compute beside the dispatch) reach the job."""
+    args = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 1 --num-experts 4 "
+        "--expert-model-parallel-size 2 --moe-token-dispatcher-type flex --bf16 --swiglu "
+        "--disable-bias-linear "
+    )
+    job, _ = job_from_args((args + "--moe-deepep-num-sms 32").split(), world_size=2, gpu="h100")
+    assert job.parallel.moe_deepep_num_sms == 32
+    args += "--moe-flex-dispatcher-backend hybridep --moe-hybridep-num-sms 24"
+    job, _ = job_from_args(args.split(), world_size=2, gpu="h100")
+    assert (job.parallel.moe_flex_dispatcher_backend, job.parallel.moe_hybridep_num_sms) == (
+        "hybridep",
+        24,
+    )

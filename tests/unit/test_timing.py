@@ -74,3 +74,38 @@ def test_gradient_reductions_run_one_after_another_from_each_chunks_last_backwar
     assert _reduced_by(steps, {1: (3.0, 1.0), 0: (0.5, 0.1)}) == 3.5
     # short reductions: the last bucket, only after its step ends, is what remains exposed
     assert _reduced_by(steps, {1: (0.2, 0.1), 0: (0.2, 0.1)}) == pytest.approx(2.1)
+
+
+def test_compute_beside_the_flex_dispatch_runs_on_the_sms_it_leaves():
+    """Combined 1F1B: a step's compute runs beside its all-to-alls; DeepEP's kernels hold 20 of
+    an H100's 132 SMs while they run, so 1 ms of dispatch beside 10 ms of compute adds
+    1 ms x 20/132; a dispatch that outlasts the compute adds the difference (12 - 10 ms beats
+    12 x 20/132 = 1.82 ms). HybridEP takes moe_hybridep_num_sms, NCCL's all-to-all nothing."""
+    from metatrace.analysis.timing import _beside_dispatch, dispatch_sms_share
+
+    deepep = small_job(
+        model={"num_experts": 4, "moe_router_topk": 2},
+        parallel={"ep": 2, "moe_token_dispatcher_type": "flex"},
+        cluster={"gpu": "h100", "num_gpus": 2},
+    )
+    taken = dispatch_sms_share(deepep)
+    assert taken == 20 / 132
+    assert _beside_dispatch(1e-3, 10e-3, taken) == pytest.approx(1e-3 * 20 / 132)
+    assert _beside_dispatch(12e-3, 10e-3, taken) == pytest.approx(2e-3)
+    hybrid = small_job(
+        model={"num_experts": 4, "moe_router_topk": 2},
+        parallel={
+            "ep": 2,
+            "moe_token_dispatcher_type": "flex",
+            "moe_flex_dispatcher_backend": "hybridep",
+            "moe_hybridep_num_sms": 32,
+        },
+        cluster={"gpu": "b200", "num_gpus": 2},
+    )
+    assert dispatch_sms_share(hybrid) == 32 / 148
+    nccl = small_job(
+        model={"num_experts": 4, "moe_router_topk": 2},
+        parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+        cluster={"num_gpus": 2},
+    )
+    assert dispatch_sms_share(nccl) == 0.0

@@ -163,6 +163,8 @@ _MODELLED: dict[str, str | None] = {
     "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
     "--moe-token-dispatcher-type": "parallel.moe_token_dispatcher_type",
     "--moe-flex-dispatcher-backend": "parallel.moe_flex_dispatcher_backend",
+    "--moe-deepep-num-sms": "parallel.moe_deepep_num_sms",
+    "--moe-hybridep-num-sms": "parallel.moe_hybridep_num_sms",
     "--moe-enable-deepep": None,
     "--moe-expert-capacity-factor": "training.moe_expert_capacity_factor",
     "--moe-pad-expert-input-to-capacity": None,
@@ -528,9 +530,9 @@ _NO_EFFECT: dict[str, str] = {
         "--disable-gloo-process-groups --distributed-backend --distributed-timeout-minutes "
         "--distributed-timeout-seconds-after-init --enable-experimental --fake-process-group "
         "--high-priority-a2a-comm-stream --high-priority-stream-groups "
-        "--inference-rng-tracker --lazy-mpu-init --local-rank --moe-deepep-num-sms "
+        "--inference-rng-tracker --lazy-mpu-init --local-rank "
         "--moe-flex-dispatcher-num-sms --moe-hybridep-num-blocks-permute "
-        "--moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms "
+        "--moe-hybridep-num-blocks-unpermute "
         "--moe-hybridep-num-sms-preprocessing --muon-use-syrk --nccl-communicator-config-path "
         "--no-persist-layer-norm --pipeline-model-parallel-comm-backend --sharp-enabled-group "
         "--symmetric-ar-type --te-rng-tracker --tp-comm-bootstrap-backend --use-sharp "
