@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,9 +59,10 @@ ASSUMED = {
     "communication overlap where tp > 1, the distributed optimizer with overlap",
     "mbridge": "the recipe's settings as the row gives them (MBRIDGE_PRESETS for the models); "
     "DGX B200/B300/H100 nodes of 8, GB200/GB300 trays of 4 in NVL72 racks, 64 GPUs of a "
-    "rack to a job (16 of its 18 trays: the rack is the NVLink domain); force-balanced routing (the tables' footnote); Transformer Engine graphs "
-    "of scope attn where the recipe also graphs moe_router and moe_preprocess (megatron-core "
-    "0.16.1's scopes); what metatrace does not model said per row (MBRIDGE_LEFT_OUT)",
+    "rack to a job (16 of its 18 trays: the rack is the NVLink domain); force-balanced "
+    "routing (the tables' footnote); Transformer Engine graphs of scope attn where the "
+    "recipe also graphs moe_router and moe_preprocess (megatron-core 0.16.1's scopes); what "
+    "metatrace does not model said per row (MBRIDGE_LEFT_OUT)",
 }
 
 # GPU families the summary reports apart.
@@ -169,8 +171,6 @@ def _mbridge_layout(row: dict) -> dict:
     if "= E" in layout:
         return {"layout": layout.split("= ")[1].rstrip(")")}
     if "recipe map" in layout:  # [emb+a], n x [b], [c+MTP+loss]
-        import re
-
         first, middle, times, last = re.search(
             r"\[emb\+(\d+)\], (\d+)x\[(\d+)\], \[(\d+)\+", layout
         ).group(1, 3, 2, 4)
@@ -197,9 +197,7 @@ def _mbridge(
     model = {"preset": MBRIDGE_PRESETS[name]}
     if m.get("vocab_size"):
         model["vocab_size"] = m["vocab_size"]
-    if "GB" not in row["system"]:
-        cluster["gpus_per_node"] = 8
-    else:  # trays of 4; a job takes 16 of an NVL72 rack's 18 trays (2 spares): 64 per domain
+    if "GB" in row["system"]:  # trays of 4; a job takes 16 of an NVL72 rack's 18 trays: 64
         cluster.update(gpus_per_node=4, nvlink_domain=64)
     parallel["sequence_parallel"] = bool(par.get("sequence_parallel"))
     if par.get("etp"):
@@ -207,11 +205,11 @@ def _mbridge(
     if (par.get("pp") or 1) > 1:
         parallel.update(_mbridge_layout(row))
     overlap = tr.get("comm_overlap") or {}
+    precision = tr["precision"].lower()
     parallel["tp_comm_overlap"] = str(overlap.get("tp_comm_overlap", "")).startswith("on")
-    if parallel["tp_comm_overlap"] and tr["precision"].lower() == "mxfp8":
+    if parallel["tp_comm_overlap"] and precision == "mxfp8":
         parallel["tp_comm_overlap"] = False
         notes.append("TP communication overlap (metatrace: not with MXFP8 yet)")
-    precision = tr["precision"].lower()
     detail = tr.get("precision_detail", "")
     if precision.startswith("fp8"):
         training.update(precision="fp8", fp8_recipe="tensorwise")
@@ -227,8 +225,6 @@ def _mbridge(
         training["fp8_param_gather"] = "fp8_param_gather=True" in detail or (
             "fp8_param_gather" in detail and "OFF" not in detail
         )
-    if "first/last layers not in bf16" in detail.lower() or "no bf16 first/last" in detail.lower():
-        training["first_last_layers_bf16"] = False
     training["distributed_optimizer"] = bool(tr.get("distributed_optimizer"))
     training["overlap_grad_reduce"] = bool(overlap.get("dp_overlap_grad_reduce"))
     training["overlap_param_gather"] = bool(overlap.get("dp_overlap_param_gather"))
@@ -259,15 +255,14 @@ def _mbridge(
         training["cpu_offloading_num_layers"] = int(
             offload.split("cpu_offloading_num_layers=")[1].split(")")[0]
         )
-    graphs = tr.get("cuda_graphs", "none")
-    if tr.get("moe") and not graphs.startswith("none"):
+    graphs, moe = tr.get("cuda_graphs", "none"), tr.get("moe")
+    if moe and not graphs.startswith("none"):
         notes.append("CUDA graphs (metatrace: not with MoE models yet)")
     elif "full_iteration" in graphs:
         training.update(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
     elif graphs.startswith("Transformer Engine"):
         training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])
     impl = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
-    moe = tr.get("moe")
     if moe:
         training["moe_routing"] = "balanced"  # force-balanced (the tables' footnote)
         dispatcher = moe["token_dispatcher"]

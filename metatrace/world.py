@@ -239,8 +239,8 @@ class World:
 
     def crosses_nodes(self, ranks) -> bool:
         """Whether `ranks` span more than one NVLink domain (the node, or an NVL72 rack)."""
-        first = ranks[0] // self.nvlink_domain
-        return any(r // self.nvlink_domain != first for r in ranks)
+        first = self.domain(ranks[0])
+        return any(self.domain(r) != first for r in ranks)
 
     @_per_world
     def crossing_ranks(self, name: str) -> frozenset[int]:
@@ -269,9 +269,6 @@ class World:
 
     def gpu(self, rank: int) -> str:
         return f"n{rank // self.gpus_per_node}_g{rank % self.gpus_per_node}"
-
-    def node(self, rank: int) -> int:
-        return rank // self.gpus_per_node
 
     def domain(self, rank: int) -> int:
         """The NVLink domain of `rank`."""

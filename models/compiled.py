@@ -149,22 +149,36 @@ def weighted_swiglu_back(g, y, weights):
     and the weights' gradient [..., 1] (their dtype), the row sum fused into the kernel; the
     promoted concatenation (_promoted_cat) lives while they are written. Restates
     megatron.core.fusions.fused_bias_swiglu.weighted_swiglu_back (source sha256: c72e1f7820f5)."""
+    (grad,), wgrad = _weighted_back(g, y, weights, _swiglu, _swiglu_back)
+    return grad, wgrad
+
+
+def _weighted_back(g, y, weights, act, act_back, bias=None):
+    """The compiled backward of a weighted activation `act` (its input gradient `act_back`):
+    the input gradient, with a bias its gradient (the same values in a buffer of its own:
+    inductor writes each output), and the weights' gradient, beside the promoted concatenation.
+    Returns ((input gradient[, bias gradient]), weights' gradient)."""
     grad = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    bias_grad = torch.empty(y.shape, dtype=y.dtype, device=y.device) if bias is not None else None
     wgrad = torch.empty((*y.shape[:-1], 1), dtype=weights.dtype, device=y.device)
     cat = _promoted_cat(y, weights)
-    flops.report_moved(grad, wgrad, g, y, weights)
+    written = (grad, bias_grad) if bias_grad is not None else (grad,)
+    flops.report_moved(*written, wgrad, g, y, weights)
     del cat
     if grad.is_meta:
-        return grad, wgrad
+        return written, wgrad
+    shift = (lambda yy: yy + bias) if bias is not None else (lambda yy: yy)
     with flops.uncounted():
-        _compute(grad, lambda gg, yy, ww: _swiglu_back(gg * ww, yy).to(y.dtype), g, y, weights)
+        _compute(grad, lambda gg, yy, ww: act_back(gg * ww, shift(yy)).to(y.dtype), g, y, weights)
         _compute(
             wgrad,
-            lambda gg, yy: (_swiglu(yy) * gg.to(weights.dtype)).sum(-1, keepdim=True),
+            lambda gg, yy: (act(shift(yy)) * gg.to(weights.dtype)).sum(-1, keepdim=True),
             g,
             y,
         )
-    return grad, wgrad
+        if bias_grad is not None:
+            bias_grad.copy_(grad)
+    return written, wgrad
 
 
 # megatron/core/fusions/fused_bias_geglu.py (GPT-OSS's experts) --------------------------------
@@ -207,43 +221,17 @@ def weighted_bias_quick_geglu(y, bias, weights, linear_offset=0.0):
     )
 
 
-def _weighted_geglu_back(g, y, weights, offset, bias=None):
-    grad = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    bias_grad = torch.empty(y.shape, dtype=y.dtype, device=y.device) if bias is not None else None
-    wgrad = torch.empty((*y.shape[:-1], 1), dtype=weights.dtype, device=y.device)
-    cat = _promoted_cat(y, weights)
-    written = (grad, bias_grad) if bias_grad is not None else (grad,)
-    flops.report_moved(*written, wgrad, g, y, weights)
-    del cat
-    if grad.is_meta:
-        return written, wgrad
-    shift = (lambda yy: yy + bias) if bias is not None else (lambda yy: yy)
-    with flops.uncounted():
-        _compute(
-            grad,
-            lambda gg, yy, ww: _quick_geglu_back(gg * ww, shift(yy), offset).to(y.dtype),
-            g,
-            y,
-            weights,
-        )
-        _compute(
-            wgrad,
-            lambda gg, yy: (_quick_geglu(shift(yy), offset) * gg.to(weights.dtype)).sum(
-                -1, keepdim=True
-            ),
-            g,
-            y,
-        )
-        if bias_grad is not None:
-            bias_grad.copy_(grad)
-    return written, wgrad
-
-
 def weighted_quick_geglu_back(g, y, weights, linear_offset=0.0):
     """fused_bias_geglu.weighted_quick_geglu_back compiled: the input gradient and the weights'
     gradient [..., 1]. Restates megatron.core.fusions.fused_bias_geglu.weighted_quick_geglu_back
     (source sha256: 3ee00d3c9d85)."""
-    (grad,), wgrad = _weighted_geglu_back(g, y, weights, linear_offset)
+    (grad,), wgrad = _weighted_back(
+        g,
+        y,
+        weights,
+        lambda yy: _quick_geglu(yy, linear_offset),
+        lambda gg, yy: _quick_geglu_back(gg, yy, linear_offset),
+    )
     return grad, wgrad
 
 
@@ -253,7 +241,14 @@ def weighted_bias_quick_geglu_back(g, y, bias, weights, linear_offset=0.0):
     weights' gradient. Restates
     megatron.core.fusions.fused_bias_geglu.weighted_bias_quick_geglu_back
     (source sha256: f977cd3d51ac)."""
-    (grad, bias_grad), wgrad = _weighted_geglu_back(g, y, weights, linear_offset, bias)
+    (grad, bias_grad), wgrad = _weighted_back(
+        g,
+        y,
+        weights,
+        lambda yy: _quick_geglu(yy, linear_offset),
+        lambda gg, yy: _quick_geglu_back(gg, yy, linear_offset),
+        bias,
+    )
     return grad, bias_grad, wgrad
 
 

@@ -110,7 +110,7 @@ class FlexLayout:
         self.rdma_ranks = max(self.ranks // NVL_PEERS, 1)
         p_node = node_hit_probability(experts, topk, ep, max(NVL_PEERS // self.tp, 1))
         self.rdma_received = self.rdma_ranks * math.ceil(tokens * p_node)
-        self.rdma_sent = (self.rdma_ranks - 1) * math.ceil(tokens * p_node) if self.internode else 0
+        self.rdma_sent = (self.rdma_ranks - 1) * math.ceil(tokens * p_node)
         """Rows a rank sends over RDMA (to the other nodes, once per node that hosts one of a
         token's experts; NVLink forwards it inside the node); the combine sends as many back."""
 

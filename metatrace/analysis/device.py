@@ -311,12 +311,12 @@ def communicator(
     under the job's `cluster` (its GPU, GPUs per node and NCCL settings)."""
     from metatrace.config.hardware import GPU_ARCH
 
-    gpu, gpus_per_node = cluster.gpu, cluster.nvlink_domain or cluster.gpus_per_node
+    gpu, domain = cluster.gpu, cluster.nvlink_domain or cluster.gpus_per_node
     simple = cluster.nccl_buffsize or NCCL_SIMPLE
     channels = cluster.nccl_channels or NCCL_CHANNELS
     arch = GPU_ARCH.get(gpu, "")
-    node = rank // gpus_per_node
-    local = sum(1 for r in ranks if r // gpus_per_node == node)
+    node = rank // domain  # NVLink reaches every GPU of the domain (an NVL72 rack's trays too)
+    local = sum(1 for r in ranks if r // domain == node)
     # P2P transport inside a node (src/transport/p2p.cc:397-400, 466-469): the receiver holds
     # all three protocols' buffers, the sender ncclSendMem; in read mode (the default for sm80
     # pairs over NVLink, src/graph/paths.cc:375) the SIMPLE buffer moves to the sender.
@@ -347,7 +347,7 @@ def communicator(
     if nvls_ok and ops & NVLS_OPS:
         nvls = _align(nvls_channels * 2 * NVLS_CHUNK * local)
     p2p = 0
-    far = {p for p in peers if p // gpus_per_node != node}
+    far = {p for p in peers if p // domain != node}
     near = peers - far
     if near:
         # Channels per NVLink peer: twice the peer's bandwidth in links, a power of two, at

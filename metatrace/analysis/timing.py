@@ -723,10 +723,11 @@ def job_timing(job_trace) -> Timing | None:
 def _outside_steps(iteration: Trace) -> tuple[float, int, int]:
     """(host seconds, kernels, synchronisations) of the iteration's windows outside the steps
     (the gradient synchronisation and the optimizer step)."""
+    import numpy as np
+
     win = iteration.columns("windows", ("chunk", "host_ps", "kernels", "syncs"))
-    outside = [c is None for c in win["chunk"].tolist()]
-    pick = [i for i, o in enumerate(outside) if o]
-    total = lambda name: int(sum(win[name][i] for i in pick))
+    outside = np.array([c is None for c in win["chunk"].tolist()], dtype=bool)
+    total = lambda name: int(win[name][outside].sum())
     return total("host_ps") / 1e12, total("kernels"), total("syncs")
 
 
@@ -741,11 +742,8 @@ def dispatch_sms_share(job) -> float:
     total = GPU_SMS.get(job.cluster.gpu)
     if par.moe_token_dispatcher_type != "flex" or not total:
         return 0.0
-    sms = (
-        par.moe_deepep_num_sms
-        if par.moe_flex_dispatcher_backend == "deepep"
-        else (par.moe_hybridep_num_sms)
-    )
+    deepep = par.moe_flex_dispatcher_backend == "deepep"
+    sms = par.moe_deepep_num_sms if deepep else par.moe_hybridep_num_sms
     return min(sms, total - 1) / total
 
 

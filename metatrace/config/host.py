@@ -29,20 +29,22 @@ GPU's queue, so that what follows it waits for the host as well.
 
 The constants, per dispatched operator and per module (HOST_SECONDS), were measured with
 bench/host_overhead.py on this project's development machine, a 2-core AMD EPYC (Zen 5) virtual
-machine (torch 2.13.0, megatron-core 0.16.1, one thread), 2026-11-29: PyTorch's dispatcher and
-autograd and megatron-core's Python are the same code on the CPU as on a GPU, and on 8 x 8
-tensors their kernels take next to nothing, so the wall time is the host's work:
+machine (torch 2.13.0, megatron-core 0.16.1, one thread), 2026-11-29, stored in
+bench/data/cpu_host_overhead.json (tests/unit/test_host.py holds the constants to it):
+PyTorch's dispatcher and autograd and megatron-core's Python are the same code on the CPU as on
+a GPU, and on 8 x 8 tensors their kernels take next to nothing, so the wall time is the host's
+work:
 - "operator": a small ATen operator called from Python with autograd recording (add, mul, mm,
-  gelu, softmax, sum, a cast, layer_norm): 1.7-6.2 us, median 2.2 us;
+  gelu, softmax, sum, a cast, layer_norm): 1.6-6.4 us, median 2.1 us;
 - "view": a view or metadata operator (view, transpose, unsqueeze): 1.1 us;
 - "module": a megatron-core module's forward beyond its operators (its __call__, its Python:
   config reads, parallel_state look-ups, the layer's control flow), measured on the local
   spec's GPT, Llama-like and 8-expert MoE layers (bench/step_time.py's cases, hidden size 64):
-  the forward's wall time less its operators' at the costs above, over its module calls: 51,
-  53 and 60 us, median 53 us;
+  the forward's wall time less its operators' at the costs above, over its module calls: 66,
+  81 and 82 us, median 81 us (runs on this shared machine vary by 15 %);
 - "backward": an operator the autograd engine runs in backward, the engine's work per node and
   megatron-core's custom autograd functions' Python included (the backward's wall time over
-  its operators): 6.3, 7.2 and 7.5 us, median 7.2 us.
+  its operators): 7.5, 9.9 and 9.5 us, median 9.5 us.
 - "launch": the CUDA runtime's own cost of a launch (cudaLaunchKernel), which a CPU run cannot
   show: 3.8 us, from NVIDIA's "Getting Started with CUDA Graphs" (A. Gray, NVIDIA Developer
   Blog, 2019), where back-to-back launches of a 2.9 us kernel took 3.8 us each (host-bound:
@@ -72,19 +74,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from metatrace.config.kernels import LAUNCH_SECONDS
+
 HOST_SECONDS = {
-    "operator": 2.2e-6,
+    "operator": 2.1e-6,
     "view": 1.1e-6,
-    "backward": 7.2e-6,
-    "module": 53e-6,
+    "backward": 9.5e-6,
+    "module": 81e-6,
     "launch": 3.8e-6,
 }
 """Host seconds per dispatched operator (from Python, a view, in backward), per module forward
 call and per kernel launch: see the module docstring for their sources."""
 
-D2H_COPY_SECONDS = 4e-6
+D2H_COPY_SECONDS = LAUNCH_SECONDS
 """GPU time of a small device-to-host copy (the count a synchronisation reads): a kernel's
-fixed cost (config.kernels.LAUNCH_SECONDS)."""
+fixed cost."""
 
 # ATen operators (by overload packet name) that allocate, alias or describe and move no data
 # (views are told by their schema; _unsafe_view is a view its schema does not mark: a reshape of

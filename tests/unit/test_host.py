@@ -367,3 +367,18 @@ def test_the_where_it_goes_line_says_host_bound_from_one_percent(host, flagged):
         else "Where it goes (stage 1, the last to finish): "
     )
     assert ("waiting for the host" in line) == (host >= 1e-3)  # terms under 0.1 % left out
+
+
+def test_the_constants_are_the_stored_measurement():
+    """HOST_SECONDS are bench/host_overhead.py's figures on the development machine, stored in
+    bench/data/cpu_host_overhead.json, to two significant digits; the launch (not measurable on
+    a CPU) is the cited 3.8 us."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "data")
+    with open(os.path.join(path, "cpu_host_overhead.json")) as f:
+        stored = json.load(f)["constants"]
+    for unit in ("operator", "view", "backward", "module"):
+        assert HOST_SECONDS[unit] == pytest.approx(float(f"{stored[unit]:.2g}")), unit
+    assert stored["launch"] is None and HOST_SECONDS["launch"] == 3.8e-6
