@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
         help="processes tracing roles in parallel (default: CPUs, at most 4)",
     )
     run.add_argument(
+        "--no-advice",
+        action="store_true",
+        help="when a job does not fit (or fits within the prediction's error), do not trace "
+        "the changes that would make it fit",
+    )
+    run.add_argument(
         "--fail-on-oom",
         action="store_true",
         help="exit with status 1 when some rank does not fit in GPU memory",
@@ -372,7 +378,7 @@ def cmd_run(args, console=None) -> int:
     from metatrace.export.report import job_report, search_report, write_json
     from metatrace.planning.search import max_micro_batch
     from metatrace.render.run import render_run, render_search
-    from metatrace.render.summary import build_run_summary, build_verdict
+    from metatrace.render.summary import build_run_summary, build_verdict, build_verdict_advice
     from metatrace.tracing.trace import shared_workers, trace_job
 
     _check_depth(args)
@@ -403,34 +409,45 @@ def cmd_run(args, console=None) -> int:
     _check_with_megatron(job)  # after every check of the command line
     console = _console(args, console)
     progress = _progress(console, args)
-    search = None
-    if args.max_mbs:
-        with shared_workers():
+    search = advice = None
+    with shared_workers():  # the advice's traces reuse the job's worker processes
+        if args.max_mbs:
             search = max_micro_batch(
                 job,
                 lambda j: trace_job(j, full_model=False, progress=progress, workers=args.jobs),
                 progress,
             )
-        analysis = search.analysis
-    else:
-        analysis = analyze(
-            trace_job(job, full_model=not args.no_full_model, progress=progress, workers=args.jobs)
-        )
-    # --quiet: the verdict alone (with the search's answer and where the files went);
-    # --summary: the summary alone.
+            analysis = search.analysis
+        else:
+            analysis = analyze(
+                trace_job(
+                    job, full_model=not args.no_full_model, progress=progress, workers=args.jobs
+                )
+            )
+        if not args.no_advice:
+            advice = _advice(analysis, args, progress)
+    # --quiet: the verdict alone (and its advice, the search's answer and where the files
+    # went); --summary: the summary alone.
     if args.quiet:
         console.print(build_verdict(analysis))
+        if advice is not None:
+            console.print()
+            console.print(build_verdict_advice(analysis, advice))
     elif args.summary:
-        console.print(build_run_summary(analysis))
+        console.print(build_run_summary(analysis, advice))
     else:
         detail = args.detail or args.depth is not None or args.expand
-        render_run(analysis, console, depth=args.depth, expand=args.expand, detail=detail)
+        render_run(
+            analysis, console, depth=args.depth, expand=args.expand, detail=detail, advice=advice
+        )
     if search is not None:
         render_search(job, search, console)
     if args.json or args.html:
         report = job_report(analysis)
         if search is not None:
             report["max_micro_batch"] = search_report(search)
+        if not args.no_advice:
+            report["advice"] = advice
     if args.json:
         write_json(report, args.json)
         console.print(f"\nJSON report written to {args.json}", soft_wrap=True)
@@ -454,6 +471,24 @@ def cmd_run(args, console=None) -> int:
     if args.fail_on_oom and not analysis.verdict.fits:
         return 1
     return 0
+
+
+def _advice(analysis, args, progress) -> dict | None:
+    """The changes that would make the job fit (metatrace.planning.advice), as the report's
+    `advice`; None when it fits beyond the prediction's error band."""
+    from metatrace.analysis.analyze import analyze
+    from metatrace.export.advice import advice_report
+    from metatrace.planning.advice import advise, needs_advice
+    from metatrace.tracing.trace import trace_jobs
+
+    if not needs_advice(analysis):
+        return None
+    advice = advise(
+        analysis,
+        lambda jobs: [analyze(t) for t in trace_jobs(jobs, full_model=False, workers=args.jobs)],
+        progress=progress,
+    )
+    return advice_report(advice, as_flags=args.config is None)
 
 
 def _check_jobs(args) -> None:

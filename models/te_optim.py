@@ -148,11 +148,13 @@ class FusedAdam(torch.optim.Optimizer):
                 self.state[param]["master_param"].copy_(param.detach())
 
     def _unscaled(self, param, name):
-        """fp32 view of a state: the state itself when fp32, else an fp32 temporary."""
+        """(the state's local tensor, its fp32 view): the state itself when fp32, else an fp32
+        temporary. Megatron-FSDP's states are DTensors: their shard is what the kernel reads."""
         state = self.state[param][name]
-        if state.dtype in (torch.float32, torch.int16):
-            return state
-        return state.float()
+        local = state.to_local() if hasattr(state, "to_local") else state
+        if local.dtype in (torch.float32, torch.int16):
+            return local, local
+        return local, local.float()
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
@@ -172,9 +174,9 @@ class FusedAdam(torch.optim.Optimizer):
                     continue
                 for name in ("exp_avg", "exp_avg_sq", "master_param"):
                     if name in state:
-                        unscaled = self._unscaled(p, name)
-                        if unscaled is not state[name]:
-                            temporaries.append((state[name], unscaled))
+                        local, unscaled = self._unscaled(p, name)
+                        if unscaled is not local:
+                            temporaries.append((local, unscaled))
             # multi_tensor_adam: every update in place, one multi-tensor call per parameter
             # dtype over [grads, params, exp_avgs, exp_avg_sqs] (and the master copies or their
             # remainders with master_weights: five lists).

@@ -12,6 +12,7 @@ import json
 
 from metatrace import __version__
 from metatrace.analysis import aggregate as agg
+from metatrace.analysis.margins import error_band
 from metatrace.analysis.timing import STEP_PHASES, breakdown
 
 SCHEMA_VERSION = 3
@@ -160,6 +161,7 @@ def verdict_report(job, v) -> dict:
         "outside_allocator_bytes": d.outside,
         "outside_terms": [{"term": t, "bytes": n} for t, n in d.terms()],
         "expandable_segments": None,
+        "error_band": _error_band(job, v.headroom, d.allocated),
     }
     if v.expandable_ranks_oom is not None:
         out["expandable_segments"] = {
@@ -168,6 +170,19 @@ def verdict_report(job, v) -> dict:
             "out_of_memory_ranks": list(v.expandable_ranks_oom),
         }
     return out
+
+
+def _error_band(job, headroom: int, allocated: int) -> dict:
+    """The prediction's error band for the job's kind (metatrace.analysis.margins) and whether
+    the headroom (or the shortfall) lies within it."""
+    band = error_band(job)
+    return {
+        "kind": band.kind,
+        "fraction": band.fraction,
+        "bytes": band.bytes_of(allocated),
+        "within": band.within(headroom, allocated),
+        "source": band.source,
+    }
 
 
 def role_report(ra, world=None) -> dict:

@@ -20,7 +20,9 @@
    trace budget is spent. A layout that holds no more than a traced one that does not fit (the
    same degrees, a smaller micro-batch, the distributed optimizer) is not traced.
 4. Rank the fitting layouts by the traced time model (metatrace.analysis.timing: the same
-   per-kernel rates as `metatrace run`).
+   per-kernel rates as `metatrace run`), those whose headroom lies within the prediction's
+   error band for the job's kind (metatrace.analysis.margins) after the others; only layouts
+   that fit beyond the band stand for their degrees, dominate a twin and count towards `top`.
 
 Known limitations: the stop rule compares closed forms with closed forms; the closed form's
 compute is within about 15 % of the traced kernels' (tests/tracing/test_plan.py), so a layout
@@ -228,6 +230,13 @@ class Traced:
     traced time model's figures when the report has them)."""
     report: dict = field(repr=False, default_factory=dict)
 
+    @property
+    def within_error(self) -> bool:
+        """Whether it fits by less than the prediction's error band for the job's kind
+        (metatrace.analysis.margins): ranked after the layouts that fit beyond it."""
+        band = self.report.get("memory_verdict", {}).get("error_band")
+        return bool(self.fits and band and band["within"])
+
 
 @dataclass
 class Plan:
@@ -251,7 +260,11 @@ class Plan:
     """Candidates left when the search stopped (estimated slower, or over the budget)."""
 
     def ranked(self) -> list[Traced]:
-        return sorted((t for t in self.traced if t.fits), key=lambda t: t.estimate.seconds)
+        """The layouts that fit, fastest first; those whose headroom lies within the
+        prediction's error band after the others."""
+        return sorted(
+            (t for t in self.traced if t.fits), key=lambda t: (t.within_error, t.estimate.seconds)
+        )
 
 
 def _room(job) -> int:
@@ -335,9 +348,12 @@ def plan(
         found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout)
     )
     fits: dict[Layout, bool] = {}
+    # Layouts that fit beyond the prediction's error band: only they dominate a twin, stand for
+    # their degrees and count towards `top` (one within the band leaves room for a safer twin).
+    clear: dict[Layout, bool] = {}
     families: set = set()
     for i, cand in enumerate(order):
-        better = [t for t in _dominated_by(cand.layout) if fits.get(t)]
+        better = [t for t in _dominated_by(cand.layout) if clear.get(t)]
         if better:
             result.dominated.append((cand, better[0]))
             continue
@@ -347,7 +363,7 @@ def plan(
         if any(_holds_no_more(t, cand.layout) for t, ok in fits.items() if not ok):
             result.outgrown += 1
             continue
-        ranked = result.ranked()
+        ranked = [t for t in result.ranked() if not t.within_error]
         # Closed form against closed form: the traced figures are on another footing.
         slowest = (
             max(t.candidate.estimate.seconds for t in ranked[:top]) if len(ranked) >= top else None
@@ -364,7 +380,8 @@ def plan(
         report = trace(cand.job)
         traced = _traced(cand, report)
         fits[cand.layout] = traced.fits
-        if traced.fits:
+        clear[cand.layout] = traced.fits and not traced.within_error
+        if clear[cand.layout]:
             families.add(_family(cand.layout))
         result.traced.append(traced)
     return result
@@ -399,6 +416,7 @@ def plan_report(result: Plan, top: int) -> dict:
             "fits": t.fits,
             "peak_bytes": t.peak,
             "headroom_bytes": t.headroom,
+            "within_error_band": t.within_error,
             "memory_lower_bound_bytes": t.candidate.lower_bound,
             "estimated_memory_bytes": t.candidate.estimated_memory,
             "estimate": {

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from metatrace.analysis.margins import ErrorBand
+
 MiB = 2**20
 GiB = 2**30
 TP_GROUPS = ("tp",)
@@ -170,6 +172,19 @@ def op(name: str) -> str:
     return _OP.get(name, name)
 
 
+def band_sentence(v: dict) -> str:
+    """Where the headroom (or the shortfall) of the report's memory_verdict `v` lies within the
+    prediction's error band for the job's kind (metatrace.analysis.margins), a sentence that
+    says so; else nothing."""
+    b = v.get("error_band")
+    if not b or not b["within"]:
+        return ""
+    phrase = ErrorBand(b["kind"], b["fraction"], b["source"]).phrase()
+    if v["fits"]:
+        return f" That headroom is within {phrase} ({size(b['bytes'])}): it may not fit."
+    return f" That shortfall is within {phrase} ({size(b['bytes'])}): it may fit."
+
+
 def verdict_text(gpu: str, v: dict) -> str:
     """The verdict's sentence (terminal and HTML) from the JSON report's memory_verdict `v`:
     the GPU ("h100 (79.1 GiB)"), the rank that takes the most of its GPU and its parts (the
@@ -195,6 +210,7 @@ def verdict_text(gpu: str, v: dict) -> str:
             f"Out of memory on {gpu} by {size(-v['headroom_bytes'])} on ranks "
             f"{rank_span(v['out_of_memory_ranks'])}: {who}: {parts}{kept}."
         )
+    text += band_sentence(v)
     e = v.get("expandable_segments")
     if e is not None and e["fits"] != v["fits"]:
         if e["fits"]:

@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from metatrace.analysis.margins import ErrorBand
 from metatrace.analysis.timing import Breakdown
 from metatrace.config.megatron.to_args import command_lines, megatron_command
 from metatrace.render.format import DIM_TITLES, seconds, section, size, time_terms
@@ -46,7 +47,7 @@ def build_best(result, top: int) -> Table:
             f"{t.estimate.bubble:.1%}",
             seconds(t.estimate.comm),
             size(t.peak),
-            size(t.headroom),
+            Text(size(t.headroom), style="yellow" if t.within_error else ""),
         )
     return table
 
@@ -97,6 +98,10 @@ def build_reasons(result, top: int) -> Group:
             f"peak {size(t.peak)}, headroom {size(t.headroom)}; exposed communication: "
             f"{_exposed(t.report)}"
         )
+        band = t.report["memory_verdict"]["error_band"]
+        if t.within_error:
+            phrase = ErrorBand(band["kind"], band["fraction"], band["source"]).phrase()
+            cost += f" (within {phrase}, {size(band['bytes'])}: it may not fit)"
         if lay.recompute != "none":
             cost += f"; {lay.recompute} recompute adds compute"
         lines.append(Text.assemble((f"#{i} ", "bold"), (lay.describe(), "bold"), f": {why}."))

@@ -554,12 +554,15 @@ def build_full_model(full, *, depth=None, expand=False):
     )
 
 
-def render_run(analysis, console, *, depth=None, expand=False, detail=False) -> None:
-    """The summary (metatrace.render.summary), then the memory of every stage over the
-    iteration; with `detail`, also the configuration, the module trees and the communication
-    sections before the memory, and the verdict again at the end."""
+def render_run(
+    analysis, console, *, depth=None, expand=False, detail=False, advice: dict | None = None
+) -> None:
+    """The summary (metatrace.render.summary; with `advice`, the report's advice under the
+    verdict), then the memory of every stage over the iteration; with `detail`, also the
+    configuration, the module trees and the communication sections before the memory, and the
+    verdict again at the end."""
     job = analysis.job
-    console.print(build_run_summary(analysis))
+    console.print(build_run_summary(analysis, advice))
     if detail:
         console.print(section("Configuration"))
         console.print(build_summary(job, analysis.world))

@@ -239,11 +239,22 @@ def build_verdict(analysis) -> Text:
     return text
 
 
-def build_run_summary(analysis) -> Group:
-    """The summary `metatrace run` prints first (see the module docstring)."""
+def build_verdict_advice(analysis, advice: dict) -> Group:
+    """The advice under the verdict (metatrace.render.advice)."""
+    from metatrace.export.report import verdict_report
+    from metatrace.render.advice import build_advice
+
+    return build_advice(advice, verdict_report(analysis.job, analysis.verdict))
+
+
+def build_run_summary(analysis, advice: dict | None = None) -> Group:
+    """The summary `metatrace run` prints first (see the module docstring); `advice`: the
+    report's advice (metatrace.export.advice), printed after the verdict."""
     parts: list = [build_job_line(analysis)]
     if analysis.verdict is not None:
         parts.append(build_verdict(analysis))
+    if advice is not None:
+        parts += [Text(), build_verdict_advice(analysis, advice)]
     parts += [Text(), build_stage_table(analysis)]
     if analysis.iterations:
         parts += [Text(), build_timing(analysis), Text(), build_comm_table(analysis)]

@@ -126,6 +126,23 @@ def trace_job(
     )
 
 
+def trace_jobs(jobs, *, workers: int | None = None, **options) -> list[JobTrace]:
+    """trace_job of every one of `jobs`, at once: their roles share one pool of `workers`
+    processes (so a job of one role does not leave the other CPUs idle while it traces), each
+    job waited on by a thread of this process. Inside shared_workers(), that pool is kept."""
+    if workers is None:
+        workers = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    if workers == 1 or len(jobs) < 2:
+        return [trace_job(job, workers=workers, **options) for job in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The pool exists before the threads start: every trace_job then hands its roles to it
+    # (none traces in this process, whose patches of megatron-core and torch are not for two
+    # threads at once).
+    with shared_workers(), _executor(workers), ThreadPoolExecutor(len(jobs)) as threads:
+        return list(threads.map(lambda job: trace_job(job, workers=workers, **options), jobs))
+
+
 def _trace_task(args):
     job, world, role, device, iteration, micro, keep = args
     import torch
