@@ -183,14 +183,19 @@ def advise(
     queue: list[tuple[float, int, int, int, Anchor]] = []  # (seconds, peak, ladder, step, anchor)
 
     def push(ladder: int, start: int, anchor: Anchor) -> None:
-        """The ladder's first step from `start` on estimated to fit beyond the band."""
-        for i in range(start, len(found[ladder])):
-            step = found[ladder][i]
-            peak = estimated_peak(anchor, step)
-            if anchor.headroom(peak, step) >= band.bytes_of(peak) + anchor.margin(step):
-                est = estimated_seconds(anchor, step)
-                heapq.heappush(queue, (est if est is not None else 0.0, peak, ladder, i, anchor))
-                return
+        """The ladder's first step from `start` on estimated to fit beyond the band and what
+        the estimate may miss by (else the first estimated to fit beyond the band alone)."""
+        steps = range(start, len(found[ladder]))
+        peaks = {i: estimated_peak(anchor, found[ladder][i]) for i in steps}
+        room = {
+            i: anchor.headroom(peaks[i], found[ladder][i]) - band.bytes_of(peaks[i]) for i in steps
+        }
+        i = next((i for i in steps if room[i] >= anchor.margin(found[ladder][i])), None)
+        if i is None:
+            i = next((i for i in steps if room[i] >= 0), None)
+        if i is not None:
+            est = estimated_seconds(anchor, found[ladder][i])
+            heapq.heappush(queue, (est if est is not None else 0.0, peaks[i], ladder, i, anchor))
 
     for ladder in range(len(found)):
         push(ladder, 0, base)

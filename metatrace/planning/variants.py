@@ -179,7 +179,9 @@ def sharding_steps(job) -> list[Step]:
             "training.megatron_fsdp": True,
             "training.fsdp_sharding_strategy": "optim_grads_params",
         }
-        out.append(_step("sharding", job, keys, reset={"training.distributed_optimizer": True}))
+        if not tr.distributed_optimizer:  # Megatron-LM asks for it with Megatron-FSDP
+            keys["training.distributed_optimizer"] = True
+        out.append(_step("sharding", job, keys))
     return [s for s in out if s is not None]
 
 
@@ -194,7 +196,9 @@ def parallel_steps(job) -> list[Step]:
             "parallel.dp": par.dp // k,
             "parallel.sequence_parallel": True,
         }
-        out.append(_step("tensor parallel", job, keys, reset={"parallel.etp": None}, numeric=True))
+        # etp follows tp where it was tp's (as Megatron-LM derives it); one given stays
+        reset = {"parallel.etp": None} if par.etp in (None, par.tp) else None
+        out.append(_step("tensor parallel", job, keys, reset=reset, numeric=True))
         k *= 2
     k = 2
     fixed = par.layout or par.first_stage_layers or par.last_stage_layers

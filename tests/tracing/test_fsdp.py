@@ -321,3 +321,32 @@ def test_hybrid_sharding_shards_within_an_instance_and_all_reduces_across():
     # every gradient buffer's shard once (the memory rounds each buffer to 512-byte blocks)
     reduced = sum(it.count * it.message for it in outer)
     assert 0 <= memory.grads - reduced < 512 * sum(it.count for it in outer)
+
+
+def test_low_precision_adam_moments_are_kept_as_shards():
+    """TE's FusedAdam with bf16 moments under Megatron-FSDP (FP8 parameters, whose states are
+    DTensors): its step widens each moment's shard (the DTensor's local tensor) to fp32 and
+    writes it back; each rank keeps the bf16 shards, 2 bytes per parameter and moment over the
+    data-parallel ranks instead of 4 (the shards' 512-byte blocks aside)."""
+
+    def optimizer(dtype):
+        job = small_job(
+            cluster={"num_gpus": DP},
+            implementation={"transformer_impl": "transformer_engine"},
+            training={
+                "megatron_fsdp": True,
+                "global_batch_size": 16,
+                "precision": "fp8",
+                "fp8_recipe": "tensorwise",
+                "fp8_param_gather": True,
+                "grad_reduce_in_fp32": False,
+                "use_precision_aware_optimizer": True,
+                "exp_avg_dtype": dtype,
+                "exp_avg_sq_dtype": dtype,
+            },
+        )
+        a = analyze(trace_job(job, full_model=False, workers=1))
+        return a.roles[0].memory.optimizer, a.total_params
+
+    (wide, n), (narrow, _) = optimizer("fp32"), optimizer("bf16")
+    assert wide - narrow == pytest.approx(2 * 2 * n / DP, rel=0.005)
