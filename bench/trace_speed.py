@@ -8,7 +8,8 @@ Cases (issue 20's targets in brackets): Llama-2 70B, tp 8, pp 4, 32 GPUs, full m
 without the full model (examples/llama3.1-405b-16k.yaml) [<= 1.5]; DeepSeek-V3 on 2,048 GPUs
 without the full model (examples/deepseek-v3-2048gpu.yaml) [<= 2]; Mixtral 8x7B on 64 GPUs,
 pp 4, ep 8 (examples/mixtral-8x7b-64gpu.yaml); `metatrace plan` for Llama-2 70B on 256 H100s
-[under 20 s]; `metatrace groups` of the 70B job (traces nothing). Prints each command's wall
+[under 20 s]; `metatrace groups` of the 70B job (traces nothing); the README's out-of-memory
+examples with the changes their advice traces [under 30 s each on 2 cores]. Prints each command's wall
 time (median of --runs), its ratio to the import, and the peak RSS of its processes; then the
 trace counts per role of the first case.
 """
@@ -66,6 +67,31 @@ CASES = [
     ),
     ("groups llama2-70b, 32 GPUs", "", ["groups", "--config", _example("llama2-70b-tp8-pp4.yaml")]),
 ]
+# Issue 44: the README's out-of-memory examples, each with its advice (the changes that make it
+# fit, traced) [under 30 s on 2 cores].
+ADVICE = [
+    (
+        "advice: llama3-8b fp8, 8 H100s",
+        "30 s",
+        ["run", "--config", _example("llama3-8b-h100-fp8.yaml")],
+    ),
+    (
+        "advice: llama3-70b fsdp offload fp8, 64 GB200s",
+        "30 s",
+        ["run", "--config", _example("llama3-70b-gb200-fsdp-offload-fp8.yaml")],
+    ),
+    (
+        "advice: llama2-7b script mbs 8, 16 H100s",
+        "30 s",
+        [
+            "run",
+            "--megatron-args-file",
+            _example("pretrain_llama2_7b_mbs8.sh"),
+            "--world-size",
+            "16",
+        ],
+    ),
+]
 
 
 def timed(args) -> tuple[float, float]:
@@ -79,6 +105,19 @@ def timed(args) -> tuple[float, float]:
     return seconds, usage.ru_maxrss / 1024
 
 
+def _print_advice(path: str) -> None:
+    """The changes a report's advice lists (those that fit, with their traced peak)."""
+    with open(path) as f:
+        advice = json.load(f).get("advice")
+    if not advice:
+        return
+    traced = [c for c in advice["changes"] if c["traced"]]
+    print(f"  {len(traced)} traced changes fit ({len(advice['misses'])} traced do not):")
+    for c in advice["changes"]:
+        mark = " (within the error band)" if c["within_error_band"] else ""
+        print(f"    {c['change']}: peak {c['highest_peak_bytes'] / 2**30:.2f} GiB{mark}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="runs per command (median)")
@@ -89,7 +128,7 @@ def main():
     base = statistics.median(imports)
     print(f"python -c 'import megatron.core': {base:.2f} s (median of 3)")
     first = None
-    for name, target, argv in CASES:
+    for name, target, argv in CASES + ADVICE:
         if args.only and args.only not in name:
             continue
         out = os.path.join(tempfile.mkdtemp(), "report.json")
@@ -104,6 +143,8 @@ def main():
         )
         if first is None and argv[0] == "run":
             first = out
+        if argv[0] == "run":
+            _print_advice(out)
     if first is None:
         return
     with open(first) as f:

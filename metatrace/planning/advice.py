@@ -115,9 +115,12 @@ def flag_changes(base, job) -> tuple[str, ...]:
 
 
 def _expandable(analysis, band: ErrorBand, seconds) -> Advised | None:
-    """Expandable segments, where the verdict's simulation says the job fits with them."""
+    """Expandable segments, where the verdict's simulation says the job fits with them and
+    has more headroom so."""
     v, job = analysis.verdict, analysis.job
     if v.expandable_ranks_oom is None or v.expandable_ranks_oom:
+        return None
+    if v.expandable_headroom <= v.headroom:
         return None
     given = job.cluster.allocator_conf
     conf = f"{given},expandable_segments:True" if given else "expandable_segments:True"
@@ -166,6 +169,37 @@ def _next_anchor(anchor: Anchor, step: Step, estimate: int, result) -> Anchor | 
     return anchor_of(result, step, scale=(anchor.scale or 1.0) * got / guessed)
 
 
+class _Queue:
+    """The candidates to trace, by estimated step time: at most one step of each ladder."""
+
+    def __init__(self, ladders_: list[list[Step]], band: ErrorBand):
+        self.ladders, self.band = ladders_, band
+        self.heap: list[tuple[float, int, int, int, Anchor]] = []  # seconds, peak, ladder, step
+
+    def push(self, ladder: int, start: int, anchor: Anchor) -> None:
+        """The ladder's first step from `start` on estimated to fit beyond the band and what
+        the estimate may miss by (else the first estimated to fit beyond the band alone)."""
+        steps = self.ladders[ladder]
+        peaks = {i: estimated_peak(anchor, steps[i]) for i in range(start, len(steps))}
+        room = {i: anchor.headroom(p, steps[i]) - self.band.bytes_of(p) for i, p in peaks.items()}
+        i = next((i for i in peaks if room[i] >= anchor.margin(steps[i])), None)
+        if i is None:
+            i = next((i for i in peaks if room[i] >= 0), None)
+        if i is not None:
+            est = estimated_seconds(anchor, steps[i])
+            heapq.heappush(
+                self.heap, (est if est is not None else 0.0, peaks[i], ladder, i, anchor)
+            )
+
+    def pop(self, count: int) -> list[tuple[Step, int, int, int, Anchor]]:
+        """(step, its estimated peak, ladder, step index, anchor) of the `count` fastest."""
+        out = []
+        for _ in range(min(count, len(self.heap))):
+            _, peak, ladder, i, anchor = heapq.heappop(self.heap)
+            out.append((self.ladders[ladder][i], peak, ladder, i, anchor))
+        return out
+
+
 def advise(
     analysis,
     trace: Callable[[list], list],
@@ -174,50 +208,29 @@ def advise(
     budget: int = BUDGET,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
-    """The advice for a traced and analysed job; `trace(jobs) -> [Analysis]` traces variants
-    (at once where it can)."""
+    """The advice for a traced and analysed job (see the module docstring); `trace(jobs) ->
+    [Analysis]` traces variants, at once where it can."""
     job, v = analysis.job, analysis.verdict
     band = error_band(job)
     base = anchor_of(analysis)
     found = ladders(job)
-    queue: list[tuple[float, int, int, int, Anchor]] = []  # (seconds, peak, ladder, step, anchor)
-
-    def push(ladder: int, start: int, anchor: Anchor) -> None:
-        """The ladder's first step from `start` on estimated to fit beyond the band and what
-        the estimate may miss by (else the first estimated to fit beyond the band alone)."""
-        steps = range(start, len(found[ladder]))
-        peaks = {i: estimated_peak(anchor, found[ladder][i]) for i in steps}
-        room = {
-            i: anchor.headroom(peaks[i], found[ladder][i]) - band.bytes_of(peaks[i]) for i in steps
-        }
-        i = next((i for i in steps if room[i] >= anchor.margin(found[ladder][i])), None)
-        if i is None:
-            i = next((i for i in steps if room[i] >= 0), None)
-        if i is not None:
-            est = estimated_seconds(anchor, found[ladder][i])
-            heapq.heappush(queue, (est if est is not None else 0.0, peaks[i], ladder, i, anchor))
-
+    queue = _Queue(found, band)
     for ladder in range(len(found)):
-        push(ladder, 0, base)
-    pruned = len(found) - len(queue)
-    changes: list[Advised] = []
+        queue.push(ladder, 0, base)
+    pruned = len(found) - len(queue.heap)
+    extra = _expandable(analysis, band, base.seconds)
+    changes: list[Advised] = [extra] if extra is not None else []
     misses: list[Advised] = []
     failed: list[tuple[Step, Exception]] = []
-    extra = _expandable(analysis, band, base.seconds)
-    if extra is not None:
-        changes.append(extra)
     traced = clear = 0
-    while queue and traced < budget and clear < want:
-        count = min(want - clear, budget - traced, len(queue))
-        batch = [heapq.heappop(queue) for _ in range(count)]
-        steps = [found[ladder][i] for _, _, ladder, i, _ in batch]
-        if progress:
-            for step in steps:
+    while queue.heap and traced < budget and clear < want:
+        batch = queue.pop(min(want - clear, budget - traced))
+        for step, *_ in batch:
+            if progress:
                 progress("advice: tracing " + describe_keys(step.keys))
-        for (_, est, ladder, i, anchor), step, result in zip(
-            batch, steps, _trace_each(trace, steps)
-        ):
-            traced += 1
+        results = _trace_each(trace, [step for step, *_ in batch])
+        traced += len(batch)
+        for (step, est, ladder, i, anchor), result in zip(batch, results):
             if isinstance(result, Exception):
                 failed.append((step, result))
                 continue
@@ -225,20 +238,17 @@ def advise(
             (changes if got.fits else misses).append(got)
             if got.fits and not got.within_error:
                 clear += 1
-            else:  # the next step, estimated from this one's trace
+            else:  # the ladder's next step, estimated from this one's trace
                 following = _next_anchor(anchor, step, est, result)
                 if following is not None:
-                    push(ladder, i + 1, following)
-    order = sorted(
-        changes,
-        key=lambda a: (a.within_error, a.seconds if a.seconds is not None else 0.0, a.peak),
-    )
+                    queue.push(ladder, i + 1, following)
+    changes.sort(key=lambda a: (a.within_error, a.seconds or 0.0, a.peak))
     return Advice(
         band=band,
         peak=v.worst,
         headroom=v.headroom,
         seconds=base.seconds,
-        changes=tuple(order),
+        changes=tuple(changes),
         misses=tuple(misses),
         failed=tuple((step.keys, flag_changes(job, step.job), _reason(e)) for step, e in failed),
         considered=sum(len(steps) for steps in found),
