@@ -45,7 +45,8 @@ CASES = [
     (
         "deepseek-v3, 2,048 GPUs",
         "2",
-        ["run", "--config", _example("deepseek-v3-2048gpu.yaml"), "--no-full-model"],
+        # out of memory by 33 GiB: its advice (several traces more) is not what this times
+        ["run", "--config", _example("deepseek-v3-2048gpu.yaml"), "--no-full-model", "--no-advice"],
     ),
     ("mixtral-8x7b pp4 ep8, 64 GPUs", "", ["run", "--config", _example("mixtral-8x7b-64gpu.yaml")]),
     (

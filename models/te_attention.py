@@ -96,7 +96,9 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         report_backward(ctx)
-        q, k, v, out, *_ = ctx.saved_tensors
+        # Read once, as TE's FusedAttnFunc.backward does: megatron-core's fine-grained
+        # offloading hands each saved tensor back once (a second read finds it gone).
+        q, k, v, out, *aux = ctx.saved_tensors
         if ctx.layout == "sbh3d":
             s, b, h, d = q.shape
             buf = torch.empty((s, b, h, 3, d), dtype=q.dtype, device=q.device)
@@ -104,7 +106,7 @@ class _FusedAttention(torch.autograd.Function):
         else:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # fused_attn_bwd allocates dSoftmaxOffset fp32 [1, h, 1, 1] for softmax sinks.
-        d_offset = torch.empty_like(ctx.saved_tensors[-1]) if ctx.sink else None
+        d_offset = torch.empty_like(aux[-1]) if ctx.sink else None
         return dq, dk, dv, None, None, None, None, d_offset
 
 

@@ -158,3 +158,29 @@ def test_window_flops_in_closed_form(backend):
     assert saved == 1_048_576 - 458_752
     assert full["forward"] - windowed["forward"] == saved
     assert full["backward"] - windowed["backward"] == saved * 5 // 2
+
+
+def test_core_attention_with_sinks_offloads_its_saved_tensors():
+    """Fine-grained offloading of core_attn with softmax sinks: the stand-in's backward reads its
+    saved tensors once, as TE's does (megatron-core's offload manager hands each back once);
+    each layer moves q and out [s, b, 4, 16] and k and v [s, b, 2, 16] in bf16 (the sink offsets
+    and softmax statistics stay below the minimum size of 1024 elements)."""
+    from tests.tracing.test_offload import moved_per_group
+
+    job = small_job(
+        model=GPT_OSS,
+        parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+        training={
+            "global_batch_size": 4,
+            "activation_offload_modules": ["core_attn"],
+            "min_offloaded_tensor_size": 1024,
+        },
+        implementation={
+            "transformer_impl": "transformer_engine",
+            "bias_dropout_fusion": False,
+            "moe_grouped_gemm": True,
+        },
+        cluster={"num_gpus": 2},
+    )
+    per, _ = moved_per_group(job, "core_attn")
+    assert per and set(per.values()) == {2 * S * B * (2 * HEADS + 2 * 2) * 16}
