@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--quiet", "-q", action="store_true", help=quiet)
 
     run = sub.add_parser("run", help="trace every rank role and print the report")
-    common(run, quiet="no progress on stderr; print only the verdict")
+    common(run, quiet="no progress on stderr; print only the verdict and its advice")
     shown = run.add_mutually_exclusive_group()
     shown.add_argument(
         "--summary",

@@ -10,12 +10,14 @@ that band, each one traced:
 2. every other kind of change is a ladder of steps, smallest first (metatrace.planning.variants:
    micro-batch size, recompute, activation offloading, the distributed optimizer and
    Megatron-FSDP, a larger tensor- or pipeline-parallel size); each ladder's first step whose
-   closed-form estimate, anchored on the traced job, fits beyond the band is its candidate
-   (ladders with none are pruned);
-3. candidates are traced by estimated step time, as many at once as they can share the worker
-   processes (metatrace.tracing.trace.trace_jobs), until `want` fit beyond the band or
-   `budget` traces are done; a step that does not fit (or only within the band) hands its
-   ladder's next step to the queue;
+   closed-form estimate, anchored on the traced job, fits beyond the band and what the
+   estimate may miss by (Anchor.margin: the allocator's fragmentation) is its candidate, else
+   its first step estimated to fit beyond the band alone (ladders with none are pruned);
+3. candidates are traced by estimated step time, `want` at once (their roles share the worker
+   processes: metatrace.tracing.trace.trace_jobs), until `want` fit beyond the band or
+   `budget` traces are done; a step that does not fit (or only within the band) queues its
+   ladder's next step, estimated from its own trace (for a ladder of one number, with the
+   closed form's change scaled by what the traced step really changed);
 4. the changes that fit are listed by step time, each with its traced highest peak, headroom
    and step time (the time model's, as `metatrace run` prints it).
 """
@@ -124,7 +126,8 @@ def _expandable(analysis, band: ErrorBand, seconds) -> Advised | None:
         return None
     given = job.cluster.allocator_conf
     conf = f"{given},expandable_segments:True" if given else "expandable_segments:True"
-    assert parse_alloc_conf(conf).expandable_segments
+    if not parse_alloc_conf(conf).expandable_segments:
+        return None
     return Advised(
         kind="allocator",
         keys=(("cluster.allocator_conf", conf),),

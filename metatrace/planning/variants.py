@@ -1,5 +1,5 @@
 """The single changes to a job that could make it fit, smallest first, and closed-form
-estimates of their peak and step time anchored on the traced job (metatrace.planning.advice
+estimates of their peak and step time anchored on a traced job (metatrace.planning.advice
 traces the few most promising).
 
 Each kind of change is a ladder of steps, the smallest change first: a smaller micro-batch
@@ -12,18 +12,21 @@ pipeline-parallel size on the same GPUs (data parallel smaller by as much). Ever
 resolved and checked as a job file is (Megatron's own rules included); refused steps are
 left out.
 
-The estimate of a step scales the traced binding rank's memory by part (metatrace.analysis.
-memory.RoleMemory): parameters, gradients and optimizer state by how many ranks share them,
-the activations held at the peak by the closed form of what one layer keeps (Korthikanti et
-al.'s 34·sbh/t with sequence parallel, 10 + 24/t without; full recompute keeps its input,
-2·sbh/t), the layers of a stage, the micro-batches in flight (metatrace.planning.estimates)
-and, for selective recompute and fine-grained offloading, the share of a layer's saved
-activations the traced modules hold (an upper bound of what recomputing or offloading them
-saves: they keep their inputs). The step time is the traced one scaled by the closed-form
-iteration time (metatrace.planning.estimates.estimate).
+The estimate of a step scales the anchor's (a traced job's) binding rank's memory by part
+(metatrace.analysis.memory.RoleMemory): parameters, gradients and optimizer state by how many
+ranks share them, the activations held at the peak by the closed form of what one layer keeps
+(Korthikanti et al.'s 34·sbh/t with sequence parallel, 10 + 24/t without; full recompute
+keeps its input, 2·sbh/t; one checkpointed layer's activations come back in backward), the
+layers of a stage, the micro-batches in flight (metatrace.planning.estimates) and, for
+selective recompute and fine-grained offloading, the share of a layer's saved activations the
+traced modules hold (less the input a recomputed module keeps). The caching allocator's
+reserve grows with the peak at the anchor's reserve per allocated byte. The step time is the
+anchor's traced one scaled by the closed-form iteration time
+(metatrace.planning.estimates.estimate).
 
-Known limitations: the binding rank is assumed to stay the binding one; the caching
-allocator's reserve and the memory outside it are assumed to move with the allocated peak.
+Known limitations: the binding rank is assumed to stay the binding one and the memory outside
+the allocator (NCCL's buffers) the same; the temporaries of offloading's reloads and of the
+recomputed modules are estimated only as far as said above.
 """
 
 from __future__ import annotations
@@ -191,11 +194,9 @@ def parallel_steps(job) -> list[Step]:
     out: list[Step | None] = []
     k = 2
     while par.dp % k == 0 and par.tp * k <= job.cluster.gpus_per_node:
-        keys = {
-            "parallel.tp": par.tp * k,
-            "parallel.dp": par.dp // k,
-            "parallel.sequence_parallel": True,
-        }
+        keys: dict[str, Any] = {"parallel.tp": par.tp * k, "parallel.dp": par.dp // k}
+        if not par.sequence_parallel:
+            keys["parallel.sequence_parallel"] = True
         # etp follows tp where it was tp's (as Megatron-LM derives it); one given stays
         reset = {"parallel.etp": None} if par.etp in (None, par.tp) else None
         out.append(_step("tensor parallel", job, keys, reset=reset, numeric=True))
@@ -203,7 +204,7 @@ def parallel_steps(job) -> list[Step]:
     k = 2
     fixed = par.layout or par.first_stage_layers or par.last_stage_layers
     while not fixed and par.dp % k == 0 and m.num_layers % (par.pp * k) == 0:
-        keys: dict[str, Any] = {"parallel.pp": par.pp * k, "parallel.dp": par.dp // k}
+        keys = {"parallel.pp": par.pp * k, "parallel.dp": par.dp // k}
         if par.vpp and (m.num_layers // (par.pp * k)) % par.vpp:
             keys["parallel.vpp"] = None
         out.append(_step("pipeline parallel", job, keys, numeric=True))

@@ -16,7 +16,8 @@ from metatrace.render.format import seconds, size
 def _delta(change: dict, now: float | None) -> str:
     if change["iteration_seconds"] is None or not now:
         return "-"
-    return f"{change['delta_seconds'] / now:+.1%}"
+    share = round(change["delta_seconds"] / now, 3)
+    return f"{share + 0.0:+.1%}"  # + 0.0: no "-0.0%"
 
 
 def _signed(nbytes: int) -> str:
