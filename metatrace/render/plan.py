@@ -110,6 +110,22 @@ def build_reasons(result, top: int) -> Group:
             terms = Breakdown.from_json(timing["breakdown"]).terms()
             lines.append(Text(f"   time: {time_terms(terms, timing['iteration_seconds'])}."))
         lines.append(Text(f"   costs {cost}.", style="dim"))
+    edge = [t for t in result.ranked()[top:] if t.within_error]
+    if edge:
+        band = edge[0].report["memory_verdict"]["error_band"]
+        phrase = ErrorBand(band["kind"], band["fraction"], band["source"]).phrase()
+        lines.append(
+            Text(
+                f"Traced and fitting only within {phrase} (ranked after): "
+                + "; ".join(
+                    f"{t.candidate.layout.describe()} ({seconds(t.estimate.seconds)}, headroom "
+                    f"{size(t.headroom)})"
+                    for t in edge[:4]
+                )
+                + ("; …" if len(edge) > 4 else ""),
+                style="dim",
+            )
+        )
     misses = [t for t in result.traced if not t.fits]
     if misses:
         lines.append(
