@@ -78,6 +78,29 @@ def test_recommended_layouts_fit_and_rank_by_estimate(searched):
     )
 
 
+def test_a_layout_within_the_error_band_ranks_after_and_the_search_goes_on(searched):
+    """The first layout traced (the fastest estimate) made to fit only within the prediction's
+    error band: it ranks after the others, does not stand for its degrees, and the search
+    traces on until `top` layouts fit beyond the band."""
+    _, plain = searched
+    first = []
+
+    def trace(job):
+        report = _trace(job)
+        if not first:
+            first.append(job)
+            report["memory_verdict"]["error_band"]["within"] = True
+        return report
+
+    result = P.plan(_base(), GPUS, trace=trace, top=2, budget=8)
+    edge = result.traced[0]
+    assert edge.fits and edge.within_error and edge.candidate.job is first[0]
+    ranked = result.ranked()
+    assert ranked[-1] is edge
+    assert sum(not t.within_error for t in ranked) == len(plain.ranked()) == 2
+    assert len(result.traced) > len(plain.traced)
+
+
 def test_nothing_left_out_would_have_ranked_first(searched):
     base, result = searched
     best = result.ranked()[0]
