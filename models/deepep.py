@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from metatrace.config.routing import Routing
 from metatrace.hooks import collectives
+from metatrace.hooks import host as _host
 from metatrace.models.moe import balanced_split, received_per_local_expert
 
 NVL_PEERS = 8
@@ -203,6 +204,11 @@ class _Dispatch(torch.autograd.Function):
         ctx.save_for_backward(*handle)
         ctx.group, ctx.layout = group, layout
         tokens_per_expert = torch.tensor(layout.per_expert)  # on the host, fused_a2a.py:134
+        # DeepEP's normal-mode dispatch without num_worst_tokens (megatron-core passes none)
+        # busy-waits on the host for the received counts the GPU writes to mapped memory
+        # (deep_ep.cpp intranode_dispatch / internode_dispatch, "Synchronize total received
+        # tokens and tokens per expert"): the host waits for every kernel issued before.
+        _host.sync()
         ctx.mark_non_differentiable(recv_idx, tokens_per_expert)
         del per_rank, per_rdma, per_expert  # FusedDispatch.forward's locals, freed on return
         return recv_x, recv_idx, recv_weights, tokens_per_expert, handle
@@ -357,6 +363,12 @@ def hybrid_ep_dispatch(
     if pad_multiple:  # each expert's rows padded for FP8 GEMMs
         counts = [-(-c // pad_multiple) * pad_multiple for c in counts]
     permuted = int(num_permuted_tokens) if num_permuted_tokens is not None else sum(counts)
+    if num_permuted_tokens is None:
+        # Without a bound on the permuted rows HybridEP waits on the host for the counts it
+        # writes to pinned memory (fused_a2a.py:366-383, non_blocking=False): megatron-core's
+        # dropless manager passes None on every forward (token_dispatcher.py:1070-1075 resets
+        # it in combine).
+        _host.sync()
     out, out_probs = _HybridDispatch.apply(x, routing_map, probs, group, layout, permuted)
     handle = HybridHandle(group, layout, x.shape[0])
     return out, out_probs, None, torch.tensor(counts), handle

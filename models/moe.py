@@ -127,6 +127,17 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
         sent = [padded(n, align, tokens) for n in sent]
         per_source = [padded(n, align, tokens) for n in per_source]
     d.num_out_tokens = sum(sent)  # tokens * topk unpadded
+    # Where the host waits for the counts' device-to-host copies (cuda_sync_point, the earliest
+    # point that needs them; the time model's synchronisation): as megatron-core decides it.
+    if d.config.moe_expert_capacity_factor is not None or (
+        d.config.moe_router_padding_for_quantization
+    ):
+        d._maybe_update_cuda_sync_point("before_permutation_1")  # the output size is dynamic
+    d._maybe_update_cuda_sync_point(
+        "before_ep_alltoall" if d.ep_size > 1 or d.tp_size > 1 else "before_finish"
+    )
+    if d.num_local_experts > 1 and not d.config.moe_permute_fusion:
+        d._maybe_update_cuda_sync_point("before_permutation_2")
     if d.ep_size > 1 or d.tp_size > 1:
         gather_from_sequence_parallel_region(num_local_tokens_per_expert, group=d.tp_ep_group)
         d.input_splits = np.array(

@@ -7,7 +7,10 @@ pytorch/triton/permutation.py, pytorch/router.py, csrc/extensions/router.cpp); T
 allocate and save the same (TE 2.1 to 2.5 kept an int64 [E, T] row-id map instead).
 
 Each stand-in allocates, returns and saves for backward what the TE kernel does, with the same
-shapes and dtypes; values are not computed (kernels are skipped: meta tensors hold none, and on
+shapes and dtypes, and reports to the time model the tensors each of its kernels reads and
+writes (hooks/flops.report_moved, with the kernels it launches: make_row_id_map's three Triton
+passes, the permute / unpermute / chunk-sort kernels, the router's one fused kernel each way);
+values are not computed (kernels are skipped: meta tensors hold none, and on
 real CPU tensors metatrace's balanced-routing patch overwrites the routing map after routing).
 torch only; runs on meta and on CPU tensors.
 
@@ -45,6 +48,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from metatrace.hooks import flops
 
 
 def _empty0(device):
@@ -88,12 +93,18 @@ class _PermuteMaskMap(torch.autograd.Function):
         workspace = torch.empty(
             (num_experts, math.ceil(num_tokens / 1024)), dtype=torch.int32, device=inp.device
         )
+        # Pass 1 reads the map and writes the blocks' sums into the map's first E columns, pass
+        # 2 reads and rewrites them, pass 3 reads them and writes all 2E + 1 (permutation.py
+        # make_row_id_map): about three passes over the map.
+        flops.report_moved(routing_map, row_id_map, row_id_map, row_id_map, workspace, launches=3)
         del workspace
         output = _new((num_out_tokens, hidden), inp.dtype, inp.device)
         if probs is not None:
             permuted_probs = _new((num_out_tokens,), probs.dtype, inp.device)
         else:
             permuted_probs = _empty0(inp.device)
+        # _permute_kernel: each token's row read once and written to each of its experts' rows.
+        flops.report_moved(inp, output, permuted_probs, permuted_probs)
         ctx.mark_non_differentiable(row_id_map)
         ctx.save_for_backward(row_id_map)  # + pad_offsets (None without fused padding)
         return output, row_id_map, permuted_probs
@@ -115,6 +126,8 @@ class _PermuteMaskMap(torch.autograd.Function):
             probs_grad = _new(
                 (ctx.num_tokens, ctx.num_experts), grad_permuted_probs.dtype, grad_output.device
             )
+        # unpermute_with_mask_map: the permuted gradient's rows summed back into each token's.
+        flops.report_moved(grad_output, act_grad, grad_permuted_probs, probs_grad)
         if not ctx.needs_probs_grad:
             probs_grad = None
         return act_grad, None, None, probs_grad
@@ -133,7 +146,9 @@ class _UnpermuteMaskMap(torch.autograd.Function):
             ctx.save_for_backward(row_id_map)
         if inp.numel() == 0:
             return inp.clone()
-        return _new((num_tokens, hidden), inp.dtype, inp.device)
+        out = _new((num_tokens, hidden), inp.dtype, inp.device)
+        flops.report_moved(inp, out, merging_probs)  # _unpermute_kernel
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,6 +164,11 @@ class _UnpermuteMaskMap(torch.autograd.Function):
         if ctx.with_probs:
             merging_probs = ctx.saved_tensors[2]
             probs_grad = _new((ctx.num_tokens, ctx.num_experts), merging_probs.dtype, grad.device)
+            # _unpermute_bwd_with_merging_probs_kernel also reads the forward's input (the
+            # probabilities' gradient is its dot product with the gradient).
+            flops.report_moved(grad, ctx.saved_tensors[0], act_grad, merging_probs, probs_grad)
+        else:
+            flops.report_moved(grad, act_grad)  # permute_with_mask_map of the gradient
         if not ctx.needs_probs_grad:
             probs_grad = None
         return act_grad, None, probs_grad, None, None, None
@@ -172,6 +192,8 @@ class _ChunkSort(torch.autograd.Function):
         else:
             permuted_probs = _empty0(inp.device)
         ctx.save_for_backward(row_id_map)
+        flops.report_moved(row_id_map)  # make_chunk_sort_map
+        flops.report_moved(inp, output, permuted_probs, permuted_probs)  # sort_chunks_by_map
         return output, permuted_probs
 
     @staticmethod
@@ -182,6 +204,7 @@ class _ChunkSort(torch.autograd.Function):
         probs_grad = None
         if grad_probs is not None and grad_probs.numel() > 0:
             probs_grad = _new((ctx.num_tokens,), grad_probs.dtype, grad.device)
+        flops.report_moved(grad, act_grad, grad_probs, probs_grad)  # sort_chunks_by_map back
         if not ctx.needs_probs_grad:
             probs_grad = None
         return act_grad, probs_grad
@@ -247,13 +270,16 @@ class _FusedTopkScoreFunction(torch.autograd.Function):
         intermediate = _new(shape, torch.float32, logits.device)
         ctx.mark_non_differentiable(routing_map)
         ctx.save_for_backward(routing_map, intermediate)
+        flops.report_moved(logits, probs, routing_map, intermediate)
         return probs, routing_map
 
     @staticmethod
     def backward(ctx, grad_probs, _):
         if not grad_probs.is_contiguous():
             grad_probs = grad_probs.contiguous()
-        return _new(grad_probs.shape, grad_probs.dtype, grad_probs.device), None
+        grad = _new(grad_probs.shape, grad_probs.dtype, grad_probs.device)
+        flops.report_moved(grad_probs, *ctx.saved_tensors, grad)
+        return grad, None
 
 
 def fused_topk_with_score_function(
@@ -291,13 +317,16 @@ class _FusedScoresForAuxLoss(torch.autograd.Function):
         ctx.mark_non_differentiable(routing_map)
         ctx.save_for_backward(intermediate)
         ctx.logits_dtype = logits.dtype
+        flops.report_moved(logits, scores, routing_map, intermediate)
         return routing_map, scores
 
     @staticmethod
     def backward(ctx, _, grad_scores):
         if not grad_scores.is_contiguous():
             grad_scores = grad_scores.contiguous()
-        return _new(grad_scores.shape, ctx.logits_dtype, grad_scores.device), None
+        grad = _new(grad_scores.shape, ctx.logits_dtype, grad_scores.device)
+        flops.report_moved(grad_scores, *ctx.saved_tensors, grad)
+        return grad, None
 
 
 def fused_compute_score_for_moe_aux_loss(logits, topk, score_function, routing_map_format=None):
@@ -314,11 +343,14 @@ class _FusedAuxLoss(torch.autograd.Function):
         const_buf = _new((2,), torch.float32, probs.device)
         ctx.save_for_backward(const_buf, tokens_per_expert)
         ctx.rows, ctx.cols = probs.size(0), probs.size(1)
+        flops.report_moved(probs, tokens_per_expert, aux_loss)
         return aux_loss
 
     @staticmethod
     def backward(ctx, grad_aux_loss):
-        return _new((ctx.rows, ctx.cols), grad_aux_loss.dtype, grad_aux_loss.device), None
+        grad = _new((ctx.rows, ctx.cols), grad_aux_loss.dtype, grad_aux_loss.device)
+        flops.report_moved(grad)
+        return grad, None
 
 
 def fused_moe_aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):

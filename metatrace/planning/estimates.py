@@ -133,18 +133,77 @@ def memory_lower_bound(job) -> int:
     return _fixed_bytes(job) + layers * _layer_input(job) * _in_flight(job)
 
 
+def _layer_activations(job) -> float:
+    """Bytes a layer saves for backward per micro-batch without recompute, averaged over the
+    model's layers: Korthikanti et al.'s 34·sbh/t with sequence parallel and fused attention
+    (10 + 24/t without), whose MLP part (19·sbh/t; 3 + 16/t without sequence parallel) a MoE
+    layer replaces by what its router, dispatcher and experts save (_moe_mlp_bytes)."""
+    par, tr, m = job.parallel, job.training, job.model
+    tokens = tr.seq_length // par.cp * tr.micro_batch_size
+    sp = par.sequence_parallel
+    per_token = m.hidden_size * (34 / par.tp if sp else 10 + 24 / par.tp)
+    dense = tokens * per_token
+    if not m.num_experts:
+        return dense
+    moe_share = shape_of(job).moe_layers / m.num_layers
+    mlp = tokens * m.hidden_size * (19 / par.tp if sp else 3 + 16 / par.tp)
+    return dense + moe_share * (_moe_mlp_bytes(job, tokens) - mlp)
+
+
+def _moe_mlp_bytes(job, tokens: int) -> float:
+    """What a MoE layer's MLP saves for backward per micro-batch, `tokens` entering the layer
+    (bf16; balanced routing: a rank's experts receive topk pairs a token): the router's fp32
+    logits, probabilities and bool map and the permutation's int32 [T, 2E + 1] row map; per
+    (token, expert) pair the experts' first GEMM input (h), its output (the activation's input,
+    two halves when gated), the second GEMM's input and the fp32 routing weight; a shared
+    expert's dense MLP (models/te_moe.py, te_grouped.py, megatron-core's experts)."""
+    par, m = job.parallel, job.model
+    h, e, k = m.hidden_size, m.num_experts, m.moe_router_topk
+    local = tokens / par.tp if par.sequence_parallel else tokens  # after the SP scatter
+    pairs = local * par.etp * k  # the expert-TP group gathers its ranks' tokens
+    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size) / par.etp
+    out = local * (2 * h + 9 * e + 4 * (2 * e + 1))
+    out += pairs * (2 * h + 2 * _gated(m) * f + 2 * f + 4)
+    shared = (m.moe_shared_expert_intermediate_size or 0) / par.tp
+    return out + tokens * (2 * h + 2 * _gated(m) * shared + 2 * shared)
+
+
+def _logits_bytes(job) -> int:
+    """The last stage's logits of one micro-batch in bf16 [s, b, V/t] (what the output layer
+    returns to the loss)."""
+    par, tr = job.parallel, job.training
+    tokens = tr.seq_length // par.cp * tr.micro_batch_size
+    return tokens * job.padded_vocab_size // par.tp * 2
+
+
+def _in_flight_last(job) -> int:
+    """Micro-batches the last stage holds at once: one, or with interleaving the warm-up of the
+    last rank, (vpp - 1) · pp chunk steps."""
+    par = job.parallel
+    if par.pp == 1 or not par.vpp:
+        return 1
+    steps = min(job.num_microbatches * par.vpp, (par.vpp - 1) * par.pp + 1)
+    return -(-steps // par.vpp)
+
+
 def memory_estimate(job) -> int:
-    """A closed-form estimate (not a bound) to order the layouts: Korthikanti et al.'s 34·sbh/t
-    bytes per layer with sequence parallel and fused attention (10 + 24/t without), the layer
-    input alone with full recompute."""
+    """A closed-form estimate (not a bound) to order the layouts: the larger of the first
+    stage's (its micro-batches in flight) and the last stage's (fewer in flight, the logits)
+    fixed memory and activations (_layer_activations; with full recompute the layer inputs and
+    the activations of the one layer recomputed in backward)."""
     par, tr = job.parallel, job.training
     layers = job.model.num_layers // par.pp - tr.cpu_offloading_num_layers  # those on the host
+    fixed = _fixed_bytes(job) + _more_workspaces(job)
     if tr.recompute.granularity == "full":
+        # Each layer keeps its input; in backward one layer's forward runs again and holds
+        # its activations until its backward has used them.
         per_layer = _layer_input(job)
+        fixed += int(_layer_activations(job))
     else:
-        tokens = tr.seq_length // par.cp * tr.micro_batch_size * job.model.hidden_size
-        per_layer = tokens * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
-    return _fixed_bytes(job) + _more_workspaces(job) + int(layers * per_layer * _in_flight(job))
+        per_layer = _layer_activations(job)
+    first = layers * per_layer * _in_flight(job)
+    last = layers * per_layer * _in_flight_last(job) + _logits_bytes(job)
+    return fixed + int(max(first, last))
 
 
 def _more_workspaces(job) -> int:

@@ -141,3 +141,21 @@ def test_internode_deepep_marks_what_leaves_the_node():
     assert [c.inter_bytes for c in hidden] == [rows * H * BF16] * 2
     intranode = trace_job(job("flex"), full_model=False).roles[0].trace
     assert all(c.inter_bytes is None for c in layer0(intranode, "forward"))
+
+
+def test_every_dispatcher_waits_for_the_counts_once_a_layer(traced):
+    """Dropless, the host learns the received tokens once per MoE layer's forward: DeepEP's
+    dispatch busy-waits for the counts (deep_ep.cpp), HybridEP without num_permuted_tokens
+    copies them to pinned memory and waits (fused_a2a.py), the alltoall dispatcher waits at
+    its cuda_sync_point (before the EP all-to-all); the backward reuses the forward's layout.
+    Unfused, the permute's two masked_selects also read data-dependent sizes, and DeepEP's
+    _indices_to_multihot three more (indices[mask], repeat_interleave of the counts,
+    probs[mask])."""
+    for name, per_layer in {"hybridep": 1, "alltoall": 1 + 2, "deepep": 1 + 2 + 3}.items():
+        job_trace = traced[name]
+        windows = job_trace.roles[0].trace.windows
+        layers = job_trace.job.model.num_layers
+        fwd = [w for w in windows if w.phase == "forward" and w.microbatch == 0]
+        bwd = [w for w in windows if w.phase == "backward" and w.microbatch == 0]
+        assert sum(w.syncs for w in fwd) == per_layer * layers, name
+        assert sum(w.syncs for w in bwd) == 0, name

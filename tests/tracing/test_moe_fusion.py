@@ -231,3 +231,82 @@ def test_fused_meta_matches_real_cpu_tensors(dispatcher):
     job = fusion_job(True, moe_token_dispatcher_type=dispatcher)
     world = World.from_job(job)
     assert_meta_matches_real(job, world, world.roles()[0])
+
+
+# ---------------------------------------------------------------- what the kernels take
+
+
+class _Launches:
+    """Stands in for the recorder's host count: the kernels reported."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def kernel(self, ps, launches):
+        self.launches += launches
+
+
+def _priced(fn):
+    """(picoseconds, launches) the stand-ins report while fn() runs, at an H100's rates."""
+    from metatrace.config.kernels import kernel_model
+    from metatrace.hooks import flops
+
+    host = _Launches()
+    count = flops.FlopCount(kernel_model("h100"), host)
+    flops.push(count)
+    try:
+        fn()
+    finally:
+        flops.pop(count)
+    return count.ps, host.launches
+
+
+def _ps(*nbytes):
+    from metatrace.config.kernels import kernel_model, memory_seconds
+
+    return sum(round(memory_seconds(kernel_model("h100"), n) * 1e12) for n in nbytes)
+
+
+def test_permutation_kernels_move_their_closed_form_bytes():
+    """TE's Triton permutation (permutation.py): make_row_id_map's three passes over the
+    [T, 2E+1] int32 map, the permute kernel reading each token once and writing its k rows, the
+    backward summing them back; unpermute with merging probabilities reads its forward input
+    again in the backward; a chunk sort moves every row each way."""
+    T, h, E, k = 2048, 512, 8, 2
+    N, b, f = T * k, 2, 4
+    x = torch.empty(T, h, dtype=BF16, device="meta", requires_grad=True)
+    probs = torch.empty(T, E, dtype=FP32, device="meta", requires_grad=True)
+    rmap = torch.empty(T, E, dtype=torch.bool, device="meta")
+    out = {}
+
+    def permute():
+        out["p"] = S.moe_permute_with_probs(x, probs, rmap, N)
+
+    row_map = 3 * 4 * T * (2 * E + 1) + T * E + 4 * E * 2  # + the [E, T/1024] workspace
+    assert _priced(permute) == (_ps(row_map, T * h * b + N * h * b + 2 * N * f), 4)
+    o, pp, row_id = out["p"]
+    back = _priced(
+        lambda: torch.autograd.backward([o, pp], [torch.empty_like(o), torch.empty_like(pp)])
+    )
+    assert back == (_ps(N * h * b + T * h * b + N * f + T * E * f), 1)
+
+    inp = torch.empty(N, h, dtype=BF16, device="meta", requires_grad=True)
+    merge = torch.empty(T, E, dtype=FP32, device="meta", requires_grad=True)
+
+    def unpermute():
+        out["u"] = S.moe_unpermute(inp, row_id, merging_probs=merge, restore_shape=(T, h))
+
+    assert _priced(unpermute) == (_ps(N * h * b + T * h * b + T * E * f), 1)
+    back = _priced(lambda: out["u"].backward(torch.empty_like(out["u"])))
+    assert back == (_ps(T * h * b + N * h * b + N * h * b + 2 * T * E * f), 1)
+
+    y = torch.empty(N, h, dtype=BF16, device="meta", requires_grad=True)
+    split, idx = torch.full((8,), N // 8), torch.arange(8)
+    assert _priced(lambda: out.update(s=S.moe_sort_chunks_by_index(y, split, idx))) == (
+        _ps(4 * N, 2 * N * h * b),
+        2,
+    )
+    assert _priced(lambda: out["s"].backward(torch.empty_like(out["s"]))) == (
+        _ps(2 * N * h * b),
+        1,
+    )
