@@ -251,9 +251,9 @@ class Plan:
     """Candidates not traced because a traced twin dominates them."""
     traced: list = field(default_factory=list)
     outgrown: int = 0
-    """Candidates not traced because a traced layout that holds no more memory does not fit
-    (the same degrees with a smaller or equal micro-batch, with the distributed optimizer where
-    the candidate has none)."""
+    """Candidates not traced because a traced layout that holds no more memory does not fit,
+    or fits only within the prediction's error band (the same degrees with a smaller or equal
+    micro-batch, with the distributed optimizer where the candidate has none)."""
     represented: int = 0
     """Variants not traced because a variant of the same degrees estimated faster fits (the
     ranking shows one layout per set of degrees)."""
@@ -359,9 +359,10 @@ def plan(
     order = sorted(
         found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout)
     )
-    fits: dict[Layout, bool] = {}
-    # Layouts that fit beyond the prediction's error band: only they dominate a twin, stand for
-    # their degrees and count towards `top` (one within the band leaves room for a safer twin).
+    # Traced layouts and whether they fit beyond the prediction's error band: only those that do
+    # dominate a twin, stand for their degrees and count towards `top` (one within the band
+    # leaves room for a safer twin); one that does not rules out every layout that holds no
+    # less (its headroom is no larger, its band no smaller).
     clear: dict[Layout, bool] = {}
     families: set = set()
     for i, cand in enumerate(order):
@@ -373,7 +374,7 @@ def plan(
             result.represented += 1
             continue
         fused = cand.job.attention_kernel in ("fused", "flash")
-        if any(_holds_no_more(t, cand.layout, fused) for t, ok in fits.items() if not ok):
+        if any(_holds_no_more(t, cand.layout, fused) for t, ok in clear.items() if not ok):
             result.outgrown += 1
             continue
         ranked = [t for t in result.ranked() if not t.within_error]
@@ -392,7 +393,6 @@ def plan(
             progress(len(result.traced), budget, cand.layout.describe())
         report = trace(cand.job)
         traced = _traced(cand, report)
-        fits[cand.layout] = traced.fits
         clear[cand.layout] = traced.fits and not traced.within_error
         if clear[cand.layout]:
             families.add(_family(cand.layout))

@@ -21,7 +21,7 @@ def build_search(result) -> Text:
         f"{result.pruned_memory:,} cannot fit (memory lower bound above the GPU), "
         f"{len(result.traced)} traced ({fit} fit), {len(result.dominated):,} dominated by a "
         f"traced layout that fits, {result.outgrown:,} holding more than a traced layout that "
-        f"does not fit, {result.represented:,} variants of degrees already shown, "
+        f"does not fit (or only within the error band), {result.represented:,} variants of degrees already shown, "
         f"{result.untraced:,} not traced (estimated slower, or beyond the trace budget).",
         style="dim",
     )

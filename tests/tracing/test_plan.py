@@ -80,8 +80,8 @@ def test_recommended_layouts_fit_and_rank_by_estimate(searched):
 
 def test_a_layout_within_the_error_band_ranks_after_and_the_search_goes_on(searched):
     """The first layout traced (the fastest estimate) made to fit only within the prediction's
-    error band: it ranks after the others, does not stand for its degrees, and the search
-    traces on until `top` layouts fit beyond the band."""
+    error band: it ranks after the others, does not stand for its degrees, rules out what holds
+    no less, and the search traces on until `top` layouts fit beyond the band."""
     _, plain = searched
     first = []
 
@@ -99,6 +99,10 @@ def test_a_layout_within_the_error_band_ranks_after_and_the_search_goes_on(searc
     assert ranked[-1] is edge
     assert sum(not t.within_error for t in ranked) == len(plain.ranked()) == 2
     assert len(result.traced) > len(plain.traced)
+    # Nothing that holds no less than it (whose headroom could only be smaller) was traced.
+    for t in result.traced[1:]:
+        fused = t.candidate.job.attention_kernel in ("fused", "flash")
+        assert not P._holds_no_more(edge.candidate.layout, t.candidate.layout, fused)
 
 
 def test_nothing_left_out_would_have_ranked_first(searched):
