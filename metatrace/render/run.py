@@ -33,7 +33,14 @@ from metatrace.render.format import (
     shape,
     size,
 )
-from metatrace.render.summary import build_run_summary, build_verdict
+from metatrace.render.summary import (
+    build_run_summary,
+    build_verdict,
+    fsdp_text,
+    graphs_text,
+    offload_texts,
+    recompute_text,
+)
 
 
 def param_shapes(row: agg.ModuleRow) -> str:
@@ -111,38 +118,20 @@ def build_summary(job, world) -> Table:
         + f" · sequence parallel {'on' if par.sequence_parallel else 'off'}"
         f" · rank order {par.rank_order}",
     )
-    rec = tr.recompute
-    if rec.granularity == "full":
-        recompute = f"full recompute ({rec.method}, {rec.num_layers} layers)"
-    elif rec.granularity == "selective":
-        recompute = f"selective recompute ({', '.join(rec.modules)})"
-    else:
-        recompute = "no recompute"
     table.add_row(
         "training",
-        f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
-        f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration) · "
-        f"{tr.precision} · {recompute}"
-        + (" · distributed optimizer" if tr.distributed_optimizer else "")
-        + (f" · Megatron-FSDP {tr.fsdp_sharding_strategy}" if tr.megatron_fsdp else "")
-        + (
-            f" (HSDP: {tr.num_distributed_optimizer_instances} instances, outer "
-            f"{tr.fsdp_outer_sharding_strategy})"
-            if tr.megatron_fsdp and tr.num_distributed_optimizer_instances > 1
-            else ""
-        )
-        + (
-            f" · first {tr.cpu_offloading_num_layers} layers' activations offloaded"
-            if tr.cpu_offloading_num_layers
-            else ""
-        )
-        + (
-            f" · offloading {', '.join(tr.activation_offload_modules)}"
-            if tr.activation_offload_modules
-            else ""
-        )
-        + (" · optimizer CPU offload" if tr.optimizer_cpu_offload else "")
-        + _graphs_summary(tr),
+        " · ".join(
+            [
+                f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
+                f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration)",
+                tr.precision,
+                recompute_text(tr.recompute) or "no recompute",
+            ]
+            + (["distributed optimizer"] if tr.distributed_optimizer else [])
+            + [t for t in (fsdp_text(tr),) if t]
+            + offload_texts(tr)
+            + [t + " (static buffers in Wkspc)" for t in (graphs_text(tr),) if t]
+        ),
     )
     table.add_row(
         "cluster",
@@ -406,17 +395,6 @@ def build_memory_table(roles) -> Group:
     return Group(table, *where, legend)
 
 
-def _graphs_summary(tr) -> str:
-    if tr.local_layer_graphs:
-        return " · megatron-core's CUDA graphs of whole layers (kept outputs in Wkspc)"
-    if tr.cuda_graph_impl == "local":
-        return " · CUDA graph of the whole iteration (static batches in Wkspc)"
-    if tr.cuda_graph_impl == "transformer_engine":
-        what = " and ".join(tr.cuda_graph_scope or []) or "whole layers"
-        return f" · CUDA graphs of {what} (static inputs in Wkspc)"
-    return ""
-
-
 def build_offload_lines(analysis) -> list[Text]:
     """One line on activation offloading's PCIe traffic and pinned host memory per stage (none
     when the job does not offload)."""
@@ -478,7 +456,16 @@ def build_host_optimizer_lines(analysis) -> list[Text]:
 
 
 _BARS = " ▁▂▃▄▅▆▇█"
-_MARK = {"forward": "F", "backward": "B", "grad sync": "G", "optimizer": "O"}
+# The parts of a schedule under the bars: the warm-up's forward steps, the steady state's
+# forward and backward steps in turn, the cool-down's backward steps, then the rest by phase.
+# Each with its label and the short one for a run of fewer columns.
+_PART = {
+    "warm-up": ("fwd", "F"),
+    "steady": ("1F1B", "FB"),
+    "cool-down": ("bwd", "B"),
+    "grad sync": ("G", "G"),
+    "optimizer": ("O", "O"),
+}
 
 
 def build_timeline(roles, width: int | None = None) -> Timeline:
@@ -493,8 +480,10 @@ def build_timeline(roles, width: int | None = None) -> Timeline:
 class Timeline:
     """Bars of memory over the iteration, one row of two-level blocks per stage on one scale
     from 0 to the highest peak of any stage; a column is one step (several columns a step when
-    the width allows, the highest level of several steps when it does not), and the letter
-    below names the step (F forward, B backward, G gradient sync, O optimizer) that set it."""
+    the width allows, the highest level of several steps when it does not). Below the bars the
+    parts of the schedule, each labelled where it starts: fwd or F (the warm-up's forward
+    steps), 1F1B (forward and backward steps in turn), bwd or B (the cool-down's backward
+    steps), G (gradient sync), O (optimizer step)."""
 
     def __init__(self, stages, width: int | None = None) -> None:
         self.stages = stages  # (label, ((phase, bytes), ...), peak)
@@ -513,32 +502,93 @@ class Timeline:
             yield Text(f"{' ' * label} {marks}".rstrip(), style="dim")
         yield Text(
             f"Scale 0 to {size(top)} (the highest peak), shared by all stages; two rows of "
-            "blocks a stage. A column is the highest level of its steps, its letter the step "
-            "that reached it.",
+            "blocks a stage, a column the highest level of its steps. Below the bars the "
+            "schedule: fwd (F) its warm-up's forward steps, 1F1B forward and backward steps in "
+            "turn, bwd (B) its cool-down's backward steps, G gradient sync, O optimizer step.",
             style="dim",
         )
 
 
+def schedule_parts(steps) -> list[str]:
+    """Each step's part of the schedule: "warm-up" (a forward step before the first backward
+    one), "steady" (from the first backward step to the last forward one), "cool-down" (a
+    backward step after the last forward one), else its phase (grad sync, optimizer, ...)."""
+    phases = [phase for phase, _ in steps]
+    passes = [i for i, p in enumerate(phases) if p in ("forward", "backward")]
+    first_b = next((i for i in passes if phases[i] == "backward"), len(phases))
+    last_f = max((i for i in passes if phases[i] == "forward"), default=-1)
+    parts = []
+    for i, phase in enumerate(phases):
+        if phase not in ("forward", "backward"):
+            parts.append(phase)
+        elif i < first_b:
+            parts.append("warm-up")
+        elif i > last_f:
+            parts.append("cool-down")
+        else:
+            parts.append("steady")
+    return parts
+
+
 def _timeline_rows(steps, top: int, room: int) -> tuple[str, str, str]:
-    """The upper and lower rows of blocks and the letters of one stage's steps in `room`
-    columns (each step `room // len(steps)` columns when they fit, else steps grouped)."""
+    """The upper and lower rows of blocks and the schedule's parts of one stage's steps in
+    `room` columns (each step `room // len(steps)` columns when they fit, else consecutive
+    steps of one part grouped: `_columns`)."""
     if not steps:
         return "", "", ""
+    parts = schedule_parts(steps)
     if len(steps) <= room:
         each = room // len(steps)
-        groups = [[s] for s in steps]
+        groups = [[i] for i in range(len(steps))]
     else:
-        each = 1
-        n = -(-len(steps) // room)
-        groups = [list(steps[i : i + n]) for i in range(0, len(steps), n)]
-    high, low, marks = [], [], []
+        each, groups = 1, _columns(parts, room)
+    high, low, columns = [], [], []
     for group in groups:
-        phase, level = max(group, key=lambda s: s[1])
+        at = max(group, key=lambda i: steps[i][1])
+        level = steps[at][1]
         eighths = max(1, round(16 * level / top)) if level > 0 else 0
         low.append(_BARS[min(8, eighths)] * each)
         high.append(_BARS[max(0, eighths - 8)] * each)
-        marks.append(_MARK.get(phase, "·") + " " * (each - 1))
-    return "".join(high), "".join(low), "".join(marks)
+        columns += [parts[at]] * each
+    return "".join(high), "".join(low), _part_labels(columns)
+
+
+def _columns(parts: list[str], room: int) -> list[list[int]]:
+    """Step indices grouped into at most `room` columns: each run of one part (the warm-up,
+    the optimizer step, ...) its share of the columns, at least one, so that every part shows;
+    a run's steps spread evenly over its columns."""
+    runs, start = [], 0
+    for i in range(1, len(parts) + 1):
+        if i == len(parts) or parts[i] != parts[start]:
+            runs.append((start, i))
+            start = i
+    n = len(parts)
+    share = [max(1, (b - a) * room // n) for a, b in runs]
+    while sum(share) > room and max(share) > 1:
+        share[share.index(max(share))] -= 1
+    groups = []
+    for (a, b), cols in zip(runs, share):
+        cols = min(cols, b - a)
+        groups += [
+            list(range(a + c * (b - a) // cols, a + (c + 1) * (b - a) // cols)) for c in range(cols)
+        ]
+    return groups
+
+
+def _part_labels(columns: list[str]) -> str:
+    """Each run of columns of one part: its label where it starts (the short one, cut to the
+    run, where the run is narrower), then "─" to its end."""
+    out = []
+    i = 0
+    while i < len(columns):
+        j = i
+        while j < len(columns) and columns[j] == columns[i]:
+            j += 1
+        label, short = _PART.get(columns[i], ("·", "·"))
+        label = label if len(label) <= j - i else short[: j - i]
+        out.append(label.ljust(j - i, "─"))
+        i = j
+    return "".join(out)
 
 
 def build_full_model(full, *, depth=None, expand=False):
@@ -584,11 +634,7 @@ def render_run(analysis, console, *, depth=None, expand=False, detail=False) -> 
         console.print(build_memory_table(analysis.roles))
         for line in build_offload_lines(analysis) + build_host_optimizer_lines(analysis):
             console.print(line)
-        console.print(
-            section(
-                "Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"
-            )
-        )
+        console.print(section("Memory over the iteration"))
         console.print(build_timeline(analysis.roles))
         if detail:
             console.print()

@@ -64,18 +64,29 @@ def test_a_fit_only_by_freeing_the_cache_is_said():
 
 
 @pytest.mark.parametrize(
-    "module, chunk, chunks, text",
+    "module, chunk, chunks, step, where",
     [
-        ("chunk1.decoder.layers.2.mlp", 1, 4, "fwd µb 29 chunk 1, layers.2.mlp"),
-        ("chunk3", 3, 4, "fwd µb 29 chunk 3, model"),
-        ("decoder.layers.15.mlp", None, 1, "fwd µb 29, layers.15.mlp"),
-        (None, None, 1, "fwd µb 29, model"),
+        ("chunk1.decoder.layers.2.mlp", 1, 4, "fwd µb 29 c1", "layers.2.mlp"),
+        ("chunk3", 3, 4, "fwd µb 29 c3", "model"),
+        ("decoder.layers.15.mlp", None, 1, "fwd µb 29", "layers.15.mlp"),
+        (None, None, 1, "fwd µb 29", "model"),
     ],
 )
-def test_where_a_stage_peaks_names_the_chunk_once(module, chunk, chunks, text):
+def test_where_a_stage_peaks_names_the_chunk_once(module, chunk, chunks, step, where):
     from types import SimpleNamespace
 
-    from metatrace.render.summary import where
+    from metatrace.render.summary import peak_module, peak_step
 
     at = SimpleNamespace(phase="forward", microbatch=29, chunk=chunk, module=module)
-    assert where(at, chunks) == text
+    assert (peak_step(at, chunks), peak_module(at, chunks)) == (step, where)
+    optimizer = SimpleNamespace(phase="optimizer", microbatch=None, chunk=None, module=None)
+    assert (peak_step(optimizer, 1), peak_module(optimizer, 1)) == ("optimizer step", None)
+
+
+def test_interleaved_stages_show_their_first_and_last_layers():
+    from metatrace.render.summary import stage_layers
+
+    assert stage_layers(range(1, 17)) == "1-16"
+    assert stage_layers([1, 32, 33]) == "1, 32-33"
+    assert stage_layers([1, 2, 3, 4, 17, 18, 19, 20, 33, 34, 35, 36]) == "1-4 … 33-36"
+    assert stage_layers([16, 32, 48, 64, 80, 96, 112]) == "16 … 112"
