@@ -6,7 +6,7 @@ import re
 from rich.console import Console
 
 from metatrace.render.fit import FitTable, output_console, shorten_module, wrap
-from metatrace.render.run import Timeline
+from metatrace.render.timeline import Timeline
 
 
 def _render(renderable, width: int) -> str:
@@ -135,7 +135,7 @@ def test_timeline_from_zero_on_a_shared_scale():
 
 
 def test_timeline_schedule_parts_show_even_when_steps_are_grouped():
-    from metatrace.render.run import _timeline_rows, schedule_parts
+    from metatrace.render.timeline import _timeline_rows, schedule_parts
 
     gib = 2**30
     # pp 2, stage 0: two forward steps of warm-up, 1F1B, two backward steps of cool-down,

@@ -90,3 +90,36 @@ def test_interleaved_stages_show_their_first_and_last_layers():
     assert stage_layers([1, 32, 33]) == "1, 32-33"
     assert stage_layers([1, 2, 3, 4, 17, 18, 19, 20, 33, 34, 35, 36]) == "1-4 … 33-36"
     assert stage_layers([16, 32, 48, 64, 80, 96, 112]) == "16 … 112"
+
+
+@pytest.mark.parametrize(
+    "example, named",
+    [
+        ("llama2-7b-tp2-pp2.yaml", ["sequence parallel", "distributed optimizer"]),
+        (
+            "llama3-70b-gb200-fsdp-offload-fp8.yaml",
+            [
+                "Megatron-FSDP optim_grads_params",
+                "FP8 tensorwise scaling (hybrid), FP8 parameters",
+                "first 40 layers' activations offloaded",
+            ],
+        ),
+        ("llama3-8b-gb200-cuda-graphs.yaml", ["CUDA graph of the whole iteration"]),
+        ("llama3-70b-h100-tp-overlap.yaml", ["TP overlap (userbuffers)"]),
+        ("llama3-70b-gb200-nvfp4.yaml", ["FP4 nvfp4, first 1 and last 1 layers in bf16"]),
+        ("mixtral-8x7b-64gpu.yaml", ["alltoall dispatcher"]),
+        ("debug.yaml", []),
+    ],
+)
+def test_the_summary_names_what_is_in_effect(example, named, monkeypatch):
+    """What shapes memory or time beyond the layout, as the summary's third line says it."""
+    import os
+
+    from metatrace.config import load_job
+    from metatrace.render.summary import in_effect
+    from tests.helpers import EXAMPLES
+
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))  # the userbuffers file's path is the root's
+    features = in_effect(load_job(os.path.join(EXAMPLES, example)))
+    assert all(n in features for n in named), features
+    assert (features == []) == (named == [])
