@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metatrace.config import GPU_PEAK_TFLOPS
+from metatrace.config import GATED_ACTIVATIONS, GPU_PEAK_TFLOPS
 
 # Extra compute of a training step per recompute kind, in forward passes (forward + backward
 # = 3 forward passes): full recompute runs every layer's forward again; selective recomputes
@@ -30,7 +30,7 @@ class Shape:
 
 def _gated(model) -> int:
     """Matrices of the FFN's first projection: two with a gated linear unit."""
-    return 2 if model.activation in ("swiglu", "geglu") else 1
+    return 2 if model.activation in GATED_ACTIVATIONS else 1
 
 
 def shape_of(job) -> Shape:
@@ -69,6 +69,21 @@ def shape_of(job) -> Shape:
         moe_layers=moe_layers,
         embedding=job.padded_vocab_size * h,
     )
+
+
+def parameter_counts(job) -> tuple[int, int]:
+    """(parameters, parameters active per token) of the whole model from its dimensions: the
+    layers, the multi-token prediction layers (each a layer and its 2h x h projection), the
+    embedding and an untied output layer; of the routed experts top-k of every MoE layer's
+    active. Norms and biases are left out (a few per mille at most; `metatrace run` counts
+    every parameter)."""
+    m, s = job.model, shape_of(job)
+    mtp = m.mtp_num_layers or 0
+    embedding = s.embedding * (2 if m.untie_embeddings_and_output_weights else 1)
+    dense = (m.num_layers + mtp) * s.dense + mtp * 2 * m.hidden_size**2 + embedding
+    experts = s.experts * (s.moe_layers + (mtp if s.moe_layers else 0))
+    active = experts * m.moe_router_topk // m.num_experts if m.num_experts else experts
+    return dense + experts, dense + active
 
 
 def _in_flight(job) -> int:
