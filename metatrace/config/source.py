@@ -124,21 +124,30 @@ def read_job(
 def _megatron_job(text: str | None, path: str | None, options: MegatronOptions):
     from metatrace.config.megatron.args import job_from_args
     from metatrace.config.megatron.launch import read_launch, world_of
-    from metatrace.config.megatron.script import read_args, split_args
+    from metatrace.config.megatron.script import environment, read_args, split_args
 
     if options.newer_megatron is not None and not options.newer_megatron.strip():
         raise ConfigError("--newer-megatron needs the release's name, e.g. core_v0.17.0")
-    env = {}
+    given = {}
     for item in options.env:
         name, eq, value = item.partition("=")
         if not eq or not name:
             raise ConfigError(f"--env {item!r} must be NAME=VALUE")
-        env[name] = value
+        given[name] = value
     if text is not None:
         tokens, script, source = split_args(text), text, "--megatron-args"
     else:
         assert path is not None
         (tokens, script), source = read_args(path), path
+    # The script's exported variables are the run's environment; --env overrides them.
+    env, unexpanded = environment(script) if script is not None else ({}, [])
+    env.update(given)
+    unread = [n for n in unexpanded if n not in given]
+    if unread:
+        raise ConfigError(
+            f"{source} exports {', '.join(unread)} from shell variables, which metatrace does "
+            f"not expand: give the value with --env {unread[0]}=VALUE"
+        )
     launch = read_launch(script) if script is not None else None
     world_size, gpus_per_node = options.world_size, options.gpus_per_node
     if world_size is None and (launch is None or launch.problem) and options.fallback_world_size:

@@ -165,3 +165,48 @@ def test_job_files_and_configs_are_told_apart(tmp_path, capsys):
     assert code == 2 and "give the job once" in err
     code, _, err = _groups([os.path.join(EXAMPLES, "debug.yaml"), "--world-size", "4"], capsys)
     assert code == 2 and "--world-size applies to Megatron-LM arguments" in err
+
+
+def test_the_script_exports_the_runs_environment():
+    """`export NAME=value` before the arguments and assignments in front of the launcher are
+    the run's environment (a later one wins); plain shell variables are not; an export from a
+    shell variable is named."""
+    from metatrace.config.megatron.script import environment
+
+    text = (
+        "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n"
+        "GPUS=8\n"
+        "export NCCL_BUFFSIZE=1048576 NCCL_NVLS_ENABLE=1\n"
+        "export NCCL_NVLS_ENABLE=0\n"
+        "export HOME_DIR=$HOME/x\n"
+        f"CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 {ARGS}\n"
+    )
+    env, unexpanded = environment(text)
+    assert env == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "NCCL_BUFFSIZE": "1048576",
+        "NCCL_NVLS_ENABLE": "0",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+    assert unexpanded == ["HOME_DIR"]
+
+
+def test_a_scripts_allocator_setting_reaches_the_verdict(tmp_path):
+    """The CUDA-graph example exports PYTORCH_CUDA_ALLOC_CONF: the job's allocator is it,
+    unless --env overrides it; an export from a shell variable exits 2 naming --env."""
+    from metatrace.config.source import MegatronOptions, read_job
+
+    script = os.path.join(EXAMPLES, "pretrain_llama3_8b_gb200_cuda_graphs.sh")
+    job, _ = read_job(
+        config=script, megatron_args=None, megatron_args_file=None, options=MegatronOptions()
+    )
+    assert job.cluster.allocator_conf.startswith("expandable_segments:True")
+    options = MegatronOptions(env=("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False",))
+    job, _ = read_job(config=script, megatron_args=None, megatron_args_file=None, options=options)
+    assert job.cluster.allocator_conf == "expandable_segments:False"
+    bad = tmp_path / "x.sh"
+    bad.write_text(f"export NCCL_BUFFSIZE=$SIZE\ntorchrun --nproc_per_node 2 {ARGS}\n")
+    with pytest.raises(ConfigError, match="exports NCCL_BUFFSIZE from shell variables"):
+        read_job(
+            config=str(bad), megatron_args=None, megatron_args_file=None, options=MegatronOptions()
+        )

@@ -24,8 +24,9 @@ def split_args(text: str) -> list[str]:
     --nproc_per_node 8 pretrain_gpt.py ...`), otherwise everything before the first `--` word.
     The commands right after it that start with `--` continue the arguments (a file with a
     flag per line, or comment lines amid continuations). Other commands before it (`cd`,
-    `export FOO=1`, `FOO=bar`) and after it are ignored, but arguments that use a shell
-    variable (`$FOO`, `${FOO}`) are an error: metatrace does not expand them.
+    `export FOO=1`, `FOO=bar`) and after it give no arguments (`environment` reads what the
+    exports give the run), and arguments that use a shell variable (`$FOO`, `${FOO}`) are an
+    error: metatrace does not expand them.
     """
     cmds = commands(text)
     found = arguments_command(cmds)
@@ -72,6 +73,32 @@ def leading_assignments(words: list[_Word]) -> list[_Word]:
     while k < len(words) and ASSIGNMENT.match(words[k].text):
         k += 1
     return words[start:k]
+
+
+def environment(text: str) -> tuple[dict[str, str], list[str]]:
+    """(the environment a training script gives its run, the names it sets from shell
+    variables): `export NAME=value` before the arguments command and the assignments in front
+    of that command (`NCCL_NVLS_ENABLE=0 torchrun ...`); plain shell variables (`NAME=value`
+    alone) are not in the run's environment. A later assignment wins, as in the shell."""
+    cmds = commands(text)
+    found = arguments_command(cmds)
+    if found is None:
+        return {}, []
+    index, _ = found
+    words = [w for c in cmds[:index] if c and c[0].text == "export" for w in leading_assignments(c)]
+    words += leading_assignments(cmds[index])
+    env: dict[str, str] = {}
+    unexpanded: list[str] = []
+    for w in words:
+        name, _, value = w.text.partition("=")
+        if w.variables:
+            unexpanded.append(name)
+            env.pop(name, None)
+        else:
+            env[name] = value
+            if name in unexpanded:
+                unexpanded.remove(name)
+    return env, unexpanded
 
 
 def read_args_file(path) -> list[str]:
