@@ -42,6 +42,9 @@ class _Parser(argparse.ArgumentParser):
         super().error(short)
 
 
+WIDTH_HELP = "output width (default: the terminal's; piped, COLUMNS or 80; at least 40)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="metatrace",
@@ -51,17 +54,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"metatrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def megatron_options(group):
-        group.add_argument(
-            "--world-size",
-            type=int,
-            metavar="N",
-            help="GPUs of the run (with Megatron-LM arguments)",
-        )
-        group.add_argument(
-            "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
-        )
-        group.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
+    def megatron_options(group, cluster: bool = True):
+        """The options of Megatron-LM arguments; `cluster`: with --world-size, --gpu and
+        --gpus-per-node (plan has its own)."""
+        if cluster:
+            group.add_argument(
+                "--world-size",
+                type=int,
+                metavar="N",
+                help="GPUs of the run (with Megatron-LM arguments); read from a training "
+                "script's launcher line (torchrun, python -m torch.distributed.run, srun and "
+                "#SBATCH, mpirun) where it has one, and then it must agree with that line",
+            )
+            group.add_argument(
+                "--gpu", metavar="NAME", help="GPU model, e.g. h100, a100 (default h100)"
+            )
+            group.add_argument(
+                "--gpus-per-node",
+                type=int,
+                metavar="N",
+                help="default 8, or the launcher line's processes per node",
+            )
         group.add_argument(
             "--env",
             action="append",
@@ -77,12 +90,23 @@ def _parser() -> argparse.ArgumentParser:
             "reported as not modelled instead of refused",
         )
 
-    def common(p, tree: bool = True, quiet: str = "no progress messages on stderr"):
-        """The job's options; with `tree`, the module tree's (--depth, --expand)."""
-        source = p.add_argument_group(
-            "the job (one of --config, --megatron-args, --megatron-args-file)"
+    def job_sources(p, *, model: bool = False):
+        """The job: a positional FILE, or one of --config, --megatron-args, --megatron-args-file
+        (and for plan --model)."""
+        p.add_argument(
+            "job",
+            nargs="?",
+            metavar="FILE",
+            help="the job: a job file (YAML) or a file of Megatron-LM arguments (a training "
+            "script, one line, or a YAML {--flag: value} map); the same as --config FILE",
         )
-        source.add_argument("--config", metavar="FILE", help="job file (YAML)")
+        title = "--model, " if model else ""
+        source = p.add_argument_group(
+            f"the job (FILE or one of {title}--config, --megatron-args, --megatron-args-file)"
+        )
+        source.add_argument(
+            "--config", metavar="FILE", help="job file (YAML), or a file of Megatron-LM arguments"
+        )
         source.add_argument(
             "--megatron-args",
             metavar="ARGS",
@@ -93,7 +117,11 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="a file with them: one line, a training script, or a YAML {--flag: value} map",
         )
-        megatron_options(source)
+        return source
+
+    def common(p, tree: bool = True, quiet: str = "no progress messages on stderr"):
+        """The job's options; with `tree`, the module tree's (--depth, --expand)."""
+        megatron_options(job_sources(p))
         if tree:
             p.add_argument("--depth", type=int, metavar="D", help="deepest module level shown")
             p.add_argument(
@@ -101,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
             )
         else:
             p.set_defaults(depth=None)
-        p.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+        p.add_argument("--width", type=int, metavar="COLUMNS", help=WIDTH_HELP)
         p.add_argument("--quiet", "-q", action="store_true", help=quiet)
 
     run = sub.add_parser("run", help="trace every rank role and print the report")
@@ -219,9 +247,16 @@ def _parser() -> argparse.ArgumentParser:
         "--all", action="store_true", help="show unchanged figures of every stage too"
     )
     diff.add_argument("--jobs", type=int, metavar="N", help="as for run")
-    diff.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+    diff.add_argument("--width", type=int, metavar="COLUMNS", help=WIDTH_HELP)
     diff.add_argument("--quiet", "-q", action="store_true", help="no progress messages on stderr")
     diff.set_defaults(func=cmd_diff, depth=None)
+
+    presets = sub.add_parser("presets", help="list the model presets with their sizes (no tracing)")
+    presets.add_argument(
+        "name", nargs="?", metavar="NAME", help="one preset: its every dimension and its source"
+    )
+    presets.add_argument("--width", type=int, metavar="COLUMNS", help=WIDTH_HELP)
+    presets.set_defaults(func=cmd_presets, depth=None)
 
     plan = sub.add_parser(
         "plan",
@@ -229,17 +264,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Enumerate parallel layouts of a model on a cluster, prune with closed-form "
         "bounds, trace the promising ones and rank those that fit.",
     )
-    what = plan.add_mutually_exclusive_group(required=True)
+    what = job_sources(plan, model=True)
     what.add_argument(
         "--model", metavar="NAME", help="a preset (e.g. llama2-70b) or a Hugging Face config.json"
     )
-    what.add_argument(
-        "--config",
-        metavar="FILE",
-        help="a job file: its model, training and "
-        "cluster settings (its parallel layout is replaced)",
+    megatron_options(what, cluster=False)
+    plan.add_argument(
+        "--num-gpus",
+        type=int,
+        metavar="N",
+        help="GPUs of the cluster (default: the job's, or its launcher line's)",
     )
-    plan.add_argument("--num-gpus", type=int, metavar="N", help="GPUs of the cluster")
     plan.add_argument("--gpu", metavar="NAME", help="GPU model (default h100)")
     plan.add_argument("--gpu-memory-gib", type=_positive_gib, metavar="GIB", help="memory per GPU")
     plan.add_argument("--gpus-per-node", type=int, metavar="N", help="default 8")
@@ -262,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
         help="write the recommended layout as a job file (YAML) for `metatrace run --config`",
     )
     plan.add_argument("--jobs", type=int, metavar="N", help="as for run")
-    plan.add_argument("--width", type=int, metavar="COLUMNS", help="output width")
+    plan.add_argument("--width", type=int, metavar="COLUMNS", help=WIDTH_HELP)
     plan.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     plan.set_defaults(func=cmd_plan, depth=None)
     return parser
@@ -318,53 +353,29 @@ def _check_with_megatron(job) -> None:
     check_with_megatron(job)
 
 
-def _read_job(args):
-    """The job from --config or from Megatron-LM arguments; warnings go to stderr."""
-    import dataclasses
+def _read_job(args, fallback_world_size: int | None = None, world_flag: str = "--world-size"):
+    """The job from FILE, --config or Megatron-LM arguments; warnings go to stderr."""
+    from metatrace.config.source import MegatronOptions, read_job
 
-    sources = [o for o in ("config", "megatron_args", "megatron_args_file") if getattr(args, o)]
-    if len(sources) != 1:
-        raise ConfigError(
-            "give the job as one of --config FILE, --megatron-args ARGS, --megatron-args-file FILE"
-        )
-    megatron = ("world_size", "gpu", "gpus_per_node", "env", "newer_megatron")
-    if args.config:
-        given = [o for o in megatron if getattr(args, o)]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise ConfigError(f"{flag} applies to Megatron-LM arguments; set it in {args.config}")
-        from metatrace.config import load_job
-
-        job = load_job(args.config)
-        _warn(job.notes)  # e.g. fields of a Hugging Face config.json that nothing reads
-        return job
-    from metatrace.config.megatron.args import job_from_args, read_args_file, split_args
-
-    if args.world_size is None:
-        raise ConfigError("Megatron-LM arguments need --world-size N (the GPUs of the run)")
-    if args.newer_megatron is not None and not args.newer_megatron.strip():
-        raise ConfigError("--newer-megatron needs the release's name, e.g. core_v0.17.0")
-    env = {}
-    for item in args.env:
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            raise ConfigError(f"--env {item!r} must be NAME=VALUE")
-        env[name] = value
-    if args.megatron_args is not None:
-        tokens, source = split_args(args.megatron_args), "--megatron-args"
-    else:
-        tokens, source = read_args_file(args.megatron_args_file), args.megatron_args_file
-    job, notes = job_from_args(
-        tokens,
-        world_size=args.world_size,
+    if getattr(args, "job", None) and args.config:
+        raise ConfigError(f"give the job once: {args.job} or --config {args.config}")
+    options = MegatronOptions(
+        world_size=getattr(args, "world_size", None),
         gpu=args.gpu,
         gpus_per_node=args.gpus_per_node,
-        env=env,
-        source=source,
-        release=args.newer_megatron,
+        env=tuple(args.env),
+        newer_megatron=args.newer_megatron,
+        fallback_world_size=fallback_world_size,
+        world_flag=world_flag,
+    )
+    job, notes = read_job(
+        config=getattr(args, "job", None) or args.config,
+        megatron_args=args.megatron_args,
+        megatron_args_file=args.megatron_args_file,
+        options=options,
     )
     _warn(notes)
-    return dataclasses.replace(job, notes=job.notes + tuple(notes))
+    return job
 
 
 def _warn(notes) -> None:
@@ -488,7 +499,18 @@ def _advice(analysis, args, progress) -> dict | None:
         lambda jobs: [analyze(t) for t in trace_jobs(jobs, full_model=False, workers=args.jobs)],
         progress=progress,
     )
-    return advice_report(advice, as_flags=args.config is None)
+    return advice_report(advice, as_flags=_given_as_flags(args))
+
+
+def _given_as_flags(args) -> bool:
+    """Whether the job came as Megatron-LM arguments (a string, or a file of them however it
+    was given), so that the advice writes its changes as flags."""
+    from metatrace.config.source import file_kind
+
+    path = getattr(args, "job", None) or args.config
+    return bool(args.megatron_args or args.megatron_args_file) or (
+        bool(path) and file_kind(path) == "megatron"
+    )
 
 
 def _check_jobs(args) -> None:
@@ -599,18 +621,44 @@ def cmd_measure(args, console=None) -> int:
     return 0
 
 
+def cmd_presets(args, console=None) -> int:
+    from metatrace.config import job_from_dict
+    from metatrace.config.presets import PRESETS
+    from metatrace.planning.estimates import parameter_counts
+    from metatrace.render.presets import build_preset, build_presets
+
+    _check_depth(args)
+    console = _console(args, console)
+    if args.name is not None:
+        if args.name not in PRESETS:
+            raise ConfigError(f"no preset {args.name!r}; the presets: {', '.join(PRESETS)}")
+        console.print(build_preset(args.name, PRESETS[args.name]))
+        return 0
+    rows = []
+    for name in PRESETS:
+        job = job_from_dict(
+            {"model": {"preset": name}, "training": {"seq_length": 1024}},
+            source=name,
+        )
+        rows.append((name, job, *parameter_counts(job)))
+    console.print(build_presets(rows))
+    return 0
+
+
 def _side(side: str, args):
     """One side of `metatrace diff`: a JSON report (read), or a job (read, not traced yet)."""
-    if os.path.isfile(side) and side.endswith(".json"):
+    from metatrace.config.source import file_kind
+
+    if os.path.isfile(side) and file_kind(side) in ("report", "json"):
         from metatrace.config.read import MAX_REPORT_BYTES, parse_json, read_text
         from metatrace.export.report import check_report
 
         report = parse_json(read_text(side, "JSON report", MAX_REPORT_BYTES), side)
         check_report(report, side)
         return report
-    given = dict(config=None, megatron_args=None, megatron_args_file=None)
+    given = dict(job=None, config=None, megatron_args=None, megatron_args_file=None)
     if os.path.isfile(side):
-        given["megatron_args_file" if _megatron_file(side) else "config"] = side
+        given["config"] = side
     elif side.lstrip().startswith("--"):
         given["megatron_args"] = side
     else:
@@ -619,7 +667,7 @@ def _side(side: str, args):
         )
     side_args = argparse.Namespace(**vars(args))
     vars(side_args).update(given)
-    if given["config"]:
+    if given["config"] and file_kind(side) == "job":
         vars(side_args).update(
             world_size=None, gpu=None, gpus_per_node=None, env=[], newer_megatron=None
         )
@@ -650,20 +698,6 @@ def _side_report(side: str, given, args, progress) -> dict:
     return job_report(
         analyze(trace_job(given, full_model=False, progress=progress, workers=args.jobs))
     )
-
-
-def _megatron_file(path: str) -> bool:
-    """A file of Megatron-LM arguments rather than a job file: not YAML by its name, or a YAML
-    mapping of `--flag: value`."""
-    if not path.endswith((".yaml", ".yml")):
-        return True
-    from metatrace.config.read import parse_yaml, read_text
-
-    try:
-        data = parse_yaml(read_text(path, "job file"), path)
-    except ConfigError:
-        return False  # the job loader names the problem
-    return isinstance(data, dict) and any(str(k).startswith("--") for k in data)
 
 
 def cmd_diff(args, console=None) -> int:
@@ -699,10 +733,28 @@ def cmd_diff(args, console=None) -> int:
 
 
 def _plan_base(args):
-    """The job whose model, batch and cluster the planner keeps, and the GPUs to plan for."""
+    """The job whose model, batch and cluster the planner keeps, the GPUs to plan for, and the
+    file it came from (None for --model and --megatron-args)."""
+    from metatrace.config.source import file_kind
     from metatrace.planning.plan import base_job
 
-    if args.model:
+    if args.job and args.config:
+        raise ConfigError(f"give the job once: {args.job} or --config {args.config}")
+    path, model = args.job or args.config, args.model
+    if path and not model and os.path.isfile(path) and file_kind(path) == "hf_config":
+        path, model = None, path
+    if sum(bool(g) for g in (path, model, args.megatron_args, args.megatron_args_file)) != 1:
+        raise ConfigError(
+            "give the job as one of FILE, --model NAME, --config FILE, --megatron-args ARGS, "
+            "--megatron-args-file FILE"
+        )
+    base = None
+    if model:
+        given = [
+            f for f, v in (("--env", args.env), ("--newer-megatron", args.newer_megatron)) if v
+        ]
+        if given:
+            raise ConfigError(f"{given[0]} applies to Megatron-LM arguments, not to --model")
         missing = [
             f
             for f, v in (
@@ -714,18 +766,31 @@ def _plan_base(args):
         ]
         if missing:
             raise ConfigError(f"plan --model needs {', '.join(missing)}")
+    else:
+        megatron = bool(args.megatron_args or args.megatron_args_file) or (
+            os.path.isfile(path) and file_kind(path) == "megatron"
+        )
+        job_args = argparse.Namespace(**vars(args))
+        vars(job_args).update(
+            job=None,
+            config=path,
+            gpu=args.gpu if megatron else None,
+            gpus_per_node=args.gpus_per_node if megatron else None,
+        )
+        base = _read_job(job_args, fallback_world_size=args.num_gpus, world_flag="--num-gpus")
     cluster = {
         key: getattr(args, key)
         for key in ("gpu", "gpus_per_node", "gpu_memory_gib", "reserved_overhead_gib")
     }
-    return base_job(
-        model=args.model,
-        config=args.config,
+    job, num_gpus = base_job(
+        model=model,
+        base=base,
         seq=args.seq,
         global_batch=args.global_batch,
         num_gpus=args.num_gpus,
         cluster=cluster,
     )
+    return job, num_gpus, path
 
 
 def cmd_plan(args, console=None) -> int:
@@ -745,16 +810,9 @@ def cmd_plan(args, console=None) -> int:
         _check_output_path(args.json)
     if args.write_config:
         _check_output_path(args.write_config, "--write-config")
-    job, num_gpus = _plan_base(args)
+    job, num_gpus, path = _plan_base(args)
     console = _console(args, console)
-    bar = _progress_bar(args)
-    with bar or contextlib.nullcontext():
-        task = bar.add_task("tracing", total=args.max_traces) if bar else None
-
-        def progress(done, total, text):
-            if bar:
-                bar.update(task, completed=done, description=text)
-
+    with _plan_progress(args, f"{job.source} on {num_gpus:,} GPUs") as progress:
         with shared_workers():
             result = plan(
                 job,
@@ -766,8 +824,7 @@ def cmd_plan(args, console=None) -> int:
                     analyze(trace_job(j, full_model=False, workers=args.jobs))
                 ),
             )
-        if bar:
-            bar.update(task, completed=args.max_traces, description="done")
+        progress(len(result.traced), args.max_traces, None)
     ranked = result.ranked()
     if args.write_config and ranked:
         from metatrace.planning.job_file import write_job_file
@@ -783,7 +840,7 @@ def cmd_plan(args, console=None) -> int:
                 f"planned peak {size(best.peak)} ({best.peak:,} bytes), headroom "
                 f"{size(best.headroom)}",
             ],
-            base_dir=os.path.dirname(args.config) if args.config else ".",
+            base_dir=os.path.dirname(path) if path else ".",
         )
     render_plan(
         job,
@@ -801,14 +858,36 @@ def cmd_plan(args, console=None) -> int:
     return 0 if ranked else 1
 
 
-def _progress_bar(args):
-    """A progress bar on stderr when it is a terminal (and not --quiet)."""
-    if not sys.stderr.isatty() or args.quiet:
-        return None
+@contextlib.contextmanager
+def _plan_progress(args, what: str):
+    """`progress(done, budget, layout)` of plan on stderr (layout None: the search is over): a
+    bar on a terminal, a line per trace otherwise (a log, CI); nothing with --quiet."""
+    import time
+
+    if args.quiet:
+        yield lambda done, total, text: None
+        return
+    start = time.monotonic()
+    if not sys.stderr.isatty():
+
+        def line(done, total, text):
+            took = f"{time.monotonic() - start:.0f} s"
+            if text is None:
+                print(f"metatrace plan: {done} traced in {took}", file=sys.stderr, flush=True)
+            else:
+                print(
+                    f"metatrace plan: tracing {done + 1} of at most {total} ({took}): {text}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        print(f"metatrace plan: enumerating the layouts of {what}", file=sys.stderr, flush=True)
+        yield line
+        return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(
+    bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -816,6 +895,11 @@ def _progress_bar(args):
         console=Console(stderr=True),
         transient=True,
     )
+    with bar:
+        task = bar.add_task("enumerating layouts", total=args.max_traces)
+        yield lambda done, total, text: bar.update(
+            task, completed=done if text else total, description=text or "done"
+        )
 
 
 def main(argv=None, console=None) -> int:

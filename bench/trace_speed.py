@@ -84,13 +84,7 @@ ADVICE = [
     (
         "advice: llama2-7b script mbs 8, 16 H100s",
         "30 s",
-        [
-            "run",
-            "--megatron-args-file",
-            _example("pretrain_llama2_7b_mbs8.sh"),
-            "--world-size",
-            "16",
-        ],
+        ["run", _example("pretrain_llama2_7b_mbs8.sh")],
     ),
 ]
 

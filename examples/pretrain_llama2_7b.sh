@@ -1,6 +1,6 @@
 #!/bin/bash
 # A Megatron-LM launch script (Llama-2 7B on 2 nodes of 8 GPUs); metatrace reads its arguments:
-#   metatrace run --megatron-args-file examples/pretrain_llama2_7b.sh --world-size 16
+#   metatrace run examples/pretrain_llama2_7b.sh   (16 GPUs, from the torchrun line below)
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py \

@@ -1,7 +1,7 @@
 #!/bin/bash
 # examples/pretrain_llama2_7b.sh with micro-batches of 8 sequences: out of memory by 7 GiB on the
 # first pipeline stage. metatrace says so and traces the single changes that make it fit:
-#   metatrace run --megatron-args-file examples/pretrain_llama2_7b_mbs8.sh --world-size 16
+#   metatrace run examples/pretrain_llama2_7b_mbs8.sh   (16 GPUs, from the torchrun line below)
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py \

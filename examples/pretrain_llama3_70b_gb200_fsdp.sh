@@ -3,8 +3,8 @@
 # BF16 performance recipe runs it: Megatron-FSDP sharding everything over the 64 GPUs, and
 # Transformer Engine offloading the first 20 layers' activations to host memory.
 # metatrace reads its arguments:
-#   metatrace run --megatron-args-file examples/pretrain_llama3_70b_gb200_fsdp.sh \
-#       --world-size 64 --gpu gb200 --gpus-per-node 4
+#   metatrace run examples/pretrain_llama3_70b_gb200_fsdp.sh --gpu gb200
+# (64 GPUs, 4 a node, from the torchrun line below)
 export CUDA_DEVICE_MAX_CONNECTIONS=32
 
 torchrun --nproc_per_node 4 --nnodes 16 pretrain_gpt.py \

@@ -4,8 +4,8 @@
 # communication overlap (its userbuffers configured by examples/userbuffers_bf16_h100_h8192_tp4.yaml),
 # pp 4 with 5 virtual stages, cp 2, the distributed optimizer. metatrace reads its arguments
 # (from the repository's root, where the configuration's path holds):
-#   metatrace run --megatron-args-file examples/pretrain_llama3_70b_h100_tp_overlap.sh \
-#       --world-size 64 --gpu h100
+#   metatrace run examples/pretrain_llama3_70b_h100_tp_overlap.sh --gpu h100
+# (64 GPUs, 8 a node, from the torchrun line below)
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 torchrun --nproc_per_node 8 --nnodes 8 pretrain_gpt.py \

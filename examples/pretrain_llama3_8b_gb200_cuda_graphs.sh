@@ -2,8 +2,8 @@
 # A Megatron-LM launch script for Llama 3 8B on 8 GB200s (2 trays of 4 GPUs), as NVIDIA's BF16
 # performance recipe runs it: data parallelism only and a CUDA graph of each whole iteration.
 # metatrace reads its arguments:
-#   metatrace run --megatron-args-file examples/pretrain_llama3_8b_gb200_cuda_graphs.sh \
-#       --world-size 8 --gpu gb200 --gpus-per-node 4
+#   metatrace run examples/pretrain_llama3_8b_gb200_cuda_graphs.sh --gpu gb200
+# (8 GPUs, 4 a node, from the torchrun line below)
 export CUDA_DEVICE_MAX_CONNECTIONS=32
 export NCCL_GRAPH_REGISTER=0
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,graph_capture_record_stream_reuse:True

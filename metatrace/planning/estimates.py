@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metatrace.config import GPU_PEAK_TFLOPS
+from metatrace.config import GATED_ACTIVATIONS, GPU_PEAK_TFLOPS
 
 # Extra compute of a training step per recompute kind, in forward passes (forward + backward
 # = 3 forward passes): full recompute runs every layer's forward again; selective recomputes
@@ -30,7 +30,7 @@ class Shape:
 
 def _gated(model) -> int:
     """Matrices of the FFN's first projection: two with a gated linear unit."""
-    return 2 if model.activation in ("swiglu", "geglu") else 1
+    return 2 if model.activation in GATED_ACTIVATIONS else 1
 
 
 def shape_of(job) -> Shape:
@@ -69,6 +69,21 @@ def shape_of(job) -> Shape:
         moe_layers=moe_layers,
         embedding=job.padded_vocab_size * h,
     )
+
+
+def parameter_counts(job) -> tuple[int, int]:
+    """(parameters, parameters active per token) of the whole model from its dimensions: the
+    layers, the multi-token prediction layers (each a layer and its 2h x h projection), the
+    embedding and an untied output layer; of the routed experts top-k of every MoE layer's
+    active. Norms and biases are left out (a few per mille at most; `metatrace run` counts
+    every parameter)."""
+    m, s = job.model, shape_of(job)
+    mtp = m.mtp_num_layers or 0
+    embedding = s.embedding * (2 if m.untie_embeddings_and_output_weights else 1)
+    dense = (m.num_layers + mtp) * s.dense + mtp * 2 * m.hidden_size**2 + embedding
+    experts = s.experts * (s.moe_layers + (mtp if s.moe_layers else 0))
+    active = experts * m.moe_router_topk // m.num_experts if m.num_experts else experts
+    return dense + experts, dense + active
 
 
 def _in_flight(job) -> int:
@@ -168,6 +183,28 @@ def _moe_mlp_bytes(job, tokens: int) -> float:
     return out + tokens * (2 * h + 2 * _gated(m) * shared + 2 * shared)
 
 
+def _gathered(job) -> int:
+    """Bytes of the [s, b, h] hidden states the allgather dispatcher gathers from the whole
+    TP x EP group for one micro-batch."""
+    par, tr = job.parallel, job.training
+    tokens = tr.seq_length // par.cp * tr.micro_batch_size
+    local = tokens // par.tp if par.sequence_parallel else tokens
+    return local * par.tp * par.ep * job.model.hidden_size * 2
+
+
+def _dispatcher_transient(job) -> int:
+    """What the allgather dispatcher holds while a MoE layer runs (megatron-core 0.16.1's
+    MoEAllGatherTokenDispatcher): the group's gathered hidden states, in megatron-core's global
+    memory buffer (kept from then on), the combine's fp32 copy of the unpermuted output before
+    its reduce-scatter (twice as large; in backward the gathered fp32 gradient), and the
+    gathered fp32 probabilities and bool routing map [T x tp x ep, E]."""
+    par, m = job.parallel, job.model
+    if not m.num_experts or par.moe_token_dispatcher_type != "allgather" or par.ep * par.tp == 1:
+        return 0
+    gathered = _gathered(job)
+    return 3 * gathered + gathered // (2 * m.hidden_size) * 5 * m.num_experts
+
+
 def _logits_bytes(job) -> int:
     """The last stage's logits of one micro-batch in bf16 [s, b, V/t] (what the output layer
     returns to the loss)."""
@@ -193,7 +230,7 @@ def memory_estimate(job) -> int:
     the activations of the one layer recomputed in backward)."""
     par, tr = job.parallel, job.training
     layers = job.model.num_layers // par.pp - tr.cpu_offloading_num_layers  # those on the host
-    fixed = _fixed_bytes(job) + _more_workspaces(job)
+    fixed = _fixed_bytes(job) + _more_workspaces(job) + _dispatcher_transient(job)
     if tr.recompute.granularity == "full":
         # Each layer keeps its input; in backward one layer's forward runs again and holds
         # its activations until its backward has used them.
@@ -460,15 +497,22 @@ def _comm_seconds(job) -> float:
     if par.pp > 1:  # a send and a receive per boundary and micro-batch, each way
         bw = intra if par.tp * par.cp * par.dp * 2 <= node else inter
         out += 2 * (par.vpp or 1) * mbs * full / (par.tp if par.sequence_parallel else 1) / bw
-    if m.num_experts and par.ep > 1:
+    if m.num_experts and par.ep * par.tp > 1:
         moe_layers = shape_of(job).moe_layers // par.pp
-        sent = (
-            full
-            * m.moe_router_topk
-            * (par.ep - 1)
-            / par.ep
-            / (par.tp if par.sequence_parallel else 1)
-        )
+        local = full / (par.tp if par.sequence_parallel else 1)
+        if par.moe_token_dispatcher_type == "allgather":
+            # every rank gathers the tokens (and their probabilities and routing map) of the
+            # whole TP x EP group and reduce-scatters the output, each way
+            sent = (
+                _gathered(job)
+                * (1 - 1 / (par.tp * par.ep))
+                * (1 + 5 * m.num_experts / (2 * m.hidden_size))
+            )
+            sent *= local / full
+        elif par.ep > 1:
+            sent = local * m.moe_router_topk * (par.ep - 1) / par.ep
+        else:
+            sent = 0
         out += 4 * moe_layers * mbs * sent / (intra if par.ep * par.tp <= node else inter)
     if par.dp * par.cp > 1 and not tr.overlap_grad_reduce:
         grads = static_bytes(job) / 18 * 4  # the gradients' share of the static bytes

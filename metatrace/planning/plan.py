@@ -124,21 +124,23 @@ def layouts(job, num_gpus: int) -> list[Layout]:
 def base_job(
     *,
     model: str | None,
-    config: str | None,
+    base=None,
     seq: int | None,
     global_batch: int | None,
     num_gpus: int | None,
     cluster: dict,
 ):
     """(job on one GPU with the model, batch and cluster to plan for, GPUs to plan for): from a
-    preset or a Hugging Face config.json (`model`), or a job file (`config`) whose parallel
-    layout is dropped; `cluster` overrides given as not None (a new `gpu` brings its own
-    memory, links and cuBLAS defaults unless `gpu_memory_gib` is given too)."""
-    from metatrace.config import job_from_dict, load_job
+    preset or a Hugging Face config.json (`model`), or a job (`base`: read from a job file or
+    Megatron-LM arguments) whose parallel layout is dropped; `cluster` overrides given as not
+    None (a new `gpu` brings its own memory, links and cuBLAS defaults unless `gpu_memory_gib`
+    is given too)."""
+    from metatrace.config import job_from_dict
 
-    if config:
-        base, source = load_job(config), config
+    if base is not None:
+        source = base.source
     else:
+        assert model is not None
         key = "hf_config" if model.endswith(".json") else "preset"
         base = job_from_dict(
             {

@@ -63,7 +63,7 @@ _KIND: dict[str, Kind] = {
     "Message": "prose",
     "Boundary tensor": "prose",
     "Overlapped with": "prose",
-    "Kind": "prose",
+    "Kind": "name",
     "Groups (GPUs)": "prose",
 }
 

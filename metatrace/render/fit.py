@@ -1,5 +1,5 @@
 """Tables that fit the width they are given without cutting a number, a shape or a module name,
-and the console that prints piped output.
+the console that prints piped output, and items joined on lines that break between them.
 
 A `FitTable` knows what each column holds and shrinks, when the table is too wide, only what
 can shrink without losing a figure, in this order:
@@ -149,8 +149,7 @@ class _Column:
 
 class FitTable:
     """A table (rich's SIMPLE_HEAD look) that fits its width by the policy in this module's
-    docstring. Cells are plain strings or `Text` (never read as markup: "[n0_g0 n1_g0]" stays).
-    On a `ContentConsole` it takes the width its content needs."""
+    docstring. Cells are plain strings or `Text` (never read as markup: "[n0_g0 n1_g0]" stays)."""
 
     def __init__(self, *, show_header: bool = True) -> None:
         self.show_header = show_header
@@ -220,6 +219,14 @@ class FitTable:
                 widths[i] += max(0, min(spare, cells[i] - widths[i]))
         return widths
 
+    def fits(self, width: int) -> bool:
+        """Whether the table fits `width` columns with every cell on one line (headers may
+        wrap)."""
+        widths = self.widths(width)
+        return len(widths) == len(self.columns) and all(
+            widths[i] >= _cells_natural(c) for i, c in enumerate(self.columns)
+        )
+
     def _shrink(self, widths, members, target, budget) -> None:
         """Narrow `members` towards `target`, the widest first, until the table fits."""
         while self._total(widths) > budget:
@@ -234,7 +241,7 @@ class FitTable:
         return Measurement(min(least, options.max_width), self._total(self.widths(None)))
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        budget = None if isinstance(console, ContentConsole) else options.max_width
+        budget = options.max_width
         widths = self.widths(budget)
         table = Table(
             box=box.SIMPLE_HEAD,
@@ -257,9 +264,7 @@ class FitTable:
             )
         for r in range(self.row_count):
             table.add_row(*(self._cell(self.columns[i], r, widths[i]) for i in shown))
-        width = self._total(widths)
-        if budget is not None:
-            width = min(width, budget)
+        width = min(self._total(widths), budget)
         for line in console.render_lines(table, options.update(width=width), pad=False):
             yield from _rstrip(line)
             yield Segment.line()
@@ -321,17 +326,48 @@ def _rstrip(line: list[Segment]) -> list[Segment]:
 # ----------------------------------------------------------------------------- consoles
 
 
-PROSE_WIDTH = 100
-"""Where piped output without COLUMNS or --width wraps its prose."""
+PIPED_WIDTH = 80
+"""The width of piped output without COLUMNS or --width: a terminal's, a pager's, an email's."""
 
 
-class ContentConsole(Console):
-    """A console for piped output that was given no width: prose wraps at `PROSE_WIDTH`
-    columns, a `FitTable` takes the width its content needs, and nothing is cropped."""
+class Joined:
+    """Items joined by `sep` on lines of at most the console's width, broken only between
+    items (an item wider than the width alone on its line, folded by rich); a line broken after
+    a comma keeps it, after any other separator ends with the item."""
 
-    def print(self, *objects, **kwargs) -> None:  # type: ignore[override]
-        kwargs["crop"] = False
-        super().print(*objects, **kwargs)
+    def __init__(self, items, sep: str = " · ", style: str = "") -> None:
+        self.items = [i if isinstance(i, Text) else Text(i) for i in items]
+        self.sep, self.style = sep, style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        end = self.sep.rstrip() if self.sep.strip() == "," else ""
+        line = Text(style=self.style)
+        lines = [line]
+        for item in self.items:
+            if line.cell_len and line.cell_len + cell_len(self.sep + item.plain) > width:
+                line.append(end)
+                line = Text(style=self.style)
+                lines.append(line)
+            elif line.cell_len:
+                line.append(self.sep)
+            line.append_text(item)
+        yield Text("\n").join(lines)
+
+
+class FirstThatFits:
+    """The first of `choices`, (FitTable, what to print with it), whose table fits the width
+    with every cell on one line; the last one otherwise."""
+
+    def __init__(self, *choices) -> None:
+        self.choices = choices
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for table, shown in self.choices[:-1]:
+            if table.fits(options.max_width):
+                yield shown
+                return
+        yield self.choices[-1][1]
 
 
 class _NoTrailingBlanks:
@@ -365,16 +401,12 @@ class _NoTrailingBlanks:
 
 def output_console(width: int | None = None, environ=None, stream=None) -> Console:
     """The console of a command's output: on a terminal, its width (or `width`); piped, no
-    trailing blanks and `width`, else COLUMNS, else the width the content needs (prose at
-    `PROSE_WIDTH`)."""
+    trailing blanks and `width`, else COLUMNS, else `PIPED_WIDTH`."""
     stream = sys.stdout if stream is None else stream
     environ = os.environ if environ is None else environ
     if stream.isatty():
         return Console(width=width) if width else Console()
-    out = _NoTrailingBlanks(stream)
     columns = environ.get("COLUMNS", "")
     if width is None and columns.isdigit() and int(columns) > 0:
         width = int(columns)
-    if width:
-        return Console(file=out, width=width)
-    return ContentConsole(file=out, width=PROSE_WIDTH)
+    return Console(file=_NoTrailingBlanks(stream), width=width or PIPED_WIDTH)

@@ -3,14 +3,13 @@ what it costs (formatting only; figures from metatrace.planning.plan)."""
 
 from __future__ import annotations
 
-from rich import box
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from metatrace.analysis.margins import ErrorBand
 from metatrace.analysis.timing import Breakdown
 from metatrace.config.megatron.to_args import command_lines, megatron_command
+from metatrace.render.fit import FitTable
 from metatrace.render.format import DIM_TITLES, seconds, section, size, time_terms
 
 
@@ -27,29 +26,49 @@ def build_search(result) -> Text:
     )
 
 
-def build_best(result, top: int) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, just in (
-        ("#", "right"),
-        ("Layout", "left"),
-        ("Iteration", "right"),
-        ("Bubble", "right"),
-        ("Exposed comm", "right"),
-        ("Peak", "right"),
-        ("Headroom", "right"),
-    ):
-        table.add_column(col, justify=just, no_wrap=col != "Layout")
-    for i, t in enumerate(result.ranked()[:top], 1):
+def layout_cell(lay) -> str:
+    """A layout in the table's column: its degrees and micro-batch size, then what departs
+    from the planner's usual (recompute; no distributed optimizer where data parallelism
+    could shard it; no sequence parallelism with tp > 1): "tp2 pp8 vpp10 dp16 mbs1 sel"."""
+    parts = [f"tp{lay.tp}", f"pp{lay.pp}"] + ([f"vpp{lay.vpp}"] if lay.vpp else [])
+    parts += [f"cp{lay.cp}"] if lay.cp > 1 else []
+    parts += [f"ep{lay.ep}"] if lay.ep > 1 else []
+    parts += [f"dp{lay.dp}", f"mbs{lay.mbs}"]
+    parts += {"selective": ["sel"], "full": ["full"]}.get(lay.recompute, [])
+    parts += ["no-DO"] if lay.dp * lay.cp > 1 and not lay.distributed_optimizer else []
+    parts += ["no-SP"] if lay.tp > 1 and not lay.sp else []
+    return " ".join(parts)
+
+
+def build_best(result, top: int) -> Group:
+    """The layouts that fit, best first, one line each at 80 columns; what the layout column
+    abbreviates below it."""
+    table = FitTable()
+    table.add_column("#")
+    table.add_column("Layout", "name")
+    for header in ("Iteration", "Bubble", "Exposed comm", "Peak", "Headroom"):
+        table.add_column(header)
+    ranked = result.ranked()[:top]
+    for i, t in enumerate(ranked, 1):
         table.add_row(
             str(i),
-            t.candidate.layout.describe(),
+            layout_cell(t.candidate.layout),
             seconds(t.estimate.seconds),
             f"{t.estimate.bubble:.1%}",
             seconds(t.estimate.comm),
             size(t.peak),
             Text(size(t.headroom), style="yellow" if t.within_error else ""),
         )
-    return table
+    lays = [t.candidate.layout for t in ranked]
+    notes = ["Layout: parallel degrees, micro-batch size (mbs)"]
+    if any(lay.recompute != "none" for lay in lays):
+        notes.append("sel / full: selective or full recompute")
+    marked = [m for m in ("no-DO", "no-SP") if any(m in layout_cell(lay) for lay in lays)]
+    notes.append(
+        "each runs sequence parallel where tp > 1 and the distributed optimizer where "
+        "dp × cp > 1" + (f", but those marked {' or '.join(marked)}" if marked else "")
+    )
+    return Group(table, Text("; ".join(notes) + ".", style="dim"))
 
 
 def _exposed(report: dict) -> str:
@@ -139,14 +158,15 @@ def build_reasons(result, top: int) -> Group:
     return Group(*lines)
 
 
-def build_commands(best, config_path: str | None) -> Group:
+def build_commands(best, config_path: str | None, width: int | None = None) -> Group:
     """How to run the recommended layout: `metatrace run` on the written job file, and torchrun
-    with every Megatron-LM flag of the job (one subject a line, continued with backslashes),
-    after comment lines on its data and on what no flag gives."""
+    with every Megatron-LM flag of the job (one subject a line, continued with backslashes,
+    broken between words at `width`), after comment lines on its data and on what no flag
+    gives."""
     lines = []
     if config_path:
         lines.append(Text(f"metatrace run --config {config_path}"))
-    for line in command_lines(megatron_command(best.candidate.job)):
+    for line in command_lines(megatron_command(best.candidate.job), width):
         lines.append(Text(line, style="dim" if line.startswith("#") else ""))
     return Group(*lines)
 
@@ -189,4 +209,4 @@ def render_plan(
         )
     )
     console.print(section(f"Run #1: {best.candidate.layout.describe()}"))
-    console.print(build_commands(best, config_path), soft_wrap=True)
+    console.print(build_commands(best, config_path, console.width), soft_wrap=True)

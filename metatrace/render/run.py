@@ -33,7 +33,15 @@ from metatrace.render.format import (
     shape,
     size,
 )
-from metatrace.render.summary import build_run_summary, build_verdict
+from metatrace.render.summary import (
+    build_run_summary,
+    build_verdict,
+    fsdp_text,
+    graphs_text,
+    offload_texts,
+    recompute_text,
+)
+from metatrace.render.timeline import build_timeline
 
 
 def param_shapes(row: agg.ModuleRow) -> str:
@@ -111,38 +119,20 @@ def build_summary(job, world) -> Table:
         + f" · sequence parallel {'on' if par.sequence_parallel else 'off'}"
         f" · rank order {par.rank_order}",
     )
-    rec = tr.recompute
-    if rec.granularity == "full":
-        recompute = f"full recompute ({rec.method}, {rec.num_layers} layers)"
-    elif rec.granularity == "selective":
-        recompute = f"selective recompute ({', '.join(rec.modules)})"
-    else:
-        recompute = "no recompute"
     table.add_row(
         "training",
-        f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
-        f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration) · "
-        f"{tr.precision} · {recompute}"
-        + (" · distributed optimizer" if tr.distributed_optimizer else "")
-        + (f" · Megatron-FSDP {tr.fsdp_sharding_strategy}" if tr.megatron_fsdp else "")
-        + (
-            f" (HSDP: {tr.num_distributed_optimizer_instances} instances, outer "
-            f"{tr.fsdp_outer_sharding_strategy})"
-            if tr.megatron_fsdp and tr.num_distributed_optimizer_instances > 1
-            else ""
-        )
-        + (
-            f" · first {tr.cpu_offloading_num_layers} layers' activations offloaded"
-            if tr.cpu_offloading_num_layers
-            else ""
-        )
-        + (
-            f" · offloading {', '.join(tr.activation_offload_modules)}"
-            if tr.activation_offload_modules
-            else ""
-        )
-        + (" · optimizer CPU offload" if tr.optimizer_cpu_offload else "")
-        + _graphs_summary(tr),
+        " · ".join(
+            [
+                f"seq {tr.seq_length} · micro-batch {tr.micro_batch_size} · global batch "
+                f"{tr.global_batch_size} ({job.num_microbatches} micro-batches per iteration)",
+                tr.precision,
+                recompute_text(tr.recompute) or "no recompute",
+            ]
+            + (["distributed optimizer"] if tr.distributed_optimizer else [])
+            + [t for t in (fsdp_text(tr),) if t]
+            + offload_texts(tr)
+            + [t + " (static buffers in Wkspc)" for t in (graphs_text(tr),) if t]
+        ),
     )
     table.add_row(
         "cluster",
@@ -406,17 +396,6 @@ def build_memory_table(roles) -> Group:
     return Group(table, *where, legend)
 
 
-def _graphs_summary(tr) -> str:
-    if tr.local_layer_graphs:
-        return " · megatron-core's CUDA graphs of whole layers (kept outputs in Wkspc)"
-    if tr.cuda_graph_impl == "local":
-        return " · CUDA graph of the whole iteration (static batches in Wkspc)"
-    if tr.cuda_graph_impl == "transformer_engine":
-        what = " and ".join(tr.cuda_graph_scope or []) or "whole layers"
-        return f" · CUDA graphs of {what} (static inputs in Wkspc)"
-    return ""
-
-
 def build_offload_lines(analysis) -> list[Text]:
     """One line on activation offloading's PCIe traffic and pinned host memory per stage (none
     when the job does not offload)."""
@@ -477,70 +456,6 @@ def build_host_optimizer_lines(analysis) -> list[Text]:
     ]
 
 
-_BARS = " ▁▂▃▄▅▆▇█"
-_MARK = {"forward": "F", "backward": "B", "grad sync": "G", "optimizer": "O"}
-
-
-def build_timeline(roles, width: int | None = None) -> Timeline:
-    """Memory over the iteration per stage, as wide as the console (or `width`). `roles`:
-    RoleAnalysis with their memory."""
-    return Timeline(
-        [(f"stage {ra.role.pp_stage}", ra.memory.timeline, ra.memory.peak) for ra in roles],
-        width,
-    )
-
-
-class Timeline:
-    """Bars of memory over the iteration, one row of two-level blocks per stage on one scale
-    from 0 to the highest peak of any stage; a column is one step (several columns a step when
-    the width allows, the highest level of several steps when it does not), and the letter
-    below names the step (F forward, B backward, G gradient sync, O optimizer) that set it."""
-
-    def __init__(self, stages, width: int | None = None) -> None:
-        self.stages = stages  # (label, ((phase, bytes), ...), peak)
-        self.width = width
-
-    def __rich_console__(self, console, options):
-        top = max(1, max(peak for _, _, peak in self.stages))
-        label = max(len(name) for name, _, _ in self.stages)
-        peaks = [size(peak) for _, _, peak in self.stages]
-        room = (self.width or options.max_width) - label - max(len(p) for p in peaks) - 2
-        room = max(8, room)
-        for (name, steps, _), peak in zip(self.stages, peaks, strict=True):
-            high, low, marks = _timeline_rows(steps, top, room)
-            yield Text(f"{' ' * label} {high}".rstrip())
-            yield Text(f"{name.rjust(label)} {low} {peak}")
-            yield Text(f"{' ' * label} {marks}".rstrip(), style="dim")
-        yield Text(
-            f"Scale 0 to {size(top)} (the highest peak), shared by all stages; two rows of "
-            "blocks a stage. A column is the highest level of its steps, its letter the step "
-            "that reached it.",
-            style="dim",
-        )
-
-
-def _timeline_rows(steps, top: int, room: int) -> tuple[str, str, str]:
-    """The upper and lower rows of blocks and the letters of one stage's steps in `room`
-    columns (each step `room // len(steps)` columns when they fit, else steps grouped)."""
-    if not steps:
-        return "", "", ""
-    if len(steps) <= room:
-        each = room // len(steps)
-        groups = [[s] for s in steps]
-    else:
-        each = 1
-        n = -(-len(steps) // room)
-        groups = [list(steps[i : i + n]) for i in range(0, len(steps), n)]
-    high, low, marks = [], [], []
-    for group in groups:
-        phase, level = max(group, key=lambda s: s[1])
-        eighths = max(1, round(16 * level / top)) if level > 0 else 0
-        low.append(_BARS[min(8, eighths)] * each)
-        high.append(_BARS[max(0, eighths - 8)] * each)
-        marks.append(_MARK.get(phase, "·") + " " * (each - 1))
-    return "".join(high), "".join(low), "".join(marks)
-
-
 def build_full_model(full, *, depth=None, expand=False):
     """The whole model on one GPU (the Analysis' `full`)."""
     s = full.summary
@@ -587,11 +502,7 @@ def render_run(
         console.print(build_memory_table(analysis.roles))
         for line in build_offload_lines(analysis) + build_host_optimizer_lines(analysis):
             console.print(line)
-        console.print(
-            section(
-                "Memory over the iteration (F forward, B backward, G gradient sync, O optimizer)"
-            )
-        )
+        console.print(section("Memory over the iteration"))
         console.print(build_timeline(analysis.roles))
         if detail:
             console.print()

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from metatrace.analysis.timing import breakdown, describe_rates
+from metatrace.render.fit import FirstThatFits, FitTable, Joined
 from metatrace.render.format import (
     DIM_TITLES,
     PHASE_SHORT,
@@ -50,86 +51,234 @@ def model_name(job) -> str:
     return f"{m.num_layers}-layer GPT"
 
 
-def build_job_line(analysis) -> Text:
+def recompute_text(rec) -> str | None:
+    """Activation recompute in words (None: none)."""
+    if rec.granularity == "full":
+        return f"full recompute ({rec.method}, {rec.num_layers} layers)"
+    if rec.granularity == "selective":
+        return f"selective recompute ({', '.join(rec.modules)})"
+    return None
+
+
+def fsdp_text(tr) -> str | None:
+    """Megatron-FSDP and its sharding (None: DDP)."""
+    if not tr.megatron_fsdp:
+        return None
+    hsdp = (
+        f" (HSDP: {tr.num_distributed_optimizer_instances} instances, outer "
+        f"{tr.fsdp_outer_sharding_strategy})"
+        if tr.num_distributed_optimizer_instances > 1
+        else ""
+    )
+    return f"Megatron-FSDP {tr.fsdp_sharding_strategy}{hsdp}"
+
+
+def offload_texts(tr) -> list[str]:
+    """Activation and optimizer offloading to the host."""
+    out = []
+    if tr.cpu_offloading_num_layers:
+        out.append(f"first {tr.cpu_offloading_num_layers} layers' activations offloaded")
+    if tr.activation_offload_modules:
+        out.append(f"offloading {', '.join(tr.activation_offload_modules)}")
+    if tr.optimizer_cpu_offload:
+        fraction = tr.optimizer_offload_fraction
+        out.append("optimizer CPU offload" + (f" ({fraction:.0%})" if fraction < 1 else ""))
+    return out
+
+
+def graphs_text(tr) -> str | None:
+    """CUDA graphs and what they capture (None: none)."""
+    if tr.local_layer_graphs:
+        return "megatron-core's CUDA graphs of whole layers"
+    if tr.cuda_graph_impl == "local":
+        return "CUDA graph of the whole iteration"
+    if tr.cuda_graph_impl == "transformer_engine":
+        what = " and ".join(tr.cuda_graph_scope or []) or "whole layers"
+        return f"TE's CUDA graphs of {what}"
+    return None
+
+
+def precision_text(tr) -> str | None:
+    """The FP8 or FP4 recipe (None: neither)."""
+    if tr.precision == "fp8":
+        text = f"FP8 {tr.fp8_recipe or 'delayed'} scaling ({tr.fp8_format or 'hybrid'})"
+        text += ", FP8 parameters" if tr.fp8_param_gather else ""
+    elif tr.precision == "fp4":
+        text = f"FP4 {tr.fp4_recipe or 'nvfp4'}"
+    else:
+        return None
+    if tr.first_last_layers_bf16:
+        text += (
+            f", first {tr.num_layers_at_start_in_bf16} and last "
+            f"{tr.num_layers_at_end_in_bf16} layers in bf16"
+        )
+    return text
+
+
+def in_effect(job) -> list[str]:
+    """What shapes memory or time beyond the layout and batch: sequence parallelism, the
+    optimizer and its sharding, recompute, offloading, CUDA graphs, TP overlap, the FP8 or FP4
+    recipe, the MoE dispatcher."""
+    par, tr = job.parallel, job.training
+    out = ["sequence parallel"] if par.sequence_parallel else []
+    if tr.megatron_fsdp:
+        out.append(fsdp_text(tr) or "")
+    elif tr.distributed_optimizer:
+        instances = tr.num_distributed_optimizer_instances
+        out.append("distributed optimizer" + (f" ({instances} instances)" if instances > 1 else ""))
+    if tr.use_precision_aware_optimizer:
+        out.append("precision-aware optimizer")
+    out += [t for t in (recompute_text(tr.recompute), precision_text(tr)) if t]
+    out += offload_texts(tr)
+    out += [t for t in (graphs_text(tr),) if t]
+    if par.tp_comm_overlap:
+        out.append("TP overlap (userbuffers)")
+    if job.model.num_experts:
+        dispatcher = par.moe_token_dispatcher_type
+        if dispatcher == "flex":
+            dispatcher += f" ({par.moe_flex_dispatcher_backend})"
+        out.append(f"{dispatcher} dispatcher")
+        if par.overlap_moe_expert_parallel_comm:
+            out.append("EP overlap")
+    return out
+
+
+def build_job_line(analysis) -> Group:
     """The job: model, parameters, precision and GPUs on a line; the parallel layout and the
-    batch on the next (wrapped as prose where longer, the layout first so that it stays whole)."""
+    batch on the next; what else is in effect (`in_effect`) on a third; each broken between
+    its items where longer than the width."""
     job = analysis.job
     par, tr, cl = job.parallel, job.training, job.cluster
     params = f"{count(analysis.total_params)} parameters"
     if analysis.active_params != analysis.total_params:
         params += f" ({count(analysis.active_params)} active)"
-    vpp = f" · vpp {par.vpp}" if par.vpp else ""
-    etp = f" · etp {par.etp}" if job.model.num_experts and par.etp != par.tp else ""
-    text = Text(model_name(job), style="bold")
-    text.append(
-        f", {params}, {tr.precision}, on {cl.num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB)\n"
-        f"tp {par.tp} · pp {par.pp}{vpp} · cp {par.cp} · ep {par.ep}{etp} · dp {par.dp} · "
-        f"seq {tr.seq_length:,} · micro-batch {tr.micro_batch_size} · global batch "
-        f"{tr.global_batch_size:,}"
-    )
-    return text
+    layout = [f"tp {par.tp}", f"pp {par.pp}"] + ([f"vpp {par.vpp}"] if par.vpp else [])
+    layout += [f"cp {par.cp}", f"ep {par.ep}"]
+    layout += [f"etp {par.etp}"] if job.model.num_experts and par.etp != par.tp else []
+    layout += [
+        f"dp {par.dp}",
+        f"seq {tr.seq_length:,}",
+        f"micro-batch {tr.micro_batch_size}",
+        f"global batch {tr.global_batch_size:,}",
+    ]
+    head = [
+        Text(model_name(job), style="bold"),
+        params,
+        tr.precision,
+        f"on {cl.num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB)",
+    ]
+    parts = [Joined(head, ", "), Joined(layout)]
+    features = in_effect(job)
+    if features:
+        parts.append(Joined(features))
+    return Group(*parts)
 
 
-def where(at, chunks: int) -> str:
-    """Where a stage peaks, short: "bwd µb 0, layers.15.mlp", "fwd µb 3 chunk 1, layers.2.mlp"
-    (the chunk named once, not again as the module path's "chunk1."), "optimizer step"."""
+def peak_step(at, chunks: int) -> str:
+    """The step a stage peaks in, short: "bwd µb 0", "fwd µb 3 c1" (model chunk 1),
+    "optimizer step"."""
     if at.phase == "optimizer":
         return "optimizer step"
     text = PHASE_SHORT.get(at.phase, at.phase)
     if at.microbatch is not None:
         text += f" µb {at.microbatch}"
+    if at.chunk is not None and chunks > 1:
+        text += f" c{at.chunk}"
+    return text
+
+
+def peak_module(at, chunks: int) -> str | None:
+    """The module a stage peaks in, short: "layers.15.mlp" (the chunk, named by `peak_step`,
+    and "decoder." left out), "model" outside every submodule; None in the optimizer step."""
+    if at.phase == "optimizer":
+        return None
     module = at.module or "model"
     if at.chunk is not None and chunks > 1:
-        text += f" chunk {at.chunk}"
         chunk = f"chunk{at.chunk}"
         module = "model" if module == chunk else module.removeprefix(chunk + ".")
-    return f"{text}, {module.removeprefix('decoder.')}"
+    return module.removeprefix("decoder.")
+
+
+def stage_layers(layers) -> str:
+    """A stage's layers, at most 12 columns where it can: "1-16", "1, 32-33"; an interleaved
+    stage's many runs as the first and the last ("1-4 … 65-68")."""
+    span = layer_span(layers)
+    runs = span.split(", ")
+    return span if len(span) <= 12 or len(runs) < 3 else f"{runs[0]} … {runs[-1]}"
 
 
 def signed(nbytes: int) -> str:
     return size(nbytes) if nbytes >= 0 else f"-{size(-nbytes)}"
 
 
-def build_stage_table(analysis) -> Group:
+def build_stage_table(analysis):
     """One row per pipeline stage: its ranks, layers, parameters per GPU, and (with the
-    iteration traced) peak, headroom, micro-batches in flight at the peak and where it peaks."""
+    iteration traced) peak, headroom, micro-batches in flight at the peak and where it peaks:
+    the step and the module ("bwd µb 0, layers.15.mlp") where that fits the width with every
+    cell on one line, else the step in the table and the modules below it."""
     v = analysis.verdict
-    # Collapsed padding (two spaces between columns, not three) leaves "Peaks in" room at 80.
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
-    columns = [("Stage", "right"), ("Ranks", "left"), ("Layers", "left"), ("Params", "right")]
-    if v is not None:
-        columns += [("Peak", "right"), ("Headroom", "right"), ("µb", "right")]
-    for col, just in columns:
-        table.add_column(col, justify=just, no_wrap=True)
-    if v is not None:
-        table.add_column("Peaks in", overflow="fold")
+    rows, steps, modules = [], [], []
     for ra in analysis.roles:
         row = [
             str(ra.role.pp_stage),
             rank_span(ra.role.ranks),
-            layer_span(ra.summary.layers),
+            stage_layers(ra.summary.layers),
             count(ra.summary.params),
         ]
         m = ra.memory
         if v is not None and m is not None:
             room = ra.device.fit[1]
+            chunks = len(ra.traced.chunks)
             row += [
                 Text(size(m.peak), style="bold"),
                 Text(signed(room), style="" if room >= 0 else "red"),
                 str(m.inflight),
-                where(m.peak_at, len(ra.traced.chunks)),
             ]
-        table.add_row(*row)
+            steps.append(peak_step(m.peak_at, chunks))
+            modules.append(peak_module(m.peak_at, chunks))
+        elif v is not None:
+            row += [None] * 3
+            steps.append(None)
+            modules.append(None)
+        rows.append(row)
     if v is None:
-        return Group(table)
-    return Group(
-        table,
-        Text(
-            f"µb: micro-batches in flight at the peak, of {analysis.job.num_microbatches:,} per "
-            "iteration.",
-            style="dim",
-        ),
+        return _stage_table(rows, None)
+    chunked = any(s is not None and " c" in s for s in steps)
+    legend = (
+        f"µb: micro-batches in flight at the peak, of {analysis.job.num_microbatches:,} per "
+        "iteration" + ("; c: the model chunk (virtual stage)." if chunked else ".")
     )
+    wide = _stage_table(rows, [s if m is None else f"{s}, {m}" for s, m in zip(steps, modules)])
+    narrow = _stage_table(rows, steps)
+    where: dict[str, list[int]] = {}
+    for ra, module in zip(analysis.roles, modules):
+        if module is not None:
+            where.setdefault(module, []).append(ra.role.pp_stage)
+    below = legend
+    if where:
+        named = [
+            f"{module} ({'stage' if len(stages) == 1 else 'stages'} {rank_span(stages)})"
+            for module, stages in where.items()
+        ]
+        below = f"Modules at the peaks: {', '.join(named)}. {legend}"
+    return FirstThatFits(
+        (wide, Group(wide, Text(legend, style="dim"))),
+        (narrow, Group(narrow, Text(below, style="dim"))),
+    )
+
+
+def _stage_table(rows, peaks_in) -> FitTable:
+    table = FitTable()
+    for header, kind in (("Stage", "number"), ("Ranks", "name"), ("Layers", "name")):
+        table.add_column(header, kind)
+    table.add_column("Params")
+    if peaks_in is not None:
+        for header in ("Peak", "Headroom", "µb"):
+            table.add_column(header)
+        table.add_column("Peaks in", "name")
+    for row, at in zip(rows, peaks_in or [None] * len(rows)):
+        table.add_row(*row, *([at] if peaks_in is not None else []))
+    return table
 
 
 def build_timing(analysis) -> Text:

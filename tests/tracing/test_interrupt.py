@@ -33,7 +33,8 @@ LOCAL = os.path.join(EXAMPLES, "debug-local.yaml")
 COMMANDS = {
     # --detail: a report of 20 KiB, so that its writes wait for the test to read them
     "run": ("run", "--config", LOCAL, "--jobs", "2", "--detail"),
-    "plan": ("plan", "--config", LOCAL, "--jobs", "2", "--max-traces", "4"),
+    # --quiet: plan reports each trace on stderr when it is not a terminal
+    "plan": ("plan", "--config", LOCAL, "--jobs", "2", "--max-traces", "4", "--quiet"),
     "diff": ("diff", LOCAL, os.path.join(EXAMPLES, "debug.yaml"), "--jobs", "2"),  # 8 KiB
 }
 TIMED = 10  # moments before the report, per command

@@ -343,3 +343,67 @@ def test_a_layout_that_does_not_fit_rules_out_those_holding_as_much():
     assert P._holds_no_more(small, selective, True)
     assert not P._holds_no_more(small, selective, False)
     assert not P._holds_no_more(selective, small, True)
+
+
+@pytest.mark.parametrize("dispatcher, tp, ep", [("allgather", 2, 2), ("alltoall", 1, 4)])
+def test_closed_form_memory_estimate_of_a_moe_layout(dispatcher, tp, ep):
+    """The planner's estimate of a MoE layout's peak against its trace, within 5 %: the
+    layers' activations, the workspaces, and the allgather dispatcher's gathered tokens (held
+    in megatron-core's global buffer, and their fp32 combine)."""
+    from metatrace.config import resolve
+    from tests.helpers import BALANCED, MOE, small_job
+
+    job = resolve(
+        small_job(
+            model={**MOE, "num_experts": 8, "hidden_size": 256, "moe_ffn_hidden_size": 128},
+            parallel={
+                "ep": ep,
+                "tp": tp,
+                "sequence_parallel": tp > 1,
+                "moe_token_dispatcher_type": dispatcher,
+            },
+            training={"global_batch_size": 8, "seq_length": 512, **BALANCED},
+            cluster={"num_gpus": 4},
+        )
+    )
+    peak = job_report(analyze(trace_job(job, full_model=False)))["roles"][0]["memory"]
+    assert E.memory_estimate(job) == pytest.approx(peak["peak_bytes"], rel=0.05)
+    assert (E._dispatcher_transient(job) > 0) == (dispatcher == "allgather")
+
+
+SCRIPT = """#!/bin/bash
+GPUS_PER_NODE=2
+torchrun --nproc_per_node $GPUS_PER_NODE --nnodes 1 pretrain_gpt.py \\
+    --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 \\
+    --group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm \\
+    --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights \\
+    --seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 4 \\
+    --bf16 --tokenizer-type NullTokenizer --vocab-size 999
+"""
+
+
+def test_plan_of_a_megatron_script_reports_each_trace(tmp_path, capsys):
+    """A training script planned as a job file is: its model and batch kept, its launcher's 2
+    GPUs planned for; with stderr not a terminal, a line per trace there (none with --quiet)."""
+    script = tmp_path / "train.sh"
+    script.write_text(SCRIPT)
+    out = io.StringIO()
+    argv = ["plan", str(script), "--max-traces", "2", "--top", "1"]
+    assert main(argv, Console(file=out, width=80, color_system=None)) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"metatrace plan: enumerating the layouts of {script} on 2 GPUs"
+    traces = [line for line in err[1:-1] if line.startswith("metatrace plan: tracing ")]
+    assert len(traces) == len(err) - 2 >= 1
+    assert re.fullmatch(
+        r"metatrace plan: tracing 1 of at most 2 \(\d+ s\): tp \d, pp .*", traces[0]
+    )
+    assert re.fullmatch(rf"metatrace plan: {len(traces)} traced in \d+ s", err[-1])
+    text = " ".join(out.getvalue().split())
+    assert f"Layouts of {script} on 2 × h100" in text and "global batch 4" in text
+    assert "--seq-length 128" in text and "--num-query-groups 2" in text  # the script's model
+    out = io.StringIO()
+    assert main([*argv, "--quiet"], Console(file=out, width=80, color_system=None)) == 0
+    assert capsys.readouterr().err == ""
+    # Another size than the launcher's: --num-gpus plans for it.
+    assert main([*argv, "--num-gpus", "4", "-q"], Console(file=out, width=80)) == 0
+    assert f"Layouts of {script} on 4 × h100" in " ".join(out.getvalue().split())

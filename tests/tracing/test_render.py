@@ -1,4 +1,5 @@
-"""Rendered output at a fixed width and no colour, against golden files."""
+"""Rendered output at 80 columns (what piped output gets by default) and no colour, against
+golden files."""
 
 import io
 
@@ -8,7 +9,7 @@ from metatrace.cli import main
 from tests.helpers import DEBUG
 
 
-def render(argv, width=150) -> str:
+def render(argv, width=80) -> str:
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, force_terminal=False)
     assert main(argv, console=console) == 0
@@ -28,7 +29,7 @@ def test_groups_tables(golden):
 
 
 def test_comm_of_one_dimension():
-    text = render(["comm", "--config", DEBUG, "--dim", "pp"])
+    text = render(["comm", "--config", DEBUG, "--dim", "pp"], width=150)
     assert "Communication per iteration" in text and "Pipeline parallel (pp 2)" in text
     assert "Tensor parallel" not in text and "[64,2,64] bf16 16.0 KiB" in text
 
@@ -40,6 +41,6 @@ def test_tree_of_one_rank_to_a_depth(golden):
 
 
 def test_expand_shows_every_layer_and_placeholder():
-    folded = render(["tree", "--config", DEBUG, "--rank", "0"])
-    expanded = render(["tree", "--config", DEBUG, "--rank", "0", "--expand"])
+    folded = render(["tree", "--config", DEBUG, "--rank", "0"], width=150)
+    expanded = render(["tree", "--config", DEBUG, "--rank", "0", "--expand"], width=150)
     assert "IdentityOp" not in folded and "IdentityOp" in expanded

@@ -193,3 +193,22 @@ def test_no_change_found_says_so():
     text = " ".join(printed(build_advice(advice, _verdict(-GIB, False))).split())
     assert "No single change found that fits." in text
     assert "metatrace failed on: --use-megatron-fsdp (RuntimeError: x)" in text
+
+
+def test_the_advice_is_written_as_the_job_was_given():
+    """Flags for Megatron-LM arguments however given (a string, --megatron-args-file, a script
+    as FILE or --config), job-file keys for a job file."""
+    from argparse import Namespace
+
+    from metatrace.cli import _given_as_flags
+    from tests.helpers import DEBUG, EXAMPLES
+
+    script = os.path.join(EXAMPLES, "pretrain_llama2_7b_mbs8.sh")
+
+    def given(**sources):
+        none = {"job": None, "config": None, "megatron_args": None, "megatron_args_file": None}
+        return _given_as_flags(Namespace(**{**none, **sources}))
+
+    assert given(job=script) and given(config=script) and given(megatron_args_file=script)
+    assert given(megatron_args="--num-layers 2")
+    assert not given(job=DEBUG) and not given(config=DEBUG)

@@ -257,7 +257,7 @@ def test_plan_gpu_memory_must_be_a_positive_number(capsys, value):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["run", "--config", DEBUG, "--gpu-memory-gib", "x" * 5000],  # not a run option
+        ["run", "--config", DEBUG, "--depth", "x" * 5000],  # not an int
         ["plan", "--config", DEBUG, "--gpus-per-node", "x" * 5000],  # not an int
     ],
 )

@@ -79,7 +79,7 @@ def test_contradictory_pipeline_options_exit_2(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["run"], "give the job as one of --config"),
+        (["run"], "give the job as one of FILE (a job file or a training script), --config"),
         (["run", "--config", "does-not-exist.yaml"], "cannot read config file"),
         (["run", "--config", DEBUG, "--depth", "-1"], "--depth must be 0 or more"),
         (["run", "--config", DEBUG, "--json", "/nonexistent/dir/out.json"], "does not exist"),

@@ -6,7 +6,7 @@ import re
 from rich.console import Console
 
 from metatrace.render.fit import FitTable, output_console, shorten_module, wrap
-from metatrace.render.run import Timeline
+from metatrace.render.timeline import Timeline
 
 
 def _render(renderable, width: int) -> str:
@@ -76,7 +76,7 @@ def test_wrap_breaks_between_items_only():
     assert wrap("ln.w [4096]  w [12288, 4096]", 16) == ["ln.w [4096]", "w [12288, 4096]"]
 
 
-def test_piped_console_takes_the_content_width_without_trailing_blanks():
+def test_piped_console_is_80_columns_without_trailing_blanks():
     table = FitTable()
     table.add_column("Name", "name")
     table.add_column("Value")
@@ -86,17 +86,31 @@ def test_piped_console_takes_the_content_width_without_trailing_blanks():
         def isatty(self):
             return False
 
-    out = Pipe()
-    console = output_console(None, environ={}, stream=out)
-    console.print(table)
-    console.print("a paragraph " * 20)
-    lines = out.getvalue().splitlines()
-    assert any(line.endswith("1,234.5") and "x" * 150 in line for line in lines)
-    assert all(line == line.rstrip() for line in lines)
-    assert max(len(line) for line in lines[3:]) <= 100  # prose still wraps
-    out = Pipe()
-    output_console(None, environ={"COLUMNS": "60"}, stream=out).print(table)
-    assert "1,234.5" in out.getvalue()
+    def lines(console_width, environ):
+        out = Pipe()
+        console = output_console(console_width, environ=environ, stream=out)
+        console.print(table)
+        console.print("a paragraph " * 20)
+        return out.getvalue().splitlines()
+
+    for width, environ, most in ((None, {}, 80), (None, {"COLUMNS": "60"}, 60), (120, {}, 120)):
+        got = lines(width, environ)
+        assert max(len(line) for line in got) == most, (width, environ)
+        assert all(line == line.rstrip() for line in got)
+        assert any(line.endswith("1,234.5") for line in got)  # the figure whole
+        assert "".join(got).count("x") == 150  # the name folded, not cut
+
+
+def test_joined_breaks_between_items_only():
+    from metatrace.render.fit import Joined
+
+    items = ["tp 4", "pp 4", "vpp 5", "micro-batch 1", "global batch 256"]
+    text = _render(Joined(items), 40)
+    assert text.splitlines() == ["tp 4 · pp 4 · vpp 5 · micro-batch 1", "global batch 256"]
+    assert _render(Joined(["a" * 10, "b" * 10], ", "), 15).splitlines() == [
+        "a" * 10 + ",",
+        "b" * 10,
+    ]
 
 
 def test_timeline_from_zero_on_a_shared_scale():
@@ -117,4 +131,25 @@ def test_timeline_from_zero_on_a_shared_scale():
     assert s0.startswith("stage 0 ") and s1.startswith("stage 1 ")
     assert lines[0].split()[0].startswith("▁") or "█" in lines[0]
     assert "█" not in lines[3]  # stage 1 never reaches the upper row's full block
-    assert lines[2].split() == ["F", "B", "O"] and len(s0) > 60  # uses the width
+    assert re.fullmatch(r"fwd─+bwd─+O─+", lines[2].strip()) and len(s0) > 60  # uses the width
+
+
+def test_timeline_schedule_parts_show_even_when_steps_are_grouped():
+    from metatrace.render.timeline import _timeline_rows, schedule_parts
+
+    gib = 2**30
+    # pp 2, stage 0: two forward steps of warm-up, 1F1B, two backward steps of cool-down,
+    # then gradient sync and the optimizer step.
+    phases = ["forward"] * 2 + ["backward", "forward"] * 39 + ["backward"] * 2
+    phases += ["grad sync", "optimizer"]
+    steps = [(p, (i % 7 + 1) * gib) for i, p in enumerate(phases)]
+    parts = schedule_parts(steps)
+    assert parts[:3] == ["warm-up", "warm-up", "steady"] and parts[-5:-2] == [
+        "steady",
+        "cool-down",
+        "cool-down",
+    ]
+    assert parts[-2:] == ["grad sync", "optimizer"] and parts.count("steady") == 78
+    high, low, marks = _timeline_rows(steps, 7 * gib, 30)
+    assert len(low) == len(marks) == 30 < len(steps)
+    assert re.fullmatch(r"F1F1B─+BGO", marks), marks  # each part at least a column

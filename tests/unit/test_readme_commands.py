@@ -33,7 +33,7 @@ def test_readme_command_parses_and_its_inputs_exist(line, monkeypatch):
     monkeypatch.chdir(ROOT)
     argv = shlex.split(line)[1:]
     args = _parser().parse_args(argv)
-    inputs = [getattr(args, name, None) for name in ("config", "megatron_args_file")]
+    inputs = [getattr(args, name, None) for name in ("job", "config", "megatron_args_file")]
     inputs += [p for p in (getattr(args, "a", None), getattr(args, "b", None)) if p]
     for path in inputs:
         if path and path not in WRITTEN:

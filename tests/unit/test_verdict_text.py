@@ -64,18 +64,62 @@ def test_a_fit_only_by_freeing_the_cache_is_said():
 
 
 @pytest.mark.parametrize(
-    "module, chunk, chunks, text",
+    "module, chunk, chunks, step, where",
     [
-        ("chunk1.decoder.layers.2.mlp", 1, 4, "fwd µb 29 chunk 1, layers.2.mlp"),
-        ("chunk3", 3, 4, "fwd µb 29 chunk 3, model"),
-        ("decoder.layers.15.mlp", None, 1, "fwd µb 29, layers.15.mlp"),
-        (None, None, 1, "fwd µb 29, model"),
+        ("chunk1.decoder.layers.2.mlp", 1, 4, "fwd µb 29 c1", "layers.2.mlp"),
+        ("chunk3", 3, 4, "fwd µb 29 c3", "model"),
+        ("decoder.layers.15.mlp", None, 1, "fwd µb 29", "layers.15.mlp"),
+        (None, None, 1, "fwd µb 29", "model"),
     ],
 )
-def test_where_a_stage_peaks_names_the_chunk_once(module, chunk, chunks, text):
+def test_where_a_stage_peaks_names_the_chunk_once(module, chunk, chunks, step, where):
     from types import SimpleNamespace
 
-    from metatrace.render.summary import where
+    from metatrace.render.summary import peak_module, peak_step
 
     at = SimpleNamespace(phase="forward", microbatch=29, chunk=chunk, module=module)
-    assert where(at, chunks) == text
+    assert (peak_step(at, chunks), peak_module(at, chunks)) == (step, where)
+    optimizer = SimpleNamespace(phase="optimizer", microbatch=None, chunk=None, module=None)
+    assert (peak_step(optimizer, 1), peak_module(optimizer, 1)) == ("optimizer step", None)
+
+
+def test_interleaved_stages_show_their_first_and_last_layers():
+    from metatrace.render.summary import stage_layers
+
+    assert stage_layers(range(1, 17)) == "1-16"
+    assert stage_layers([1, 32, 33]) == "1, 32-33"
+    assert stage_layers([1, 2, 3, 4, 17, 18, 19, 20, 33, 34, 35, 36]) == "1-4 … 33-36"
+    assert stage_layers([16, 32, 48, 64, 80, 96, 112]) == "16 … 112"
+
+
+@pytest.mark.parametrize(
+    "example, named",
+    [
+        ("llama2-7b-tp2-pp2.yaml", ["sequence parallel", "distributed optimizer"]),
+        (
+            "llama3-70b-gb200-fsdp-offload-fp8.yaml",
+            [
+                "Megatron-FSDP optim_grads_params",
+                "FP8 tensorwise scaling (hybrid), FP8 parameters",
+                "first 40 layers' activations offloaded",
+            ],
+        ),
+        ("llama3-8b-gb200-cuda-graphs.yaml", ["CUDA graph of the whole iteration"]),
+        ("llama3-70b-h100-tp-overlap.yaml", ["TP overlap (userbuffers)"]),
+        ("llama3-70b-gb200-nvfp4.yaml", ["FP4 nvfp4, first 1 and last 1 layers in bf16"]),
+        ("mixtral-8x7b-64gpu.yaml", ["alltoall dispatcher"]),
+        ("debug.yaml", []),
+    ],
+)
+def test_the_summary_names_what_is_in_effect(example, named, monkeypatch):
+    """What shapes memory or time beyond the layout, as the summary's third line says it."""
+    import os
+
+    from metatrace.config import load_job
+    from metatrace.render.summary import in_effect
+    from tests.helpers import EXAMPLES
+
+    monkeypatch.chdir(os.path.dirname(EXAMPLES))  # the userbuffers file's path is the root's
+    features = in_effect(load_job(os.path.join(EXAMPLES, example)))
+    assert all(n in features for n in named), features
+    assert (features == []) == (named == [])

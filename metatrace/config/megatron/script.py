@@ -24,36 +24,92 @@ def split_args(text: str) -> list[str]:
     --nproc_per_node 8 pretrain_gpt.py ...`), otherwise everything before the first `--` word.
     The commands right after it that start with `--` continue the arguments (a file with a
     flag per line, or comment lines amid continuations). Other commands before it (`cd`,
-    `export FOO=1`, `FOO=bar`) and after it are ignored, but arguments that use a shell
-    variable (`$FOO`, `${FOO}`) are an error: metatrace does not expand them.
+    `export FOO=1`, `FOO=bar`) and after it give no arguments (`environment` reads what the
+    exports give the run), and arguments that use a shell variable (`$FOO`, `${FOO}`) are an
+    error: metatrace does not expand them.
     """
+    cmds = commands(text)
+    found = arguments_command(cmds)
     assigned: dict[str, int] = {}
-    args: list[_Word] | None = None
-    for words in _commands(text):
-        if args is not None:
+    args: list[_Word] = []
+    if found is not None:
+        index, start = found
+        for words in cmds[:index] + [cmds[index][:start]]:
+            for w in leading_assignments(words):
+                assigned.setdefault(w.text.split("=", 1)[0], w.line)
+        args = _past_launcher(cmds[index][start:])
+        for words in cmds[index + 1 :]:
             if not words[0].text.startswith("--"):
                 break
             args += words
-            continue
-        k = 1 if words[0].text in ("export", "declare") else 0
-        while k < len(words) and _ASSIGNMENT.match(words[k].text):
-            assigned.setdefault(words[k].text.split("=", 1)[0], words[k].line)
-            k += 1
-        if any(w.text.startswith("--") for w in words[k:]):
-            args = _past_launcher(words[k:])
-    used = sorted({name for w in args or () for name in w.variables})
+    used = sorted({name for w in args for name in w.variables})
     if used:
         where = [f"${n} (set on line {assigned[n]})" if n in assigned else f"${n}" for n in used]
         raise ConfigError(
             f"the arguments use shell variables {', '.join(where)}; metatrace does not "
             "expand shell variables: write their values into the arguments"
         )
-    return [w.text for w in args or ()]
+    return [w.text for w in args]
+
+
+def arguments_command(cmds: list[list[_Word]]) -> tuple[int, int] | None:
+    """(index of the command, index of its first word past the variable assignments) of the
+    first command holding a word that starts with `--`: the one `split_args` reads."""
+    for index, words in enumerate(cmds):
+        k = len(leading_assignments(words))
+        k += bool(words and words[0].text in _DECLARE)
+        if any(w.text.startswith("--") for w in words[k:]):
+            return index, k
+    return None
+
+
+_DECLARE = ("export", "declare", "local", "readonly")
+
+
+def leading_assignments(words: list[_Word]) -> list[_Word]:
+    """The `NAME=value` words a command starts with (after `export` and the like)."""
+    k = 1 if words and words[0].text in _DECLARE else 0
+    start = k
+    while k < len(words) and ASSIGNMENT.match(words[k].text):
+        k += 1
+    return words[start:k]
+
+
+def environment(text: str) -> tuple[dict[str, str], list[str]]:
+    """(the environment a training script gives its run, the names it sets from shell
+    variables): `export NAME=value` before the arguments command and the assignments in front
+    of that command (`NCCL_NVLS_ENABLE=0 torchrun ...`); plain shell variables (`NAME=value`
+    alone) are not in the run's environment. A later assignment wins, as in the shell."""
+    cmds = commands(text)
+    found = arguments_command(cmds)
+    if found is None:
+        return {}, []
+    index, _ = found
+    words = [w for c in cmds[:index] if c and c[0].text == "export" for w in leading_assignments(c)]
+    words += leading_assignments(cmds[index])
+    env: dict[str, str] = {}
+    unexpanded: list[str] = []
+    for w in words:
+        name, _, value = w.text.partition("=")
+        if w.variables:
+            unexpanded.append(name)
+            env.pop(name, None)
+        else:
+            env[name] = value
+            if name in unexpanded:
+                unexpanded.remove(name)
+    return env, unexpanded
 
 
 def read_args_file(path) -> list[str]:
     """The arguments in a file: a line or training script (`split_args`), or a YAML/JSON mapping
     `{"--flag": value}` (`args_from_mapping`)."""
+    return read_args(path)[0]
+
+
+def read_args(path) -> tuple[list[str], str | None]:
+    """(the arguments in a file, its text where it is a line or a script: None for a
+    mapping), as `read_args_file`."""
     path = Path(path)
     text = read_text(path, "arguments file")
     lines = [ln.strip() for ln in text.splitlines()]
@@ -61,7 +117,7 @@ def read_args_file(path) -> list[str]:
     mapping = first.startswith("{") or re.match(r"""^["']?--[\w.-]+["']?\s*:""", first)
     data = parse_yaml(text, str(path)) if mapping else None
     try:
-        return args_from_mapping(data) if mapping else split_args(text)
+        return (args_from_mapping(data), None) if mapping else (split_args(text), text)
     except ConfigError as e:
         raise ConfigError([f"{path}: {e.problems[0]}", *e.problems[1:]]) from None
 
@@ -104,7 +160,7 @@ class _Word:
     variables: set
 
 
-_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _NAME = re.compile(r"\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*)|([0-9@*#?$!-])|(\()")
 
 
@@ -117,9 +173,9 @@ def _variable(text: str, i: int) -> str | None:
     return name.split("[")[0]  # ${ARGS[@]} is ARGS
 
 
-def _commands(text: str) -> list[list[_Word]]:
+def commands(text: str) -> list[list[_Word]]:
     """The words of each command of a shell text (see `split_args` for what is understood)."""
-    commands, words, buf = [], [], []
+    out, words, buf = [], [], []
     state = {"in_word": False, "vars": set(), "skip": False, "line": 1, "start": 1}
 
     def end_word():
@@ -131,7 +187,7 @@ def _commands(text: str) -> list[list[_Word]]:
     def end_command():
         end_word()
         if words:
-            commands.append(list(words))
+            out.append(list(words))
         words.clear()
         state["skip"] = False
 
@@ -155,7 +211,7 @@ def _commands(text: str) -> list[list[_Word]]:
             i = j + 1
         elif c == '"':
             i = _double_quoted(text, i + 1, buf, state)
-        elif c == "(" and _ASSIGNMENT.fullmatch("".join(buf)):
+        elif c == "(" and ASSIGNMENT.fullmatch("".join(buf)):
             # a bash array, NAME=( ... ): one word, even over several lines
             j = text.find(")", i)
             if j < 0:
@@ -195,7 +251,7 @@ def _commands(text: str) -> list[list[_Word]]:
             buf.append(c)
             i += 1
     end_command()
-    return commands
+    return out
 
 
 def _begin(state: dict) -> None:

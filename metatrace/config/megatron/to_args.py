@@ -272,29 +272,47 @@ def megatron_command(job) -> MegatronCommand:
     return MegatronCommand([(s, groups[s]) for s in SUBJECTS if groups[s]], env, no_flag, newer)
 
 
-def command_lines(command: MegatronCommand) -> list[str]:
+def command_lines(command: MegatronCommand, width: int | None = None) -> list[str]:
     """The launch as shell text: comment lines (the data, what needs a newer Megatron-LM, what
-    has no flag), then the command, one subject a line continued with backslashes."""
+    has no flag), then the command, one subject a line continued with backslashes; with
+    `width`, lines longer than that broken between words (a subject over several lines, a
+    comment over several comment lines; a word wider than `width` stays whole)."""
     import shlex
 
-    lines = [
+    comments = [
         "# Megatron-LM core_v0.16.1 pretrain_gpt.py on synthetic data (--mock-data) with a null "
         "tokenizer of the model's vocabulary;",
         "# for real data give --data-path PREFIX and the tokenizer's flags instead; --train-iters "
         "and --lr are placeholders",
     ]
     if command.newer:
-        lines.append(
+        comments.append(
             "# needs a Megatron-LM newer than core_v0.16.1 for " + ", ".join(command.newer)
         )
     if command.no_flag:
-        lines.append("# no Megatron-LM flag gives: " + "; ".join(command.no_flag))
+        comments.append("# no Megatron-LM flag gives: " + "; ".join(command.no_flag))
+    lines = [part for c in comments for part in _fold(c[2:].split(" "), width, "# ", "# ")]
     env = [f"{k}={shlex.quote(v)}" for k, v in command.env.items()]
     groups = [group for _, group in command.groups]
     for i, group in enumerate(groups):
         words = (env if i == 0 else []) + [shlex.quote(t) for t in group]
-        tail = " \\" if i < len(groups) - 1 else ""
-        lines.append(("    " if i else "") + " ".join(words) + tail)
+        last = i == len(groups) - 1
+        folded = _fold(words, None if width is None else width - 2, "    " if i else "", "    ")
+        lines += [
+            line + ("" if last and k == len(folded) - 1 else " \\") for k, line in enumerate(folded)
+        ]
+    return lines
+
+
+def _fold(words: list[str], width: int | None, first: str, rest: str) -> list[str]:
+    """`words` on lines of at most `width` columns (None: one line), the first line starting
+    with `first`, the others with `rest`."""
+    lines = [first + words[0]]
+    for word in words[1:]:
+        if width is not None and len(lines[-1]) + 1 + len(word) > width:
+            lines.append(rest + word)
+        else:
+            lines[-1] += " " + word
     return lines
 
 
