@@ -8,7 +8,8 @@ Cases (issue 20's targets in brackets): Llama-2 70B, tp 8, pp 4, 32 GPUs, full m
 without the full model (examples/llama3.1-405b-16k.yaml) [<= 1.5]; DeepSeek-V3 on 2,048 GPUs
 without the full model (examples/deepseek-v3-2048gpu.yaml) [<= 2]; Mixtral 8x7B on 64 GPUs,
 pp 4, ep 8 (examples/mixtral-8x7b-64gpu.yaml); `metatrace plan` for Llama-2 70B on 256 H100s
-[under 20 s]; `metatrace groups` of the 70B job (traces nothing); the README's out-of-memory
+[under 20 s]; `metatrace plan` for Qwen3-30B-A3B on 16 H100s and DeepSeek-V3 on 1,024 H100s [under
+30 s each]; `metatrace groups` of the 70B job (traces nothing); the README's out-of-memory
 examples with the changes their advice traces [under 30 s each on 2 cores]. Prints each command's wall
 time (median of --runs), its ratio to the import, and the peak RSS of its processes; then the
 trace counts per role of the first case.
@@ -65,6 +66,19 @@ CASES = [
             "--global-batch",
             "512",
         ],
+    ),
+    # Issue 44: plans of mixture-of-experts models [under 30 s each on 2 cores].
+    (
+        "plan qwen3-30b-a3b, 16 H100s",
+        "30 s",
+        ["plan", "--model", "qwen3-30b-a3b", "--num-gpus", "16", "--gpu", "h100"]
+        + ["--seq", "4096", "--global-batch", "256"],
+    ),
+    (
+        "plan deepseek-v3, 1,024 H100s",
+        "30 s",
+        ["plan", "--model", "deepseek-v3", "--num-gpus", "1024", "--gpu", "h100"]
+        + ["--seq", "4096", "--global-batch", "4096"],
     ),
     ("groups llama2-70b, 32 GPUs", "", ["groups", "--config", _example("llama2-70b-tp8-pp4.yaml")]),
 ]

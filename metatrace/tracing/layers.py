@@ -61,8 +61,9 @@ def eligible(job, config, device: str) -> bool:
     delayed weight gradients), which no test has checked."""
     from metatrace.tracing.stages import keeps_state
 
+    per_layer = config.recompute_method == "uniform" and config.recompute_num_layers == 1
     return device == "meta" and not (
-        config.recompute_granularity == "full"
+        (config.recompute_granularity == "full" and not per_layer)
         or keeps_state(job)
         or getattr(config, "delay_wgrad_compute", False)
         or getattr(config, "fine_grained_activation_offloading", False)
@@ -163,14 +164,18 @@ def truncated(models: dict[str, Any], cut: list[Run], rec):
                     continue
                 handles.append(layer.register_forward_pre_hook(_pre(marks, rec, name, i)))
                 handles.append(layer.register_forward_hook(_post(marks, rec, name, i)))
-            saved.append((block, block.layers))
+            saved.append((block, block.layers, block.num_layers_per_pipeline_rank))
             block.layers = torch.nn.ModuleList(
                 [layer for i, layer in enumerate(layers) if i not in skipped]
             )
+            # full recompute's checkpointed forward counts the layers by this attribute
+            block.num_layers_per_pipeline_rank = len(block.layers)
+            handles.append(block.register_forward_hook(_end(marks, rec, name, len(layers) - 1)))
         yield marks
     finally:
-        for block, layers in saved:
+        for block, layers, count in saved:
             block.layers = layers
+            block.num_layers_per_pipeline_rank = count
         for handle in handles:
             handle.remove()
 
@@ -185,6 +190,10 @@ def _pre(marks, rec, block, i):
     def hook(module, args):
         if not _in_backward():
             marks.at[(block, i, "pre")] = rec.mark()
+        else:
+            # Full recompute: the layer's forward ran without grad (no hook on its output);
+            # its backward starts where the checkpoint runs it again.
+            marks.at.setdefault((block, i, "grad"), rec.mark())
 
     return hook
 
@@ -202,6 +211,16 @@ def _post(marks, rec, block, i):
         out = output[0] if isinstance(output, tuple) else output
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(on_grad)
+
+    return hook
+
+
+def _end(marks, rec, block, last):
+    def hook(module, args, output):
+        # Where the block's forward ends: the last layer's forward reaches here (full
+        # recompute's checkpoint saves the layer's input after running it).
+        if not _in_backward():
+            marks.at[(block, last, "end")] = rec.mark()
 
     return hook
 
@@ -373,7 +392,8 @@ def _expand_run(trace, run: Run, at: dict, statics: dict):
         if phase == "F":
             nxt = neighbour(layer, 1)
             start = at[(block, layer, "pre")]
-            end = at[(block, nxt, "pre")] if nxt is not None else at[(block, layer, "post")]
+            last_end = at.get((block, layer, "end"), at[(block, layer, "post")])
+            end = at[(block, nxt, "pre")] if nxt is not None else last_end
         else:
             start, end = at[(block, layer, "grad")], at[(block, neighbour(layer, -1), "grad")]
         fqns = {d: run.fqn(other) for d, other in around.items() if other is not None}

@@ -2,7 +2,8 @@
 same micro-batch records, field for field (memory events with their live bytes and storages,
 saved tensors, collectives with their FLOPs offsets, windows, operator counts), on dense and
 MoE layouts: tensor and sequence parallel, virtual pipeline chunks, expert parallel with a dense
-run and a MoE run in one block, context parallel with selective recompute. The runs must really
+run and a MoE run in one block, context parallel with selective recompute, full recompute of
+each layer (dense, MoE, interleaved). The runs must really
 be cut (the test fails if a case falls back to the whole trace), a run whose kept layers
 differ is traced whole, and so is a block whose layers share a cache they fill (MLA's rotary
 embeddings)."""
@@ -47,6 +48,40 @@ LAYOUTS = {
     # 40 multi-latent attention layers: their rotary embeddings share megatron-core's cache of
     # 32 outputs, so the later layers free earlier ones' entries: not cut.
     "mla-40-layers-not-cut": ({"model": {**MLA, "num_layers": 40}}, []),
+    "full-recompute-uniform": (
+        {
+            "model": {"num_layers": 9},
+            "parallel": {"tp": 2, "sequence_parallel": True},
+            "training": {
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
+            },
+            "cluster": {"num_gpus": 2},
+        },
+        [1],
+    ),
+    "moe-ep2-full-recompute": (
+        {
+            "model": {**MOE, "num_layers": 9},
+            "parallel": {"ep": 2},
+            "training": {
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
+            },
+            "cluster": {"num_gpus": 2},
+        },
+        [1],
+    ),
+    "pp2-vpp2-full-recompute": (
+        {
+            "model": {"num_layers": 32},
+            "parallel": {"pp": 2, "vpp": 2},
+            "training": {
+                "global_batch_size": 8,
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1},
+            },
+            "cluster": {"num_gpus": 2},
+        },
+        [2, 2],
+    ),
     "cp2-selective-recompute": (
         {
             "model": {"num_layers": 8},
