@@ -20,6 +20,9 @@
    trace budget is spent. A layout that holds no more than a traced one that does not fit (the
    same degrees, a smaller micro-batch, the distributed optimizer; context parallelism with as
    many tokens a rank; selective recompute of a fused attention against none) is not traced.
+   After each trace the layouts left are ordered again, their memory estimates raised by what
+   the traced layouts took beyond theirs (the least of it: the allocator's reserve, NCCL's
+   buffers, what the closed forms leave out).
 4. Rank the fitting layouts by the traced time model (metatrace.analysis.timing: the same
    per-kernel rates as `metatrace run`), those whose headroom lies within the prediction's
    error band for the job's kind (metatrace.analysis.margins) after the others; only layouts
@@ -344,6 +347,15 @@ def _holds_no_more(small: Layout, big: Layout, fused_attention: bool) -> bool:
     )
 
 
+def ordered(cands: list[Candidate], capacity: int, beyond: int) -> list[Candidate]:
+    """`cands` in the order to trace them: those whose estimated memory plus `beyond` (what
+    traced layouts took beyond their estimates, at least) fits `capacity` first, each part by
+    its estimated iteration time."""
+    return sorted(
+        cands, key=lambda c: (c.estimated_memory + beyond > capacity, c.estimate.seconds, c.layout)
+    )
+
+
 def plan(
     job,
     num_gpus: int,
@@ -358,16 +370,22 @@ def plan(
     found, enumerated, invalid, pruned = candidates(job, num_gpus)
     result = Plan(layouts=enumerated, invalid=invalid, pruned_memory=pruned)
     capacity = _room(job)
-    order = sorted(
-        found, key=lambda c: (c.estimated_memory > capacity, c.estimate.seconds, c.layout)
-    )
+    # What the traced layouts took beyond their closed-form estimates (the allocator's reserve,
+    # NCCL's buffers, what the closed forms leave out), at least: after each trace the layouts
+    # left are ordered as their estimates plus it fit or not (only the order: every verdict
+    # is traced).
+    residuals: list[int] = []
+    order = ordered(found, capacity, 0)
     # Traced layouts and whether they fit beyond the prediction's error band: only those that do
     # dominate a twin, stand for their degrees and count towards `top` (one within the band
     # leaves room for a safer twin); one that does not rules out every layout that holds no
     # less (its headroom is no larger, its band no smaller).
     clear: dict[Layout, bool] = {}
     families: set = set()
-    for i, cand in enumerate(order):
+    i = 0
+    while i < len(order):
+        cand = order[i]
+        i += 1
         better = [t for t in _dominated_by(cand.layout) if clear.get(t)]
         if better:
             result.dominated.append((cand, better[0]))
@@ -387,9 +405,9 @@ def plan(
         if len(result.traced) >= budget or (
             slowest is not None
             and cand.estimate.seconds > slowest
-            and cand.estimated_memory <= capacity
+            and cand.estimated_memory + min(residuals, default=0) <= capacity
         ):
-            result.untraced = len(order) - i
+            result.untraced = len(order) - i + 1
             break
         if progress:
             progress(len(result.traced), budget, cand.layout.describe())
@@ -399,6 +417,8 @@ def plan(
         if clear[cand.layout]:
             families.add(_family(cand.layout))
         result.traced.append(traced)
+        residuals.append(capacity - traced.headroom - cand.estimated_memory)
+        order[i:] = ordered(order[i:], capacity, min(residuals))
     return result
 
 

@@ -407,3 +407,21 @@ def test_plan_of_a_megatron_script_reports_each_trace(tmp_path, capsys):
     # Another size than the launcher's: --num-gpus plans for it.
     assert main([*argv, "--num-gpus", "4", "-q"], Console(file=out, width=80)) == 0
     assert f"Layouts of {script} on 4 × h100" in " ".join(out.getvalue().split())
+
+
+def test_what_traces_took_beyond_their_estimates_reorders_the_rest(searched):
+    """After a trace, the layouts left are ordered as their estimates plus what the traced ones
+    took beyond theirs (the reserve, NCCL, what the closed forms leave out) fit or not: a
+    residual that leaves only the smallest estimates fitting puts them first."""
+    base, result = searched
+    found, *_ = P.candidates(base, GPUS)
+    capacity = P._room(base)
+    plain = P.ordered(found, capacity, 0)
+    assert all(c.estimated_memory <= capacity for c in plain[:1])
+    smallest = min(c.estimated_memory for c in found)
+    shifted = P.ordered(found, capacity, capacity - smallest)
+    assert shifted[0].estimated_memory == smallest
+    assert plain[0].estimated_memory > smallest  # the residual changed the first choice
+    first = result.traced[0]
+    residual = capacity - first.headroom - first.candidate.estimated_memory
+    assert residual > 0  # the reserve and the workspaces beyond the estimate
