@@ -442,7 +442,10 @@ def module_infos(chunks: dict[str, torch.nn.Module]) -> tuple[ModuleInfo, ...]:
                     dtype=dtype_name(p.dtype),
                     numel=p.numel(),
                     bytes=p.numel() * p.element_size(),
-                    tp_sharded=bool(getattr(p, "tensor_model_parallel", False)),
+                    tp_sharded=bool(
+                        getattr(p, "tensor_model_parallel", False)
+                        or getattr(p, "metatrace_expert_tp_sharded", False)
+                    ),
                     expert=".experts." in f".{_join(prefix, name)}.",
                     embedding_copy=bool(getattr(p, "shared", False))
                     and bool(getattr(p, "shared_embedding", False)),

@@ -62,7 +62,9 @@ class ParamInfo:
     numel: int
     bytes: int
     tp_sharded: bool = False
-    """megatron-core split it over the TP group (attribute `tensor_model_parallel`)."""
+    """megatron-core split it over the TP group (attribute `tensor_model_parallel`), or an
+    expert's linear over the expert TP group where megatron-core communicates for it and TE,
+    given no parallel mode, marks nothing (metatrace's `metatrace_expert_tp_sharded`)."""
     expert: bool = False
     """A routed expert's parameter (under a MoE layer's `experts` module): sharded over the
     expert-parallel group (and the expert tensor-parallel one when tp_sharded)."""

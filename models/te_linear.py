@@ -319,6 +319,12 @@ class _TELinearBase(torch.nn.Module):
                 config, in_features, out_features, parallel_mode=None, tp_group=None, **kwargs
             )
             self._tp_group = tp_group
+            if tp > 1:
+                # Sharded over expert TP all the same, though TE (given no parallel mode) marks
+                # nothing: metatrace's own mark, for the count of the model's parameters.
+                self.weight.metatrace_expert_tp_sharded = True
+                if parallel_mode == "column" and self.bias.numel():
+                    self.bias.metatrace_expert_tp_sharded = True
         else:
             self._setup(
                 config,

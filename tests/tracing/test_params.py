@@ -95,3 +95,30 @@ def test_llama2_7b_total_is_the_published_count():
     )
     jt = trace_job(job, full_model=False)
     assert agg.model_params([rt.trace for rt in jt.roles], tp=2) == 6_738_415_616
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_total_is_the_same_under_expert_tensor_parallelism(grouped):
+    """The model's parameters counted from the ranks' traces do not depend on the layout:
+    experts under expert tensor parallelism (tp 2, ep 2), whether one TE Linear per expert
+    (which megatron-core gives no parallel mode, so TE marks nothing sharded) or a grouped
+    GEMM, count as many as on one GPU."""
+    from tests.helpers import MOE
+
+    def total(parallel, gpus):
+        job = small_job(
+            model={**MOE, "num_experts": 4},
+            parallel=parallel,
+            implementation={"moe_grouped_gemm": grouped},
+            cluster={"num_gpus": gpus},
+        )
+        jt = trace_job(job, full_model=False)
+        p, m = jt.job.parallel, jt.job.model
+        # the embedding's rows are padded to a multiple of 128 x tp: left out
+        tables = 1 + m.untie_embeddings_and_output_weights
+        vocab = tables * jt.job.padded_vocab_size * m.hidden_size
+        return agg.model_params([rt.trace for rt in jt.roles], tp=p.tp, ep=p.ep, etp=p.etp) - vocab
+
+    one = total({}, 1)
+    assert one > 0
+    assert total({"tp": 2, "ep": 2, "sequence_parallel": True}, 4) == one
