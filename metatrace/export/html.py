@@ -209,6 +209,42 @@ def _verdict(report) -> str:
         from metatrace.analysis.memory import not_modelled_text
 
         out += f'<p class="verdict caveat">{esc(not_modelled_text(v["not_modelled"]))}</p>'
+    return out + _advice(report)
+
+
+def _advice(report) -> str:
+    """The changes that make the job fit (the report's `advice`), as the terminal lists them
+    under the verdict: each traced with its peak, headroom, step time and the step's change."""
+    advice, v = report.get("advice"), report.get("memory_verdict")
+    if not advice or v is None:
+        return ""
+    from metatrace.render.advice import signed_size, step_delta
+    from metatrace.render.format import seconds, size
+
+    now = advice["iteration_seconds"]
+    goal = "fit" if not v["fits"] else "fit beyond the prediction's error band"
+    step = f"; the step now {seconds(now)}" if now is not None else ""
+    out = f"<h3>To make it {goal}, change one thing (each traced{step})</h3>"
+    if not advice["changes"]:
+        return out + '<p class="note">No single change found that fits.</p>'
+    rows = [
+        [
+            c["change"],
+            size(c["highest_peak_bytes"]),
+            signed_size(c["headroom_bytes"]) + (" *" if c["within_error_band"] else ""),
+            seconds(c["iteration_seconds"]) if c["iteration_seconds"] is not None else "-",
+            step_delta(c, now),
+        ]
+        for c in advice["changes"]
+    ]
+    out += _table(["Change", "Peak", "Headroom", "Step", "Step Δ"], rows, numeric=(1, 2, 3, 4))
+    if any(c["within_error_band"] for c in advice["changes"]):
+        out += '<p class="note">*: within the prediction\'s error band; listed last.</p>'
+    if advice["misses"]:
+        missed = "; ".join(
+            f"{c['change']} (short by {size(-c['headroom_bytes'])})" for c in advice["misses"]
+        )
+        out += f'<p class="note">Traced, still out of memory: {esc(missed)}.</p>'
     return out
 
 

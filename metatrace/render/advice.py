@@ -13,14 +13,14 @@ from metatrace.analysis.margins import ErrorBand
 from metatrace.render.format import seconds, size
 
 
-def _delta(change: dict, now: float | None) -> str:
+def step_delta(change: dict, now: float | None) -> str:
     if change["iteration_seconds"] is None or not now:
         return "-"
     share = round(change["delta_seconds"] / now, 3)
     return f"{share + 0.0:+.1%}"  # + 0.0: no "-0.0%"
 
 
-def _signed(nbytes: int) -> str:
+def signed_size(nbytes: int) -> str:
     return size(nbytes) if nbytes >= 0 else f"-{size(-nbytes)}"
 
 
@@ -44,9 +44,9 @@ def build_advice(advice: dict, verdict: dict) -> Group:
             table.add_row(
                 Text(c["change"]),
                 size(c["highest_peak_bytes"]),
-                _signed(c["headroom_bytes"]) + mark,
+                signed_size(c["headroom_bytes"]) + mark,
                 seconds(c["iteration_seconds"]) if c["iteration_seconds"] is not None else "-",
-                _delta(c, now),
+                step_delta(c, now),
             )
         parts.append(table)
         if any(c["within_error_band"] for c in advice["changes"]):

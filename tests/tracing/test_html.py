@@ -380,3 +380,38 @@ def test_the_cli_writes_the_page_next_to_the_json(tmp_path):
     for role in report["roles"]:
         assert f"<td class=n>{size(role['memory']['peak_bytes'])}</td>" in text
     assert text.count("<polyline") == len(report["roles"]) == 2
+
+
+def test_the_advice_is_under_the_verdict(report, timelines):
+    """A report with advice (the changes that make it fit, each traced) shows them under the
+    verdict as the terminal does: the change, its peak, headroom, step and the step's change."""
+    advised = json.loads(json.dumps(report))
+    advised["advice"] = {
+        "given_as": "job_file",
+        "iteration_seconds": 2.0,
+        "changes": [
+            {
+                "kind": "micro_batch",
+                "change": "training.micro_batch_size: 1",
+                "keys": {"training.micro_batch_size": 1},
+                "megatron_args": ["--micro-batch-size", "1"],
+                "highest_peak_bytes": 3 * 2**30,
+                "headroom_bytes": 5 * 2**30,
+                "fits": True,
+                "within_error_band": False,
+                "iteration_seconds": 2.5,
+                "delta_seconds": 0.5,
+                "estimated_peak_bytes": 3 * 2**30,
+                "traced": True,
+            }
+        ],
+        "misses": [],
+        "failed": [],
+        "considered": 3,
+        "pruned": 1,
+    }
+    html = page_html.page(advised, timelines)
+    assert "change one thing" in html
+    rows = table_after(html, "change one thing")
+    assert rows == [["training.micro_batch_size: 1", "3.00 GiB", "5.00 GiB", "2.50 s", "+25.0%"]]
+    assert "change one thing" not in page_html.page(report, timelines)
