@@ -86,15 +86,22 @@ def parameter_counts(job) -> tuple[int, int]:
     return dense + experts, dense + active
 
 
-def _in_flight(job) -> int:
-    """Micro-batches whose activations the first stage holds at once under the schedule."""
+def _in_flight(job, last: bool = False) -> int:
+    """Micro-batches whose activations the first stage (the `last` one) holds at once under
+    the schedule."""
     par = job.parallel
     if par.pp == 1:
         return 1
-    if par.vpp:  # interleaved: a warm-up of (pp - 1) * 2 + (vpp - 1) * pp chunk steps
-        steps = min(job.num_microbatches * par.vpp, (par.pp - 1) * 2 + (par.vpp - 1) * par.pp + 1)
+    if par.vpp:  # interleaved: a warm-up of (pp - rank - 1) * 2 + (vpp - 1) * pp chunk steps
+        warmup = 0 if last else (par.pp - 1) * 2
+        steps = min(job.num_microbatches * par.vpp, warmup + (par.vpp - 1) * par.pp + 1)
         return -(-steps // par.vpp)
-    return min(par.pp, job.num_microbatches)
+    return 1 if last else min(par.pp, job.num_microbatches)
+
+
+def _tokens(job) -> int:
+    """Tokens of one micro-batch on a rank before sequence parallelism: s / cp x b."""
+    return job.training.seq_length // job.parallel.cp * job.training.micro_batch_size
 
 
 def static_bytes(job) -> int:
@@ -121,9 +128,8 @@ def static_bytes(job) -> int:
 
 
 def _layer_input(job) -> int:
-    par, tr = job.parallel, job.training
-    tokens = tr.seq_length // par.cp * tr.micro_batch_size
-    return tokens * job.model.hidden_size * 2 // (par.tp if par.sequence_parallel else 1)
+    par = job.parallel
+    return _tokens(job) * job.model.hidden_size * 2 // (par.tp if par.sequence_parallel else 1)
 
 
 def _fixed_bytes(job) -> int:
@@ -153,8 +159,8 @@ def _layer_activations(job) -> float:
     model's layers: Korthikanti et al.'s 34·sbh/t with sequence parallel and fused attention
     (10 + 24/t without), whose MLP part (19·sbh/t; 3 + 16/t without sequence parallel) a MoE
     layer replaces by what its router, dispatcher and experts save (_moe_mlp_bytes)."""
-    par, tr, m = job.parallel, job.training, job.model
-    tokens = tr.seq_length // par.cp * tr.micro_batch_size
+    par, m = job.parallel, job.model
+    tokens = _tokens(job)
     sp = par.sequence_parallel
     per_token = m.hidden_size * (34 / par.tp if sp else 10 + 24 / par.tp)
     dense = tokens * per_token
@@ -186,9 +192,8 @@ def _moe_mlp_bytes(job, tokens: int) -> float:
 def _gathered(job) -> int:
     """Bytes of the [s, b, h] hidden states the allgather dispatcher gathers from the whole
     TP x EP group for one micro-batch."""
-    par, tr = job.parallel, job.training
-    tokens = tr.seq_length // par.cp * tr.micro_batch_size
-    local = tokens // par.tp if par.sequence_parallel else tokens
+    par = job.parallel
+    local = _tokens(job) // (par.tp if par.sequence_parallel else 1)
     return local * par.tp * par.ep * job.model.hidden_size * 2
 
 
@@ -208,19 +213,7 @@ def _dispatcher_transient(job) -> int:
 def _logits_bytes(job) -> int:
     """The last stage's logits of one micro-batch in bf16 [s, b, V/t] (what the output layer
     returns to the loss)."""
-    par, tr = job.parallel, job.training
-    tokens = tr.seq_length // par.cp * tr.micro_batch_size
-    return tokens * job.padded_vocab_size // par.tp * 2
-
-
-def _in_flight_last(job) -> int:
-    """Micro-batches the last stage holds at once: one, or with interleaving the warm-up of the
-    last rank, (vpp - 1) · pp chunk steps."""
-    par = job.parallel
-    if par.pp == 1 or not par.vpp:
-        return 1
-    steps = min(job.num_microbatches * par.vpp, (par.vpp - 1) * par.pp + 1)
-    return -(-steps // par.vpp)
+    return _tokens(job) * job.padded_vocab_size // job.parallel.tp * 2
 
 
 def memory_estimate(job) -> int:
@@ -239,7 +232,7 @@ def memory_estimate(job) -> int:
     else:
         per_layer = _layer_activations(job)
     first = layers * per_layer * _in_flight(job)
-    last = layers * per_layer * _in_flight_last(job) + _logits_bytes(job)
+    last = layers * per_layer * _in_flight(job, last=True) + _logits_bytes(job)
     return fixed + int(max(first, last))
 
 
@@ -478,12 +471,13 @@ def _comm_seconds(job) -> float:
     (10 collectives of the layer's [s, b, h] per layer and micro-batch, 4 more with full
     recompute), the context-parallel ring (which Megatron overlaps with attention, but only as
     far as attention lasts), pipeline boundaries per virtual stage, expert all-to-alls (4 per
-    MoE layer); the data-parallel reduction only without overlap."""
+    MoE layer) or the allgather dispatcher's gathers and reduce-scatters over the TP x EP
+    group; the data-parallel reduction only without overlap."""
     par, tr, m = job.parallel, job.training, job.model
     intra, inter = (x * 1e9 / 8 for x in (job.cluster.intra_node_gbps, job.cluster.inter_node_gbps))
     node = job.cluster.gpus_per_node
     layers = m.num_layers // par.pp
-    full = tr.seq_length // par.cp * tr.micro_batch_size * m.hidden_size * 2
+    full = _tokens(job) * m.hidden_size * 2
     mbs = job.num_microbatches
     out = 0.0
     if par.tp > 1:
@@ -497,23 +491,25 @@ def _comm_seconds(job) -> float:
     if par.pp > 1:  # a send and a receive per boundary and micro-batch, each way
         bw = intra if par.tp * par.cp * par.dp * 2 <= node else inter
         out += 2 * (par.vpp or 1) * mbs * full / (par.tp if par.sequence_parallel else 1) / bw
-    if m.num_experts and par.ep * par.tp > 1:
+    group = par.ep * par.tp
+    if m.num_experts and group > 1:
         moe_layers = shape_of(job).moe_layers // par.pp
-        local = full / (par.tp if par.sequence_parallel else 1)
         if par.moe_token_dispatcher_type == "allgather":
-            # every rank gathers the tokens (and their probabilities and routing map) of the
-            # whole TP x EP group and reduce-scatters the output, each way
-            sent = (
-                _gathered(job)
-                * (1 - 1 / (par.tp * par.ep))
-                * (1 + 5 * m.num_experts / (2 * m.hidden_size))
+            # Every rank gathers the TP x EP group's tokens (bf16) and reduce-scatters the
+            # output in fp32 (token_dispatcher.py's combine), the backward the reverse; the
+            # fp32 probabilities and bool routing map gathered forward, their gradient back.
+            hidden = _gathered(job) * (1 - 1 / group)
+            per_layer = hidden * (2 + 4 + 4 + 2) / 2 + hidden / (2 * m.hidden_size) * (
+                m.num_experts * (4 + 1 + 4)
             )
-            sent *= local / full
+            if group > node:  # a ring across nodes: the node's GPUs share its crossing
+                per_layer /= node
         elif par.ep > 1:
-            sent = local * m.moe_router_topk * (par.ep - 1) / par.ep
+            local = full / (par.tp if par.sequence_parallel else 1)
+            per_layer = 4 * local * m.moe_router_topk * (par.ep - 1) / par.ep
         else:
-            sent = 0
-        out += 4 * moe_layers * mbs * sent / (intra if par.ep * par.tp <= node else inter)
+            per_layer = 0
+        out += moe_layers * mbs * per_layer / (intra if group <= node else inter)
     if par.dp * par.cp > 1 and not tr.overlap_grad_reduce:
         grads = static_bytes(job) / 18 * 4  # the gradients' share of the static bytes
         out += (

@@ -21,8 +21,8 @@
    same degrees, a smaller micro-batch, the distributed optimizer; context parallelism with as
    many tokens a rank; selective recompute of a fused attention against none) is not traced.
    After each trace the layouts left are ordered again, their memory estimates raised by what
-   the traced layouts took beyond theirs (the least of it: the allocator's reserve, NCCL's
-   buffers, what the closed forms leave out).
+   the traced layouts took beyond theirs (the allocator's reserve, NCCL's buffers, what the
+   closed forms leave out: the least of those of the same degrees, else of all).
 4. Rank the fitting layouts by the traced time model (metatrace.analysis.timing: the same
    per-kernel rates as `metatrace run`), those whose headroom lies within the prediction's
    error band for the job's kind (metatrace.analysis.margins) after the others; only layouts
@@ -347,13 +347,19 @@ def _holds_no_more(small: Layout, big: Layout, fused_attention: bool) -> bool:
     )
 
 
-def ordered(cands: list[Candidate], capacity: int, beyond: int) -> list[Candidate]:
-    """`cands` in the order to trace them: those whose estimated memory plus `beyond` (what
-    traced layouts took beyond their estimates, at least) fits `capacity` first, each part by
-    its estimated iteration time."""
-    return sorted(
-        cands, key=lambda c: (c.estimated_memory + beyond > capacity, c.estimate.seconds, c.layout)
-    )
+def ordered(cands: list[Candidate], capacity: int, beyond: dict | None = None) -> list[Candidate]:
+    """`cands` in the order to trace them: those whose estimated memory plus what the traced
+    layouts took beyond their estimates (`beyond`: by degrees, _family, the least of those of
+    the same degrees; under None, the least of all) fits `capacity` first, each part by its
+    estimated iteration time."""
+    beyond = beyond or {}
+    default = min(beyond.values(), default=0)
+
+    def key(c: Candidate) -> tuple:
+        more = beyond.get(_family(c.layout), default)
+        return (c.estimated_memory + more > capacity, c.estimate.seconds, c.layout)
+
+    return sorted(cands, key=key)
 
 
 def plan(
@@ -374,8 +380,8 @@ def plan(
     # NCCL's buffers, what the closed forms leave out), at least: after each trace the layouts
     # left are ordered as their estimates plus it fit or not (only the order: every verdict
     # is traced).
-    residuals: list[int] = []
-    order = ordered(found, capacity, 0)
+    beyond: dict = {}
+    order = ordered(found, capacity)
     # Traced layouts and whether they fit beyond the prediction's error band: only those that do
     # dominate a twin, stand for their degrees and count towards `top` (one within the band
     # leaves room for a safer twin); one that does not rules out every layout that holds no
@@ -405,7 +411,9 @@ def plan(
         if len(result.traced) >= budget or (
             slowest is not None
             and cand.estimate.seconds > slowest
-            and cand.estimated_memory + min(residuals, default=0) <= capacity
+            and cand.estimated_memory
+            + beyond.get(_family(cand.layout), min(beyond.values(), default=0))
+            <= capacity
         ):
             result.untraced = len(order) - i + 1
             break
@@ -417,8 +425,10 @@ def plan(
         if clear[cand.layout]:
             families.add(_family(cand.layout))
         result.traced.append(traced)
-        residuals.append(capacity - traced.headroom - cand.estimated_memory)
-        order[i:] = ordered(order[i:], capacity, min(residuals))
+        residual = capacity - traced.headroom - cand.estimated_memory
+        degrees = _family(cand.layout)
+        beyond[degrees] = min(beyond.get(degrees, residual), residual)
+        order[i:] = ordered(order[i:], capacity, beyond)
     return result
 
 

@@ -127,8 +127,10 @@ def _layer_key(config, layer) -> tuple:
 
 
 class Marks:
-    """Where each kept layer's forward began ("pre") and ended ("post"), and where its
-    backward began ("grad": the gradient of its output is complete), by (block, layer)."""
+    """Where each kept layer's forward began ("pre") and ended ("post"), where its backward
+    began ("grad": the gradient of its output is complete, or full recompute runs its forward
+    again), and where the block's forward ended ("end", under its last layer), by (block,
+    layer)."""
 
     def __init__(self):
         self.at: dict[tuple[str, int, str], Any] = {}

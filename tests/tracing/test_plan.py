@@ -411,17 +411,23 @@ def test_plan_of_a_megatron_script_reports_each_trace(tmp_path, capsys):
 
 def test_what_traces_took_beyond_their_estimates_reorders_the_rest(searched):
     """After a trace, the layouts left are ordered as their estimates plus what the traced ones
-    took beyond theirs (the reserve, NCCL, what the closed forms leave out) fit or not: a
-    residual that leaves only the smallest estimates fitting puts them first."""
+    took beyond theirs (the reserve, NCCL, what the closed forms leave out) fit or not: that of
+    the same degrees where one of them was traced, else the least of all. A residual that
+    leaves only the smallest estimates fitting puts them first; given for the first layout's
+    degrees alone, it puts that layout behind the others."""
     base, result = searched
     found, *_ = P.candidates(base, GPUS)
     capacity = P._room(base)
-    plain = P.ordered(found, capacity, 0)
+    plain = P.ordered(found, capacity)
     assert all(c.estimated_memory <= capacity for c in plain[:1])
     smallest = min(c.estimated_memory for c in found)
-    shifted = P.ordered(found, capacity, capacity - smallest)
-    assert shifted[0].estimated_memory == smallest
+    everywhere = P.ordered(found, capacity, {("elsewhere",): capacity - smallest})
+    assert everywhere[0].estimated_memory == smallest
     assert plain[0].estimated_memory > smallest  # the residual changed the first choice
-    first = result.traced[0]
-    residual = capacity - first.headroom - first.candidate.estimated_memory
+    first = P._family(plain[0].layout)
+    assert any(P._family(c.layout) != first for c in found)
+    only = P.ordered(found, capacity, {first: capacity, ("elsewhere",): 0})
+    assert P._family(only[0].layout) != first
+    traced = result.traced[0]
+    residual = capacity - traced.headroom - traced.candidate.estimated_memory
     assert residual > 0  # the reserve and the workspaces beyond the estimate
