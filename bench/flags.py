@@ -2,13 +2,14 @@
 
     python bench/flags.py [--list CLASS]
 
-Counts every option string of Megatron-LM's pretrain_gpt.py parser (core_v0.16.1 and a 2026
-HEAD; metatrace/config/megatron/flags.tsv), and the flags of older releases metatrace knows, per
-class of metatrace/megatron_flags.py: modelled, no
-effect on allocated memory or traffic, not modelled yet (by the way it could move the peak), and
-refused by Megatron-LM itself; per parser version; the not-modelled features with their flag
-counts; and the environment variables metatrace reads. `--list CLASS` prints that class's flags
-with their reason.
+Counts every option string of Megatron-LM's pretrain_gpt.py parser (core_v0.16.1, core_v0.19.2
+and a 2026 HEAD; metatrace/config/megatron/flags.tsv), and the flags of older releases metatrace
+knows, per class of metatrace/config/megatron/flags.py: modelled, no effect on allocated memory
+or traffic, not modelled yet (by the way it could move the peak), and refused by Megatron-LM
+itself; per parser (the flags each has) and per release (where each first or last appears); the
+not-modelled features with their flag counts; the environment variables metatrace reads; and the
+megatron-core config fields new in 0.19.2 per class (metatrace/config/megatron/fields.py).
+`--list CLASS` prints that class's flags with their reason.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", choices=CLASSES, help="print the flags of one class")
     args = parser.parse_args(argv)
+    from metatrace.config.megatron import fields as mfields
     from metatrace.config.megatron import flags as mf
 
     flags = mf.FLAGS.values()
@@ -37,17 +39,23 @@ def main(argv=None) -> int:
                 print(f"{f.name:55} {f.reason}{extra}")
         return 0
     by_class = Counter(f.cls for f in flags)
-    by_version = defaultdict(Counter)
+    by_version: defaultdict[str, Counter] = defaultdict(Counter)
+    by_parser: defaultdict[str, Counter] = defaultdict(Counter)
     for f in flags:
         by_version[f.versions][f.cls] += 1
-    versions = ("both", "core_v0.16.1", "HEAD", "older")
-    print(f"{'class':14} {'all':>5} {'both':>6} {'0.16.1 only':>12} {'HEAD only':>10} {'older':>6}")
-    for cls in (*CLASSES, None):
-        row = [
-            sum(c.values()) if cls is None else c[cls]
-            for c in (by_class, *(by_version[v] for v in versions))
-        ]
-        print(f"{cls or 'total':14} {row[0]:5} {row[1]:6} {row[2]:12} {row[3]:10} {row[4]:6}")
+        for p in f.parsers:
+            by_parser[p][f.cls] += 1
+    print(
+        "flags each parser has (core_v0.19.2's without its modelopt group, which its wheel lacks)"
+    )
+    _table(("all known", *mf.PARSERS), (by_class, *(by_parser[p] for p in mf.PARSERS)))
+    print(
+        "\nper release: in core_v0.16.1 and later ones, core_v0.16.1's alone, new in core_v0.19.2"
+        "\n(3 of them not in HEAD), new after it (HEAD), older releases only"
+    )
+    versions = ("all", "core_v0.16.1", "core_v0.19.2", "HEAD", "older")
+    labels = ("0.16.1 on", "0.16.1 only", "new 0.19.2", "HEAD only", "older")
+    _table(labels, [by_version[v] for v in versions])
 
     directions = Counter(f.direction for f in flags if f.cls == "not_modelled")
     print(
@@ -69,13 +77,30 @@ def main(argv=None) -> int:
             for flag, (vals, _, _) in mf.UNMODELLED_VALUES.items()
         )
     )
+    fields = Counter((f.config, f.cls) for f in mfields.FIELDS_0_19_2)
+    configs = sorted({c for c, _ in fields})
+    print(f"\nmegatron-core config fields new in 0.19.2 ({len(mfields.FIELDS_0_19_2)}):")
+    print(f"{'class':14} " + " ".join(f"{c:>30}" for c in configs))
+    for cls in (*CLASSES[:3], None):
+        row = [
+            sum(n for (c2, _), n in fields.items() if c2 == c) if cls is None else fields[(c, cls)]
+            for c in configs
+        ]
+        print(f"{cls or 'total':14} " + " ".join(f"{n:30}" for n in row))
     print(
-        f"environment: {len(mf.ENV_MODELLED)} read or checked, {len(mf.ENV_NOT_MODELLED)} "
+        f"\nenvironment: {len(mf.ENV_MODELLED)} read or checked, {len(mf.ENV_NOT_MODELLED)} "
         f"known not modelled ({', '.join(mf.ENV_NOT_MODELLED)}), {len(mf.ENV_NO_EFFECT)} names "
         f"and {len(mf.ENV_NO_EFFECT_PREFIXES)} prefixes with no effect; any other is accepted "
         "and named in a note"
     )
     return 0
+
+
+def _table(labels, counters) -> None:
+    print(f"{'class':14} " + " ".join(f"{label:>12}" for label in labels))
+    for cls in (*CLASSES, None):
+        row = [sum(c.values()) if cls is None else c[cls] for c in counters]
+        print(f"{cls or 'total':14} " + " ".join(f"{n:12}" for n in row))
 
 
 if __name__ == "__main__":

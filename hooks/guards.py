@@ -9,6 +9,11 @@
 
       Restates megatron.core.<module>.<name> (source sha256: <first 12 hex digits>).
 
+  A copy that holds for more than one supported release lists each release's hash, oldest
+  first ("(source sha256: 6ee0db2a2177, fa3ad8693ffa)"), and branches on `since()` where the
+  releases differ; a copy of what only newer releases have says from which series
+  ("(source sha256: 2211880f4e3e; since 0.19)").
+
   ("Copied from" in place of "Restates" for a copy; a mark may wrap between its words.) A mark
   is plain text, so modules that import neither megatron-core nor hooks carry one too
   (metatrace.config, metatrace.world). `copies()` finds the marks in metatrace's source,
@@ -19,11 +24,13 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import re
 import sys
 import textwrap
@@ -31,6 +38,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from metatrace.config import release as _release
 from metatrace.errors import ConfigError
 
 # --- releases -------------------------------------------------------------------------------
@@ -59,17 +67,28 @@ def _dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release)) + (".x" if len(release) < 3 else "")
 
 
-MEGATRON_CORE = Versions((0, 16, 1))
-"""The megatron-core releases metatrace was measured with and its patches checked against."""
+MEGATRON_CORE = (Versions((0, 16, 1)), Versions((0, 19)))
+"""The megatron-core releases metatrace was measured with and its patches checked against:
+0.16.1 and the 0.19 series. 0.17 and 0.18 are refused (their sources differ from both in what
+the patches replace)."""
+
+
+def supported(release: tuple[int, ...]) -> bool:
+    """Whether `release` is one of MEGATRON_CORE."""
+    return any(release in versions for versions in MEGATRON_CORE)
+
+
+def supported_text() -> str:
+    """MEGATRON_CORE in words: "0.16.1 and 0.19.x"."""
+    return " and ".join(map(str, MEGATRON_CORE))
 
 
 def parse_release(version: str) -> tuple[int, ...]:
     """(0, 16, 1) from "0.16.1", also from "0.16.1rc0" or "0.16.1.dev0+g0abc" (a pre-release
     counts as its release); at least three numbers ("0.16" is 0.16.0)."""
-    match = re.match(r"\d+(?:\.\d+)*", version)
-    if match is None:
+    numbers = _release.parse(version)
+    if not numbers:
         raise ValueError(f"not a release number: {version!r}")
-    numbers = tuple(int(n) for n in match.group().split("."))
     return numbers + (0,) * (3 - len(numbers))
 
 
@@ -173,6 +192,15 @@ def _defer_dynamo() -> None:
         torch._dynamo = lazy
 
 
+_CALLERS_WARNINGS = (
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    (
+        "megatron.core.distributed.distributed_data_parallel",
+        "full_param_layout not provided with use_distributed_optimizer",
+    ),
+)
+
+
 def import_megatron_core():
     """megatron.core, imported (the first time) with torch.compile deferred (above), and
     everything alive then frozen (gc.freeze)."""
@@ -190,8 +218,18 @@ def import_megatron_core():
             torch.compile = compile_now
         # torch's and megatron-core's modules (hundreds of thousands of objects) live as long
         # as the process: out of the collector's full passes, which otherwise took a third to
-        # a half of a role's trace (forked workers inherit it).
+        # a half of a role's trace (forked workers inherit it). Unfrozen at exit, so that the
+        # interpreter's last collection frees them: triton's bindings (megatron-core 0.19
+        # imports triton) print every object still alive then as a leak.
         gc.freeze()
+        atexit.register(gc.unfreeze)
+        # Warnings megatron-core 0.19 addresses to the code that calls it, where metatrace
+        # calls it as Megatron-LM does: GPTModel's deprecation (pretrain_gpt.py builds one), and
+        # DDP computing the distributed optimizer's parameter layout itself, which Megatron-LM's
+        # wrap_model_chunks_with_ddp computes beforehand from the same parameters, bucket size
+        # and intra-instance group sizes (the same layout).
+        for name, text in _CALLERS_WARNINGS:
+            logging.getLogger(name).addFilter(lambda r, text=text: text not in r.getMessage())
     return sys.modules["megatron.core"]
 
 
@@ -201,15 +239,35 @@ def installed_release() -> tuple[str, tuple[int, ...]]:
     return package_info.__version__, parse_release(package_info.__version__)
 
 
+def release_text() -> str:
+    """The installed megatron-core's release as reports name it: "0.19.2" (without the
+    "+<git hash>" 0.19's package_info appends when its directory lies in a git checkout)."""
+    return installed_release()[0].split("+")[0]
+
+
 def check_megatron_core() -> tuple[int, ...]:
     """The installed megatron-core release; ConfigError when it is not one of MEGATRON_CORE."""
     version, release = installed_release()
-    if release not in MEGATRON_CORE:
+    if not supported(release):
         raise ConfigError(
             f"megatron-core {version} is installed; metatrace supports megatron-core "
-            f"{MEGATRON_CORE}, the releases its patches of megatron-core were checked against"
+            f"{supported_text()}, the releases its patches of megatron-core were checked against"
         )
     return release
+
+
+def release() -> tuple[int, ...]:
+    """The installed megatron-core's release numbers, (0, 16, 1) or (0, 19, 2), megatron-core
+    imported (metatrace.config.release reads them without importing it)."""
+    import_megatron_core()
+    return _release.release()
+
+
+def since(*numbers: int) -> bool:
+    """Whether the installed megatron-core is `numbers` (a release or series) or newer: where a
+    call into megatron-core differs between the supported releases, the caller asks."""
+    import_megatron_core()
+    return _release.since(*numbers)
 
 
 class PatchError(RuntimeError):
@@ -222,7 +280,8 @@ class PatchError(RuntimeError):
 _GAP = r"\s+(?:#\s*)?"  # a mark may wrap, in a docstring or from comment line to comment line
 MARK = re.compile(
     rf"(?:Restates|Copied{_GAP}from){_GAP}(megatron\.core(?:\.\w+)+){_GAP}"
-    rf"\(source{_GAP}sha256:{_GAP}([0-9a-f]{{12}})\)"
+    rf"\(source{_GAP}sha256:{_GAP}([0-9a-f]{{12}}(?:,{_GAP}[0-9a-f]{{12}})*)"
+    rf"(?:;{_GAP}since{_GAP}(\d+\.\d+))?\)"
 )
 # The packages whose source may hold copies (models/ and hooks/ are installed under metatrace).
 PACKAGES = ("metatrace", "metatrace.models", "metatrace.hooks")
@@ -238,6 +297,10 @@ class Copy:
     original: str
     """Dotted name of the megatron-core object, e.g. megatron.core.parallel_state.RankGenerator."""
     sha: str
+    """The hashes the mark records, as written: one per release the copy was reviewed against."""
+    since: tuple[int, ...] = ()
+    """The series the original first appears in ("; since 0.19" in the mark): under an older
+    release there is nothing to compare."""
 
 
 def source_hash(obj) -> str:
@@ -286,7 +349,8 @@ def copies() -> list[Copy]:
         text = path.read_text()
         for m in MARK.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
-            found.append(Copy(f"{where}:{line}", m.group(1), m.group(2)))
+            since = tuple(int(n) for n in m.group(3).split(".")) if m.group(3) else ()
+            found.append(Copy(f"{where}:{line}", m.group(1), m.group(2), since))
     return found
 
 
@@ -295,12 +359,14 @@ def stale(marks: list[Copy] | None = None) -> list[str]:
     original no longer exists), naming the copy, the original and both hashes."""
     problems = []
     for mark in copies() if marks is None else marks:
+        if mark.since and not since(*mark.since):
+            continue
         try:
             now = source_hash(resolve(mark.original))
         except (ImportError, AttributeError, OSError, TypeError) as e:
             problems.append(f"{mark.where}: {mark.original} cannot be read ({e})")
             continue
-        if now != mark.sha:
+        if now not in re.findall(r"[0-9a-f]{12}", mark.sha):
             problems.append(
                 f"{mark.where}: {mark.original} changed (source sha256 {mark.sha} in the mark, "
                 f"{now} installed): review the copy, then record the new hash"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metatrace.hooks import remap
 from metatrace.records import Moved, OffloadRecord
 
 _OUTER = "_metatrace_outer"  # attribute on the manager (a stack) and on offload groups (a dict)
@@ -194,13 +195,34 @@ def manager_exit(orig):
     return __exit__
 
 
+def manageable(orig):
+    """megatron-core 0.19's ChunkOffloadHandler._can_manage_tensor_for_offload with the tensors
+    that stand for CUDA ones (meta in a trace, CPU in `metatrace measure`) taken for them (the
+    check keeps host tensors and parameters out of the offload groups). Restates
+    megatron.core.pipeline_parallel.fine_grained_activation_offload.ChunkOffloadHandler._can_manage_tensor_for_offload
+    (source sha256: 2211880f4e3e; since 0.19)."""
+
+    def _can_manage_tensor_for_offload(tensor):
+        stray = (
+            torch._subclasses.fake_tensor.FakeTensor,
+            torch._subclasses.functional_tensor.FunctionalTensor,
+        )
+        return (
+            not isinstance(tensor, torch.nn.Parameter)
+            and not isinstance(tensor, stray)
+            and remap.is_cuda(tensor.device)
+        )
+
+    return staticmethod(_can_manage_tensor_for_offload)
+
+
 def on_save(orig):
     def on_save_for_backward(self, tensor):
         stack = self.__dict__.get(_OUTER)
         outer = stack[-1] if stack else None
         packed = outer[0](tensor) if outer is not None else None
         tag = orig(self, tensor)
-        if outer is not None:
+        if outer is not None and isinstance(tag, tuple):  # 0.19 passes parameters through
             group = self.cur_forward_chunk().offload_groups[tag[0] - 1]
             group.__dict__.setdefault(_OUTER, {})[tag] = packed
         return tag

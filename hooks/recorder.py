@@ -708,6 +708,11 @@ class Recorder:
         storage ids are numbered in order of first sight)."""
         return self.storages.by_cdata.get(t.untyped_storage()._cdata)
 
+    def position(self) -> tuple[int, int, str, str]:
+        """(the last seq, the live bytes, the module and phase a record would be attributed
+        to) now; unlike mark(), the host's running piece goes on."""
+        return (self._seq, self._live, *self._where())
+
     def mark(self) -> Mark:
         """Where the recording stands now (metatrace.tracing.layers cuts the records of one
         layer out between two marks). The host's running piece ends here."""

@@ -187,6 +187,16 @@ def remap_mode(mode) -> bool:
     return isinstance(mode, _RemapMode)
 
 
+_STANDING_IN: list[str] = []
+
+
+def is_cuda(device: torch.device) -> bool:
+    """Whether a tensor on `device` is, for the code running, on a CUDA device: a CUDA device,
+    or the one that stands in for CUDA while remap_cuda is active (meta in a trace, the CPU in
+    `metatrace measure`)."""
+    return device.type == "cuda" or (bool(_STANDING_IN) and device.type == _STANDING_IN[-1])
+
+
 @contextlib.contextmanager
 def remap_cuda(device: str | torch.device = "meta"):
     """While active, code written for CUDA runs on `device`. Restores everything on exit."""
@@ -194,10 +204,12 @@ def remap_cuda(device: str | torch.device = "meta"):
     _orig_cuda = {name: getattr(torch.cuda, name) for name in _CUDA_STANDINS}
     for name, standin in _CUDA_STANDINS.items():
         setattr(torch.cuda, name, standin)
+    _STANDING_IN.append(device.type)
     try:
         with _RemapMode(device):
             yield device
     finally:
+        _STANDING_IN.pop()
         for name, orig in _orig_cuda.items():
             setattr(torch.cuda, name, orig)
         _forget_null_streams()

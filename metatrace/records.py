@@ -325,3 +325,5 @@ class JobTrace:
     full: RoleTrace | None
     """The whole model on a single GPU (no parallelism), for the "full model" view."""
     seconds: dict = field(default_factory=dict)
+    megatron_core: str | None = None
+    """The megatron-core release traced ("0.19.2"); None where no trace ran (estimates)."""

@@ -90,8 +90,9 @@ class _Grid:
     """megatron-core 0.16.1's RankGenerator (parallel_state.py), restated: the sizes in the
     order's order (a dimension the order leaves out, of size 1, goes last) and, for a token
     such as "tp-dp", the groups that vary those dimensions (a test compares the groups with
-    megatron-core's). Restates megatron.core.parallel_state.RankGenerator
-    (source sha256: c67b689c9866)."""
+    megatron-core's). 0.19 adds a gtp_remat dimension (generalised tensor parallelism), of
+    size 1 unless gtp_remat_size is set, which leaves every group as it was. Restates
+    megatron.core.parallel_state.RankGenerator (source sha256: c67b689c9866, 1d65ff342641)."""
 
     def __init__(self, sizes: dict[str, int], order: str):
         names = order.lower().split("-")

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from metatrace.config import release
 from metatrace.errors import ConfigError
 
 DTYPES = {
@@ -452,7 +453,22 @@ def ddp_config(job):
         suggested_communication_unit_size=tr.fsdp_communication_unit_size
         if tr.megatron_fsdp
         else None,
+        **_fsdp_dtypes(job),
     )
+
+
+FSDP_DTYPES = ("fsdp_main_grads_dtype", "fsdp_main_params_dtype", "fsdp_grad_comm_dtype")
+"""The job keys of Megatron-FSDP's dtypes, megatron-core 0.19's megatron_<key> fields."""
+
+
+def _fsdp_dtypes(job) -> dict:
+    """Megatron-FSDP's buffer and communication dtypes (megatron-core 0.19's DDP config fields;
+    0.16.1 has none, and checks.check_with_megatron refuses them there), as Megatron-LM maps its
+    flags ("auto" is None)."""
+    if not release.since(0, 19):
+        return {}
+    dtypes = {"auto": None, **_OPT_DTYPES}
+    return {f"megatron_{key}": dtypes[getattr(job.training, key)] for key in FSDP_DTYPES}
 
 
 def wrap_ddp(job, config, chunks):
@@ -542,6 +558,21 @@ def optimizer_config(job, *, check_only: bool = False):
     return None
 
 
+def _grad_norm_groups_known(optimizer) -> None:
+    """megatron-core 0.19's step asks whether any rank of the grad-stats group holds parameters
+    of a separate gradient-norm group: a flag all-reduced and read on the host in the first step
+    only, then cached, which every step after the first finds. Only MTP's layers with
+    mtp_detach_heads (which no job sets) tag theirs: no rank holds any. Restates
+    megatron.core.optimizer.optimizer.MegatronOptimizer.has_grad_norm_group
+    (source sha256: 4485e60b1c6f; since 0.19). Restates
+    megatron.core.optimizer.optimizer.ChainedOptimizer.has_grad_norm_group
+    (source sha256: 7572064c3666; since 0.19)."""
+    from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+    for opt in (optimizer, *getattr(optimizer, "chained_optimizers", ())):
+        opt._has_grad_norm_group_cache = dict.fromkeys(SEPARATE_GRAD_NORM_GROUPS, False)
+
+
 def build_optimizer(job, model):
     """megatron-core's optimizer over the DDP-wrapped chunks (its fp32 main parameters are
     built here), with the optimizer state every step after the first holds: megatron-core's
@@ -552,6 +583,8 @@ def build_optimizer(job, model):
     from metatrace.hooks.optimizer_offload import initialize_state
 
     optimizer = get_megatron_optimizer(optimizer_config(job), model, use_gloo_process_groups=False)
+    if release.since(0, 19):
+        _grad_norm_groups_known(optimizer)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if inner.optimizer is None:
             continue

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from metatrace.config import release
 from metatrace.hooks import flops
 
 _CHUNKS = 64
@@ -289,39 +290,44 @@ class _BiasDropoutAdd(torch.autograd.Function):
     residual + dropout(x + bias) saves only the bool keep-mask (1 byte an element, as CUDA's
     native_dropout); forward allocates the output and the mask, none of eager's x + bias and
     dropout(x + bias) temporaries; backward allocates the input gradient (and the bias'), the
-    residual's gradient is the incoming one. Restates
+    residual's gradient is the incoming one. Where the residual's dtype differs from x's
+    (fp32_residual_connection), 0.16.1 casts the residual to x's dtype and 0.19 casts x to the
+    residual's: the output is in that dtype. Restates
     megatron.core.fusions.fused_bias_dropout.bias_dropout_add_fused_train
     (source sha256: ab126512fde9) and what it calls: Restates
     megatron.core.fusions.fused_bias_dropout._bias_dropout_add_func
-    (source sha256: 6de7c86aa6ac)."""
+    (source sha256: 6de7c86aa6ac, 502e6802e32d)."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, prob):
         keep = 1.0 - prob
         shape = torch.broadcast_shapes(x.shape, residual.shape)
-        ctx.keep, ctx.has_bias = keep, bias is not None
+        ctx.keep, ctx.has_bias, ctx.x_dtype = keep, bias is not None, x.dtype
+        dtype = residual.dtype if release.since(0, 19) else x.dtype
         if prob == 0:
             # dropout(p=0) is the identity: one kernel writes residual + x + bias, nothing is
             # saved, and the gradients of x and the residual are the incoming one.
             ctx.save_for_backward()
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            out = torch.empty(shape, dtype=dtype, device=x.device)
             b = (
                 bias
                 if bias is not None
                 else flops.unpriced(torch.zeros, (), dtype=x.dtype, device=x.device)
             )
-            return _chunked(out, lambda xx, rr: rr.to(xx.dtype) + xx + b, x, residual)
+            return _chunked(out, lambda xx, rr: rr.to(dtype) + xx.to(dtype) + b, x, residual)
         mask = torch.empty(shape, dtype=torch.bool, device=x.device)
         if not mask.is_meta:
             # One kernel writes the mask and the output (timed with the output below).
             _chunked(mask, lambda xx: torch.rand(xx.shape, device=xx.device) < keep, x, timed=False)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(shape, dtype=dtype, device=x.device)
         b = (
             bias
             if bias is not None
             else flops.unpriced(torch.zeros, (), dtype=x.dtype, device=x.device)
         )
-        _chunked(out, lambda xx, mm, rr: rr.to(xx.dtype) + (xx + b) * mm / keep, x, mask, residual)
+        _chunked(
+            out, lambda xx, mm, rr: rr.to(dtype) + (xx + b).to(dtype) * mm / keep, x, mask, residual
+        )
         ctx.save_for_backward(mask)
         return out
 
@@ -331,7 +337,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
             grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
             return grad, grad_bias, grad, None
         (mask,) = ctx.saved_tensors
-        grad_x = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        grad_x = torch.empty(grad.shape, dtype=ctx.x_dtype, device=grad.device)
         _chunked(grad_x, lambda gg, mm: gg * mm / ctx.keep, grad, mask)
         grad_bias = grad_x.sum(dim=tuple(range(grad_x.dim() - 1))) if ctx.has_bias else None
         return grad_x, grad_bias, grad, None

@@ -346,6 +346,14 @@ class HybridHandle:
         self.group, self.layout, self.tokens = group, layout, tokens
 
 
+def _unfused(fused: bool) -> None:
+    if fused:
+        raise ValueError(
+            "HybridEP with the permute fused into its kernels (moe_permute_fusion_into_hybridep) "
+            "is not modelled"
+        )
+
+
 def hybrid_ep_dispatch(
     x,
     routing_map,
@@ -356,8 +364,16 @@ def hybrid_ep_dispatch(
     num_sms_combine_api=24,
     num_permuted_tokens=None,
     pad_multiple=None,
+    *,
+    num_blocks_permute=None,
+    num_blocks_unpermute=None,
+    fused=False,
+    num_sms_preprocessing_api=108,
 ):
-    """fused_a2a.hybrid_ep_dispatch on meta: (tokens, probs, None, tokens per expert, handle)."""
+    """fused_a2a.hybrid_ep_dispatch on meta: (tokens, probs, None, tokens per expert, handle).
+    megatron-core 0.19 adds the kernels' block and SM counts (no memory) and `fused`, HybridEP's
+    permute inside the dispatch kernel (moe_permute_fusion_into_hybridep), not modelled."""
+    _unfused(fused)
     layout = _layout(group, x.shape[0])
     counts = list(layout.per_expert)
     if pad_multiple:  # each expert's rows padded for FP8 GEMMs
@@ -374,8 +390,9 @@ def hybrid_ep_dispatch(
     return out, out_probs, None, torch.tensor(counts), handle
 
 
-def hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple):
+def hybrid_ep_combine(x, handle, num_permuted_tokens, pad_multiple, fused=False):
     """fused_a2a.hybrid_ep_combine on meta: [tokens, hidden]."""
+    _unfused(fused)
     return _HybridCombine.apply(x, handle.group, handle.layout, handle.tokens)
 
 

@@ -9,12 +9,16 @@ plugs into `gpt_layer_spec` the same way.
 `metatrace.models.te_linear` and `metatrace.models.te_attention`.
 
 `gpt_layer_spec` mirrors megatron-core 0.16.1's `get_gpt_layer_local_spec` and
-`get_gpt_layer_with_transformer_engine_spec` for dense layers: with a provider that fuses the
+`get_gpt_layer_with_transformer_engine_spec` for dense layers (0.19 builds the same modules
+through its `*_submodules` functions; its norms' `has_residual` fuses the residual add only with
+`fused_residual_rmsnorm`, and `mla_down_proj_fusion` is off unless set; no job sets either): with a provider that fuses the
 norm into the following linear (`fuse_layernorm_and_linear()`), input_layernorm and
 pre_mlp_layernorm become identities and linear_qkv / linear_fc1 take the norm, as in the TE spec.
 """
 
 from __future__ import annotations
+
+import functools
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -33,6 +37,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from metatrace.config import release
 from metatrace.models.standins import LocalNorm
 from metatrace.models.te_attention import TEDotProductAttention
 from metatrace.models.te_fused_mlp import TEFusedMLP
@@ -48,7 +53,9 @@ from metatrace.models.te_linear import (
 class MetaLocalSpecProvider(LocalSpecProvider):
     """megatron-core's local modules; the norm is `LocalNorm` (Apex / fused-kernel behaviour)."""
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+    def layer_norm(
+        self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False
+    ) -> type:
         return LocalNorm
 
 
@@ -58,9 +65,9 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
     into the up-projections) and get_gpt_layer_local_spec (column-parallel projections, separate
     latent norms) build it with multi_latent_attention=True. Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
-    (source sha256: 15eb8848f25b). Restates
+    (source sha256: 15eb8848f25b, 952ee2781ae2). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
-    (source sha256: d2c4230163a4)."""
+    (source sha256: d2c4230163a4, 2530dc133326)."""
     if provider.fuse_layernorm_and_linear():
         up = (
             provider.column_parallel_layer_norm_linear()
@@ -104,24 +111,27 @@ def gpt_layer_spec(
     `te_op_fuser` a dense layer's MLP is TEFusedMLP (MoE layers ignore it, as megatron-core's
     get_mlp_module_spec_for_backend does). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
-    (source sha256: 15eb8848f25b). Restates
+    (source sha256: 15eb8848f25b, 952ee2781ae2). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
-    (source sha256: d2c4230163a4)."""
+    (source sha256: d2c4230163a4, 2530dc133326)."""
     fused = provider.fuse_layernorm_and_linear()
     norm = provider.layer_norm()
     if num_experts is not None:
+        # 0.19 dropped the legacy grouped GEMM (and its argument)
+        legacy = {} if release.since(0, 19) else {"moe_use_legacy_grouped_gemm": False}
         mlp = get_moe_module_spec_for_backend(
-            backend=provider,
-            num_experts=num_experts,
-            moe_grouped_gemm=moe_grouped_gemm,
-            moe_use_legacy_grouped_gemm=False,
+            backend=provider, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **legacy
         )
     else:
         mlp = get_mlp_module_spec_for_backend(backend=provider)
         if te_op_fuser:
             # get_mlp_module_spec_for_backend(use_te_op_fuser=True): the same submodules under
             # TEFusedMLP, whose megatron-core class is None without Transformer Engine.
-            mlp = ModuleSpec(module=TEFusedMLP, submodules=mlp.submodules)
+            if release.since(0, 19):  # a builder (MLP.as_mlp_submodule) in place of a spec
+                submodules = mlp.keywords["submodules"]
+                mlp = functools.partial(TEFusedMLP.as_mlp_submodule, submodules=submodules)
+            else:
+                mlp = ModuleSpec(module=TEFusedMLP, submodules=mlp.submodules)
     if multi_latent_attention:
         return ModuleSpec(
             module=TransformerLayer,
@@ -176,9 +186,9 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     get_gpt_decoder_block_spec selects them: dense or MoE per layer from
     config.moe_layer_freq, sliced by the pipeline layout or the chunk's layer offset. Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec
-    (source sha256: 0fa0e2d15e04). Restates
+    (source sha256: 0fa0e2d15e04, 3a6beff80b1d). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_layer_specs
-    (source sha256: 3a05e1158089)."""
+    (source sha256: 3a05e1158089, 5bf3e5a8bc2a)."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -241,17 +251,22 @@ class MetaTESpecProvider(BackendSpecProvider):
     def column_parallel_layer_norm_linear(self) -> type:
         return TELayerNormColumnParallelLinear
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+    def layer_norm(
+        self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False
+    ) -> type:
+        # has_residual (0.19): TENorm fuses the residual add only with fused_residual_rmsnorm,
+        # which no job sets
         return TENorm
 
     def core_attention(self) -> type:
         return TEDotProductAttention
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm=False):
         """TESpecProvider's choice with TE >= 1.7: TEGroupedMLP over grouped linears, or one
-        MLP of TE linears per expert (SequentialMLP). Restates
+        MLP of TE linears per expert (SequentialMLP); a (module, submodules) pair in 0.16.1, a
+        builder in 0.19 (which has no legacy grouped GEMM). Restates
         megatron.core.extensions.transformer_engine_spec_provider.TESpecProvider.grouped_mlp_modules
-        (source sha256: 6ee0db2a2177)."""
+        (source sha256: 6ee0db2a2177, fa3ad8693ffa)."""
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
@@ -260,17 +275,24 @@ class MetaTESpecProvider(BackendSpecProvider):
             TERowParallelGroupedLinear,
         )
 
-        if moe_use_grouped_gemm and not moe_use_legacy_grouped_gemm:
-            return TEGroupedMLP, MLPSubmodules(
-                linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
-            )
-        if moe_use_grouped_gemm:
+        if moe_use_grouped_gemm and moe_use_legacy_grouped_gemm:
             raise NotImplementedError(
                 "the legacy GroupedMLP (grouped_gemm package) is not modelled"
             )
-        return SequentialMLP, MLPSubmodules(
-            linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear
-        )
+        if moe_use_grouped_gemm:
+            module, fc1, fc2 = (
+                TEGroupedMLP,
+                TEColumnParallelGroupedLinear,
+                TERowParallelGroupedLinear,
+            )
+        else:
+            module, fc1, fc2 = SequentialMLP, TEColumnParallelLinear, TERowParallelLinear
+        if not release.since(0, 19):
+            return module, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+        kind = GroupedMLPSubmodules if moe_use_grouped_gemm else MLPSubmodules
+        return functools.partial(module, submodules=kind(linear_fc1=fc1, linear_fc2=fc2))
 
     def activation_func(self) -> type:
         return None  # TEActivationOp is used only with use_te_activation_func

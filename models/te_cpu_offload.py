@@ -202,10 +202,18 @@ class _GroupCommit(torch.autograd.Function):
 
 
 def get_cpu_offload_context(
-    enabled, num_layers, model_layers, offload_activations, offload_weights, double_buffering
+    enabled,
+    num_layers,
+    model_layers,
+    offload_activations,
+    offload_weights,
+    double_buffering,
+    retain_pinned_cpu_buffers=False,
 ):
     """megatron-core's get_cpu_offload_context over TE >= 2.5 (extensions/transformer_engine.py):
-    the context for each layer's forward and the commit after it."""
+    the context for each layer's forward and the commit after it. megatron-core 0.19 passes
+    retain_pinned_cpu_buffers (TE >= 2.10 keeps its pinned host buffers between iterations):
+    host memory only, nothing on the GPU."""
     from contextlib import nullcontext
 
     if not offload_weights and not offload_activations:

@@ -150,11 +150,15 @@ class TEGroupedLinear(torch.nn.Module):
         is_expert=False,
         tp_comm_buffer_name=None,
         pg_collection=None,
+        name=None,
     ):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        from metatrace.models.te_linear import newer_arguments
+
         super().__init__()
+        newer_arguments(config)
         if not is_expert:
             raise AssertionError("TEGroupedLinear only supports expert parallelism")
         # FP8 primary weights (fp8_model_init): each weight{i} is TE's quantized tensor
@@ -278,6 +282,7 @@ class _ParallelGroupedLinear(TEGroupedLinear):
         is_expert,
         tp_comm_buffer_name=None,
         pg_collection=None,
+        name=None,
     ):
         super().__init__(
             num_gemms,

@@ -405,6 +405,20 @@ class _TELinearBase(torch.nn.Module):
         return self._run(x)
 
 
+def newer_arguments(config, gtp_remat_group=None) -> None:
+    """megatron-core 0.19 passes its TE layers a `name` (the key of a per-module recipe in
+    `config.quant_recipe`) and TELinear a `gtp_remat_group` (generalised tensor parallelism's
+    weight shards, a group of one when `gtp_remat_size` is 1). The stand-ins model neither a
+    per-module recipe nor weight re-materialisation: an error if either is in effect."""
+    if getattr(config, "quant_recipe", None) is not None:
+        raise ValueError("per-module quantization recipes (quant_recipe) are not modelled")
+    if gtp_remat_group is not None and gtp_remat_group.size() > 1:
+        raise ValueError(
+            "generalised tensor parallelism (gtp_remat_size > 1) is not modelled: its weight "
+            "shards are re-materialised per layer"
+        )
+
+
 class TELinear(_TELinearBase):
     """megatron-core's TELinear (TE's Linear); its column- and row-parallel wrappers subclass it,
     as megatron-core's do (attention and shared experts test `isinstance(.., TELinear)`)."""
@@ -430,8 +444,11 @@ class TELinear(_TELinearBase):
         is_expert=False,
         symmetric_ar_type=None,
         tp_group=None,
+        name=None,
+        gtp_remat_group=None,
     ):
         super().__init__()
+        newer_arguments(config, gtp_remat_group)
         if skip_weight_param_allocation:
             raise ValueError(
                 "Transformer Engine linear layers do not support skip_weight_param_allocation"
@@ -473,8 +490,10 @@ class TEColumnParallelLinear(TELinear):
         tp_comm_buffer_name=None,
         tp_group=None,
         stride=1,
+        name=None,
     ):
         _TELinearBase.__init__(self)
+        newer_arguments(config)
         if gather_output:
             raise ValueError("Transformer Engine linear layers do not support gather_output = True")
         self._setup_parallel(
@@ -506,8 +525,10 @@ class TERowParallelLinear(TELinear):
         is_expert,
         tp_comm_buffer_name=None,
         tp_group=None,
+        name=None,
     ):
         _TELinearBase.__init__(self)
+        newer_arguments(config)
         if not input_is_parallel:
             raise ValueError(
                 "Transformer Engine linear layers do not support input_is_parallel = False"
@@ -545,8 +566,10 @@ class TELayerNormColumnParallelLinear(_TELinearBase):
         tp_comm_buffer_name=None,
         tp_group=None,
         stride=1,
+        name=None,
     ):
         super().__init__()
+        newer_arguments(config)
         if gather_output or is_expert or skip_weight_param_allocation:
             raise ValueError(
                 "TELayerNormColumnParallelLinear supports none of gather_output, "

@@ -32,7 +32,7 @@ most; it never shrinks except on that retry.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from metatrace.config.allocator import (
@@ -74,6 +74,12 @@ def segment_size(size: int, config: AllocatorConfig) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
+_ADDR_BITS = 64
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
+"""A cached block in its pool's sorted list: size << _ADDR_BITS | address, one int ordered as
+the pair (size, address) is (addresses stay below 2**64), compared faster than a tuple."""
+
+
 class _Block:
     __slots__ = ("addr", "allocated", "key", "mapped", "next", "pending", "prev", "size")
 
@@ -113,8 +119,10 @@ class CachingAllocator:
     def __init__(self, config: AllocatorConfig | None = None, capacity: int | None = None):
         self.config = config or AllocatorConfig()
         self._plain = not any(self.config.roundup_power2_divisions)  # 512-byte rounding only
+        self._simple = not self.config.expandable_segments and self.config.max_split_size is None
         self.capacity = capacity
-        self.free_sets: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self.free_sets: dict[tuple[int, bool], list[int]] = {}
+        """Per pool its cached blocks as `_entry(size, addr)`, sorted: by size, then address."""
         self.by_addr: dict[int, _Block] = {}
         self.live: dict[object, tuple[_Block, tuple[int, bool]]] = {}
         self.streams_used: dict[object, set[int]] = {}
@@ -135,28 +143,27 @@ class CachingAllocator:
 
     # -------------------------------------------------------------- free-block sets
     def _insert(self, pool: tuple[int, bool], block: _Block) -> None:
-        bisect.insort(self.free_sets.setdefault(pool, []), (block.size, block.addr))
+        insort(self.free_sets.setdefault(pool, []), block.size << _ADDR_BITS | block.addr)
 
     def _remove(self, pool: tuple[int, bool], block: _Block) -> None:
         blocks = self.free_sets[pool]
-        i = bisect.bisect_left(blocks, (block.size, block.addr))
-        del blocks[i]
+        del blocks[bisect_left(blocks, block.size << _ADDR_BITS | block.addr)]
 
     def _best_fit(self, pool: tuple[int, bool], size: int) -> _Block | None:
         blocks = self.free_sets.get(pool)
         if not blocks:
             return None
-        i = bisect.bisect_left(blocks, (size, 0))
+        i = bisect_left(blocks, size << _ADDR_BITS)
         if i == len(blocks):
             return None
-        block = self.by_addr[blocks[i][1]]
+        block = self.by_addr[blocks[i] & _ADDR_MASK]
         if self.config.expandable_segments:
 
             def grows_to(b: _Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
             while i + 1 < len(blocks):
-                nxt = self.by_addr[blocks[i + 1][1]]
+                nxt = self.by_addr[blocks[i + 1] & _ADDR_MASK]
                 if grows_to(nxt) >= grows_to(block):
                     break
                 i, block = i + 1, nxt
@@ -166,7 +173,7 @@ class CachingAllocator:
                 return None
             if size >= limit and block.size >= size + self.config.max_non_split_rounding:
                 return None
-        self._remove(pool, block)
+        del blocks[i]
         return block
 
     # -------------------------------------------------------------- segments
@@ -236,7 +243,9 @@ class CachingAllocator:
                 (entry for blocks in self.free_sets.values() for entry in blocks[-8:]),
                 reverse=True,
             )[:8]
-            holes = [(size, self.by_addr[addr].key) for size, addr in largest]
+            holes = [
+                (entry >> _ADDR_BITS, self.by_addr[entry & _ADDR_MASK].key) for entry in largest
+            ]
             self.peak = Peak(self.reserved, self._key, holes)
 
     def release_cached(self) -> int:
@@ -244,7 +253,8 @@ class CachingAllocator:
         free pages at each segment's end (release_cached_blocks). Bytes released."""
         released = 0
         for pool, blocks in self.free_sets.items():
-            for size, addr in list(blocks):
+            for entry in list(blocks):
+                size, addr = entry >> _ADDR_BITS, entry & _ADDR_MASK
                 block = self.by_addr[addr]
                 if self.config.expandable_segments:
                     tail = block.next
@@ -257,19 +267,19 @@ class CachingAllocator:
                         continue
                     self._remove(pool, block)
                     del self.by_addr[tail.addr]
+                    if keep:
+                        block.size = keep
+                        self._insert(pool, block)
+                    else:  # before the tail takes its address
+                        del self.by_addr[block.addr]
+                        tail.prev = block.prev
+                        if block.prev is not None:
+                            block.prev.next = tail
                     tail.addr -= nbytes
                     tail.size += nbytes
                     if self.segment_log is not None:
                         self.segment_log.append(("segment_unmap", tail.addr, nbytes))
                     self.by_addr[tail.addr] = tail
-                    if keep:
-                        block.size = keep
-                        self._insert(pool, block)
-                    else:
-                        del self.by_addr[block.addr]
-                        tail.prev = block.prev
-                        if block.prev is not None:
-                            block.prev.next = tail
                 elif block.prev is None and block.next is None:
                     self._remove(pool, block)
                     del self.by_addr[addr]
@@ -294,8 +304,17 @@ class CachingAllocator:
             rounded = -(-size // MIN_BLOCK) * MIN_BLOCK if size > MIN_BLOCK else MIN_BLOCK
         else:
             rounded = round_size(size, self.config)
-        pool = (stream, rounded <= SMALL_SIZE)
-        block = self._best_fit(pool, rounded)
+        small = rounded <= SMALL_SIZE
+        pool = (stream, small)
+        if self._simple:  # _best_fit without its rules for expandable segments and max_split
+            blocks = self.free_sets.get(pool)
+            block = None
+            if blocks:
+                i = bisect_left(blocks, rounded << _ADDR_BITS)
+                if i < len(blocks):
+                    block = self.by_addr[blocks.pop(i) & _ADDR_MASK]
+        else:
+            block = self._best_fit(pool, rounded)
         if block is None:
             grow = self._grow if self.config.expandable_segments else self._new_segment
             block = grow(pool, rounded)
@@ -305,25 +324,27 @@ class CachingAllocator:
             if block is None:
                 raise OutOfMemory(self.events, rounded, self.reserved, self.allocated)
         rest = block.size - rounded
-        if self.config.expandable_segments or pool[1]:
+        if small or self.config.expandable_segments:
             split = rest >= MIN_BLOCK
         else:
             limit = self.config.max_split_size
             split = (limit is None or rounded < limit) and rest > SMALL_SIZE
         if split:
-            remaining = _Block(block.addr + rounded, rest)
-            self.by_addr[remaining.addr] = remaining
-            remaining.prev, remaining.next = block, block.next
-            if block.next is not None:
-                block.next.prev = remaining
+            addr = block.addr + rounded
+            remaining = _Block(addr, rest)
+            self.by_addr[addr] = remaining
+            after = block.next
+            remaining.prev, remaining.next = block, after
+            if after is not None:
+                after.prev = remaining
             block.next = remaining
             block.size = rounded
             remaining.key = block.key
-            self._insert(pool, remaining)
+            insort(self.free_sets.setdefault(pool, []), rest << _ADDR_BITS | addr)
         block.allocated = True
         block.key = key
         self.live[key] = (block, pool)
-        self.allocated += block.size
+        self.allocated += rounded if split else block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
 
@@ -371,20 +392,24 @@ class CachingAllocator:
 
     def _cache(self, block: _Block, pool: tuple[int, bool]) -> None:
         """Return a block to its pool, merged with its free neighbours (free_block)."""
-        del self.by_addr[block.addr]
-        for neighbour in (block.prev, block.next):
-            if neighbour is None or not self._is_free(neighbour):
-                continue
-            self._remove(pool, neighbour)
-            del self.by_addr[neighbour.addr]
-            if neighbour is block.prev:
-                block.addr, block.prev = neighbour.addr, neighbour.prev
-                if neighbour.prev is not None:
-                    neighbour.prev.next = block
-            else:
-                block.next = neighbour.next
-                if neighbour.next is not None:
-                    neighbour.next.prev = block
-            block.size += neighbour.size
-        self.by_addr[block.addr] = block
-        self._insert(pool, block)
+        by_addr = self.by_addr
+        blocks = self.free_sets.setdefault(pool, [])
+        del by_addr[block.addr]
+        prev = block.prev
+        if prev is not None and prev.mapped and not prev.allocated and not prev.pending:
+            del blocks[bisect_left(blocks, prev.size << _ADDR_BITS | prev.addr)]
+            del by_addr[prev.addr]
+            block.addr, block.prev = prev.addr, prev.prev
+            if prev.prev is not None:
+                prev.prev.next = block
+            block.size += prev.size
+        nxt = block.next
+        if nxt is not None and nxt.mapped and not nxt.allocated and not nxt.pending:
+            del blocks[bisect_left(blocks, nxt.size << _ADDR_BITS | nxt.addr)]
+            del by_addr[nxt.addr]
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+            block.size += nxt.size
+        by_addr[block.addr] = block
+        insort(blocks, block.size << _ADDR_BITS | block.addr)

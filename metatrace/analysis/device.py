@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 from metatrace.analysis.allocator import (
     CachingAllocator,
@@ -202,40 +203,87 @@ class Reserve:
     """Times it freed its cache to find room (num_alloc_retries)."""
 
 
+@dataclass(frozen=True)
+class Requests:
+    """A rank's allocations as the allocator is asked for them (`requests`): the storages'
+    sizes followed once, so that several simulations of them (other settings, a capacity)
+    each only run the allocator."""
+
+    ops: list
+    """[(n, key)]: n > 0 allocates n bytes for key, 0 frees it, n < 0 grows it in place to -n
+    bytes (a new block, then the old one freed)."""
+    keys: list | None
+    """The allocations' keys by the int each op names them by; None where ops hold them."""
+
+    def key(self, k: object) -> object:
+        """The allocations' key of what the allocator saw as `k` (None: no tensor's)."""
+        if self.keys is None or k is None:
+            return k
+        if isinstance(k, tuple):  # ("grown", k)
+            return (k[0], self.keys[k[1]])
+        return self.keys[cast(int, k)]
+
+
+def requests(events, *, intern: bool = True) -> Requests:
+    """The allocator's requests of `events` ((delta, key) as allocations() gives): a positive
+    delta allocates, or grows a live storage; a free (or a delta that takes it to 0 or below)
+    frees a live one, a smaller negative one shrinks it in place (no request), one of a storage
+    not live is nothing. `intern`: name keys by ints (cheaper to hash than allocations()'s
+    tuples)."""
+    size: dict = {}
+    ops: list = []
+    append = ops.append
+    ids: dict = {}
+    for delta, key in events:
+        if intern:
+            k = ids.get(key)
+            if k is None:
+                k = ids[key] = len(ids)
+        else:
+            k = key
+        now = size.get(k, 0)
+        if delta > 0:
+            size[k] = now + delta
+            append((-(now + delta), k) if now else (delta, k))
+        elif now:
+            if now + delta <= 0:
+                append((0, k))
+                del size[k]
+            else:
+                size[k] = now + delta
+    return Requests(ops, list(ids) if intern else None)
+
+
 def simulate(
     events, config: AllocatorConfig, capacity: int | None = None, *, alloc=None
 ) -> Reserve:
-    """Run `events` ((delta, key) as allocations() gives) through the allocator (`alloc`, a
-    CachingAllocator to watch, made here by default)."""
+    """Run `events` ((delta, key) as allocations() gives, or their Requests) through the
+    allocator (`alloc`, a CachingAllocator to watch, made here by default)."""
+    if not isinstance(events, Requests):
+        events = requests(events, intern=alloc is None)
     alloc = alloc or CachingAllocator(config, capacity)
-    size: dict = {}
+    malloc, free = alloc.malloc, alloc.free
     oom = None
     try:
-        for delta, key in events:
-            now = size.get(key, 0)
-            if delta > 0:
-                if now:  # grown in place: a new block, then the old one freed
-                    alloc.malloc(("grown", key), now + delta)
-                    alloc.free(key)
-                    alloc.rename(("grown", key), key)
-                else:
-                    alloc.malloc(key, delta)
-                size[key] = now + delta
-            elif now:
-                if now + delta <= 0:
-                    alloc.free(key)
-                    del size[key]
-                else:
-                    size[key] = now + delta
+        for n, k in events.ops:
+            if n > 0:
+                malloc(k, n)
+            elif n == 0:
+                free(k)
+            else:  # grown in place: a new block, then the old one freed
+                grown = ("grown", k)
+                malloc(grown, -n)
+                free(k)
+                alloc.rename(grown, k)
     except OutOfMemory as e:
         oom = e
     peak: Peak = alloc.peak
     return Reserve(
         reserved=peak.reserved,
         allocated=alloc.peak_allocated,
-        holes=tuple(peak.holes),
+        holes=tuple((nbytes, events.key(k)) for nbytes, k in peak.holes),
         segments=alloc.segments,
-        peak_key=peak.key,
+        peak_key=events.key(peak.key),
         oom=oom,
         retries=alloc.retries,
     )
@@ -495,7 +543,7 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     from metatrace.config.userbuffers import userbuffer_bytes
 
     config = parse_alloc_conf(job.cluster.allocator_conf or "")
-    events = list(allocations(rt.trace, rt.iteration))
+    events = requests(allocations(rt.trace, rt.iteration))
     reserve = simulate(events, config)
     collectives = list(rt.trace.collectives)
     if rt.iteration is not None:

@@ -148,7 +148,7 @@ def config_changes(a: dict, b: dict) -> list[dict]:
             va, vb = flat_a.get(key), flat_b.get(key)
             if va != vb:
                 out.append({"key": key, "a": va, "b": vb})
-    for key in ("moe_routing",):
+    for key in ("moe_routing", "megatron_core"):
         if a.get(key) != b.get(key):
             out.append({"key": key, "a": a.get(key), "b": b.get(key)})
     return out

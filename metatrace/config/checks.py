@@ -579,6 +579,9 @@ def _check_fsdp(job):
             ("fsdp_outer_sharding_strategy", "no_shard"),
             ("fsdp_double_buffer", False),
             ("fsdp_communication_unit_size", None),
+            ("fsdp_main_grads_dtype", "auto"),
+            ("fsdp_main_params_dtype", "fp32"),
+            ("fsdp_grad_comm_dtype", "auto"),
         )
         if getattr(tr, name) != default
     ]

@@ -425,6 +425,20 @@ class Training:
     fsdp_communication_unit_size: int | None = None
     """With megatron_fsdp: elements to all-gather at once, which sets how far ahead parameters
     are prefetched (--suggested-communication-unit-size; default: megatron-core's)."""
+    fsdp_main_grads_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """With megatron_fsdp under megatron-core 0.19 (--megatron-fsdp-main-grads-dtype): the
+    dtype of the main-gradient buffer, which is also what the reduce-scatters send unless
+    fsdp_grad_comm_dtype says otherwise; auto: the parameters' (bf16 under bf16, where
+    megatron-core 0.16.1 keeps them in fp32 with grad_reduce_in_fp32). 0.16.1 has no such
+    option: another value than auto is an error there."""
+    fsdp_main_params_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """With megatron_fsdp under megatron-core 0.19 (--megatron-fsdp-main-params-dtype): the
+    dtype of the sharded main weights the optimizer steps; auto: the parameters' own, no
+    separate copy. 0.16.1 keeps them in fp32: another value is an error there."""
+    fsdp_grad_comm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """With megatron_fsdp under megatron-core 0.19 (--megatron-fsdp-grad-comm-dtype): the dtype
+    the gradient reduce-scatters send (a cast copy where it differs from the main gradients');
+    auto: the main gradients'. Not in 0.16.1: another value is an error there."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam (Megatron-LM's default) or SGD with momentum."""
     sgd_momentum: float = 0.9

@@ -20,7 +20,7 @@ is taken for every layer and micro-batch on the rank shown, not as a draw per la
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_max_binomial(draws: int, p: float, count: int) -> float:
@@ -92,6 +92,12 @@ class Routing:
     multiple of its share (so it caps the hottest expert's load)."""
     dispatch: Dispatch | None = None
     """The job's layout of one dispatch (to describe the random policy's load)."""
+    _hottest: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """expected_hottest's values by its arguments: every MoE layer of a trace asks for the
+    same dispatch, forward and recompute alike (DeepSeek-V3's 58 twice), and one value takes
+    up to 0.1 s (its sum runs to `draws` where the distribution function rounds short of 1).
+    The instance lives on one job's transformer config (models.build), so the memo is one
+    trace's."""
 
     @classmethod
     def of(cls, config) -> Routing:
@@ -121,7 +127,15 @@ class Routing:
         `sources` ranks, after token dropping."""
         if self.policy != "random":
             return self.balanced_load
-        return self._capped(expected_hottest(tokens * sources, experts, topk))
+        return self._capped(self.hottest(tokens * sources, experts, topk))
+
+    def hottest(self, draws: int, experts: int, topk: int) -> float:
+        """expected_hottest(draws, experts, topk), computed once per instance."""
+        args = (draws, experts, topk)
+        value = self._hottest.get(args)
+        if value is None:
+            value = self._hottest[args] = expected_hottest(draws, experts, topk)
+        return value
 
     @property
     def balanced_load(self) -> float:
@@ -147,7 +161,7 @@ class Routing:
                 f": the hottest of {d.experts} experts {load:.3f}x its share "
                 f"({d.sources} x {d.tokens} tokens, top-{d.topk}), on every rank"
             )
-            uncapped = expected_hottest(d.tokens * d.sources, d.experts, d.topk)
+            uncapped = self.hottest(d.tokens * d.sources, d.experts, d.topk)
             if load != uncapped:
                 text += f" (capacity factor {self.capacity_factor:g} drops the rest)"
             return text

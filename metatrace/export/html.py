@@ -722,6 +722,12 @@ def _search(report) -> str:
 # ----------------------------------------------------------------------------- the page
 
 
+def _release(report: dict) -> str:
+    """ "megatron-core 0.19.2 · ", the release the job was traced under ("" when none)."""
+    release = report.get("megatron_core")
+    return f"megatron-core {esc(release)} · " if release else ""
+
+
 def page(report: dict, timelines=None) -> str:
     """The whole page. `timelines`: one sequence of (phase, bytes) per role, in the order of
     report["roles"] (RoleMemory.timeline); without them the pictures over time are left out."""
@@ -729,7 +735,8 @@ def page(report: dict, timelines=None) -> str:
     title = f"metatrace: {model} on {report['world']['num_gpus']} GPUs"
     body = [
         f"<h1>{esc(title)}</h1>",
-        f'<p class="note">metatrace {esc(report["metatrace_version"])} · report schema '
+        f'<p class="note">metatrace {esc(report["metatrace_version"])} · '
+        f"{_release(report)}report schema "
         f"{esc(report['schema_version'])} · job {esc(report['source'])}</p>",
         _configuration(report),
         _verdict(report),

@@ -236,6 +236,7 @@ def job_report(analysis) -> dict:
     report = {
         "schema_version": SCHEMA_VERSION,
         "metatrace_version": __version__,
+        "megatron_core": analysis.traced.megatron_core,
         "source": job.source,
         "model": model,
         "parallel": dataclasses.asdict(par),

@@ -341,9 +341,18 @@ def host_seconds(job) -> float:
     config.host.HOST_SECONDS): its layers' forward and backward per micro-batch, the embedding
     on the first stage and the output layer on the last, and the optimizer step. Layers that
     CUDA graphs replay cost the host nothing."""
+    from metatrace.config import release
+    from metatrace.config.host import HOST_SECONDS
+
     m, par, tr = job.model, job.parallel, job.training
     impl = job.implementation.transformer_impl
     forward, backward = _host_units((impl, "forward")), _host_units((impl, "backward"))
+    newer = release.since(0, 19)
+    if newer and not (m.qk_layernorm or m.multi_latent_attention):
+        # HOST_UNITS counts megatron-core 0.16.1's modules: 0.19's attention builds no
+        # IdentityOp for absent query and key norms (attention.py: q_layernorm None), two
+        # module calls fewer a layer
+        forward -= 2 * HOST_SECONDS["module"]
     moe_share = shape_of(job).moe_layers / m.num_layers if m.num_experts else 0.0
     if moe_share:
         local = 1 if job.implementation.moe_grouped_gemm else max(1, m.num_experts // par.ep)

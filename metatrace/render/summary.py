@@ -167,6 +167,8 @@ def build_job_line(analysis) -> Group:
         tr.precision,
         f"on {cl.num_gpus:,} × {cl.gpu} ({cl.gpu_memory_gib:g} GiB)",
     ]
+    if analysis.traced.megatron_core:
+        head.append(f"megatron-core {analysis.traced.megatron_core}")
     parts = [Joined(head, ", "), Joined(layout)]
     features = in_effect(job)
     if features:

@@ -1,5 +1,6 @@
-"""What Megatron-FSDP (megatron-core 0.16.1) does once per iteration around the micro-batch that
-metatrace traces, restated for the replayed iteration (metatrace.tracing.iteration).
+"""What Megatron-FSDP (megatron-core 0.16.1 and 0.19) does once per iteration around the
+micro-batch that metatrace traces, restated for the replayed iteration
+(metatrace.tracing.iteration).
 
 The traced micro-batch runs megatron-core's own hooks: the all-gathers within the sharding group
 before each unit's forward and backward, and the reduce-scatters after each backward. It stands
@@ -8,6 +9,8 @@ or the last one does is here:
 
 - the parameters every step after the first finds gathered with the optim and optim_grads
   strategies (gathered_once);
+- the modules' training states the run's first backward leaves, in which the forward steps
+  after it gather (past_first_backward, megatron-core 0.19);
 - without sharded gradients, the reduction of the whole gradients in the last micro-batch
   (reduce_unsharded);
 - with hybrid sharding (HSDP, num_distributed_optimizer_instances > 1), the reduction across the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from metatrace.hooks import guards
 from metatrace.models.build import is_fsdp
 
 
@@ -39,14 +43,51 @@ def gathered_once(model) -> None:
 
 
 def past_first_microbatch(model) -> None:
-    """Make the next micro-batch one after the first of its iteration: with outer sharding,
-    MegatronFSDP.all_gather_and_wait_parameters_ready gathers across the instances only while
-    its microbatch_count is 0 (the first micro-batch, and the optimizer step after
-    finish_grad_sync has reset it). Run before the traced micro-batch, whose records stand for
-    every micro-batch; the replay issues the first one's gathers (outer_gather)."""
+    """Make the next micro-batch one after the first of its iteration (and of the run), as
+    megatron-core's hooks see it. Run before the traced micro-batch, whose records stand for
+    every micro-batch.
+
+    - With outer sharding, MegatronFSDP.all_gather_and_wait_parameters_ready gathers across the
+      instances only while its microbatch_count is 0 (the first micro-batch, and the optimizer
+      step after finish_grad_sync has reset it); the replay issues the first one's gathers
+      (outer_gather).
+    - The modules' training states the first backward leaves (past_first_backward)."""
     for chunk in model:
         if _outer_sharded(chunk):
             chunk.module.microbatch_count = max(1, chunk.module.microbatch_count)
+        if is_fsdp(chunk):
+            past_first_backward(chunk)
+
+
+def past_first_backward(chunk) -> None:
+    """The _training_state in which the run's first backward leaves the modules outside FSDP
+    units (megatron-core 0.19 with optim_grads_params): the root pre-backward hook sets every
+    module to PRE_BACKWARD, and each unit's post-backward hook sets its own modules back to
+    IDLE; the others (the embedding, the final norm, the output layer, the model around them)
+    stay PRE_BACKWARD for the rest of the run. Their forward pre-hooks then gather their own
+    bucket without prefetching the buckets after it (prefetching is for the forward only,
+    and PRE_BACKWARD means an activation recomputation to them), so that from the second
+    micro-batch on the final norm no longer gathers the transformer layers' buckets, which
+    their forward released, ahead of the backward at the end of the forward: each layer's
+    pre-backward hook gathers them. The run's first micro-batch alone (which the traced one
+    would otherwise be) holds them through the output layer and the loss.
+    megatron-core 0.16.1's root hook sets the units alone (which their post-backward hooks set
+    back), so the first micro-batch is like the others: nothing to do. Restates the states of
+    megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP._register_fsdp_hooks
+    (source sha256: 4a2ad8c46cd5, 29f389789017)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import TrainingState
+
+    fsdp = chunk.module
+    strategy = chunk.ddp_config.data_parallel_sharding_strategy
+    if not guards.since(0, 19) or strategy != "optim_grads_params":
+        return
+    units = tuple(fsdp.fsdp_unit_modules)
+    in_units = {
+        id(m) for unit in fsdp.module.modules() if isinstance(unit, units) for m in unit.modules()
+    }
+    for module in fsdp.module.modules():
+        if id(module) not in in_units:
+            module._training_state = TrainingState.PRE_BACKWARD
 
 
 def new_iteration(model) -> None:

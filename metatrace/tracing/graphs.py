@@ -101,14 +101,21 @@ def _static_batches(job) -> list[dict] | None:
 def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
     """megatron-core's TECudaGraphHelper sample inputs over the chunks, and TE's gradient buffer
     per output signature."""
-    from megatron.core.transformer import cuda_graphs
-    from megatron.core.transformer.enums import CudaGraphScope
+    from megatron.core.transformer import cuda_graphs, enums
 
+    from metatrace.hooks import guards
     from metatrace.hooks.patches import TE_RELEASE
 
     tr = job.training
-    scope = [CudaGraphScope[s] for s in (tr.cuda_graph_scope or [])]
-    saved = (config.cuda_graph_impl, config.cuda_graph_scope)
+    # megatron-core 0.19 renamed the scope cuda_graph_modules (CudaGraphModule); the config
+    # migrates a scope given at construction, not one set on it afterwards as here
+    attr, kind = (
+        ("cuda_graph_modules", enums.CudaGraphModule)
+        if guards.since(0, 19)
+        else ("cuda_graph_scope", enums.CudaGraphScope)
+    )
+    scope = [kind[s] for s in (tr.cuda_graph_scope or [])]
+    saved = (config.cuda_graph_impl, getattr(config, attr))
     orig = (cuda_graphs.HAVE_TE_GRAPHS, cuda_graphs.is_te_min_version)
 
     def is_te_min_version(version, check_equality=True):
@@ -117,7 +124,8 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
 
     try:
         # The layers read the scope from their (shared) config: whether the mask is an input.
-        config.cuda_graph_impl, config.cuda_graph_scope = "transformer_engine", scope
+        config.cuda_graph_impl = "transformer_engine"
+        setattr(config, attr, scope)
         cuda_graphs.HAVE_TE_GRAPHS, cuda_graphs.is_te_min_version = True, is_te_min_version
         helper = cuda_graphs.TECudaGraphHelper(model, config, tr.seq_length, tr.micro_batch_size)
         if not helper.flattened_callables:
@@ -129,7 +137,8 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
         with torch.device("meta"):
             args, kwargs = helper._get_sample_arguments(order)
     finally:
-        config.cuda_graph_impl, config.cuda_graph_scope = saved
+        config.cuda_graph_impl = saved[0]
+        setattr(config, attr, saved[1])
         cuda_graphs.HAVE_TE_GRAPHS, cuda_graphs.is_te_min_version = orig
     unique: dict[int, torch.Tensor] = {}
     for sample in [*args, *(tuple(k.values()) for k in kwargs)]:

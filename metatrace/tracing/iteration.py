@@ -279,7 +279,8 @@ class _Replay:
                 seen.add(id(group))
                 group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
 
-    def backward_step(self, input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def backward_step(self, input_tensor, output_tensor, output_tensor_grad, *_):
+        # *_: (model_type, config) in megatron-core 0.16.1, (config,) in 0.19
         self.rec.set_step_phase("backward")
         out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
         v, microbatch, held, _ = out.__dict__[_HELD]

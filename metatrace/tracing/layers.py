@@ -16,7 +16,10 @@ last two kept layers must record the same thing, and so must the backwards of th
 the last kept one (whose backward follows the run's last layer's, which may differ: it becomes
 the backward of the layer before the run's last). `expand` checks it and returns None when they
 do not: the micro-batch is then traced whole. Jobs with features that keep state per layer or
-treat layers by position are traced whole (`eligible`).
+treat layers by position are traced whole (`eligible`). Where the layers share a cache that
+fills up (MLA's rotary embeddings), metatrace.tracing.caches puts back the evictions of the
+skipped layers; buffers a layer's forward replaces (the router's float32 expert bias) are
+replaced in the skipped layers too (`mirror`).
 """
 
 from __future__ import annotations
@@ -71,10 +74,9 @@ def eligible(job, config, device: str) -> bool:
 
 
 def runs(config, models: dict[str, Any]) -> list[Run]:
-    """The runs worth cutting in the decoders of `models` ({chunk prefix: GPTModel}); none where
-    a cache shared by the layers fills up (_shared_cache_fills)."""
-    if _shared_cache_fills(models):
-        return []
+    """The runs worth cutting in the decoders of `models` ({chunk prefix: GPTModel}). Where
+    the layers share a cache that fills up (MLA's rotary embeddings), metatrace.tracing.caches
+    puts back the evictions the skipped layers make."""
     out = []
     for prefix, model in models.items():
         block = getattr(model, "decoder", None)
@@ -89,24 +91,6 @@ def runs(config, models: dict[str, Any]) -> list[Run]:
                 out.append(Run(name, start, i - 1))
             start = i
     return out
-
-
-def _shared_cache_fills(models: dict[str, Any]) -> bool:
-    """Whether modules share a least-recently-used cache of their forward with more instances
-    than it surely holds: megatron-core's rotary embeddings cache their output (lru_cache(maxsize=32) on
-    the class), and multi-latent attention has one per layer, so from the 33rd layer on each
-    layer's forward evicts (frees) an earlier layer's entry. A kept layer never sees that
-    (measured: DeepSeek-V3's 61 layers on one GPU, 30 frees of 1 MiB missing when cut)."""
-    count: Counter = Counter()
-    size: dict = {}
-    for model in models.values():
-        for module in model.modules():
-            forward = type(module).forward
-            if hasattr(forward, "cache_parameters"):
-                count[forward] += 1
-                size[forward] = forward.cache_parameters()["maxsize"]
-    # Conservatively, as if each instance took two entries (forward and recomputation).
-    return any(size[f] is not None and 2 * n > size[f] for f, n in count.items())
 
 
 def _layer_key(config, layer) -> tuple:
@@ -133,9 +117,13 @@ class Marks:
     layer)."""
 
     def __init__(self):
+        from metatrace.tracing.caches import Calls
+
         self.at: dict[tuple[str, int, str], Any] = {}
         self.statics: dict[tuple[str, int], list[int]] = {}
         """The storage ids of each layer's parameters and buffers (all layers, kept or not)."""
+        self.calls = Calls()
+        """The calls of a cache the layers share (metatrace.tracing.caches)."""
 
 
 @contextlib.contextmanager
@@ -143,13 +131,18 @@ def truncated(models: dict[str, Any], cut: list[Run], rec):
     """While inside, each block runs only the kept layers of its runs; yields the Marks."""
     import torch
 
+    from metatrace.tracing import caches
+
     marks = Marks()
     handles = []
     saved = []
     by_block: dict[str, list[Run]] = {}
     for run in cut:
         by_block.setdefault(run.block, []).append(run)
+    watching = contextlib.ExitStack()
     try:
+        if caches.fills(models):
+            watching.enter_context(caches.watch(models, rec, marks.at, marks.calls))
         for prefix, model in models.items():
             name = f"{prefix}.decoder" if prefix else "decoder"
             block_runs = by_block.get(name)
@@ -180,6 +173,45 @@ def truncated(models: dict[str, Any], cut: list[Run], rec):
             block.num_layers_per_pipeline_rank = count
         for handle in handles:
             handle.remove()
+        watching.close()
+
+
+def mirror(models: dict[str, Any], cut: list[Run]) -> bool:
+    """After a micro-batch traced in part, outside its recorder: give each skipped layer the
+    buffers its forward would have replaced, as the period layer's forward replaced its own
+    (megatron-core's router keeps its expert bias in float32 from its first forward on; MLA's
+    rotary embedding caches cos and sin in the input's dtype): a new tensor like the period
+    layer's where its dtype or shape differ. The iteration's recorder sees them. False where
+    the skipped layers' parameters and buffers still differ from the period layer's (the
+    micro-batch is then traced whole)."""
+    import torch
+
+    def state(layer) -> list:
+        return [
+            (name, t.dtype, tuple(t.shape))
+            for name, t in (*layer.named_parameters(), *layer.named_buffers())
+        ]
+
+    blocks = {
+        (f"{prefix}.decoder" if prefix else "decoder"): model.decoder
+        for prefix, model in models.items()
+        if getattr(model, "decoder", None) is not None
+    }
+    for run in cut:
+        layers = blocks[run.block].layers
+        period = layers[run.period]
+        theirs = dict(period.named_buffers())
+        for i in range(run.period + 1, run.last):
+            with torch.no_grad():
+                for name, buffer in layers[i].named_buffers():
+                    like = theirs.get(name)
+                    if like is None:
+                        return False
+                    if (like.dtype, like.shape) != (buffer.dtype, buffer.shape):
+                        buffer.data = torch.empty_like(like)
+            if state(layers[i]) != state(period):
+                return False
+    return True
 
 
 def _in_backward() -> bool:
@@ -233,18 +265,46 @@ def _end(marks, rec, block, last):
 def expand(trace, cut: list[Run], marks: Marks):
     """The records of the whole micro-batch from those of the truncated one, or None when a
     run's kept layers do not record the same thing (see the module docstring)."""
+    from metatrace.tracing import caches
+
     at = dict(marks.at)
     for run in cut:
+        copies = _copied_calls(run, at, marks.calls)
         done = _expand_run(trace, run, at, marks.statics)
         if done is None:
             return None
         trace, at = done
+        if copies is not None:
+            caches.copied(at, marks.calls, run, *copies)
+    if marks.calls.info:
+        trace = caches.evict(trace, at, marks.calls)
+        if trace is None:
+            return None
     # Each window's host pieces (cut at the marks) as one, as tracing every layer gives them.
     windows = tuple(
         dataclasses.replace(w, host=(product(w.host),)) if len(w.host) > 1 else w
         for w in trace.windows
     )
     return dataclasses.replace(trace, windows=windows)
+
+
+def _copied_calls(run: Run, at: dict, calls) -> tuple | None:
+    """Where the calls of a shared cache by `run`'s skipped layers go (caches.copied's
+    arguments after the run): the period layer's call, the copies' count, and one forward's
+    records, storage ids and live bytes; None where the period layer made no call."""
+    from metatrace.tracing.caches import CALL
+
+    fqn = run.fqn(run.period)
+    keys = [k for k, info in calls.info.items() if info[3] == fqn or info[3].startswith(fqn + ".")]
+    executed = sorted({i for (b, i, _) in at if b == run.block})
+    later = [i for i in executed if i > run.period]
+    if len(keys) > 1:  # copies of one call per layer only
+        calls.failed = "a layer calling the cache more than once"
+    if len(keys) != 1 or keys[0][0] != CALL or not later:
+        return None
+    key = keys[0]
+    start, end = at[(run.block, run.period, "pre")], at[(run.block, later[0], "pre")]
+    return key, run.copies, end.seq - start.seq, end.sid - start.sid, end.live - start.live
 
 
 _COLLECTIVE_FIELDS = (

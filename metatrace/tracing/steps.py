@@ -23,6 +23,8 @@ from functools import partial
 
 import torch
 
+from metatrace.hooks import guards
+
 
 def synthetic_batches(*, micro_batch_size: int, seq_length: int, attention_mask: bool):
     """An endless iterator of the host-side dicts Megatron's GPTDataset yields (token ids are
@@ -114,7 +116,12 @@ def get_batch(data_iterator, vp_stage, *, micro_batch_size, seq_length, attentio
         attention_mask=attention_mask,
         mtp=mtp,
     )
-    batch = get_batch_on_this_cp_rank(batch)
+    if guards.since(0, 19):  # the group and the hybrid-CP switch became arguments
+        batch = get_batch_on_this_cp_rank(
+            batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group()
+        )
+    else:
+        batch = get_batch_on_this_cp_rank(batch)
     return (
         batch["tokens"],
         batch["labels"],

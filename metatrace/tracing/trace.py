@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from metatrace.config.hardware import cublas_workspace_bytes
 from metatrace.config.kernels import kernel_model
 from metatrace.config.userbuffers import userbuffers
+from metatrace.hooks import guards
 from metatrace.records import JobTrace, RoleTrace
 from metatrace.world import Role, World
 
@@ -123,6 +124,7 @@ def trace_job(
         roles=tuple(roles),
         full=full,
         seconds={"trace": time.perf_counter() - start},
+        megatron_core=guards.release_text(),
     )
 
 
@@ -479,7 +481,7 @@ def _microbatch(job, config, model, recorder, static, device, workspace, plan, l
     trace = rec.trace()
     if runs:
         trace = layers.expand(trace, runs, marks)
-        if trace is None:
+        if trace is None or not layers.mirror(models, runs):
             raise _Whole
     traced = Microbatch(trace, shapes, deferred, log.record() if log is not None else None)
     del workspaces, captured  # after the recorder: not freed in the micro-batch
@@ -535,7 +537,8 @@ def run_microbatch(
     comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=config)
     seq = tr.seq_length // par.cp // (par.tp if par.sequence_parallel else 1)
     tensor_shape = (seq, tr.micro_batch_size, config.hidden_size)
-    model_type = get_model_type(model[0])
+    # megatron-core 0.19's backward_step no longer takes the model type
+    model_type = () if guards.since(0, 19) else (get_model_type(model[0]),)
 
     def window(phase, v):
         return rec.window(phase, v, 0) if rec is not None else contextlib.nullcontext({})
@@ -586,7 +589,7 @@ def run_microbatch(
         output_grad = comm.recv_backward(tensor_shape, is_last_stage=last)
         with window("backward", v):
             input_grad = schedules.backward_step(
-                input_tensor, output_tensor, output_grad, model_type, config
+                input_tensor, output_tensor, output_grad, *model_type, config
             )
         comm.send_backward(input_grad, is_first_stage=first)
     # megatron-core's forward_step hands each chunk its input with set_input_tensor, and the

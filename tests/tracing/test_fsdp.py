@@ -4,25 +4,29 @@ micro-batch and per iteration, and the prediction against megatron-core running 
 tensors (`metatrace measure`).
 
 The debug preset with dp 4 (tp = pp = 1): every rank holds all N parameters' shards. bf16
-parameters, fp32 main gradients (grad_reduce_in_fp32, Megatron-LM's default with bf16), Adam:
-per parameter 2 bytes of weights, 4 of gradients, 4 of main weights and 8 of moments, sharded
-over the 4 ranks or not as the strategy says. megatron-core pads each buffer to a multiple of
+parameters, main gradients in fp32 under megatron-core 0.16.1 (grad_reduce_in_fp32, Megatron-LM's
+default with bf16) and in the parameters' bf16 under 0.19 (megatron_fsdp_main_grads_dtype None,
+its default), Adam: per parameter 2 bytes of weights, GRAD of gradients, 4 of main weights and 8
+of moments, sharded over the 4 ranks or not as the strategy says. megatron-core pads each buffer to a multiple of
 the data-parallel size (and the allocator to 512 bytes), which the bounds allow (1.5 %)."""
 
 import pytest
 import torch
 
 from metatrace.analysis.analyze import analyze
+from metatrace.errors import ConfigError
+from metatrace.hooks import guards
 from metatrace.tracing.measure import measure_rank, predict
 from metatrace.tracing.trace import trace_job
 from tests.helpers import small_job
 
 DP = 4
+GRAD, GRAD_DTYPE = (2, "bfloat16") if guards.since(0, 19) else (4, "float32")
 # strategy -> (params, grads, optimizer) bytes per parameter on each rank
 CLOSED = {
-    "optim": (2, 4, 12 / DP),
-    "optim_grads": (2, 4 / DP, 12 / DP),
-    "optim_grads_params": (2 / DP, 4 / DP, 12 / DP),
+    "optim": (2, GRAD, 12 / DP),
+    "optim_grads": (2, GRAD / DP, 12 / DP),
+    "optim_grads_params": (2 / DP, GRAD / DP, 12 / DP),
 }
 
 
@@ -85,14 +89,15 @@ def test_optim_keeps_what_ddp_with_the_distributed_optimizer_keeps(analyses):
         .memory
     )
     fsdp = analyses["optim"].roles[0].memory
-    for part in ("params", "grads", "optimizer"):
+    for part in ("params", "optimizer"):
         assert within(getattr(fsdp, part), getattr(ddp, part))
+    assert within(fsdp.grads, ddp.grads * GRAD / 4)  # DDP's are fp32 (grad_reduce_in_fp32)
 
 
 def test_optim_grads_params_gathers_each_layer_twice_and_reduces_every_micro_batch(analyses):
     """Per micro-batch: every parameter all-gathered in bf16 once (the embedding, output layer
     and final norm, outside any FSDP unit, stay gathered from forward to backward) and each
-    transformer layer's again for its backward; every gradient reduce-scattered in fp32. The
+    transformer layer's again for its backward; every gradient reduce-scattered in its dtype. The
     optimizer step gathers the first buckets of the next iteration ahead."""
     a = analyses["optim_grads_params"]
     n, layers = a.total_params, 2
@@ -105,7 +110,7 @@ def test_optim_grads_params_gathers_each_layer_twice_and_reduces_every_micro_bat
     gathered = sum(it.count * it.message for it in steps if it.op == "all_gather") / m
     reduced = sum(it.count * it.message for it in steps if it.op == "reduce_scatter") / m
     assert within(gathered, 2 * (n + layers * per_layer))
-    assert within(reduced, 4 * n)
+    assert within(reduced, GRAD * n)
     assert all(it.overlapped for it in steps)
     assert {it.dtype for it in steps if it.op == "all_gather"} == {"bfloat16"}
     # No reduction after the last micro-batch: every backward reduced its own gradients.
@@ -123,7 +128,7 @@ def test_optim_reduces_the_gradients_once_per_iteration(overlap):
     rs = [it for it in items if it.op == "reduce_scatter"]
     assert [(it.count, it.per_microbatch) for it in rs] == [(1, False)]
     assert rs[0].phase == ("backward" if overlap else "grad sync")
-    assert within(rs[0].message, 4 * n)
+    assert within(rs[0].message, GRAD * n)
     ag = [it for it in items if it.op == "all_gather"]
     assert [(it.count, it.phase) for it in ag] == [(1, "optimizer")]
     assert within(ag[0].message, 2 * n)
@@ -174,7 +179,7 @@ def test_double_buffer_keeps_two_layers_of_parameters_and_gradients_for_good(ana
         trace_job(fsdp_job("optim_grads_params", fsdp_double_buffer=True), full_model=False)
     ).roles[0]
     kept = double.memory.workspaces - a.roles[0].memory.workspaces
-    assert within(kept, 2 * layer * (2 + 4))
+    assert within(kept, 2 * layer * (2 + GRAD))
 
 
 # ----------------------------------------------------------------------------- FP8 parameters
@@ -316,7 +321,7 @@ def test_hybrid_sharding_shards_within_an_instance_and_all_reduces_across():
     assert inner == {"intra_dp_cp"}
     outer = [it for it in items if it.group == "inter_dist_opt"]
     assert {(it.op, it.dtype, it.per_microbatch) for it in outer} == {
-        ("all_reduce", "float32", False)
+        ("all_reduce", GRAD_DTYPE, False)
     }
     # every gradient buffer's shard once (the memory rounds each buffer to 512-byte blocks)
     reduced = sum(it.count * it.message for it in outer)
@@ -350,3 +355,24 @@ def test_low_precision_adam_moments_are_kept_as_shards():
 
     (wide, n), (narrow, _) = optimizer("fp32"), optimizer("bf16")
     assert wide - narrow == pytest.approx(2 * 2 * n / DP, rel=0.005)
+
+
+@pytest.mark.parametrize("dtype, size, sent", [("fp32", 4, "float32"), ("bf16", 2, "bfloat16")])
+def test_main_gradients_take_megatron_fsdps_dtype(dtype, size, sent):
+    """training.fsdp_main_grads_dtype is megatron-core 0.19's megatron_fsdp_main_grads_dtype:
+    the sharded gradient buffer and the reduce-scatters in that dtype (fp32 is what 0.16.1 did
+    with grad_reduce_in_fp32). megatron-core 0.16.1 has no such option: refused, naming it."""
+    job = fsdp_job("optim_grads_params", fsdp_main_grads_dtype=dtype)
+    if not guards.since(0, 19):
+        with pytest.raises(ConfigError, match=r"^training\.fsdp_main_grads_dtype: .* 0\.19"):
+            from metatrace.tracing.checks import check_with_megatron
+
+            check_with_megatron(job)
+        return
+    a = analyze(trace_job(job, full_model=False, workers=1))
+    n = a.total_params
+    assert within(a.roles[0].memory.grads, size * n / DP)
+    reduced = [it for it in dp_items(a) if it.op == "reduce_scatter"]
+    assert {it.dtype for it in reduced} == {sent}
+    m = a.job.num_microbatches
+    assert within(sum(it.count * it.message for it in reduced) / m, size * n)

@@ -18,12 +18,20 @@ reduce-scattered there, and in the first micro-batch each bucket's bf16 shard (2
 is all-gathered once, in the forward or ahead in the optimizer step, and each layer's once more for
 its backward. megatron-core pads each bucket to a multiple of dp and the allocator rounds each
 buffer to 512 bytes, which the bounds allow (1.5 %, or the blocks of Adam's per-parameter
-moments)."""
+moments).
+
+Under megatron-core 0.19 the main gradients are in the parameters' bf16 (2 bytes, GRAD), and the
+outer optim strategy is refused: 0.19 rebuilt hybrid sharding around helper buffers
+(ParamAndGradBuffer's hfsdp_helper_wbuf / hfsdp_helper_gbuf), which metatrace.tracing.fsdp does
+not restate yet."""
 
 import pytest
 import torch
 
 from metatrace.analysis.analyze import analyze
+from metatrace.errors import ConfigError
+from metatrace.hooks import guards
+from metatrace.tracing.checks import check_with_megatron
 from metatrace.tracing.measure import measure_rank, predict
 from metatrace.tracing.trace import trace_job
 from tests.helpers import small_job
@@ -31,6 +39,20 @@ from tests.helpers import small_job
 LAYERS = 2
 # (GPUs, instances): I x O = 2 x 2, 4 x 2, 2 x 4
 SHAPES = [(4, 2), (8, 2), (8, 4)]
+GRAD, GRAD_DTYPE = (2, "bfloat16") if guards.since(0, 19) else (4, "float32")
+OUTER_OPTIM = not guards.since(0, 19)  # modelled under 0.16.1 only
+
+
+def refused(job) -> bool:
+    """True (the caller returns) where outer optim is refused: under megatron-core 0.19, with
+    the message naming the option and the release."""
+    if OUTER_OPTIM:
+        return False
+    with pytest.raises(
+        ConfigError, match=r"^training\.fsdp_outer_sharding_strategy: optim .*0\.19"
+    ):
+        check_with_megatron(job)
+    return True
 
 
 def hsdp_job(gpus, instances, outer, *, sections=None, **training):
@@ -55,6 +77,7 @@ def analyses():
         )
         for gpus, instances in SHAPES
         for outer in ("no_shard", "optim")
+        if outer == "no_shard" or OUTER_OPTIM
     }
 
 
@@ -81,11 +104,13 @@ def total(items, attr="message"):
 def test_each_rank_keeps_the_instance_shards_and_optim_shards_the_optimizer_over_all(
     analyses, gpus, instances, outer
 ):
+    if outer == "optim" and refused(hsdp_job(gpus, instances, outer)):
+        return
     a = analyses[(gpus, instances, outer)]
     inner, n = gpus // instances, a.total_params
     memory = a.roles[0].memory
     assert within(memory.params, 2 / inner * n)
-    assert within(memory.grads, 4 / inner * n)
+    assert within(memory.grads, GRAD / inner * n)
     sharded_over = gpus if outer == "optim" else inner
     # Adam's two moments are a tensor per parameter each, every one rounded up to 512 bytes.
     tensors = sum(len(m.params) for m in a.roles[0].traced.trace.modules)
@@ -98,10 +123,10 @@ def test_no_shard_all_reduces_each_gradient_shard_across_the_instances(analyses,
     inner, n = gpus // instances, a.total_params
     outer = outer_items(a)
     assert {(it.op, it.dtype, it.phase, it.per_microbatch) for it in outer} == {
-        ("all_reduce", "float32", "backward", False)
+        ("all_reduce", GRAD_DTYPE, "backward", False)
     }
     assert {len(it.ranks) for it in outer} == {instances}
-    assert within(total(outer), 4 / inner * n)
+    assert within(total(outer), GRAD / inner * n)
     # A ring all-reduce sends 2 (O - 1) / O of the message.
     assert total(outer, "sent") == pytest.approx(2 * (instances - 1) / instances * total(outer))
 
@@ -110,6 +135,8 @@ def test_no_shard_all_reduces_each_gradient_shard_across_the_instances(analyses,
 def test_optim_reduce_scatters_the_gradients_and_gathers_the_parameters_across_the_instances(
     analyses, gpus, instances
 ):
+    if refused(hsdp_job(gpus, instances, "optim")):
+        return
     a = analyses[(gpus, instances, "optim")]
     inner, n, layer = gpus // instances, a.total_params, layer_params(a)
     memory = a.roles[0].memory
@@ -164,6 +191,8 @@ def test_the_first_forward_gathers_what_the_optimizer_step_did_not_gather_ahead(
         fsdp_communication_unit_size=2,
         global_batch_size=24,  # 3 micro-batches
     )
+    if refused(job):
+        return
     a = analyze(trace_job(job, full_model=False, workers=1))
     n, layer = a.total_params, layer_params(a)
     ag = [it for it in outer_items(a) if it.op == "all_gather"]
@@ -183,6 +212,8 @@ def test_prediction_matches_megatron_fsdp_running_on_cpu(rank):
     layers' weights re-gathered for backward, which measure counts as saved)."""
     torch.set_num_threads(1)
     job = hsdp_job(4, 2, "optim", sections={"implementation": {"transformer_impl": "local"}})
+    if refused(job):
+        return
     predicted = predict(job, rank)
     measured = measure_rank(job, rank, iterations=2)
     assert predicted.saved > 0

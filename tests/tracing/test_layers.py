@@ -5,8 +5,8 @@ MoE layouts: tensor and sequence parallel, virtual pipeline chunks, expert paral
 run and a MoE run in one block, context parallel with selective recompute, full recompute of
 each layer (dense, MoE, interleaved). The runs must really
 be cut (the test fails if a case falls back to the whole trace), a run whose kept layers
-differ is traced whole, and so is a block whose layers share a cache they fill (MLA's rotary
-embeddings)."""
+differ is traced whole; layers that share a cache they fill (MLA's rotary embeddings) are cut
+too, with the evictions of the layers skipped put back."""
 
 import dataclasses
 
@@ -46,8 +46,29 @@ LAYOUTS = {
         [2],
     ),
     # 40 multi-latent attention layers: their rotary embeddings share megatron-core's cache of
-    # 32 outputs, so the later layers free earlier ones' entries: not cut.
-    "mla-40-layers-not-cut": ({"model": {**MLA, "num_layers": 40}}, []),
+    # 32 outputs, so from the 33rd layer on each forward frees the oldest entry, which the
+    # truncated run never does (metatrace.tracing.caches puts the frees back).
+    "mla-40-layers": ({"model": {**MLA, "num_layers": 40}}, [1]),
+    # As DeepSeek-V3 is laid out: dense layers then MoE ones, a multi-token prediction layer
+    # (one more instance of the cache), full recompute of each layer, tp 2 with sequence
+    # parallelism.
+    "mla-dense-then-moe-mtp-full-recompute": (
+        {
+            "model": {
+                **MLA,
+                **MOE,
+                "num_layers": 40,
+                "moe_layer_freq": [0] * 3 + [1] * 37,
+                "mtp_num_layers": 1,
+            },
+            "parallel": {"tp": 2, "sequence_parallel": True},
+            "training": {
+                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
+            },
+            "cluster": {"num_gpus": 2},
+        },
+        [1],
+    ),
     "full-recompute-uniform": (
         {
             "model": {"num_layers": 9},
@@ -98,12 +119,9 @@ def _records(trace) -> dict:
     return {f.name: getattr(trace, f.name) for f in dataclasses.fields(Trace)}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layers_traced_in_part_give_the_whole_records(layout, monkeypatch):
-    sections, expected = LAYOUTS[layout]
-    job = small_job(**sections)
-    world = World.from_job(job)
-    cut = []
+def _counting_cuts(monkeypatch) -> list[int]:
+    """The layers each cut trace expands, per micro-batch traced (0: traced whole)."""
+    cut: list[int] = []
     expand = layers.expand
 
     def counted(trace, runs, marks):
@@ -112,6 +130,15 @@ def test_layers_traced_in_part_give_the_whole_records(layout, monkeypatch):
         return out
 
     monkeypatch.setattr(layers, "expand", counted)
+    return cut
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layers_traced_in_part_give_the_whole_records(layout, monkeypatch):
+    sections, expected = LAYOUTS[layout]
+    job = small_job(**sections)
+    world = World.from_job(job)
+    cut = _counting_cuts(monkeypatch)
     for role in world.roles():
         part = _trace_role(job, world, role, iteration=False).trace
         whole = _trace_role(job, world, role, iteration=False, whole=True).trace
@@ -137,3 +164,32 @@ def test_a_run_whose_kept_layers_differ_is_traced_whole(monkeypatch):
     whole = _trace_role(job, world, role, whole=True)
     assert _records(rt.trace) == _records(whole.trace)
     assert _records(rt.iteration) == _records(whole.iteration)
+
+
+def test_what_the_skipped_layers_forwards_change_is_changed_for_them_too(monkeypatch):
+    """A layer's first forward replaces some of its buffers: megatron-core's router keeps its
+    expert bias in float32 (Float16Module made it bf16), MLA's fused rotary embedding caches
+    cos and sin in the input's dtype. The skipped layers get the same (layers.mirror), so
+    that the iteration's replay sees the static memory tracing every layer leaves: its
+    records equal, buffers' sizes included, and the run really cut."""
+    job = small_job(
+        model={
+            **MLA,
+            **MOE,
+            "num_layers": 12,
+            "moe_layer_freq": [0] * 2 + [1] * 10,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+        },
+        training={"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+    )
+    world = World.from_job(job)
+    role = world.roles()[0]
+    cut = _counting_cuts(monkeypatch)
+    part = _trace_role(job, world, role)
+    whole = _trace_role(job, world, role, whole=True)
+    assert cut == [1]
+    assert _records(part.trace) == _records(whole.trace)
+    assert _records(part.iteration) == _records(whole.iteration)
+    # the expert bias of every MoE layer in float32 (4 experts: 16 bytes, a 512-byte block)
+    assert part.iteration.static_sizes == whole.iteration.static_sizes

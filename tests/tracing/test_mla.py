@@ -5,6 +5,7 @@ config checks are in tests/unit/test_mla.py)."""
 import pytest
 
 from metatrace.analysis import aggregate as agg
+from metatrace.hooks import guards
 from metatrace.tracing.trace import trace_job
 from tests.helpers import MLA, small_job
 
@@ -102,6 +103,10 @@ def _loss_reductions(trace) -> int:
     )
 
 
+# MultiTokenPredictionLayer's transformer layer: renamed mtp_model_layer in megatron-core 0.19
+MTP_LAYER = "mtp_model_layer" if guards.since(0, 19) else "transformer_layer"
+
+
 @pytest.mark.parametrize(
     "parallel",
     [
@@ -133,7 +138,7 @@ def test_mtp_adds_its_layer_and_loss_on_the_last_stage(parallel):
         "mtp.layers.0.hnorm",
         "mtp.layers.0.eh_proj",
         "mtp.layers.0.final_layernorm",
-        "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj",
+        f"mtp.layers.0.{MTP_LAYER}.self_attention.linear_kv_up_proj",
     } <= set(mtp)
     assert not [m for m in first.modules if ".mtp." in f".{m.fqn}"]
     # eh_proj: [e; h] (2h) -> h, column-parallel over tp 2

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from metatrace.analysis.comm import job_comm
+from metatrace.hooks import guards
 from metatrace.records import Saved
 from metatrace.tracing.trace import trace_job
 from tests.helpers import BALANCED, MOE, small_job
@@ -148,10 +149,15 @@ def test_every_dispatcher_waits_for_the_counts_once_a_layer(traced):
     dispatch busy-waits for the counts (deep_ep.cpp), HybridEP without num_permuted_tokens
     copies them to pinned memory and waits (fused_a2a.py), the alltoall dispatcher waits at
     its cuda_sync_point (before the EP all-to-all); the backward reuses the forward's layout.
-    Unfused, the permute's two masked_selects also read data-dependent sizes, and DeepEP's
-    _indices_to_multihot three more (indices[mask], repeat_interleave of the counts,
-    probs[mask])."""
-    for name, per_layer in {"hybridep": 1, "alltoall": 1 + 2, "deepep": 1 + 2 + 3}.items():
+    Unfused, megatron-core 0.16.1's permute's two masked_selects also read data-dependent
+    sizes (0.19's argsort-based permute has a fixed size), and DeepEP's _indices_to_multihot
+    three more (indices[mask], repeat_interleave of the counts, probs[mask])."""
+    permute = 0 if guards.since(0, 19) else 2
+    for name, per_layer in {
+        "hybridep": 1,
+        "alltoall": 1 + permute,
+        "deepep": 1 + permute + 3,
+    }.items():
         job_trace = traced[name]
         windows = job_trace.roles[0].trace.windows
         layers = job_trace.job.model.num_layers

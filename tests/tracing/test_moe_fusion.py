@@ -5,6 +5,7 @@ path on real tensors, the per-layer difference in a trace, and meta against real
 import pytest
 import torch
 
+from metatrace.hooks import guards
 from metatrace.models import te_moe as S
 from tests.helpers import BALANCED, small_job
 
@@ -197,19 +198,20 @@ def test_trace_saved_difference_is_the_closed_form():
     fused path saves row_id_map int32 [T, 2E+1] and two int32 [M] chunk-sort maps instead of
     the unfused permute's bool mask [E, T], probs copy [E, T] and int64 [T k] indices; the fused
     router saves bool [T, E] + fp32 [T, E] (top-k) + fp32 [T, E] (aux scores) + fp32 [2]
-    instead of int64 [T, k] + fp32 [T, k] (top-k) + fp32 [T, E] + int64 [T, k] (aux)."""
+    instead of int64 [T, k] + fp32 [T, k] (top-k) + fp32 [T, E] + int64 [T, k] (aux).
+    megatron-core 0.19's unfused permute sorts the whole map instead of selecting from it: the
+    probabilities' gather keeps the int64 argsort [E T] and the tokens' the int64 [T k] indices
+    in place of the mask, the probabilities' copy and the indices."""
     T, E, k = 64 * 2 // 2, 4, 2  # s*b/tp
     M = T * k  # received per rank under balanced routing (etp 1)
     jobs = [fusion_job(f, etp=1, moe_token_dispatcher_type="alltoall") for f in (False, True)]
     p = 2  # probs bf16 (no moe_router_dtype)
+    if guards.since(0, 19):
+        permute = rounded(8 * E * T) + rounded(8 * T * k)
+    else:
+        permute = rounded(E * T) + rounded(E * T * p) + rounded(8 * T * k)
     unfused = (
-        rounded(E * T)
-        + rounded(E * T * p)
-        + rounded(8 * T * k)
-        + rounded(8 * T * k)
-        + rounded(4 * T * k)
-        + rounded(4 * T * E)
-        + rounded(8 * T * k)
+        permute + rounded(8 * T * k) + rounded(4 * T * k) + rounded(4 * T * E) + rounded(8 * T * k)
     )
     fused = (
         rounded(4 * T * (2 * E + 1))

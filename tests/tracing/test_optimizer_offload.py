@@ -112,10 +112,12 @@ def test_the_time_model_adds_the_copies_to_the_optimizer_step():
     assert gpu[False] - gpu[True] == pytest.approx(min(h.d2h_bytes, h.h2d_bytes) * 8 / (gbps * 1e9))
     # The host issues the same work in both: where a step waits for it, the host is done at its
     # end, and the other step lasts as long as the longer of its GPU side and that.
-    (waits,) = [o for o, (_, wait) in ends.items() if wait > 0]  # the overlapped copies' step
-    assert waits is True
-    host_done = ends[waits][0]
-    assert ends[not waits][0] == pytest.approx(max(gpu[not waits], host_done))
+    # The overlapped copies' step, shorter on the GPU, waits (under megatron-core 0.19, whose
+    # optimizer step issues more from the host, the other one may too).
+    assert ends[True][1] > 0
+    host_done = ends[True][0]
+    for overlap in (False, True):
+        assert ends[overlap][0] == pytest.approx(max(gpu[overlap], host_done))
 
 
 @pytest.mark.parametrize(

@@ -77,11 +77,16 @@ CREATED = {
 }
 
 
+BOTH = Versions((0, 16), (0, 19))  # every supported release
+
+
 @pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
 def test_every_patch_target_exists_in_the_installed_megatron_core(patch):
+    assert any(v.since in patch.versions for v in MEGATRON_CORE), "applies to a supported release"
+    if guards.release() not in patch.versions:
+        pytest.skip(f"for megatron-core {patch.versions} only")
     owner, attr = _resolve(patch)  # PatchError when a module or attribute on the way is missing
     assert patch.creates or hasattr(owner, attr)
-    assert MEGATRON_CORE.since in patch.versions, "every patch applies to the measured release"
 
 
 def test_only_what_optional_packages_bind_is_created():
@@ -90,7 +95,8 @@ def test_only_what_optional_packages_bind_is_created():
         apex = "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda"
         for name in CREATED - {apex}:  # Apex's is bound once imported inside megatron_patches
             module, _, attr = name.rpartition(".")
-            assert not hasattr(importlib.import_module(module), attr), name
+            # 0.19 binds the names it imports from TE to None without it
+            assert getattr(importlib.import_module(module), attr, None) is None, name
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine binds the attributes itself")
@@ -100,7 +106,7 @@ def test_created_attributes_exist_only_inside_the_patches():
     with megatron_patches():
         assert moe_utils.fused_permute.__module__ == "metatrace.models.te_moe"
         assert moe_utils.HAVE_TE is True
-    assert "fused_permute" not in vars(moe_utils)
+    assert vars(moe_utils).get("fused_permute") is None  # absent in 0.16.1, None in 0.19
     assert moe_utils.HAVE_TE is False
 
 
@@ -108,22 +114,24 @@ def test_a_renamed_target_fails_naming_the_patch_and_leaves_nothing_behind():
     random = importlib.import_module(RANDOM)
     orig_get, orig_set = random._get_cuda_rng_state, random._set_cuda_rng_state
     applied = [
-        Patch(RANDOM, "_get_cuda_rng_state", lambda orig: "get", Versions((0, 16)), "first"),
-        Patch(RANDOM, "_set_cuda_rng_state", lambda orig: "set", Versions((0, 16)), "second"),
+        Patch(RANDOM, "_get_cuda_rng_state", lambda orig: "get", BOTH, "first"),
+        Patch(RANDOM, "_set_cuda_rng_state", lambda orig: "set", BOTH, "second"),
     ]
     renamed = Patch(
         RANDOM,
         "_set_cuda_rng_stat",
         lambda orig: "new",
-        Versions((0, 16)),
+        BOTH,
         "restores the CUDA RNG state",
     )
     with pytest.raises(PatchError) as raised:
         with patched((*applied, renamed)):
             pytest.fail("entered with a missing target")
     message = str(raised.value)
-    assert message.startswith(f"patch {RANDOM}._set_cuda_rng_stat (megatron-core 0.16.x): ")
-    assert f"{RANDOM} has no _set_cuda_rng_stat in megatron-core 0.16.1" in message
+    assert message.startswith(
+        f"patch {RANDOM}._set_cuda_rng_stat (megatron-core 0.16.x to 0.19.x): "
+    )
+    assert f"{RANDOM} has no _set_cuda_rng_stat in megatron-core {guards.release_text()}" in message
     assert message.endswith("Why it is patched: restores the CUDA RNG state")
     assert "_set_cuda_rng_stat" not in vars(random)
     assert (random._get_cuda_rng_state, random._set_cuda_rng_state) == (orig_get, orig_set)
@@ -142,7 +150,7 @@ def test_a_renamed_target_fails_naming_the_patch_and_leaves_nothing_behind():
     ],
 )
 def test_a_missing_class_or_module_on_the_way_fails(module, target, missing):
-    patch = Patch(module, target, lambda orig: None, Versions((0, 16)), "why")
+    patch = Patch(module, target, lambda orig: None, BOTH, "why")
     with pytest.raises(PatchError, match=missing):
         with patched((patch,)):
             pass
@@ -157,7 +165,7 @@ def test_a_declared_creation_is_undone_on_exit():
         RANDOM,
         "metatrace_created",
         lambda orig: ("made", orig),
-        Versions((0, 16)),
+        BOTH,
         "test",
         creates=True,
     )
@@ -207,7 +215,13 @@ def test_releases_parse_and_compare():
         "0.16.1",
         "0.16.x",
     ]
-    assert str(MEGATRON_CORE) == "0.16.1"
+    assert guards.supported_text() == "0.16.1 and 0.19.x"
+    assert [guards.supported(r) for r in ((0, 16, 1), (0, 17, 0), (0, 18, 2), (0, 19, 2))] == [
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 @pytest.mark.parametrize("version", ["0.17.0", "0.16.0", "0.15.3"])
@@ -222,8 +236,8 @@ def test_an_unsupported_megatron_core_is_refused_before_anything_is_patched(monk
         with megatron_patches():
             pytest.fail("entered with an unsupported megatron-core")
     assert str(raised.value) == (
-        f"megatron-core {version} is installed; metatrace supports megatron-core 0.16.1, the "
-        "releases its patches of megatron-core were checked against"
+        f"megatron-core {version} is installed; metatrace supports megatron-core 0.16.1 and "
+        "0.19.x, the releases its patches of megatron-core were checked against"
     )
     assert random._get_cuda_rng_state is orig
     assert os.environ["NVTE_FLASH_ATTN"] == "1"
@@ -342,11 +356,16 @@ def test_marks_are_found_wrapped_across_comment_lines():
         "    # (source sha256: 0123456789ab).\n"
         '    """Copied from megatron.core.a.b (source sha256: abcdefabcdef)."""\n'
         "    Restates megatron.core.<module>.<name> (source sha256: <first 12 hex digits>).\n"
+        "    # Restates megatron.core.c.d (source sha256: 0123456789ab,\n"
+        "    # abcdefabcdef; since 0.19).\n"
     )
     assert [m.groups() for m in guards.MARK.finditer(text)] == [
-        ("megatron.core.transformer.pipeline_parallel_layer_layout.X.parse", "0123456789ab"),
-        ("megatron.core.a.b", "abcdefabcdef"),
+        ("megatron.core.transformer.pipeline_parallel_layer_layout.X.parse", "0123456789ab", None),
+        ("megatron.core.a.b", "abcdefabcdef", None),
+        ("megatron.core.c.d", "0123456789ab,\n    # abcdefabcdef", "0.19"),
     ]
+    newer = guards.Copy("x.py:1", "megatron.core.c.d", "0" * 12, since=(99, 0))
+    assert guards.stale([newer]) == []  # the installed release has no such original to compare
 
 
 def test_the_hash_ignores_indentation_of_the_block_only():
@@ -367,13 +386,23 @@ def _parameters(method) -> list[tuple[str, object]]:
 
 
 def signature_mismatches(cls, base) -> list[str]:
-    """Methods of `cls` overriding one of `base` with other parameters (names, defaults)."""
+    """Methods of `cls` overriding one of `base` with other parameters (names, defaults). The
+    override may add parameters after megatron-core's, with defaults: another supported
+    release's (0.19's layer_norm(..., has_residual=False) over 0.16.1's)."""
     out = []
     for name, method in vars(cls).items():
         theirs = getattr(base, name, None)
         if not callable(method) or name.startswith("__") or theirs is None:
             continue
-        if _parameters(method) != _parameters(theirs):
+        mine, megatron = _parameters(method), _parameters(theirs)
+        empty = inspect.Parameter.empty
+        extra = mine[len(megatron) :]
+        if (
+            len(mine) < len(megatron)
+            # a default where megatron-core's has none is one callers never use
+            or any(m[0] != t[0] or t[1] not in (m[1], empty) for m, t in zip(mine, megatron))
+            or any(d is empty for _, d in extra)
+        ):
             mine = ", ".join(n for n, _ in _parameters(method))
             megatron = ", ".join(n for n, _ in _parameters(theirs))
             out.append(
@@ -409,15 +438,19 @@ def test_a_changed_provider_signature_is_named():
 
     class Newer(BackendSpecProvider):  # a newer megatron-core's layer_norm
         def layer_norm(
-            self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False
+            self,
+            rms_norm: bool = False,
+            for_qk: bool = False,
+            has_residual: bool = False,
+            zero_centered: bool = False,
         ) -> type:
             return type
 
     from metatrace.models.specs import MetaLocalSpecProvider
 
     assert signature_mismatches(MetaLocalSpecProvider, Newer) == [
-        "MetaLocalSpecProvider.layer_norm(self, rms_norm, for_qk) overrides "
-        "Newer.layer_norm(self, rms_norm, for_qk, has_residual)"
+        "MetaLocalSpecProvider.layer_norm(self, rms_norm, for_qk, has_residual) overrides "
+        "Newer.layer_norm(self, rms_norm, for_qk, has_residual, zero_centered)"
     ]
 
 

@@ -220,7 +220,10 @@ def test_cli_plan_prints_and_writes_json_config_and_flags(tmp_path):
     digit = {"s": 1e-2, "ms": 1e-4, "µs": 1e-7}  # the printed last digit: 1.23 s, 4.5 ms
     total = sum(float(v.split()[0]) * scale[v.split()[1]] for v in terms.values())
     rounding = sum(digit[v.split()[1]] / 2 for v in terms.values())
-    assert total == pytest.approx(best["estimate"]["iteration_seconds"], abs=rounding)
+    # Terms under 0.1 % of the iteration are left out (render.format.time_terms): six in all.
+    iteration = best["estimate"]["iteration_seconds"]
+    left_out = (6 - len(terms)) * 1e-3 * iteration
+    assert iteration - left_out - rounding <= total <= iteration + rounding
     # The job file: the planned layout, traced again to the planned peak.
     job = load_job(config)
     layout = best["layout"]

@@ -219,8 +219,8 @@ def test_a_flag_of_no_known_release_is_refused_unless_its_release_is_named(
         in_process(*argv, "--newer-megatron", "core_v0.17.0")
     err = capsys.readouterr().err
     assert (
-        "a flag of Megatron-LM core_v0.17.0, in neither core_v0.16.1's nor HEAD's parser "
-        "(--frobnicate)" in err.splitlines()[0]
+        "a flag of Megatron-LM core_v0.17.0, in none of core_v0.16.1's, core_v0.19.2's and "
+        "HEAD's parsers (--frobnicate)" in err.splitlines()[0]
     ), err
     assert in_process(*argv, "--newer-megatron", " ") == (2, "")
     assert "--newer-megatron needs the release's name" in capsys.readouterr().err

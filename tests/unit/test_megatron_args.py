@@ -531,35 +531,117 @@ def test_table_invariants():
     assert FLAGS["--attention-backend"].choices == ("flash", "fused", "unfused", "local", "auto")
 
 
-def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
-    """tests/data/megatron-lm-flags.tsv is ../shared/notes/megatron-lm-flags.tsv: every option
-    string of pretrain_gpt.py's parser at core_v0.16.1 and at a 2026 HEAD. megatron_flags
-    raises on a flag in two classes; here no flag may be missing or unclassified."""
+def _flag_rows() -> list[dict[str, str]]:
     import csv
+
+    with open(os.path.join(DATA, "megatron-lm-flags.tsv")) as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def test_every_flag_of_megatron_lm_is_in_exactly_one_class():
+    """tests/data/megatron-lm-flags.tsv is ../shared/notes/megatron-lm-flags.tsv (every option
+    string of pretrain_gpt.py's parser at core_v0.16.1 and at a 2026 HEAD) with core_v0.19.2's
+    column and rows (bench/megatron_parser.py). megatron_flags raises on a flag in two classes;
+    here no flag may be missing or unclassified."""
     from collections import Counter
 
     from metatrace.config.megatron.flags import _classes
 
-    with open(os.path.join(DATA, "megatron-lm-flags.tsv")) as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    assert len(rows) == 930
+    rows = _flag_rows()
+    assert len(rows) == 933
     classes = _classes()
     # no flag missing, none extra (but flags of older releases, classed separately)
     assert sorted(classes) == sorted(r["flag"] for r in rows)
     for row in rows:  # the package's copy of the parser's attributes is the same
         spec = FLAGS[row["flag"]]
-        assert (spec.dest, spec.versions == "HEAD") == (row["dest"], row["in_core_v0.16.1"] == "no")
+        newer = spec.versions in ("core_v0.19.2", "HEAD")
+        assert (spec.dest, newer) == (row["dest"], row["in_core_v0.16.1"] == "no")
         assert (spec.nargs in (0, "?")) == (row["nargs"] == "0"), row["flag"]
+        assert ("core_v0.19.2" in spec.parsers) == (row["in_core_v0.19.2"] == "yes"), row["flag"]
     counts = Counter(spec.cls for spec in FLAGS.values() if spec.versions != "older")
-    assert sum(counts.values()) == 930 and counts["refused"] == 8  # 6 + -h/--help
+    assert sum(counts.values()) == 933 and counts["refused"] == 8  # 6 + -h/--help
     assert min(counts["modelled"], counts["no_effect"], counts["not_modelled"]) > 100
+
+
+def test_core_v0_19_2_parser_column():
+    """megatron-core 0.19.2's wheel ships Megatron-LM's training code, whose parser
+    (bench/megatron_parser.py) has 849 option strings: 656 of core_v0.16.1's, 190 of HEAD's
+    that core_v0.16.1 lacks, and 3 that neither has. Its modelopt group is unknown (the wheel
+    has no megatron/post_training); every flag of it is classified."""
+    from collections import Counter
+
+    rows = _flag_rows()
+    column = Counter(r["in_core_v0.19.2"] for r in rows)
+    assert column == {"yes": 849, "no": 62, "unknown": 22}
+    assert {r["group"] for r in rows if r["in_core_v0.19.2"] == "unknown"} == {"modelopt-generic"}
+    in19 = [FLAGS[r["flag"]] for r in rows if r["in_core_v0.19.2"] == "yes"]
+    assert Counter(f.versions for f in in19) == {"all": 656, "core_v0.19.2": 193}
+    assert all(f.cls in ("modelled", "no_effect", "not_modelled", "refused") for f in in19)
+    only19 = sorted(f.name for f in in19 if f.parsers == ("core_v0.19.2",))
+    assert only19 == [
+        "--disable-stream-ckpt-dequant",
+        "--moe-ncclep-static-shape",
+        "--no-stream-ckpt-dequant",
+    ]
+    # removed between core_v0.16.1 and core_v0.19.2 (HEAD lacks them too)
+    gone = FLAGS["--use-legacy-models"]
+    assert gone.versions == "core_v0.16.1" and gone.parsers == ("core_v0.16.1",)
+    # a flag of core_v0.16.1's modelopt group keeps "all": core_v0.19.2's is unknown
+    assert FLAGS["--export-te-mcore-model"].parsers == ("core_v0.16.1", "HEAD")
+    assert FLAGS["--use-gigatoken"].versions == "HEAD"  # added after core_v0.19.2
+
+
+def test_classes_of_flags_new_in_core_v0_19_2():
+    """Each checked where megatron-core 0.19.2 or its training code reads the dest."""
+    cases = {
+        # checkpointing.py passes it to the checkpoint load strategy alone
+        "--no-stream-ckpt-dequant": ("no_effect", None),
+        # token_dispatcher.py _NCCLEPManager: the full receive buffer goes to the experts
+        "--moe-ncclep-static-shape": ("not_modelled", "either"),
+        # experts.py bias_act_func: a reordering copy, no fused bias-activation
+        "--moe-mlp-glu-interleave-size": ("not_modelled", "raises"),
+        # transformer_layer.py: the chunks' outputs concatenated
+        "--mlp-chunks-for-training": ("not_modelled", "either"),
+        # language_module.py _scale_logits: logits * mult out of place
+        "--use-mup": ("not_modelled", "raises"),
+        # arguments.py validate_args: weight shards beyond TP change the data-parallel size
+        "--tensor-parallel-num-weight-shards": ("not_modelled", "either"),
+        # the paged stash of routed experts' activations (moe/paged_stash.py)
+        "--moe-paged-stash": ("not_modelled", "either"),
+        # megatron_fsdp's main gradient and parameter buffers, its reductions' dtype: job keys
+        # (training.fsdp_main_grads_dtype ...) under megatron-core 0.19
+        "--megatron-fsdp-main-grads-dtype": ("modelled", None),
+        "--megatron-fsdp-main-params-dtype": ("modelled", None),
+        "--megatron-fsdp-grad-comm-dtype": ("modelled", None),
+        # fine_grained_activation_offload.py: (1 - fraction) of the groups stay on the device
+        "--activation-offload-fraction": ("not_modelled", "raises"),
+        "--no-use-layer-wise-param-layout": ("not_modelled", "unknown"),
+        # combined_1f1b.py: a stream's priority
+        "--high-priority-a2a-comm-stream": ("no_effect", None),
+        # finalize_model_grads.py: the quantile-balancing bias update's coefficient
+        "--moe-router-quantile-balancing-ema": ("no_effect", None),
+    }
+    got = {f: (FLAGS[f].cls, FLAGS[f].direction) for f in cases}
+    assert got == cases
+    assert all(FLAGS[f].versions == "core_v0.19.2" for f in cases)
+    assert FLAGS["--moe-mlp-glu-interleave-size"].reason.startswith("GLU activations")
 
 
 def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused():
     resolved, notes = job(BASE + " --use-transformer-engine-op-fuser --log-max-attention-logit")
+    from metatrace.config.megatron.flags import megatron_core_version
+
+    installed = megatron_core_version()
+    assert installed[0].isdigit()  # the distribution's metadata, megatron-core not imported
+    assert (
+        f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core {installed}): "
+        "in core_v0.19.2: --use-transformer-engine-op-fuser"
+    ) in notes
+    _, notes = job(BASE + " --use-gigatoken --moe-paged-stash")
     assert any(
-        n.startswith("from a Megatron-LM newer than core_v0.16.1")
-        and "--use-transformer-engine-op-fuser" in n
+        n.endswith(
+            "in core_v0.19.2: --moe-paged-stash; after it (HEAD of 2026-08-22): --use-gigatoken"
+        )
         for n in notes
     )
     assert [n.option for n in resolved.not_modelled] == ["--log-max-attention-logit"]
@@ -570,9 +652,9 @@ def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused()
     # the newer Megatron-LM it comes from; then reported (its effect unknown), its values with it.
     assert error(BASE + " --frobnicate-widgets 3 --micro-batch-size 2") == (
         "unknown Megatron-LM flag --frobnicate-widgets: in no release metatrace knows "
-        "(core_v0.16.1, HEAD of 2026-08-22), and no misspelling of theirs; if it comes from a "
-        "newer Megatron-LM, name the release (--newer-megatron RELEASE) to have it reported as "
-        "not modelled"
+        "(core_v0.16.1, core_v0.19.2, HEAD of 2026-08-22), and no misspelling of theirs; if it "
+        "comes from a newer Megatron-LM, name the release (--newer-megatron RELEASE) to have it "
+        "reported as not modelled"
     )
     resolved, notes = job(
         BASE + " --frobnicate-widgets 3 --micro-batch-size 2", release="core_v0.17.0"
@@ -580,7 +662,8 @@ def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused()
     assert [(n.option, n.feature, n.direction) for n in resolved.not_modelled] == [
         (
             "--frobnicate-widgets",
-            "a flag of Megatron-LM core_v0.17.0, in neither core_v0.16.1's nor HEAD's parser",
+            "a flag of Megatron-LM core_v0.17.0, in none of core_v0.16.1's, core_v0.19.2's and "
+            "HEAD's parsers",
             "unknown",
         )
     ]
@@ -620,6 +703,18 @@ def test_values_of_a_newer_megatron_lm_are_reported_not_refused():
     assert sorted(n.option for n in resolved.not_modelled) == [
         "--moe-router-load-balancing-type quantile_balancing",
         "--moe-router-score-function sqrtsoftplus",
+    ]
+
+
+def test_ncclep_dispatcher_is_reported_not_refused():
+    """--moe-flex-dispatcher-backend ncclep (core_v0.19.2 on): dispatched as DeepEP, reported."""
+    resolved, _ = job(
+        BASE + " --swiglu --disable-bias-linear --num-experts 8 --expert-model-parallel-size 2 "
+        "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep"
+    )
+    assert resolved.parallel.moe_flex_dispatcher_backend == "deepep"
+    assert [(n.option, n.direction) for n in resolved.not_modelled] == [
+        ("--moe-flex-dispatcher-backend ncclep", "either")
     ]
 
 

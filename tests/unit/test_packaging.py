@@ -77,7 +77,24 @@ def test_wheel_holds_only_the_metatrace_package(tmp_path):
     # The flag table reads Megatron-LM's parser attributes from package data too.
     flags = "import metatrace.config.megatron.flags as f; print(len(f.FLAGS))"
     run = installed(tmp_path, env, "-c", flags)
-    # 930 flags of Megatron-LM's parsers (core_v0.16.1 and HEAD) + 10 of older releases.
-    assert run.returncode == 0 and run.stdout.split() == ["940"], run.stderr[-2000:]
+    # 933 flags of Megatron-LM's parsers (core_v0.16.1, core_v0.19.2, HEAD) + 10 of older releases.
+    assert run.returncode == 0 and run.stdout.split() == ["943"], run.stderr[-2000:]
     version = installed(tmp_path, env, "-m", "metatrace", "--version")
     assert version.returncode == 0 and version.stdout.startswith("metatrace 0.")
+
+
+def test_the_0_19_constraints_are_the_tested_ones_but_megatron_core():
+    """constraints-0.19.txt (README.md, "megatron-core 0.19") pins what constraints.txt pins,
+    megatron-core 0.19.2 in place of 0.16.1, and the triton 0.19's modules import."""
+    import re
+
+    def pins(name):
+        with open(os.path.join(ROOT, name)) as f:
+            lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        return dict(re.match(r"([A-Za-z0-9_.-]+)==(\S+)$", line).groups() for line in lines)
+
+    base, newer = pins("constraints.txt"), pins("constraints-0.19.txt")
+    assert base.pop("megatron-core") == "0.16.1"
+    assert newer.pop("megatron-core").startswith("0.19.")
+    assert "triton" in newer and newer.pop("triton")
+    assert newer == base

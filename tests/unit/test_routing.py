@@ -2,6 +2,7 @@
 the hottest expert's expected load against an exact enumeration and a Monte-Carlo draw of the
 same routing, and how the job's keys select the policy."""
 
+import dataclasses
 import itertools
 import math
 
@@ -111,6 +112,20 @@ def test_the_default_is_random_routing_and_says_its_load():
     capped = Routing.of_job(moe(moe_expert_capacity_factor=1.05))
     assert capped.load(128, 2, 4, 2) == 1.05
     assert "(capacity factor 1.05 drops the rest)" in capped.describe()
+
+
+def test_the_load_is_computed_once_per_dispatch_and_stays_exact():
+    # Routing keeps each dispatch's value (every MoE layer of a trace asks for the same one):
+    # asked again, and asked in turn with other dispatches, each gets its own exact value.
+    routing = Routing.of_job(moe())
+    dispatches = [(128, 2, 4, 2), (64, 2, 4, 2), (128, 2, 4, 1), (128, 2, 4, 2), (64, 2, 4, 2)]
+    for tokens, sources, experts, topk in dispatches:
+        exact = expected_hottest(tokens * sources, experts, topk)
+        assert routing.load(tokens, sources, experts, topk) == exact
+    assert len(routing._hottest) == 3
+    # A replaced copy (another policy) starts its own memo; equality ignores the memo.
+    assert dataclasses.replace(routing, capacity_factor=1.01).load(128, 2, 4, 2) == 1.01
+    assert routing == Routing.of_job(moe())
 
 
 def test_a_stated_hottest_load_is_balanced_routing():

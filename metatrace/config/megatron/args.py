@@ -20,7 +20,8 @@ from (`release`, the command line's --newer-megatron): then it is reported as no
 effect unknown.
 
 Known limitations: flags that only Megatron-LM's own training code reads were classified from
-their help and Megatron-Bridge's port of that code; HEAD-only flags from their help alone.
+their help and Megatron-Bridge's port of that code (those new in core_v0.19.2 from that release's
+own training code); HEAD-only flags from their help alone.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from metatrace.config.megatron.flags import (
     FLAGS,
     GPT2_VOCAB,
     NEEDS,
+    NEWER,
     NVTE_ATTN,
     NVTE_FOR_BACKEND,
     UNMODELLED_VALUES,
     Flag,
+    megatron_core_version,
 )
 from metatrace.config.megatron.script import args_from_mapping, read_args_file, split_args
 from metatrace.errors import ConfigError
@@ -134,7 +137,8 @@ def _parse(tokens: list[str], release: str | None = None) -> tuple[dict[str, Any
         problems.insert(
             int(bool(misspelt)),
             f"unknown Megatron-LM flag{'s' * many} {', '.join(strangers)}: in no release "
-            f"metatrace knows (core_v0.16.1, HEAD of 2026-08-22), and no misspelling of theirs; "
+            f"metatrace knows (core_v0.16.1, core_v0.19.2, HEAD of 2026-08-22), and no misspelling "
+            "of theirs; "
             f"if {'they come' if many else 'it comes'} from a newer Megatron-LM, name the "
             "release (--newer-megatron RELEASE) to have it reported as not modelled",
         )
@@ -245,11 +249,17 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env, release=None):
     missing += _cluster(v, job, notes, problems, world_size, gpu, gpus_per_node, env)
     if problems:
         raise ConfigError(problems)
-    newer = sorted(f for f in v if FLAGS[f].versions == "HEAD")
-    if newer:
+    newer = {r: sorted(f for f in v if FLAGS[f].versions == r) for r in NEWER}
+    if any(newer.values()):
         notes.append(
             f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
-            f"0.16.1): {', '.join(newer)}"
+            f"{megatron_core_version()}): "
+            + "; ".join(
+                f"{'in core_v0.19.2' if r == 'core_v0.19.2' else 'after it (HEAD of 2026-08-22)'}"
+                f": {', '.join(flags)}"
+                for r, flags in newer.items()
+                if flags
+            )
         )
     older = sorted(f for f in v if FLAGS[f].versions == "older")
     if older:
@@ -303,7 +313,10 @@ def _is_moe(v) -> bool:
 
 def _stranger(release: str | None) -> str:
     """What is not modelled about a flag of the newer Megatron-LM `release` no table has."""
-    return f"a flag of Megatron-LM {release}, in neither core_v0.16.1's nor HEAD's parser"
+    return (
+        f"a flag of Megatron-LM {release}, in none of core_v0.16.1's, core_v0.19.2's and HEAD's "
+        "parsers"
+    )
 
 
 def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
@@ -952,6 +965,9 @@ _FSDP_OPTIONS = {
     "--outer-dp-sharding-strategy": "fsdp_outer_sharding_strategy",
     "--fsdp-double-buffer": "fsdp_double_buffer",
     "--suggested-communication-unit-size": "fsdp_communication_unit_size",
+    "--megatron-fsdp-main-grads-dtype": "fsdp_main_grads_dtype",
+    "--megatron-fsdp-main-params-dtype": "fsdp_main_params_dtype",
+    "--megatron-fsdp-grad-comm-dtype": "fsdp_grad_comm_dtype",
 }
 
 

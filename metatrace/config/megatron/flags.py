@@ -1,9 +1,10 @@
 """Every Megatron-LM `pretrain_gpt.py` flag, and what metatrace does with it.
 
 `flags.tsv` (next to this file) lists every option string of Megatron-LM's parser at
-tag core_v0.16.1 and at a 2026 HEAD, as argparse holds it (dest, action, type, default, choices,
-arity; ../shared/notes/megatron-lm-flags.tsv without its help column). The tables below put each
-in exactly one class:
+tag core_v0.16.1, at core_v0.19.2 and at a 2026 HEAD, as argparse holds it (dest, action, type,
+default, choices, arity; ../shared/notes/megatron-lm-flags.tsv without its help column, plus
+core_v0.19.2's column and rows from bench/megatron_parser.py). The tables below put each in
+exactly one class:
 
 1. modelled (`_MODELLED`): it sets a job key, or a derivation in metatrace.config.megatron.args reads it;
 2. no effect (`_NO_EFFECT`, by reason): it cannot change the memory PyTorch's allocator hands out
@@ -13,15 +14,17 @@ in exactly one class:
    the JSON report and next to the verdict, with the way it could move the peak;
 4. refused (`_REFUSED`): Megatron-LM itself refuses it (validate_args asserts).
 
-A flag of either version is known (a command line for a newer Megatron-LM than the
-megatron-core 0.16.1 metatrace runs is read the same way; its HEAD-only flags are noted). A flag
-in neither is a misspelling when it is close to one (an error naming it), else an error too
+A flag of any of these parsers is known (a command line for a newer Megatron-LM than the
+megatron-core metatrace runs is read the same way; its flags newer than core_v0.16.1 are noted).
+A flag in none is a misspelling when it is close to one (an error naming it), else an error too
 unless the user names the newer Megatron-LM it comes from: then it is reported as not modelled
 (metatrace.config.megatron.args).
 
 The classes were decided from megatron-core 0.16.1's and Transformer Engine 2.20's sources
 (where the dest is read), the flag's help, and, for flags only Megatron-LM's own training code
-reads, that code's ports (Megatron-Bridge 0.3.1); HEAD-only flags from their help text alone.
+reads, that code's ports (Megatron-Bridge 0.3.1); the flags new in core_v0.19.2 from megatron-core
+0.19.2's sources and the Megatron-LM training code its wheel ships (megatron/training: where the
+dest is read); HEAD-only flags from their help text alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,25 @@ from importlib import resources
 from typing import Any, Literal
 
 Class = Literal["modelled", "no_effect", "not_modelled", "refused"]
+Versions = Literal["all", "core_v0.16.1", "core_v0.19.2", "HEAD", "older"]
+Parser = Literal["core_v0.16.1", "core_v0.19.2", "HEAD"]
+PARSERS: tuple[Parser, ...] = ("core_v0.16.1", "core_v0.19.2", "HEAD")
+"""The parsers of flags.tsv, oldest first (its columns in_core_v0.16.1, in_core_v0.19.2, in_head)."""
+NEWER: tuple[Versions, ...] = ("core_v0.19.2", "HEAD")
+"""The `versions` of flags that Megatron-LM core_v0.16.1 does not have."""
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version, from its distribution's metadata (megatron-core is
+    not imported: this layer stays pure); "not installed" without one."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 Direction = Literal["raises", "lowers", "either", "unknown", "traffic"]
 
 
@@ -52,8 +74,11 @@ class Flag:
     """The parser's default (what the run has when the flag is not given)."""
     const: Any
     """What a switch stores (True, False, or a job value, e.g. a rank order)."""
-    versions: Literal["both", "core_v0.16.1", "HEAD", "older"]
-    """Which parsers have it: both, one of the two of the table, or an older release only."""
+    versions: Versions
+    """Which parsers have it: "all" (core_v0.16.1's and the later ones': HEAD's, and
+    core_v0.19.2's where known), "core_v0.16.1" (its alone: removed or renamed since),
+    "core_v0.19.2" (added after core_v0.16.1, in core_v0.19.2's parser; HEAD's too but for three),
+    "HEAD" (added after core_v0.19.2), or "older" (a release before core_v0.16.1 only)."""
     cls: Class
     reason: str
     """modelled: the job key or "derived"; no_effect: why; not_modelled: the feature;
@@ -62,6 +87,9 @@ class Flag:
     """Class 1: the job key the flag sets as it is ("model.num_layers"); None: a derivation."""
     direction: Direction | None = None
     """Class 3: how it could move the peak against a prediction without it."""
+    parsers: tuple[Parser, ...] = ()
+    """The parsers of flags.tsv that have it, oldest first; core_v0.19.2 is left out of a flag
+    of the modelopt-generic group, which its wheel cannot build (flags.tsv: unknown)."""
 
     @property
     def switch(self) -> bool:
@@ -253,6 +281,9 @@ _MODELLED: dict[str, str | None] = {
     "--outer-dp-sharding-strategy": None,
     "--fsdp-double-buffer": None,
     "--suggested-communication-unit-size": None,
+    "--megatron-fsdp-main-grads-dtype": None,
+    "--megatron-fsdp-main-params-dtype": None,
+    "--megatron-fsdp-grad-comm-dtype": None,
     "--offload-modules": None,
     "--min-offloaded-tensor-size": None,
     # implementation (notes 4.10, 4.11)
@@ -277,7 +308,10 @@ _CONST = {"--use-tp-pp-dp-mapping": "tp-cp-ep-pp-dp"}
 UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
     "--optimizer": (
         ("muon", "dist_muon", "lion", "soap", "adaptive_muon"),
-        "optimizers other than adam and sgd",
+        # core_v0.19.2's validate_args: with --use-distributed-optimizer (and dist_muon) these
+        # run under the layer-wise distributed optimizer instead of megatron-core's
+        "optimizers other than adam and sgd (Muon, Lion, SOAP; with --use-distributed-optimizer "
+        "the layer-wise distributed optimizer)",
         "either",
     ),
     "--position-embedding-type": (
@@ -294,6 +328,11 @@ UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
         ("quantile_balancing",),
         "quantile load balancing (routed without a balancing loss)",
         "unknown",
+    ),
+    "--moe-flex-dispatcher-backend": (
+        ("ncclep",),
+        "the NCCL EP flex dispatcher (dispatched as DeepEP)",
+        "either",
     ),
     "--fp8-recipe": (("custom",), "custom FP8 quantizers", "unknown"),
     "--fp4-recipe": (("custom",), "custom FP4 quantizers", "unknown"),
@@ -406,7 +445,7 @@ _NO_EFFECT: dict[str, str] = {
         "--ckpt-fully-parallel-save --ckpt-fully-parallel-save-process-group "
         "--ckpt-pg-tensors-cache-create --ckpt-pg-tensors-cache-path --ckpt-step "
         "--disable-ckpt-fully-parallel-save --disable-ckpt-load-validate-sharding-integrity "
-        "--disable-msc --disable-save-tokenizer-assets --disable-strict-fsdp-dtensor-load "
+        "--disable-msc --disable-stream-ckpt-dequant --no-stream-ckpt-dequant --disable-save-tokenizer-assets --disable-strict-fsdp-dtensor-load "
         "--disable-use-tokenizer-model-from-checkpoint-args --dist-ckpt-format "
         "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 "
         "--dist-ckpt-strictness --dist-ckpt-workers "
@@ -555,9 +594,9 @@ _NO_EFFECT: dict[str, str] = {
     "values only: the same tensors and shapes": (
         "--embedding-init-method-std --fp8-amax-compute-algo --fp8-interval --fp8-margin "
         "--init-method-std --logits-save-dtype --logits-save-top-p "
-        "--logits-save-top-p-min-k --mhc-init-gating-factor --moe-mlp-glu-interleave-size "
+        "--logits-save-top-p-min-k --mhc-init-gating-factor "
         "--moe-router-bias-update-rate --moe-router-force-load-balancing "
-        "--moe-router-quantile-balancing-ema --moe-shared-expert-glu-interleave-size "
+        "--moe-router-quantile-balancing-ema "
         "--moe-token-drop-policy --mrope-section --no-yarn-correction-range-round-to-int "
         "--qk-clip-alpha --qk-clip-threshold --relative-attention-max-distance "
         "--relative-attention-num-buckets --rope-scaling-factor --rotary-interleaved "
@@ -606,16 +645,20 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
-        "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
-        "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
+        "--megatron-fsdp-max-pool-double-buffer "
         "--megatron-fsdp-version --no-gradient-reduce-div-fusion "
         "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
     ("NCCL user-buffer registration (buffers from NCCL's pool)", "unknown"): (
         "--use-nccl-ub --disable-symmetric-registration"
     ),
+    # megatron-core 0.19.2 fine_grained_activation_offload.py: a fraction of the eligible groups
+    # stays on the device, which the prediction (every group offloaded) moved to the host
+    ("a fraction of the activation offloading groups kept on the device", "raises"): (
+        "--activation-offload-fraction"
+    ),
     ("fine-grained activation offloading options of newer Megatron-LM", "either"): (
-        "--activation-offload-fraction --delay-offload-until-cuda-graph "
+        "--delay-offload-until-cuda-graph "
         "--delta-offload-bytes-across-pp-ranks --fine-grained-offloading-max-inflight-offloads"
     ),
     ("gradient buckets by count or with fp32 accumulation", "either"): (
@@ -666,8 +709,8 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("MoE flex dispatcher (DeepEP, HybridEP, NCCL EP)", "either"): (
         "--moe-hybridep-pad-uneven-dispatch-inputs "
-        "--moe-ncclep-zero-copy --moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype "
-        "--moe-combine-bwd-dtype --moe-expert-rank-capacity-factor"
+        "--moe-ncclep-zero-copy --moe-ncclep-static-shape --moe-permute-fusion-into-hybridep "
+        "--moe-dispatch-fwd-dtype --moe-combine-bwd-dtype --moe-expert-rank-capacity-factor"
     ),
     ("MoE paged activation stash", "either"): (
         "--moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu "
@@ -703,7 +746,15 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("attention kernel generation pinned (FA2/FA3/FA4)", "either"): "--flash-attention-version",
     ("fused residual + RMSNorm", "unknown"): "--fused-residual-rmsnorm",
     ("MLA down-projection fusion", "unknown"): "--mla-down-proj-fusion",
-    ("MLP computed in sequence chunks", "lowers"): "--mlp-chunks-for-training",
+    # megatron-core 0.19.2 TransformerLayer._forward_mlp: each chunk's activations are saved as
+    # the whole MLP's were, its temporaries 1/n as large, and the chunks' outputs concatenated
+    # (a second copy of the MLP's output while torch.cat runs).
+    ("MLP computed in sequence chunks", "either"): "--mlp-chunks-for-training",
+    # megatron-core 0.19.2 TEGroupedMLP.bias_act_func: off the fused TE-op path an interleaved fc1
+    # output is reordered by a copy and the fused bias-activation kernel is not used.
+    ("GLU activations in an interleaved weight layout", "raises"): (
+        "--moe-mlp-glu-interleave-size --moe-shared-expert-glu-interleave-size"
+    ),
     ("layers without RoPE", "lowers"): "--no-rope-freq",
     ("fp32 residual stream", "raises"): "--fp32-residual-connection",
     ("embedding output not cloned under sequence parallelism", "either"): (
@@ -716,7 +767,9 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
         "--enable-mhc-connections --mhc-num-residual-streams --mhc-recompute-layer-num "
         "--mhc-sinkhorn-iterations"
     ),
-    ("MuP multipliers", "unknown"): "--use-mup --mup-embedding-mult --mup-output-mult",
+    # megatron-core 0.19.2: the embedding's output and the logits multiplied out of place
+    # (LanguageModelEmbedding.forward, LanguageModule._scale_logits): a second logits tensor.
+    ("MuP multipliers", "raises"): "--use-mup --mup-embedding-mult --mup-output-mult",
     ("heterogeneous layers", "either"): (
         "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"
     ),
@@ -825,6 +878,15 @@ def _classes() -> dict[str, tuple]:
 _OPTIONAL_VALUE = {"--lazy-mpu-init"}
 
 
+_COLUMN = {"core_v0.16.1": "in_core_v0.16.1", "core_v0.19.2": "in_core_v0.19.2", "HEAD": "in_head"}
+
+
+def _versions(parsers: tuple[Parser, ...]) -> Versions:
+    if parsers[0] == "core_v0.16.1":
+        return "all" if len(parsers) > 1 else "core_v0.16.1"
+    return parsers[0]
+
+
 def _build() -> dict[str, Flag]:
     classes = _classes()
     flags = {}
@@ -855,7 +917,7 @@ def _build() -> dict[str, Flag]:
         )
         if choices and row["type"] in ("int", "float"):
             choices = tuple(_types(row["type"])(c) for c in choices)
-        both = row["in_head"] == "yes" and row["in_core_v0.16.1"] == "yes"
+        parsers = tuple(p for p in PARSERS if row[_COLUMN[p]] == "yes")
         flags[name] = Flag(
             name=name,
             dest=row["dest"],
@@ -864,11 +926,12 @@ def _build() -> dict[str, Flag]:
             choices=choices,
             default=_default(row["default"]),
             const=_CONST.get(name, const),
-            versions="both" if both else "HEAD" if row["in_head"] == "yes" else "core_v0.16.1",
+            versions=_versions(parsers),
             cls=cls,
             reason=reason,
             key=key,
             direction=direction,
+            parsers=parsers,
         )
     for name, (nargs, cls, reason, direction) in _OLDER.items():
         flags[name] = Flag(
@@ -940,8 +1003,7 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--torch-fsdp2-no-reshard-after-forward "
         "--enable-full-sharding-in-hsdp --fsdp-manual-registration --init-model-with-meta-device "
         "--keep-fp8-transpose-cache --megatron-fsdp-enable-fine-grained-param-gather "
-        "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
-        "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
+        "--megatron-fsdp-max-pool-double-buffer "
         "--megatron-fsdp-version --no-gradient-reduce-div-fusion "
         "--fsdp-db-use-persist-buf-on-alloc-fail"
     ),
@@ -951,6 +1013,7 @@ _NEEDS_GROUPS: dict[str, str] = {
     ),
     "--fp4-format": "--fp4-recipe --fp4-param-gather --fp4-quantizer-factory",
     "--use-mup": "--mup-embedding-mult --mup-output-mult",
+    "--use-grouped-gemm-for-shared-expert": "--moe-shared-expert-glu-interleave-size",
     "--enable-mhc-connections": (
         "--mhc-num-residual-streams --mhc-recompute-layer-num --mhc-sinkhorn-iterations"
     ),
@@ -985,13 +1048,13 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--ep-overlap-early-attn-memory-release --overlap-dispatch-backward-with-experts-wgrad "
         "--moe-enable-deepep --moe-flex-dispatcher-backend "
         "--moe-hybridep-pad-uneven-dispatch-inputs --moe-ncclep-zero-copy "
-        "--moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype --moe-combine-bwd-dtype "
+        "--moe-ncclep-static-shape --moe-permute-fusion-into-hybridep --moe-dispatch-fwd-dtype --moe-combine-bwd-dtype "
         "--moe-expert-rank-capacity-factor --moe-paged-stash "
         "--moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda "
         "--moe-paged-stash-page-size --moe-router-force-biased --moe-input-jitter-eps "
         "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size "
         "--use-fused-weighted-squared-relu --moe-single-grouped-bias --moe-single-grouped-weight "
-        "--moe-use-grouped-tensor --moe-use-legacy-grouped-gemm "
+        "--moe-use-grouped-tensor --moe-use-legacy-grouped-gemm --moe-mlp-glu-interleave-size "
         "--use-grouped-gemm-for-shared-expert --moe-layer-recompute --moe-use-upcycling "
         "--moe-upcycling-granularity --moe-router-score-function "
         "--moe-router-load-balancing-type"

@@ -35,7 +35,7 @@ from typing import Any
 from metatrace.config.checks import YARN_KEYS
 from metatrace.config.hardware import GPU_ARCH
 from metatrace.config.job import SECTIONS
-from metatrace.config.megatron.flags import FLAGS
+from metatrace.config.megatron.flags import FLAGS, NEWER
 from metatrace.errors import ConfigError
 
 # (section, field) that layout_args reproduces through job_from_args.
@@ -220,7 +220,7 @@ class MegatronCommand:
     no_flag: list[str]
     """'section.key = value' for each setting of the job that no Megatron-LM flag gives."""
     newer: list[str]
-    """Flags of a Megatron-LM newer than core_v0.16.1 (the megatron-core metatrace runs)."""
+    """Flags of a Megatron-LM newer than core_v0.16.1 (core_v0.19.2's and HEAD's)."""
 
     @property
     def args(self) -> list[str]:
@@ -268,7 +268,7 @@ def megatron_command(job) -> MegatronCommand:
             ]
             break
     args = [t for s in SUBJECTS if s != "launch" for t in groups[s]]
-    newer = [t for t in args if t in FLAGS and FLAGS[t].versions == "HEAD"]
+    newer = [t for t in args if t in FLAGS and FLAGS[t].versions in NEWER]
     return MegatronCommand([(s, groups[s]) for s in SUBJECTS if groups[s]], env, no_flag, newer)
 
 
@@ -459,7 +459,7 @@ def _setters() -> tuple[dict[str, str], dict[str, str]]:
         if spec.cls != "modelled" or spec.key is None or spec.name in _NOT_SETTERS:
             continue
         known = setters.get(spec.key)
-        if known is None or (FLAGS[known].versions == "HEAD" and spec.versions != "HEAD"):
+        if known is None or (FLAGS[known].versions in NEWER and spec.versions not in NEWER):
             setters[spec.key] = spec.name
     opposite = {
         spec.key: spec.name
@@ -528,6 +528,13 @@ def _fsdp(job, value) -> list[str] | None:
         out.append("--fsdp-double-buffer")
     if t.fsdp_communication_unit_size is not None:
         out += ["--suggested-communication-unit-size", str(t.fsdp_communication_unit_size)]
+    for key, default in (
+        ("fsdp_main_grads_dtype", "auto"),
+        ("fsdp_main_params_dtype", "fp32"),
+        ("fsdp_grad_comm_dtype", "auto"),
+    ):
+        if getattr(t, key) != default:
+            out += ["--megatron-" + key.replace("_", "-"), getattr(t, key)]
     return out
 
 
@@ -581,6 +588,9 @@ _DERIVED: dict[tuple[str, str], Callable[[Any, Any], list[str] | None]] = {
     ("training", "fsdp_outer_sharding_strategy"): lambda job, v: None,
     ("training", "fsdp_double_buffer"): lambda job, v: None,
     ("training", "fsdp_communication_unit_size"): lambda job, v: None,
+    ("training", "fsdp_main_grads_dtype"): lambda job, v: None,  # with _fsdp
+    ("training", "fsdp_main_params_dtype"): lambda job, v: None,
+    ("training", "fsdp_grad_comm_dtype"): lambda job, v: None,
     ("training", "cuda_graph_impl"): _cuda_graphs,
     ("training", "cuda_graph_scope"): lambda job, v: None,  # with _cuda_graphs
     ("implementation", "transformer_impl"): _one("--transformer-impl"),
