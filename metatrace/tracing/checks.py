@@ -27,15 +27,6 @@ def _check_release(job) -> None:
     from metatrace.errors import ConfigError
     from metatrace.hooks import guards
 
-    tr = job.training
-    if tr.megatron_fsdp and tr.fsdp_outer_sharding_strategy == "optim" and guards.since(0, 19):
-        raise ConfigError(
-            "training.fsdp_outer_sharding_strategy: optim is not modelled under megatron-core "
-            f"{guards.release_text()}: 0.19 rebuilt hybrid sharding's buffers (the parameters "
-            "and gradients kept in helper buffers, the model's views of them), and metatrace "
-            "restates 0.16.1's; no_shard is modelled, or trace under megatron-core 0.16.1"
-        )
-
     for (section, key, default), release in _SINCE.items():
         value = getattr(getattr(job, section), key)
         if value != default and not guards.since(*release):

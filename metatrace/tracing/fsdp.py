@@ -72,7 +72,8 @@ def past_first_backward(chunk) -> None:
     pre-backward hook gathers them. The run's first micro-batch alone (which the traced one
     would otherwise be) holds them through the output layer and the loss.
     megatron-core 0.16.1's root hook sets the units alone (which their post-backward hooks set
-    back), so the first micro-batch is like the others: nothing to do. Restates the states of
+    back), so the first micro-batch is like the others: nothing to do. The states restated:
+    Restates
     megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP._register_fsdp_hooks
     (source sha256: 4a2ad8c46cd5, 29f389789017)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import TrainingState
@@ -129,14 +130,21 @@ def outer_reduce(chunk) -> None:
     """HSDP's reduction across the instances in the iteration's last micro-batch, bucket group
     by bucket group in backward order (each right after its reduce-scatter within the instance
     in megatron-core, here after the step's), as GradReducePipeline._bucket_group_gradient_reduce
-    does with outer_fsdp_group_grad_reduce. Restates its outer part,
+    does with outer_fsdp_group_grad_reduce. Its outer part: Restates
     megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.GradReducePipeline._bucket_group_gradient_reduce
-    (source sha256: 47d931b5a957):
+    (source sha256: 47d931b5a957, 5107b750da73):
     - outer no_shard: the gradient buffer's shard (sharded within the instance) all-reduced in
       place across the instances;
-    - outer optim: the instance's shard (the hybrid buffer hsdp_gbuf) reduce-scattered across the
-      instances into a new tensor of the rank's shard over the whole data-parallel group, copied
-      into the main-gradient buffer (a view into hsdp_gbuf) and freed."""
+    - outer optim, megatron-core 0.16.1: the instance's shard (the hybrid buffer hsdp_gbuf)
+      reduce-scattered across the instances into a new tensor of the rank's shard over the whole
+      data-parallel group, copied into the main-gradient buffer (a view into hsdp_gbuf) and
+      freed;
+    - outer optim, megatron-core 0.19: the instance's shard (the helper buffer
+      hfsdp_helper_gbuf) reduce-scattered across the instances straight into the main-gradient
+      buffer's shard (a view into the helper buffer): nothing allocated.
+    Under 0.19 with a gradient communication dtype other than the main gradients'
+    (fsdp_grad_comm_dtype), the reduced tensor is first copied into a bucket of that dtype
+    (hsdp_comm_gbuf.allocate_bucket_storage), reduced there, copied back and the bucket freed."""
     from torch.distributed.distributed_c10d import _coalescing_manager
 
     buffer = chunk.module.param_and_grad_buffer
@@ -147,6 +155,8 @@ def outer_reduce(chunk) -> None:
         else torch.distributed.ReduceOp.SUM
     )
     sharded = buffer.ddp_config.outer_dp_sharding_strategy != "no_shard"
+    helpers = guards.since(0, 19)
+    comm_dtype = buffer.mp_policy.grad_comm_dtype if helpers else None
     groups = buffer.parameter_groups
     for ids in reversed(_bucket_groups(buffer)):
         ids = [
@@ -158,30 +168,72 @@ def outer_reduce(chunk) -> None:
         ]
         if not ids:
             continue
-        reduced = []
+        copies = []  # (destination, reduced): copied once the coalesced calls are done
         with _coalescing_manager(group):
             for i in ids:
-                if not sharded:
-                    torch.distributed.all_reduce(
-                        groups[i].main_grad_buffer.data, group=group, op=op
+                main = groups[i].main_grad_buffer
+                local = _instance_grads(groups[i]) if sharded else main
+                grads = local.data
+                if comm_dtype is not None and grads.dtype != comm_dtype:
+                    grads = (
+                        groups[i]
+                        .hsdp_comm_gbuf.allocate_bucket_storage(
+                            shard=local.is_data_distributed,
+                            dtype=comm_dtype,
+                            device=grads.device,
+                            init_values=grads,
+                        )
+                        .data
                     )
+                if not sharded:
+                    torch.distributed.all_reduce(grads, group=group, op=op)
+                    if grads is not local.data:
+                        copies.append((main.data, grads))
                     continue
-                shard = torch.empty_like(groups[i].main_grad_buffer.get_shard_from_local_buffer())
-                reduced.append(shard)
-                torch.distributed.reduce_scatter_tensor(
-                    output=shard, input=groups[i].hsdp_gbuf.data, op=op, group=group
-                )
-        for i, shard in zip(ids, reduced):
-            groups[i].main_grad_buffer.get_shard_from_local_buffer().copy_(shard)
-        del reduced
+                shard = main.get_shard_from_local_buffer()
+                if not helpers:
+                    out = torch.empty_like(shard)
+                elif grads is local.data:
+                    out = shard  # in place: the shard is the rank's slice of the helper buffer
+                else:
+                    rank = group.rank()
+                    out = grads[rank * shard.numel() : (rank + 1) * shard.numel()]
+                torch.distributed.reduce_scatter_tensor(output=out, input=grads, op=op, group=group)
+                if out is not shard:
+                    copies.append((shard, out))
+        for destination, reduced in copies:
+            destination.copy_(reduced)
+        del copies
+        if comm_dtype is not None:
+            for i in ids:
+                groups[i].hsdp_comm_gbuf.free_bucket_storage()
+
+
+def _instance_grads(group):
+    """The gradient buffer of the instance's shard: hsdp_gbuf (megatron-core 0.16.1),
+    hfsdp_helper_gbuf (0.19)."""
+    return group.hfsdp_helper_gbuf if guards.since(0, 19) else group.hsdp_gbuf
+
+
+def _instance_weights(group, *, backward: bool):
+    """The weight buffer of the instance's shard: hsdp_wbuf (megatron-core 0.16.1),
+    hfsdp_helper_wbuf (0.19; for the backward of weights that keep a transpose, such as MXFP8's,
+    hfsdp_helper_wtbuf, as AllGatherPipeline.get_fsdp_buffer picks with bwd)."""
+    if not guards.since(0, 19):
+        return group.hsdp_wbuf
+    if backward and group.transpose_weight_buffer is not None:
+        return group.hfsdp_helper_wtbuf
+    return group.hfsdp_helper_wbuf
 
 
 def outer_gather(chunk, *, backward: bool) -> None:
     """HSDP with outer optim in the iteration's first micro-batch: before a bucket is gathered
-    within the instance, the rank's shard over the whole data-parallel group (the model-weight
-    buffer, which the optimizer step updated) is all-gathered across the instances into the
-    instance's shard (hsdp_wbuf), in place, a coalesced call per bucket group
-    (AllGatherPipeline.all_gather_params with outer_fsdp_group_param_gather). The forward
+    within the instance, the rank's shard over the whole data-parallel group (which the
+    optimizer step updated) is all-gathered across the instances into the instance's shard, in
+    place, a coalesced call per bucket group (AllGatherPipeline.all_gather_params with
+    outer_fsdp_group_param_gather): in megatron-core 0.16.1 from the model-weight buffer into
+    hsdp_wbuf, of which it is a view; in 0.19 from the rank's slice of the helper buffer
+    hfsdp_helper_wbuf into the whole of it (the model-weight buffer is that slice). The forward
     gathers every bucket but those the optimizer step gathered ahead; the transformer layers'
     buckets, released after their forward, are gathered once more (in megatron-core in the
     backward, or ahead at the end of the forward): here in the backward."""
@@ -204,17 +256,21 @@ def outer_gather(chunk, *, backward: bool) -> None:
             i
             for i in ids
             if i not in skip
-            and groups[i].hsdp_wbuf is not None
+            and _instance_weights(groups[i], backward=backward) is not None
             and (not backward or groups[i].fsdp_unit_id is not None)
         ]
         if not ids:
             continue
         with _coalescing_manager(group, async_ops=False):
             for i in ids:
+                whole = _instance_weights(groups[i], backward=backward).data
+                if guards.since(0, 19):
+                    size = whole.numel() // group.size()
+                    mine = whole[group.rank() * size : (group.rank() + 1) * size]
+                else:
+                    mine = groups[i].model_weight_buffer.data
                 torch.distributed.all_gather_into_tensor(
-                    output_tensor=groups[i].hsdp_wbuf.data,
-                    input_tensor=groups[i].model_weight_buffer.data,
-                    group=group,
+                    output_tensor=whole, input_tensor=mine, group=group
                 )
 
 
@@ -234,11 +290,18 @@ def _gathered_ahead(fsdp) -> set[int]:
     """The buckets MegatronFSDP.start_param_sync gathers in the optimizer step for the next
     iteration, which its first micro-batch then finds gathered: the first parameter's bucket,
     then the bucket groups after it while fewer than suggested_AG_prefetch_size elements are
-    added (with fsdp_double_buffer, within two FSDP units). Restates the prefetch of
+    added (with fsdp_double_buffer, within two FSDP units). megatron-core 0.19 gathers nothing
+    ahead without fsdp_all_gather_in_start_param_sync, and with fsdp_double_buffer prefetches
+    nothing after a first bucket outside the FSDP units. The prefetch: Restates
     megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.AllGatherPipeline.all_gather_params
-    (source sha256: 8d0f74c98658)."""
+    (source sha256: 8d0f74c98658, d9bec6fa4c5b); as the optimizer step calls it: Restates
+    megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.start_param_sync
+    (source sha256: 5e31687b9af6, 087a12223fbb)."""
     buffer = fsdp.param_and_grad_buffer
     groups = buffer.parameter_groups
+    since_19 = guards.since(0, 19)
+    if since_19 and not fsdp.ddp_config.fsdp_all_gather_in_start_param_sync:
+        return set()
 
     def size(ids):
         return sum(groups[i].model_weight_buffer.bucket_index.size for i in ids)
@@ -250,6 +313,9 @@ def _gathered_ahead(fsdp) -> set[int]:
     units = {
         groups[i].fsdp_unit_id for i in ahead if groups[i].fsdp_unit_id in buffer.double_buf_units
     }
+    outside = all(groups[i].fsdp_unit_id is None or groups[i].fsdp_unit_id < 0 for i in ahead)
+    if since_19 and double and outside:
+        return set(ahead)
     nxt = ahead[-1] + 1
     while nxt < len(groups) and size(ahead) - base < fsdp.suggested_AG_prefetch_size:
         if double:

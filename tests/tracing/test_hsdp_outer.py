@@ -20,18 +20,18 @@ its backward. megatron-core pads each bucket to a multiple of dp and the allocat
 buffer to 512 bytes, which the bounds allow (1.5 %, or the blocks of Adam's per-parameter
 moments).
 
-Under megatron-core 0.19 the main gradients are in the parameters' bf16 (2 bytes, GRAD), and the
-outer optim strategy is refused: 0.19 rebuilt hybrid sharding around helper buffers
-(ParamAndGradBuffer's hfsdp_helper_wbuf / hfsdp_helper_gbuf), which metatrace.tracing.fsdp does
-not restate yet."""
+Under megatron-core 0.19 the main gradients are in the parameters' bf16 (2 bytes, GRAD): with
+no_shard the all-reduce, with optim the reduce-scatter across the instances is of bf16 (2N/I
+bytes). 0.19 keeps the instance's shards in helper buffers (ParameterGroup.hfsdp_helper_wbuf /
+hfsdp_helper_gbuf) of which the model-weight and main-gradient buffers are the rank's slices over
+the whole data-parallel group, as 0.16.1's hsdp_wbuf / hsdp_gbuf: the same bytes kept and moved,
+but the reduce-scatter writes into the main gradients' slice in place, with no temporary shard."""
 
 import pytest
 import torch
 
 from metatrace.analysis.analyze import analyze
-from metatrace.errors import ConfigError
 from metatrace.hooks import guards
-from metatrace.tracing.checks import check_with_megatron
 from metatrace.tracing.measure import measure_rank, predict
 from metatrace.tracing.trace import trace_job
 from tests.helpers import small_job
@@ -40,19 +40,6 @@ LAYERS = 2
 # (GPUs, instances): I x O = 2 x 2, 4 x 2, 2 x 4
 SHAPES = [(4, 2), (8, 2), (8, 4)]
 GRAD, GRAD_DTYPE = (2, "bfloat16") if guards.since(0, 19) else (4, "float32")
-OUTER_OPTIM = not guards.since(0, 19)  # modelled under 0.16.1 only
-
-
-def refused(job) -> bool:
-    """True (the caller returns) where outer optim is refused: under megatron-core 0.19, with
-    the message naming the option and the release."""
-    if OUTER_OPTIM:
-        return False
-    with pytest.raises(
-        ConfigError, match=r"^training\.fsdp_outer_sharding_strategy: optim .*0\.19"
-    ):
-        check_with_megatron(job)
-    return True
 
 
 def hsdp_job(gpus, instances, outer, *, sections=None, **training):
@@ -77,7 +64,6 @@ def analyses():
         )
         for gpus, instances in SHAPES
         for outer in ("no_shard", "optim")
-        if outer == "no_shard" or OUTER_OPTIM
     }
 
 
@@ -104,8 +90,6 @@ def total(items, attr="message"):
 def test_each_rank_keeps_the_instance_shards_and_optim_shards_the_optimizer_over_all(
     analyses, gpus, instances, outer
 ):
-    if outer == "optim" and refused(hsdp_job(gpus, instances, outer)):
-        return
     a = analyses[(gpus, instances, outer)]
     inner, n = gpus // instances, a.total_params
     memory = a.roles[0].memory
@@ -135,8 +119,6 @@ def test_no_shard_all_reduces_each_gradient_shard_across_the_instances(analyses,
 def test_optim_reduce_scatters_the_gradients_and_gathers_the_parameters_across_the_instances(
     analyses, gpus, instances
 ):
-    if refused(hsdp_job(gpus, instances, "optim")):
-        return
     a = analyses[(gpus, instances, "optim")]
     inner, n, layer = gpus // instances, a.total_params, layer_params(a)
     memory = a.roles[0].memory
@@ -144,10 +126,11 @@ def test_optim_reduce_scatters_the_gradients_and_gathers_the_parameters_across_t
     assert {len(it.ranks) for it in outer} == {instances}
     # Nothing in the micro-batches between the first and the last.
     assert not [it for it in outer if it.per_microbatch]
-    # The last micro-batch: each bucket's fp32 instance shard, reduce-scattered once.
+    # The last micro-batch: each bucket's instance shard of the main gradients (fp32 under
+    # 0.16.1, bf16 under 0.19), reduce-scattered once.
     rs = [it for it in outer if it.op == "reduce_scatter"]
-    assert {(it.dtype, it.phase) for it in rs} == {("float32", "backward")}
-    assert within(total(rs), 4 / inner * n)
+    assert {(it.dtype, it.phase) for it in rs} == {(GRAD_DTYPE, "backward")}
+    assert within(total(rs), GRAD / inner * n)
     assert 0 <= memory.grads - total(rs) < 512 * sum(it.count for it in rs)
     assert total(rs, "sent") == pytest.approx((instances - 1) / instances * total(rs))
     # The first micro-batch: every bucket's bf16 instance shard once (here every bucket is gathered
@@ -191,8 +174,6 @@ def test_the_first_forward_gathers_what_the_optimizer_step_did_not_gather_ahead(
         fsdp_communication_unit_size=2,
         global_batch_size=24,  # 3 micro-batches
     )
-    if refused(job):
-        return
     a = analyze(trace_job(job, full_model=False, workers=1))
     n, layer = a.total_params, layer_params(a)
     ag = [it for it in outer_items(a) if it.op == "all_gather"]
@@ -205,6 +186,29 @@ def test_the_first_forward_gathers_what_the_optimizer_step_did_not_gather_ahead(
     assert sum(it.count for it in again) == layers
 
 
+def test_with_double_buffers_the_first_forward_gathers_what_the_optimizer_step_left():
+    """With fsdp_double_buffer megatron-core 0.19 prefetches nothing after a first bucket outside
+    the FSDP units: its optimizer step gathers the first bucket (embedding, output layer, final
+    norm) alone ahead, and the first forward gathers the two layers across the instances. 0.16.1
+    prefetches as without double buffers (within two FSDP units: both layers here). Either way
+    every bucket is gathered across the instances once before the backward."""
+    inner = 2
+    job = hsdp_job(4, 2, "optim", fsdp_double_buffer=True)
+    a = analyze(trace_job(job, full_model=False, workers=1))
+    n, layer = a.total_params, layer_params(a)
+    ag = [it for it in outer_items(a) if it.op == "all_gather"]
+    by_phase = {p: [it for it in ag if it.phase == p] for p in ("forward", "optimizer")}
+    if guards.since(0, 19):
+        assert sum(it.count for it in by_phase["optimizer"]) == 1
+        assert sum(it.count for it in by_phase["forward"]) == LAYERS
+        assert within(total(by_phase["forward"]), 2 / inner * LAYERS * layer, slack=0.03)
+    else:
+        assert sum(it.count for it in by_phase["optimizer"]) == 1 + LAYERS
+        assert not by_phase["forward"]
+    assert within(total(by_phase["forward"]) + total(by_phase["optimizer"]), 2 / inner * n)
+    assert sum(it.count for it in ag if it.phase == "backward") == LAYERS
+
+
 @pytest.mark.parametrize("rank", [0, 3])
 def test_prediction_matches_megatron_fsdp_running_on_cpu(rank):
     """megatron-core's HSDP with outer optim on real CPU tensors (dp 4 as 2 instances of 2; rank 3
@@ -212,8 +216,6 @@ def test_prediction_matches_megatron_fsdp_running_on_cpu(rank):
     layers' weights re-gathered for backward, which measure counts as saved)."""
     torch.set_num_threads(1)
     job = hsdp_job(4, 2, "optim", sections={"implementation": {"transformer_impl": "local"}})
-    if refused(job):
-        return
     predicted = predict(job, rank)
     measured = measure_rank(job, rank, iterations=2)
     assert predicted.saved > 0
