@@ -67,6 +67,13 @@ def _dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release)) + (".x" if len(release) < 3 else "")
 
 
+EVERY_RELEASE = Versions((0, 16), (0, 19))
+"""What a patch needs under every supported release."""
+RELEASE_0_16 = Versions((0, 16))
+"""What only megatron-core 0.16 needs (0.19 changed or dropped the target)."""
+RELEASE_0_19 = Versions((0, 19))
+"""What only megatron-core 0.19 needs (its new code, or a target 0.16 does not have)."""
+
 MEGATRON_CORE = (Versions((0, 16, 1)), Versions((0, 19)))
 """The megatron-core releases metatrace was measured with and its patches checked against:
 0.16.1 and the 0.19 series. 0.17 and 0.18 are refused (their sources differ from both in what

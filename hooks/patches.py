@@ -1,7 +1,8 @@
 """Every patch of megatron-core (and of its surroundings) metatrace needs, in one place.
 
 - PATCHES: attributes of megatron-core replaced by stand-ins, each with the megatron-core releases
-  that need it and why; the originals are kept (`_orig`) and put back;
+  that need it (guards.EVERY_RELEASE, RELEASE_0_16: only 0.16.1, RELEASE_0_19: only 0.19) and
+  why; the originals are kept (`_orig`) and put back;
 - the CUDA extensions megatron-core imports by name, torch.compile switched off, Meta kernels for
   the coalesced c10d operators, and the NVTE_*_ATTN variables megatron-core writes.
 
@@ -11,7 +12,8 @@ patch whose `versions` exclude the installed release is not applied, and a targe
 exist is an error naming the patch (PatchError), unless the patch declares that it `creates` it.
 hooks/training.py has the patches applied around a training iteration.
 
-Measured with megatron-core 0.16.1 and torch 2.13.0 (../shared/notes/megatron-on-meta.md).
+Measured with megatron-core 0.16.1 and 0.19.2 and torch 2.13.0
+(../shared/notes/megatron-on-meta.md; docs/megatron-core-releases.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ import torch
 
 from metatrace.hooks import guards, meta_kernels
 from metatrace.hooks import host as _host
-from metatrace.hooks.guards import PatchError, Versions, check_megatron_core, installed_release
+from metatrace.hooks.guards import (
+    EVERY_RELEASE,
+    RELEASE_0_16,
+    RELEASE_0_19,
+    PatchError,
+    Versions,
+    check_megatron_core,
+    installed_release,
+)
 from metatrace.world import orthogonal_array
 
 
@@ -98,7 +108,7 @@ PATCHES = (
         "megatron.core.tensor_parallel.random",
         "CudaRNGStatesTracker.fork",
         _null_fork,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "fork swaps the CUDA generator's state (torch.cuda.default_generators), which does not "
         "exist without CUDA; random numbers do not matter on meta.",
     ),
@@ -106,21 +116,21 @@ PATCHES = (
         "megatron.core.tensor_parallel.random",
         "_get_cuda_rng_state",
         _rng_state,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "activation checkpointing saves the CUDA RNG state before a checkpointed forward.",
     ),
     Patch(
         "megatron.core.tensor_parallel.random",
         "_set_cuda_rng_state",
         _no_op,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "activation checkpointing restores the CUDA RNG state before recomputing.",
     ),
     Patch(
         "megatron.core.tensor_parallel.random",
         "CheckpointWithoutOutput.__init__",
         _fixed_checkpoint_init,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "bug: `self.fp8 = fp8 is not None` is True for fp8=False, which then reaches Transformer "
         "Engine's FP8GlobalStateManager (a NameError without TE); force bool(fp8).",
     ),
@@ -128,7 +138,7 @@ PATCHES = (
         "megatron.core.models.common.embeddings.rope_utils",
         "fused_apply_rotary_pos_emb",
         _standin("metatrace.models.fusions", "fused_apply_rotary_pos_emb"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "bound from Transformer Engine at import (None without it); RoPE fusion, on by default "
         "in Megatron-LM, calls it.",
     ),
@@ -136,7 +146,7 @@ PATCHES = (
         "megatron.core.models.common.language_module.language_module",
         "te_parallel_cross_entropy",
         _standin("metatrace.models.fusions", "te_parallel_cross_entropy"),
-        Versions((0, 14), (0, 19)),
+        EVERY_RELEASE,
         "bound from Transformer Engine at import (None without it); used with "
         "cross_entropy_fusion_impl='te'.",
     ),
@@ -144,7 +154,7 @@ PATCHES = (
         "megatron.core.extensions.transformer_engine",
         "TEFusedMLP",
         _standin("metatrace.models.te_fused_mlp", "TEFusedMLP"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "TransformerLayer imports TEFusedMLP from here to hand the MLP its tp_group; without TE "
         "it is None, and the op fuser's stand-in is an 'Unknown MLP type' (a warning per layer).",
     ),
@@ -161,7 +171,7 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.optimizer",
         "Adam",
         _standin("metatrace.models.te_optim", "FusedAdam"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "bound at import to TE's FusedAdam on a GPU; torch's AdamW keeps the same states but its "
         "step allocates temporaries the fused kernel does not.",
     ),
@@ -169,7 +179,7 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.optimizer.distrib_optimizer",
         "Adam",
         _standin("metatrace.models.te_optim", "FusedAdam"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "bound at import like megatron.core.optimizer.Adam; the distributed optimizer asserts "
         "that its optimizer is one.",
     ),
@@ -177,21 +187,21 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.optimizer",
         "SGD",
         _standin("metatrace.models.te_optim", "FusedSGD"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "bound at import to TE's FusedSGD on a GPU.",
     ),
     Patch(
         "megatron.core.optimizer",
         "USING_PYTORCH_OPTIMIZER",
         lambda orig: False,
-        Versions((0, 14), (0, 19)),
+        EVERY_RELEASE,
         "True after the torch.optim fallback; it switches the Adam class and its arguments.",
     ),
     Patch(
         "megatron.core.optimizer.optimizer_config",
         "is_te_min_version",
         lambda orig: _te_min_version(orig),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "OptimizerConfig.__post_init__ compares Transformer Engine's release with 2.1 for the "
         "precision-aware optimizer (store_param_remainders); without TE the release is None and "
         "the comparison a TypeError. The stand-ins restate TE_RELEASE.",
@@ -200,7 +210,7 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.distributed.param_and_grad_buffer",
         "_ParamAndGradBuffer.__init__",
         lambda orig: _nominal_fp8_grad_dtype(orig),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "DistributedDataParallel gives a parameter's gradients its dtype (without "
         "grad_reduce_in_fp32); TE's FP8 parameters (fp8_param_gather) report their nominal "
         "dtype, bf16, while the stand-ins' are float8_e4m3fn tensors: 2 bytes a gradient, not 1.",
@@ -209,7 +219,7 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.transformer.transformer_config",
         "is_te_min_version",
         lambda orig: _te_min_version(orig),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "TransformerConfig.__post_init__ compares Transformer Engine's release for MoE FP8 "
         "(1.7), FP8 grouped GEMMs (1.11) and moe_act / layernorm recompute under FP8 (2.6): "
         "a TypeError without TE (as optimizer_config's check above).",
@@ -218,7 +228,7 @@ FUSED_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
         "megatron.core.optimizer",
         "is_te_min_version",
         lambda orig: _te_min_version(orig),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "get_megatron_optimizer passes the precision-aware arguments to FusedAdam from TE 2.1 on "
         "(as optimizer_config's check above).",
     ),
@@ -242,7 +252,7 @@ for _module, _names in (
                         "multi_tensor_scale_impl": "multi_tensor_scale",
                     }.get(_name, _name),
                 ),
-                Versions((0, 12), (0, 19)),
+                EVERY_RELEASE,
                 "bound at import to TE's (or Apex's) multi-tensor kernels; the local fallback "
                 "copies every gradient (src * scale) and reads norms back to the host.",
             ),
@@ -268,7 +278,7 @@ TORCH_OPTIMIZER_PATCHES = tuple(
         "torch.optim",
         name,
         _foreach_default,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "get_megatron_optimizer's fallback (no TE, no Apex) builds torch.optim.AdamW or Adam; on "
         "a GPU torch runs their foreach step, on meta tensors its per-parameter loop.",
     )
@@ -278,7 +288,7 @@ TORCH_OPTIMIZER_PATCHES = tuple(
         "megatron.core.optimizer.clip_grads",
         "l2_norm_impl",
         _standin("metatrace.models.te_optim", "local_multi_tensor_l2_norm"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "bound at import to megatron-core's local_multi_tensor_l2_norm without TE and Apex, "
         "which reads every norm to the host (not on meta); its scale and applier run as they are.",
     ),
@@ -296,7 +306,7 @@ PATCHES += (
         "megatron.core.tensor_parallel.layers",
         "fused_weight_gradient_mlp_cuda",
         _wgrad_extension,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "Apex's extension for gradient-accumulation fusion (Megatron-LM's default), imported at "
         "module import (no attribute without Apex, unless the module was first imported inside "
         "_extension_modules: created); without it the linear layers refuse the fusion.",
@@ -306,14 +316,14 @@ PATCHES += (
         "megatron.core.tensor_parallel.layers",
         "_grad_accum_fusion_available",
         lambda orig: True,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "set at import from whether the extension above imported.",
     ),
     Patch(
         "megatron.core.tensor_parallel.layers",
         "get_dummy_wgrad",
         _standin("metatrace.models.te_runtime", "get_dummy_wgrad"),
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "imported from TE at import (no attribute without TE: created); with "
         "gradient-accumulation fusion the linear layers return it as the weight gradient (the "
         "stand-in also covers runs without TE).",
@@ -323,7 +333,7 @@ PATCHES += (
         "megatron.core.tensor_parallel.layers",
         "HAVE_TE",
         lambda orig: True,
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "selects get_dummy_wgrad above; whether the run has TE is the stand-in's to say.",
     ),
 )
@@ -435,14 +445,14 @@ PATCHES += (
         "megatron.core.parallel_state",
         "create_group",
         _member_groups_only,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "speed only: the simulated rank gets the same groups; the others are not created.",
     ),
     Patch(
         "megatron.core.parallel_state",
         "generate_masked_orthogonal_rank_groups",
         _cached_rank_groups,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "speed only: the same groups, vectorised and computed once per world shape instead of "
         "once per role.",
     ),
@@ -450,7 +460,7 @@ PATCHES += (
         "megatron.core.parallel_state",
         "RankGenerator.get_ranks",
         _rank_member_groups,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "speed only: the simulated rank gets the same groups; the groups without it are not "
         "listed (but for the kinds whose loops use them: _EVERY_GROUP).",
     ),
@@ -458,7 +468,7 @@ PATCHES += (
         "megatron.core.distributed.param_and_grad_buffer",
         "shard_buffer",
         _lazy_shards,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "speed only: the same views of the bucket, each made when DDP first reads it "
         "(param_and_grad_buffer.py:279, 437, 474 read their rank's).",
     ),
@@ -472,7 +482,7 @@ for _module in ("megatron.core.fp8_utils", "megatron.core.transformer.transforme
             _module,
             "get_fp8_context",
             _standin("metatrace.models.te_fp8", "get_fp8_context"),
-            Versions((0, 13), (0, 19)),
+            EVERY_RELEASE,
             "without Transformer Engine it returns a null context, so FP8 would never start.",
         ),
     )
@@ -483,7 +493,7 @@ for _module in ("megatron.core.fp4_utils", "megatron.core.transformer.transforme
             _module,
             "get_fp4_context",
             _standin("metatrace.models.te_fp8", "get_fp4_context"),
-            Versions((0, 16, 1), (0, 19)),
+            EVERY_RELEASE,
             "without Transformer Engine it returns a null context, so NVFP4 would never start.",
         ),
     )
@@ -496,7 +506,7 @@ for _module in (
             _module,
             "te_checkpoint",
             _standin("metatrace.models.te_fp8", "checkpoint"),
-            Versions((0, 13), (0, 19)),
+            EVERY_RELEASE,
             "recompute under FP8 goes through TE's checkpoint, None or raising without TE.",
         ),
     )
@@ -602,7 +612,7 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "permute",
         _counted_permute,
-        Versions((0, 14), (0, 19)),
+        EVERY_RELEASE,
         "masked_select by the routing map selects as many tokens as the map has True entries, "
         "which meta tensors do not hold: the dispatcher's num_out_tokens says how many.",
     ),
@@ -610,14 +620,14 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "unpermute",
         _counted_unpermute,
-        Versions((0, 14), (0, 19)),
+        EVERY_RELEASE,
         "as permute: the probabilities selected by the routing map number the permuted tokens.",
     ),
     Patch(
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAlltoAllTokenDispatcher.preprocess",
         _alltoall_preprocess,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "dropless routing reads the tokens per expert and the all-to-all splits on the host "
         "(.cpu(), .tolist()); they come from the routing assumption (models/moe.py), padded "
         "per source rank with moe_router_padding_for_quantization.",
@@ -626,7 +636,7 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
         _alltoall_synchronize,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "the host waits for the token counts' copies at cuda_sync_point (an event's "
         "synchronize, which does nothing on meta): the time model's synchronisation.",
     ),
@@ -634,7 +644,7 @@ PATCHES += (
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAllGatherTokenDispatcher.dispatch_postprocess",
         _allgather_dispatch_postprocess,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "reads the tokens per local expert on the host (.cpu()); they come from the routing "
         "assumption.",
     ),
@@ -642,7 +652,7 @@ PATCHES += (
         "megatron.core.transformer.moe.router",
         "TopKRouter.routing",
         _balanced_routing,
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "on real tensors (the CPU check of a meta trace) under balanced routing the routing map "
         "is made the balanced one metatrace assumes (random routing keeps the router's own "
         "draw); on meta it holds no values and is left alone.",
@@ -651,14 +661,14 @@ PATCHES += (
         "megatron.core.transformer.moe.router",
         "sinkhorn",
         _standin("metatrace.models.moe", "sinkhorn"),
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "iterates until the values converge, which meta tensors cannot tell.",
     ),
     Patch(
         "megatron.core.transformer.moe.moe_utils",
         "te_general_gemm",
         _standin("metatrace.models.moe", "te_general_gemm"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "bound from Transformer Engine at import, and referenced without it (a NameError: "
         "created); the router's gating GEMM calls it.",
         creates=True,
@@ -667,7 +677,7 @@ PATCHES += (
         "megatron.core.transformer.moe.moe_utils",
         "MoEAuxLossAutoScaler.main_loss_backward_scale",
         lambda orig: None,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "a class attribute megatron-core creates on the device of the first backward (or "
         "set_loss_scale) and keeps: a trace on another device then mixes devices (a real CPU run "
         "after a meta trace fails in backward, metatrace measure with an aux loss).",
@@ -702,7 +712,7 @@ PATCHES += tuple(
         _TD,
         name,
         _standin("metatrace.models.deepep", name),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "bound from fused_a2a at import (None without deep_ep, which needs a GPU); the flex "
         "dispatcher calls it.",
     )
@@ -718,7 +728,7 @@ PATCHES += tuple(
         _TD,
         "MoEFlexTokenDispatcher.__init__",
         _remembering_flex_init,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "the kernels' arguments carry neither topk nor the expert-TP size the stand-ins size "
         "their outputs by; the dispatcher's config is kept for them.",
     ),
@@ -726,7 +736,7 @@ PATCHES += tuple(
         _TD,
         "_DeepepManager._indices_to_multihot",
         _flex_multihot,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "indexes by a boolean mask (indices[mask]), whose size depends on the data; the tokens "
         "per expert say how many.",
     ),
@@ -750,7 +760,7 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.moe_utils",
         name,
         _standin("metatrace.models.te_moe", name),
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "bound from Transformer Engine at import (missing without it); called with "
         "moe_permute_fusion / moe_router_fusion, and looked up by TransformerConfig's checks.",
         creates=True,
@@ -761,7 +771,7 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.moe_utils",
         "HAVE_TE",
         lambda orig: True,
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "gates only the fused_* calls above (moe_utils.py:118, 322, 330, 414, 491, 498, 653, "
         "772); each is also gated by its config flag.",
     ),
@@ -857,7 +867,7 @@ for _module, _name, _standin_name, _why in (
             _module,
             _name,
             _standin("metatrace.models.compiled", _standin_name),
-            Versions((0, 13), (0, 19)),
+            EVERY_RELEASE,
             _why,
         ),
     )
@@ -886,7 +896,7 @@ PATCHES += (
         "megatron.core.transformer.multi_latent_attention",
         "TELinear",
         _standin("metatrace.models.te_linear", "TELinear"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "imported from megatron.core.extensions.transformer_engine, whose classes without TE "
         "are MagicMock instances: `isinstance(linear_proj, TELinear)` raises TypeError, and the "
         "down-projections' `in [TELinear]` test never matches the stand-in.",
@@ -895,14 +905,14 @@ PATCHES += (
         "megatron.core.transformer.multi_latent_attention",
         "TEColumnParallelLinear",
         _standin("metatrace.models.te_linear", "TEColumnParallelLinear"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "as TELinear: the down-projections' class test.",
     ),
     Patch(
         "megatron.core.transformer.dot_product_attention",
         "DotProductAttention.__init__",
         _kv_channels_per_tensor,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "MLA builds its core attention with k_channels / v_channels (TEDotProductAttention's "
         "signature); the local DotProductAttention takes neither (TypeError) and sizes its "
         "output by kv_channels. Accept both; the output is v_channels per head.",
@@ -924,7 +934,7 @@ PATCHES += (
         "megatron.core.transformer.mla_qk_norm_config",
         "get_backend",
         _meta_backend,
-        Versions((0, 19)),
+        RELEASE_0_19,
         "MLA resolves its latent norms and up-projections against the backend of "
         "transformer_impl (megatron-core's TESpecProvider, whose classes without TE are "
         "MagicMock instances): metatrace's provider, whose modules the layer spec holds.",
@@ -943,7 +953,7 @@ for _name in (
             "megatron.core.fusions.fused_mla_yarn_rope_apply",
             _name,
             _no_kernel,
-            Versions((0, 15), (0, 19)),
+            EVERY_RELEASE,
             "a Triton kernel (MLA's fused yarn RoPE, on by default with TE); without Triton the "
             "module imports with a mocked triton and `kernel[grid](...)` raises TypeError.",
         ),
@@ -966,7 +976,7 @@ PATCHES += tuple(
         "megatron.core.tensor_parallel.random",
         name,
         _standin("metatrace.models.te_fp8", standin),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "imported from Transformer Engine (missing without it); CheckpointWithoutOutput with "
         "fp8 reads the FP8 state and recomputes under the first pass's recipe.",
         creates=True,
@@ -1007,7 +1017,7 @@ PATCHES += (
         "megatron.core.tensor_parallel.random",
         "_get_share_storage",
         _meta_share_storage,
-        Versions((0, 19)),
+        RELEASE_0_19,
         "compiles a C++ extension (torch.utils.cpp_extension.load_inline) on first use, which a "
         "trace needs not: a meta tensor has no data to share.",
     ),
@@ -1029,7 +1039,7 @@ PATCHES += (
             module,
             name,
             make,
-            Versions((0, 16, 1), (0, 19)),
+            EVERY_RELEASE,
             why,
             creates=creates,
         )
@@ -1064,14 +1074,14 @@ PATCHES += (
             "megatron.core.transformer.attention",
             "TELinear",
             _standin("metatrace.models.te_linear", "TELinear"),
-            Versions((0, 16, 1), (0, 19)),
+            EVERY_RELEASE,
             "None without TE: `isinstance(linear_proj, TELinear)` needs the stand-in class.",
         ),
         Patch(
             "megatron.core.extensions.transformer_engine",
             "TELinear",
             _standin("metatrace.models.te_linear", "TELinear"),
-            Versions((0, 16, 1), (0, 19)),
+            EVERY_RELEASE,
             "a MagicMock without TE; SharedExpertMLP imports it at construction for "
             "`isinstance(linear_fc1, TELinear)` (shared_experts.py:80-90), a TypeError with a mock.",
         ),
@@ -1079,13 +1089,13 @@ PATCHES += (
             "megatron.core.transformer.moe.shared_experts",
             "is_te_min_version",
             lambda orig: _te_min_version(orig),
-            Versions((0, 16, 1), (0, 19)),
+            EVERY_RELEASE,
             "TE >= 2.6 for save_original_input under FP8 (shared_experts.py:64-69).",
         ),
     )
     + tuple(
         # 0.19 imports them at the module's load, behind HAVE_TE (shared_experts.py:34-42, 155)
-        Patch("megatron.core.transformer.moe.shared_experts", name, make, Versions((0, 19)), why)
+        Patch("megatron.core.transformer.moe.shared_experts", name, make, RELEASE_0_19, why)
         for name, make, why in (
             (
                 "HAVE_TE",
@@ -1115,7 +1125,7 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.experts",
         name,
         _standin("metatrace.models.te_fp8_grouped", name),
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "imported from megatron.core.extensions.transformer_engine when TE imports (missing "
         "without it); TEGroupedMLP builds it under FP8 (experts.py:603-606).",
         creates=True,
@@ -1126,7 +1136,7 @@ PATCHES += tuple(
         "megatron.core.transformer.moe.experts",
         "HAVE_TE",
         lambda orig: True,
-        Versions((0, 15), (0, 19)),
+        EVERY_RELEASE,
         "gates only the FP8 padding above (TEGroupedMLP asserts it under FP8, experts.py:604).",
     ),
 )
@@ -1145,7 +1155,7 @@ PATCHES += (
         "megatron.core.transformer.transformer_block",
         "get_cpu_offload_context",
         _standin("metatrace.models.te_cpu_offload", "get_cpu_offload_context"),
-        Versions((0, 16), (0, 19)),
+        EVERY_RELEASE,
         "bound from Transformer Engine at import (None without it, and TransformerBlock then "
         "asserts cpu_offloading off); the stand-in's context sees what metatrace's TE stand-ins "
         "mark for offloading.",
@@ -1154,7 +1164,7 @@ PATCHES += (
         "megatron.core.transformer.mlp",
         "HAVE_TE",
         lambda orig: True,
-        Versions((0, 16), (0, 19)),
+        EVERY_RELEASE,
         "gates only whether the fused SwiGLU marks its input for TE's layer-wise offloading "
         "(mlp.py:210), itself gated by cpu_offloading.",
     ),
@@ -1168,7 +1178,7 @@ PATCHES += (
         _HDO,
         "HybridDeviceOptimizer._get_sub_optimizer_param_groups",
         _standin_factory("metatrace.hooks.optimizer_offload", "split"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "decides host or GPU by `param.is_cuda`, False on meta: every shard would be taken for "
         "a host one and nothing offloaded; host copies would take host memory in the tracer.",
     ),
@@ -1176,7 +1186,7 @@ PATCHES += (
         _HDO,
         "HybridDeviceOptimizer.step",
         _standin_factory("metatrace.hooks.optimizer_offload", "step"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "runs the host optimizers and the copies between host and GPU, which have no meta "
         "stand-in; the GPU part runs, the copies are logged.",
     ),
@@ -1188,7 +1198,7 @@ PATCHES += (
         _FGO,
         "ChunkOffloadHandler.offload",
         _offload_standin("offload"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "copies into a pinned host buffer: no pinned memory without an accelerator, and no copy "
         "out of a meta tensor; a HostCopy record stands for the buffer.",
     ),
@@ -1196,14 +1206,14 @@ PATCHES += (
         _FGO,
         "ChunkOffloadHandler.reload",
         _offload_standin("reload"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "copies the host buffer back: the GPU allocation is made, the copy is not.",
     ),
     Patch(
         _FGO,
         "PipelineOffloadManager.__enter__",
         _offload_standin("manager_enter"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "pushes its saved-tensor hooks over metatrace's, which torch then no longer calls: note "
         "the hooks it hides.",
     ),
@@ -1211,14 +1221,14 @@ PATCHES += (
         _FGO,
         "PipelineOffloadManager.__exit__",
         _offload_standin("manager_exit"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "pops them again.",
     ),
     Patch(
         _FGO,
         "ChunkOffloadHandler._can_manage_tensor_for_offload",
         _offload_standin("manageable"),
-        Versions((0, 19)),
+        RELEASE_0_19,
         "0.19 offloads only tensors on a CUDA device: no tensor of a trace would be offloaded; "
         "meta tensors stand for CUDA ones.",
     ),
@@ -1226,7 +1236,7 @@ PATCHES += (
         _FGO,
         "PipelineOffloadManager.on_save_for_backward",
         _offload_standin("on_save"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "calls the hidden pack hook first (the recorder's, measure's), so that tensors saved "
         "inside an offload group are still seen.",
     ),
@@ -1234,21 +1244,21 @@ PATCHES += (
         _FGO,
         "OffloadTensorGroup.push_tensor",
         _offload_standin("push_tensor"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "drops what the hidden pack hook returned once the tensor is offloaded.",
     ),
     Patch(
         _FGO,
         "OffloadTensorGroup.pop_tensor",
         _offload_standin("pop_tensor"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "drops it when autograd takes the tensor back.",
     ),
     Patch(
         _FGO,
         "print_offload_summary_table",
         _no_op,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "all_gather_object and a barrier over the world at the end of the first iteration, for "
         "a printed table.",
     ),
@@ -1256,7 +1266,7 @@ PATCHES += (
         "megatron.core.extensions.transformer_engine",
         "cpu_offload",
         _offload_standin("cpu_offload"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "TE's cpu_offload module, None without TE: the offload manager raises 'TE CPU offload "
         "is not available' even with the local spec.",
     ),
@@ -1264,7 +1274,7 @@ PATCHES += (
         "torch.cuda.nvtx",
         "range_push",
         _no_op,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "the offload handler marks its copies with NVTX ranges; a CPU build of torch raises "
         "'NVTX functions not installed'. Profiling markers only.",
     ),
@@ -1272,7 +1282,7 @@ PATCHES += (
         "torch.cuda.nvtx",
         "range_pop",
         _no_op,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "as range_push.",
     ),
 )
@@ -1284,7 +1294,7 @@ PATCHES += (
         "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
         "TELinear",
         _standin("metatrace.models.te_linear", "TELinear"),
-        Versions((0, 16)),
+        RELEASE_0_16,
         "bound at import from megatron-core's TE extensions (a class over a MagicMock without "
         "TE); with tp > 1 _fix_tensor_parallel_attributes tests every module against it to mark "
         "duplicated linear layers' parameters.",
@@ -1299,7 +1309,7 @@ PATCHES += tuple(
         f"{_MFSDP}.{module}",
         "is_float8tensor",
         _standin("metatrace.models.te_fp8_param", "is_float8tensor"),
-        Versions((0, 16), (0, 19)),
+        EVERY_RELEASE,
         "tests for Transformer Engine's QuantizedTensor (False without TE): metatrace's FP8 "
         "weights then get a gradient buffer of their FP8 dtype, for which FSDP has no entry.",
     )
@@ -1309,7 +1319,7 @@ PATCHES += tuple(
         f"{_MFSDP}.param_and_grad_buffer",
         "fp8_quantize",
         _standin("metatrace.models.te_fp8_param", "fp8_quantize"),
-        Versions((0, 16), (0, 19)),
+        EVERY_RELEASE,
         "casts the main weights into the FP8 shards with TE's cast_master_weights_to_fp8, or "
         "without TE a fallback that needs TE's Float8Tensor; restated for meta.",
     ),
@@ -1359,7 +1369,7 @@ PATCHES += (
         _FSDP,
         "ParamAndGradBuffer._init_each_parameter_group_buffers",
         _without_statement("assert not p.is_meta, (self.param_to_name[p], module_reset_flag)"),
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "Megatron-FSDP asserts that no parameter is left on meta once its buffers exist (it "
         "initialises meta parameters with --init-model-with-meta-device); on meta they all are, "
         "and the buffers are built from them all the same.",
@@ -1368,7 +1378,7 @@ PATCHES += (
         _FSDP,
         "validate_uneven_dtensor",
         _no_op,
-        Versions((0, 16, 1), (0, 19)),
+        EVERY_RELEASE,
         "checks each sharded parameter's DTensor chunk boundaries by all-gathering them and "
         "reading the result (.item() on meta); a check only, nothing is allocated or kept.",
     ),

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from metatrace.hooks.guards import Versions
+from metatrace.hooks.guards import EVERY_RELEASE
 from metatrace.hooks.patches import Patch, patched
 
 
@@ -25,7 +25,7 @@ def _backward_step(make) -> Patch:
         "megatron.core.pipeline_parallel.schedules",
         "backward_step",
         make,
-        Versions((0, 12), (0, 19)),
+        EVERY_RELEASE,
         "the schedules call the module's backward_step for each micro-batch's backward: the "
         "replay stands in for it, or each real call is marked.",
     )
@@ -50,14 +50,14 @@ def _combined_patches(no_pipelining, interleaved) -> tuple[Patch, ...]:
             module,
             "combined_1f1b_schedule_for_no_pipelining",
             lambda orig: no_pipelining,
-            Versions((0, 16), (0, 19)),
+            EVERY_RELEASE,
             why,
         ),
         Patch(
             module,
             "combined_1f1b_schedule_for_interleaved_pipelining",
             lambda orig: interleaved,
-            Versions((0, 16), (0, 19)),
+            EVERY_RELEASE,
             why,
         ),
     )
