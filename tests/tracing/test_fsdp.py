@@ -357,12 +357,20 @@ def test_low_precision_adam_moments_are_kept_as_shards():
     assert wide - narrow == pytest.approx(2 * 2 * n / DP, rel=0.005)
 
 
-@pytest.mark.parametrize("dtype, size, sent", [("fp32", 4, "float32"), ("bf16", 2, "bfloat16")])
-def test_main_gradients_take_megatron_fsdps_dtype(dtype, size, sent):
+@pytest.mark.parametrize(
+    "dtype, comm, size, sent, sent_size",
+    [
+        ("fp32", "auto", 4, "float32", 4),
+        ("bf16", "auto", 2, "bfloat16", 2),
+        ("fp32", "bf16", 4, "bfloat16", 2),
+    ],
+)
+def test_main_gradients_take_megatron_fsdps_dtype(dtype, comm, size, sent, sent_size):
     """training.fsdp_main_grads_dtype is megatron-core 0.19's megatron_fsdp_main_grads_dtype:
-    the sharded gradient buffer and the reduce-scatters in that dtype (fp32 is what 0.16.1 did
-    with grad_reduce_in_fp32). megatron-core 0.16.1 has no such option: refused, naming it."""
-    job = fsdp_job("optim_grads_params", fsdp_main_grads_dtype=dtype)
+    the sharded gradient buffer in that dtype (fp32 is what 0.16.1 did with grad_reduce_in_fp32),
+    and the reduce-scatters too unless fsdp_grad_comm_dtype (megatron_fsdp_grad_comm_dtype) sends
+    another. megatron-core 0.16.1 has no such options: refused, naming the first."""
+    job = fsdp_job("optim_grads_params", fsdp_main_grads_dtype=dtype, fsdp_grad_comm_dtype=comm)
     if not guards.since(0, 19):
         with pytest.raises(ConfigError, match=r"^training\.fsdp_main_grads_dtype: .* 0\.19"):
             from metatrace.tracing.checks import check_with_megatron
@@ -375,4 +383,4 @@ def test_main_gradients_take_megatron_fsdps_dtype(dtype, size, sent):
     reduced = [it for it in dp_items(a) if it.op == "reduce_scatter"]
     assert {it.dtype for it in reduced} == {sent}
     m = a.job.num_microbatches
-    assert within(sum(it.count * it.message for it in reduced) / m, size * n)
+    assert within(sum(it.count * it.message for it in reduced) / m, sent_size * n)
