@@ -249,7 +249,8 @@ def installed_release() -> tuple[str, tuple[int, ...]]:
 def release_text() -> str:
     """The installed megatron-core's release as reports name it: "0.19.2" (without the
     "+<git hash>" 0.19's package_info appends when its directory lies in a git checkout)."""
-    return installed_release()[0].split("+")[0]
+    import_megatron_core()
+    return _release.version().split("+")[0]
 
 
 def check_megatron_core() -> tuple[int, ...]:
@@ -356,7 +357,7 @@ def copies() -> list[Copy]:
         text = path.read_text()
         for m in MARK.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
-            since = tuple(int(n) for n in m.group(3).split(".")) if m.group(3) else ()
+            since = _release.parse(m.group(3) or "")
             found.append(Copy(f"{where}:{line}", m.group(1), m.group(2), since))
     return found
 

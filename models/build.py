@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metatrace.config import release
+from metatrace.config.job import FSDP_DTYPES
 from metatrace.errors import ConfigError
 
 DTYPES = {
@@ -455,10 +456,6 @@ def ddp_config(job):
         else None,
         **_fsdp_dtypes(job),
     )
-
-
-FSDP_DTYPES = ("fsdp_main_grads_dtype", "fsdp_main_params_dtype", "fsdp_grad_comm_dtype")
-"""The job keys of Megatron-FSDP's dtypes, megatron-core 0.19's megatron_<key> fields."""
 
 
 def _fsdp_dtypes(job) -> dict:

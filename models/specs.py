@@ -9,11 +9,12 @@ plugs into `gpt_layer_spec` the same way.
 `metatrace.models.te_linear` and `metatrace.models.te_attention`.
 
 `gpt_layer_spec` mirrors megatron-core 0.16.1's `get_gpt_layer_local_spec` and
-`get_gpt_layer_with_transformer_engine_spec` for dense layers (0.19 builds the same modules
-through its `*_submodules` functions; its norms' `has_residual` fuses the residual add only with
-`fused_residual_rmsnorm`, and `mla_down_proj_fusion` is off unless set; no job sets either): with a provider that fuses the
+`get_gpt_layer_with_transformer_engine_spec` for dense layers: with a provider that fuses the
 norm into the following linear (`fuse_layernorm_and_linear()`), input_layernorm and
 pre_mlp_layernorm become identities and linear_qkv / linear_fc1 take the norm, as in the TE spec.
+megatron-core 0.19 builds the same modules through its `*_submodules` functions: its norms'
+`has_residual` fuses the residual add only with `fused_residual_rmsnorm`, and
+`mla_down_proj_fusion` is off unless set; no job sets either.
 """
 
 from __future__ import annotations

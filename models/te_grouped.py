@@ -30,6 +30,7 @@ from metatrace.hooks.remap import library_kernel
 from metatrace.models import te_runtime, te_wgrad
 from metatrace.models.te_fp8 import active_recipe, register_fp8_param_buffers
 from metatrace.models.te_fp8_grouped import fp8_backward, fp8_forward
+from metatrace.models.te_linear import newer_arguments
 
 _STREAMS = 4  # TE 2.8's get_num_compute_streams()
 
@@ -154,8 +155,6 @@ class TEGroupedLinear(torch.nn.Module):
     ):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        from metatrace.models.te_linear import newer_arguments
 
         super().__init__()
         newer_arguments(config)

@@ -11,6 +11,7 @@ import functools
 import re
 
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
+from metatrace.config.job import FSDP_DTYPES, changed_from_default
 from metatrace.errors import ConfigError
 
 RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -573,18 +574,15 @@ def _check_cuda_graphs(job):
 
 def _check_fsdp(job):
     tr = job.training
-    given = [
-        name
-        for name, default in (
-            ("fsdp_outer_sharding_strategy", "no_shard"),
-            ("fsdp_double_buffer", False),
-            ("fsdp_communication_unit_size", None),
-            ("fsdp_main_grads_dtype", "auto"),
-            ("fsdp_main_params_dtype", "fp32"),
-            ("fsdp_grad_comm_dtype", "auto"),
-        )
-        if getattr(tr, name) != default
-    ]
+    given = changed_from_default(
+        tr,
+        (
+            "fsdp_outer_sharding_strategy",
+            "fsdp_double_buffer",
+            "fsdp_communication_unit_size",
+            *FSDP_DTYPES,
+        ),
+    )
     if not tr.megatron_fsdp:
         if given:
             yield f"training.{given[0]} applies with training.megatron_fsdp only"

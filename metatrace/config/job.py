@@ -4,6 +4,7 @@ from YAML, metatrace.config.resolve derives what Megatron-LM derives."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -529,6 +530,17 @@ class Training:
     def local_layer_graphs(self) -> bool:
         """megatron-core's per-layer local CUDA graphs (local with any scope but full_iteration)."""
         return self.cuda_graph_impl == "local" and self.cuda_graph_scope != ["full_iteration"]
+
+
+FSDP_DTYPES = ("fsdp_main_grads_dtype", "fsdp_main_params_dtype", "fsdp_grad_comm_dtype")
+"""Training's keys for Megatron-FSDP's dtypes: megatron-core 0.19's megatron_<key> fields,
+which 0.16.1 does not have."""
+
+
+def changed_from_default(section, names) -> list[str]:
+    """Those of `names` whose value in the dataclass instance `section` is not its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    return [name for name in names if getattr(section, name) != defaults[name]]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,25 +10,30 @@ import re
 import sys
 
 
+@functools.cache
 def parse(version: str) -> tuple[int, ...]:
     """(0, 19, 2) from "0.19.2", "0.19.2rc0" or "0.19.2+b995700"; () when no number leads."""
     match = re.match(r"\d+(?:\.\d+)*", version)
     return tuple(int(n) for n in match.group().split(".")) if match else ()
 
 
-@functools.cache
-def _imported(version: str) -> tuple[int, ...]:
-    return parse(version)
+def version() -> str:
+    """The installed megatron-core's version string ("0.19.2", "0.19.2+b995700" where 0.19's
+    package_info adds the git hash of a checkout it lies in); "not installed" without one."""
+    info = sys.modules.get("megatron.core.package_info")
+    if info is not None:
+        return info.__version__
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def release() -> tuple[int, ...]:
     """The installed megatron-core's release numbers; () without one."""
-    info = sys.modules.get("megatron.core.package_info")
-    if info is not None:
-        return _imported(info.__version__)
-    from metatrace.config.megatron.flags import megatron_core_version
-
-    return parse(megatron_core_version())
+    return parse(version())
 
 
 def since(*numbers: int) -> bool:

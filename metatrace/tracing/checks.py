@@ -15,23 +15,18 @@ def check_with_megatron(job) -> None:
     optimizer_config(job, check_only=True)
 
 
-# Job keys (with their default) that only megatron-core 0.19 has: the release that adds them.
-_SINCE = {
-    ("training", "fsdp_main_grads_dtype", "auto"): (0, 19),
-    ("training", "fsdp_main_params_dtype", "fp32"): (0, 19),
-    ("training", "fsdp_grad_comm_dtype", "auto"): (0, 19),
-}
-
-
 def _check_release(job) -> None:
+    """Job keys only megatron-core 0.19 has, given another value than their default under an
+    older release."""
+    from metatrace.config.job import FSDP_DTYPES, changed_from_default
     from metatrace.errors import ConfigError
     from metatrace.hooks import guards
 
-    for (section, key, default), release in _SINCE.items():
-        value = getattr(getattr(job, section), key)
-        if value != default and not guards.since(*release):
-            raise ConfigError(
-                f"{section}.{key}: {value} needs megatron-core {'.'.join(map(str, release))} or "
-                f"newer (megatron-core {guards.release_text()} is installed, whose Megatron-FSDP "
-                f'has no such option; README.md, "megatron-core 0.19", says how to get it)'
-            )
+    given = changed_from_default(job.training, FSDP_DTYPES)
+    if given and not guards.since(0, 19):
+        key = given[0]
+        raise ConfigError(
+            f"training.{key}: {getattr(job.training, key)} needs megatron-core 0.19 or newer "
+            f"(megatron-core {guards.release_text()} is installed, whose Megatron-FSDP has no "
+            'such option; README.md, "megatron-core 0.19", says how to get it)'
+        )

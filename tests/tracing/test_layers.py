@@ -18,6 +18,8 @@ from metatrace.tracing.trace import _trace_role, trace_role
 from metatrace.world import World
 from tests.helpers import MLA, MOE, small_job
 
+# each layer recomputed on its own (uniform, one layer a group)
+FULL_RECOMPUTE = {"granularity": "full", "method": "uniform", "num_layers": 1}
 LAYOUTS = {
     # name: (sections, runs cut per role)
     "dense-tp2-sp": (
@@ -62,9 +64,7 @@ LAYOUTS = {
                 "mtp_num_layers": 1,
             },
             "parallel": {"tp": 2, "sequence_parallel": True},
-            "training": {
-                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
-            },
+            "training": {"recompute": FULL_RECOMPUTE},
             "cluster": {"num_gpus": 2},
         },
         [1],
@@ -73,9 +73,7 @@ LAYOUTS = {
         {
             "model": {"num_layers": 9},
             "parallel": {"tp": 2, "sequence_parallel": True},
-            "training": {
-                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
-            },
+            "training": {"recompute": FULL_RECOMPUTE},
             "cluster": {"num_gpus": 2},
         },
         [1],
@@ -84,9 +82,7 @@ LAYOUTS = {
         {
             "model": {**MOE, "num_layers": 9},
             "parallel": {"ep": 2},
-            "training": {
-                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}
-            },
+            "training": {"recompute": FULL_RECOMPUTE},
             "cluster": {"num_gpus": 2},
         },
         [1],
@@ -97,7 +93,7 @@ LAYOUTS = {
             "parallel": {"pp": 2, "vpp": 2},
             "training": {
                 "global_batch_size": 8,
-                "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1},
+                "recompute": FULL_RECOMPUTE,
             },
             "cluster": {"num_gpus": 2},
         },
@@ -181,7 +177,7 @@ def test_what_the_skipped_layers_forwards_change_is_changed_for_them_too(monkeyp
             "moe_router_score_function": "sigmoid",
             "moe_router_enable_expert_bias": True,
         },
-        training={"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+        training={"recompute": FULL_RECOMPUTE},
     )
     world = World.from_job(job)
     role = world.roles()[0]

@@ -629,9 +629,9 @@ def test_classes_of_flags_new_in_core_v0_19_2():
 
 def test_flags_of_other_megatron_lm_versions_are_read_and_misspellings_refused():
     resolved, notes = job(BASE + " --use-transformer-engine-op-fuser --log-max-attention-logit")
-    from metatrace.config.megatron.flags import megatron_core_version
+    from metatrace.config import release
 
-    installed = megatron_core_version()
+    installed = release.version()
     assert installed[0].isdigit()  # the distribution's metadata, megatron-core not imported
     assert (
         f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core {installed}): "

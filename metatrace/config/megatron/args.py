@@ -29,6 +29,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from metatrace.config import release as installed
 from metatrace.config.job import NotModelled
 from metatrace.config.megatron.flags import (
     ENV_FORMATS,
@@ -44,7 +45,6 @@ from metatrace.config.megatron.flags import (
     NVTE_FOR_BACKEND,
     UNMODELLED_VALUES,
     Flag,
-    megatron_core_version,
 )
 from metatrace.config.megatron.script import args_from_mapping, read_args_file, split_args
 from metatrace.errors import ConfigError
@@ -253,7 +253,7 @@ def _derive(tokens, world_size, gpu, gpus_per_node, env, release=None):
     if any(newer.values()):
         notes.append(
             f"from a Megatron-LM newer than core_v0.16.1 (metatrace runs megatron-core "
-            f"{megatron_core_version()}): "
+            f"{installed.version()}): "
             + "; ".join(
                 f"{'in core_v0.19.2' if r == 'core_v0.19.2' else 'after it (HEAD of 2026-08-22)'}"
                 f": {', '.join(flags)}"

@@ -45,17 +45,6 @@ NEWER: tuple[Versions, ...] = ("core_v0.19.2", "HEAD")
 """The `versions` of flags that Megatron-LM core_v0.16.1 does not have."""
 
 
-def megatron_core_version() -> str:
-    """The installed megatron-core's version, from its distribution's metadata (megatron-core is
-    not imported: this layer stays pure); "not installed" without one."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 Direction = Literal["raises", "lowers", "either", "unknown", "traffic"]
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from metatrace.config.checks import YARN_KEYS
 from metatrace.config.hardware import GPU_ARCH
-from metatrace.config.job import SECTIONS
+from metatrace.config.job import FSDP_DTYPES, SECTIONS, changed_from_default
 from metatrace.config.megatron.flags import FLAGS, NEWER
 from metatrace.errors import ConfigError
 
@@ -528,13 +528,8 @@ def _fsdp(job, value) -> list[str] | None:
         out.append("--fsdp-double-buffer")
     if t.fsdp_communication_unit_size is not None:
         out += ["--suggested-communication-unit-size", str(t.fsdp_communication_unit_size)]
-    for key, default in (
-        ("fsdp_main_grads_dtype", "auto"),
-        ("fsdp_main_params_dtype", "fp32"),
-        ("fsdp_grad_comm_dtype", "auto"),
-    ):
-        if getattr(t, key) != default:
-            out += ["--megatron-" + key.replace("_", "-"), getattr(t, key)]
+    for key in changed_from_default(t, FSDP_DTYPES):
+        out += ["--megatron-" + key.replace("_", "-"), getattr(t, key)]
     return out
 
 
