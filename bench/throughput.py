@@ -85,12 +85,13 @@ MBRIDGE_PRESETS = {
     "GPT-OSS-120B": "gpt-oss-120b",
     "Qwen3-30B-A3B": "qwen3-30b-a3b",
     "Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "Nemotron 3 Nano": "nemotron-3-nano-30b-a3b",
+    "Nemotron 3 Super": "nemotron-3-super-120b-a12b",
 }
 
 # What a Megatron-Bridge row cannot be built with yet, by a word of its settings.
 MBRIDGE_UNBUILDABLE = {
     "Muon": "the Muon optimizer (layer-wise distributed optimizer: megatron-core 0.19, issue 45)",
-    "Nemotron 3": "a hybrid Mamba/attention model (issue 46)",
 }
 
 # Recipe settings metatrace does not model (megatron-core 0.18-0.19 features, kernels without a
@@ -270,7 +271,7 @@ def _mbridge(
             backend = "hybridep" if "HybridEP" in dispatcher else "deepep"
             parallel.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
             if "moe_hybridep_num_sms=" in dispatcher:
-                sms = int(dispatcher.split("moe_hybridep_num_sms=")[1].split(",")[0].rstrip(")"))
+                sms = int(re.match(r"\d+", dispatcher.split("moe_hybridep_num_sms=")[1]).group())
                 parallel["moe_hybridep_num_sms"] = sms
             training["moe_router_dtype"] = "fp32"  # what DeepEP and HybridEP take
         else:

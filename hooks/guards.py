@@ -208,6 +208,29 @@ _CALLERS_WARNINGS = (
 )
 
 
+_INFERENCE_TRITON_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+
+
+@functools.cache
+def inference_triton_ops() -> None:
+    """megatron-core's MambaMixer imports three Triton kernels of dynamic-batching inference at
+    module level, and Triton is not installed with megatron-core 0.16.1 (nor installable on
+    every machine): where it is missing, that module is one whose kernels raise if called
+    (training never calls them), for the life of the process."""
+    import types
+
+    if _INFERENCE_TRITON_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    module = types.ModuleType(_INFERENCE_TRITON_OPS)
+
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError("megatron-core's inference Triton kernels (not traced)")
+
+    for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+        setattr(module, name, unavailable)
+    sys.modules[_INFERENCE_TRITON_OPS] = module
+
+
 def import_megatron_core():
     """megatron.core, imported (the first time) with torch.compile deferred (above), and
     everything alive then frozen (gc.freeze)."""
@@ -237,6 +260,7 @@ def import_megatron_core():
         # and intra-instance group sizes (the same layout).
         for name, text in _CALLERS_WARNINGS:
             logging.getLogger(name).addFilter(lambda r, text=text: text not in r.getMessage())
+    inference_triton_ops()
     return sys.modules["megatron.core"]
 
 

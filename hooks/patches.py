@@ -500,6 +500,7 @@ for _module in ("megatron.core.fp4_utils", "megatron.core.transformer.transforme
 for _module in (
     "megatron.core.transformer.transformer_block",
     "megatron.core.extensions.transformer_engine",
+    "megatron.core.transformer.moe.moe_layer",
 ):
     PATCHES += (
         Patch(
@@ -507,9 +508,30 @@ for _module in (
             "te_checkpoint",
             _standin("metatrace.models.te_fp8", "checkpoint"),
             EVERY_RELEASE,
-            "recompute under FP8 goes through TE's checkpoint, None or raising without TE.",
+            "recompute under FP8 goes through TE's checkpoint, None or raising without TE "
+            "(the MoE layer's, with recompute of moe or shared experts, is bound only with TE).",
+            creates=_module == "megatron.core.transformer.moe.moe_layer",
         ),
     )
+PATCHES += (
+    Patch(
+        "megatron.core.transformer.moe.moe_layer",
+        "TELinear",
+        _standin("metatrace.models.te_linear", "TELinear"),
+        EVERY_RELEASE,
+        "bound from Transformer Engine at import (absent or None without it); the latent "
+        "projections of moe_latent_size (Nemotron 3 Super's LatentMoE) are TELinear.",
+        creates=True,
+    ),
+    Patch(
+        "megatron.core.transformer.moe.moe_layer",
+        "HAVE_TE",
+        lambda orig: True,
+        EVERY_RELEASE,
+        "gates only the latent projections' TELinear, stood in for above (moe_layer.py:171 in "
+        "0.16.1, :266 in 0.19).",
+    ),
+)
 
 
 # Mixture of experts (metatrace.models.moe): token counts per expert come from the routing
@@ -871,6 +893,38 @@ for _module, _name, _standin_name, _why in (
             _why,
         ),
     )
+
+# Gated DeltaNet's @jit_fuser methods. _prepare_input_for_gated_delta_rule (0.19) is left eager:
+# compiled (a graph break at fla's l2norm) it allocates and saves what eager does, measured.
+_GATED_NORM_WHY = (
+    "compiled, the graph breaks at the output norm (Transformer Engine's C++ kernels) and the "
+    "gate multiply saves y and the gate (bf16), not eager's fp32 gate and its activation "
+    "(8 bytes an element of [tokens, heads x value_dim] more)."
+)
+COMPILED_PATCHES += (
+    Patch(
+        "megatron.core.ssm.gated_delta_net",
+        "GatedDeltaNet._apply_gated_norm",
+        _standin("metatrace.models.compiled", "gdn_apply_gated_norm"),
+        RELEASE_0_16,
+        _GATED_NORM_WHY,
+    ),
+    Patch(
+        "megatron.core.ssm.gated_delta_net.common",
+        "_GDNBase._apply_gated_norm",
+        _standin("metatrace.models.compiled", "gdn_apply_gated_norm"),
+        RELEASE_0_19,
+        _GATED_NORM_WHY,
+    ),
+    Patch(
+        "megatron.core.ssm.gated_delta_net.common",
+        "_GDNBase._compute_g_and_beta",
+        _standin("metatrace.models.compiled", "gdn_compute_g_and_beta"),
+        RELEASE_0_19,
+        "compiled, saves alpha (bf16) and the sigmoid, not eager's fp32 alpha + dt_bias and its "
+        "softplus.",
+    ),
+)
 
 
 # Multi-latent attention and multi-token prediction (DeepSeek-V3).
@@ -1391,6 +1445,7 @@ def _resolve(patch: Patch):
     """(owner, attribute name) of the patch's target; PatchError when its module or any
     attribute on the way is missing (the last one too, unless the patch `creates` it)."""
     try:  # sys.modules first: megatron_patches is entered thousands of times by `plan`
+        guards.inference_triton_ops()  # MambaMixer's imports, where Triton is missing
         owner = sys.modules.get(patch.module) or importlib.import_module(patch.module)
     except ImportError as e:
         raise _missing(patch, f"module {patch.module} does not import ({e})") from e
@@ -1437,6 +1492,134 @@ def clear_parallel_state_leftovers() -> None:
     if mtp is not None:
         mtp.MTPLossLoggingHelper.tracker = {}
         mtp.MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+
+
+def _true(orig):
+    return True
+
+
+_MIXER = "megatron.core.ssm.mamba_mixer"
+_GDN_16 = "megatron.core.ssm.gated_delta_net"
+_GDN_19 = "megatron.core.ssm.gated_delta_net.gdn"
+_GDN_19_COMMON = "megatron.core.ssm.gated_delta_net.common"
+_NO_MAMBA_SSM = "bound from mamba_ssm at import (absent without it: a CUDA-only package)"
+_NO_FLA = "bound from flash-linear-attention at import (None without it: Triton kernels for CUDA)"
+
+# Hybrid models' mixers: Mamba-2 (mamba_ssm, causal_conv1d) and Gated DeltaNet (fla).
+PATCHES += (
+    Patch(
+        _MIXER,
+        "HAVE_MAMBA_SSM",
+        _true,
+        EVERY_RELEASE,
+        "MambaMixer refuses to build without mamba_ssm; its kernels are stood in for below.",
+    ),
+    Patch(
+        _MIXER,
+        "mamba_split_conv1d_scan_combined",
+        _standin("metatrace.models.ssm_kernels", "mamba_split_conv1d_scan_combined"),
+        EVERY_RELEASE,
+        f"{_NO_MAMBA_SSM}; MambaMixer's training path (use_mamba_mem_eff_path) calls it.",
+        creates=True,
+    ),
+    Patch(
+        _MIXER,
+        "mamba_chunk_scan_combined",
+        _standin("metatrace.models.ssm_kernels", "mamba_chunk_scan_combined"),
+        EVERY_RELEASE,
+        f"{_NO_MAMBA_SSM}; MambaMixer's path without the memory-efficient kernel calls it.",
+        creates=True,
+    ),
+    Patch(
+        _MIXER,
+        "causal_conv1d_fn",
+        _standin("metatrace.models.ssm_kernels", "causal_conv1d_fn"),
+        EVERY_RELEASE,
+        "bound from causal_conv1d at import (None without it; a CUDA extension).",
+    ),
+    Patch(
+        _MIXER,
+        "ExtendedRMSNorm",
+        _standin("metatrace.models.ssm_kernels", "RMSNormGated"),
+        EVERY_RELEASE,
+        "derived at import from mamba_ssm's gated RMSNorm (a MagicMock without mamba_ssm); it "
+        "adds only a sharded state dict for checkpoints, which are not traced.",
+    ),
+    Patch(
+        "megatron.core.ssm.mamba_block",
+        "TENorm",
+        _standin("metatrace.models.te_linear", "TENorm"),
+        RELEASE_0_16,
+        "bound from Transformer Engine at import; MambaStack's final norm.",
+    ),
+    Patch(
+        "megatron.core.models.hybrid.hybrid_block",
+        "TENorm",
+        _standin("metatrace.models.te_linear", "TENorm"),
+        RELEASE_0_19,
+        "bound from Transformer Engine at import; HybridStack's final norm.",
+    ),
+    Patch(
+        _GDN_16,
+        "HAVE_FLA",
+        _true,
+        RELEASE_0_16,
+        "GatedDeltaNet refuses to build without flash-linear-attention; its kernels are stood in "
+        "for below.",
+    ),
+    Patch(
+        _GDN_16,
+        "l2norm",
+        _standin("metatrace.models.gdn_kernels", "l2norm"),
+        RELEASE_0_16,
+        f"{_NO_FLA}; GatedDeltaNet normalises queries and keys with it.",
+        creates=True,
+    ),
+    Patch(
+        _GDN_16,
+        "chunk_gated_delta_rule",
+        _standin("metatrace.models.gdn_kernels", "chunk_gated_delta_rule"),
+        RELEASE_0_16,
+        f"{_NO_FLA}; GatedDeltaNet's recurrence.",
+    ),
+    Patch(
+        _GDN_16,
+        "causal_conv1d_fn",
+        _standin("metatrace.models.ssm_kernels", "causal_conv1d_fn"),
+        RELEASE_0_16,
+        "bound from causal_conv1d at import (None without it: GatedDeltaNet then runs torch's "
+        "Conv1d, which is not what a GPU with causal_conv1d runs).",
+    ),
+    Patch(
+        _GDN_19_COMMON,
+        "HAVE_FLA",
+        _true,
+        RELEASE_0_19,
+        "GatedDeltaNet refuses to build without flash-linear-attention; its kernels are stood in "
+        "for below.",
+    ),
+    Patch(
+        _GDN_19_COMMON,
+        "l2norm",
+        _standin("metatrace.models.gdn_kernels", "l2norm"),
+        RELEASE_0_19,
+        f"{_NO_FLA}; GatedDeltaNet normalises queries and keys with it.",
+    ),
+    Patch(
+        _GDN_19,
+        "chunk_gated_delta_rule",
+        _standin("metatrace.models.gdn_kernels", "chunk_gated_delta_rule"),
+        RELEASE_0_19,
+        f"{_NO_FLA}; GatedDeltaNet takes its recurrence from here when it is built.",
+    ),
+    Patch(
+        _GDN_19,
+        "causal_conv1d",
+        _standin("metatrace.models.gdn_kernels", "causal_conv1d"),
+        RELEASE_0_19,
+        f"{_NO_FLA}; GatedDeltaNet's short convolution.",
+    ),
+)
 
 
 @contextlib.contextmanager

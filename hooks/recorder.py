@@ -65,6 +65,7 @@ from metatrace.records import (
     Saved,
     Trace,
     Window,
+    is_layer_type,
 )
 
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512-byte blocks
@@ -432,7 +433,7 @@ def module_infos(chunks: dict[str, torch.nn.Module]) -> tuple[ModuleInfo, ...]:
         layer_of: dict[int, int] = {}
         for name, mod in root.named_modules():
             number = getattr(mod, "layer_number", None)
-            if type(mod).__name__.endswith("TransformerLayer") and isinstance(number, int):
+            if is_layer_type(type(mod).__name__) and isinstance(number, int):
                 for sub in mod.modules():
                     layer_of[id(sub)] = number
             params = tuple(

@@ -52,6 +52,16 @@ STEP = "(step)"
 """Module name of work done outside the model (batch, loss function, pipeline transfers)."""
 
 
+LAYER_TYPES = ("TransformerLayer", "MambaLayer", "MLPLayer")
+"""Class names (or their endings) of megatron-core's decoder layers: GPT's TransformerLayer and
+MoETransformerLayer, and a hybrid model's MambaLayer and MLPLayer."""
+
+
+def is_layer_type(name: str) -> bool:
+    """Whether a module class `name` is one of megatron-core's decoder layers."""
+    return name.endswith(LAYER_TYPES)
+
+
 @_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ParamInfo:

@@ -211,11 +211,34 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         # Multi-token prediction (inert without it).
         mtp_num_layers=m.mtp_num_layers,
         mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
+        # Gated attention (Qwen3-Next) and LatentMoE (Nemotron 3 Super).
+        attention_output_gate=m.attention_output_gate,
+        moe_latent_size=m.moe_latent_size,
+        # Hybrid models (Megatron-LM's --is-hybrid-model): Mamba-2 mixers' sizes.
+        is_hybrid_model=m.hybrid_layer_pattern is not None,
+        mamba_state_dim=m.mamba_state_dim,
+        mamba_head_dim=m.mamba_head_dim,
+        mamba_num_groups=m.mamba_num_groups,
+        mamba_num_heads=m.mamba_num_heads,
         # Megatron-LM initialises (on meta it costs nothing); megatron-core only marks weights
         # `tensor_model_parallel` when it initialises them.
         perform_initialization=True,
         use_cpu_initialization=False,
     )
+    if m.linear_attention_freq is not None:
+        # Gated DeltaNet in a GPT model (megatron-core's experimental attention variant)
+        fields.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=m.linear_attention_freq,
+        )
+    if m.linear_attention_freq is not None or "G" in (m.hybrid_layer_pattern or ""):
+        fields.update(
+            linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+            linear_key_head_dim=m.linear_key_head_dim,
+            linear_value_head_dim=m.linear_value_head_dim,
+            linear_num_key_heads=m.linear_num_key_heads,
+            linear_num_value_heads=m.linear_num_value_heads,
+        )
     if cuda_graphs and tr.cuda_graph_impl != "none":
         fields.update(
             cuda_graph_impl=tr.cuda_graph_impl, cuda_graph_scope=tr.cuda_graph_scope or []
@@ -313,27 +336,38 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
     chunks = []
     for v in range(job.parallel.vpp or 1):
         vp_stage = v if job.parallel.vpp else None
-        block = TransformerBlockSubmodules(
-            layer_specs=decoder_layer_specs(config, provider, vp_stage=vp_stage),
-            layer_norm=provider.layer_norm(),
+        # what GPTModel and the hybrid models take alike, as Megatron-LM's model providers
+        # (pretrain_gpt.py, pretrain_mamba.py) give it
+        common = dict(
+            config=config,
+            vocab_size=job.padded_vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
         )
-        mtp_block = mtp_block_spec(config, provider, block, vp_stage=vp_stage)
-        with torch.device(device):
-            model = GPTModel(
-                config=config,
-                transformer_layer_spec=block,
-                vocab_size=job.padded_vocab_size,
-                max_sequence_length=m.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                parallel_output=True,
-                share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                position_embedding_type=m.position_embedding_type,
-                rotary_percent=m.rotary_percent,
-                rotary_base=m.rotary_base,
-                mtp_block_spec=mtp_block,
-                vp_stage=vp_stage,
+        if m.hybrid_layer_pattern is not None:
+            from metatrace.models.hybrid import build_hybrid_model
+
+            with torch.device(device):
+                model = build_hybrid_model(job, provider, vp_stage, **common)
+        else:
+            block = TransformerBlockSubmodules(
+                layer_specs=decoder_layer_specs(config, provider, vp_stage=vp_stage),
+                layer_norm=provider.layer_norm(),
             )
+            mtp_block = mtp_block_spec(config, provider, block, vp_stage=vp_stage)
+            with torch.device(device):
+                model = GPTModel(
+                    transformer_layer_spec=block,
+                    mtp_block_spec=mtp_block,
+                    vp_stage=vp_stage,
+                    **common,
+                )
         if config.fp16 or config.bf16:
             model = Float16Module(config, model)
         chunks.append(model)

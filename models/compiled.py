@@ -13,6 +13,9 @@ what a GPU run allocates (measured with torch 2.13 inductor on CPU tensors; test
 - the pointwise functions (bias_gelu, bias_gelu_back, ...) allocate LESS when compiled: one
   kernel, one output; eager allocates every intermediate (bias_gelu_back: 6 tensors of the
   output's size at once).
+- Gated DeltaNet's _apply_gated_norm and _compute_g_and_beta SAVE less when compiled: the min-cut
+  partition keeps the bf16 inputs and recomputes the activations in backward, where eager keeps
+  fp32 copies and activations (tests/tracing/test_compiled_gdn.py).
 
 Values: on meta nothing is computed (only the allocations matter); on real tensors (metatrace
 measure) the values are computed in row chunks so the temporaries stay 1/_CHUNKS of the eager ones.
@@ -346,3 +349,116 @@ class _BiasDropoutAdd(torch.autograd.Function):
 def bias_dropout_add_fused_train(x_with_bias, residual, prob):
     x, bias = x_with_bias
     return _BiasDropoutAdd.apply(x, bias, residual, prob)
+
+
+# megatron/core/ssm/gated_delta_net (Gated DeltaNet) -------------------------------------------
+
+
+class _GatedAct(torch.autograd.Function):
+    """(y * act(gate.float())).to(dtype) compiled, y and gate [rows, D]: AOT autograd's min-cut
+    partition saves y and gate as given (bf16) and recomputes act(gate) in backward; forward
+    allocates the output only, backward the two input gradients (y's and gate's dtypes). Eager
+    saves gate.float() and act(gate.float()) (fp32 [rows, D] each) besides y."""
+
+    @staticmethod
+    def forward(ctx, y, gate, act, dtype):
+        ctx.act = act
+        ctx.save_for_backward(y, gate)
+        out = torch.empty(y.shape, dtype=dtype, device=y.device)
+        return _chunked(out, lambda yy, gg: (yy * act(gg.float())).to(dtype), y, gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, gate = ctx.saved_tensors
+        dy = torch.empty_like(y)
+        dgate = torch.empty_like(gate)
+        flops.report_moved(grad, y, gate, dy, dgate)  # one kernel
+        if dy.is_meta:
+            return dy, dgate, None, None
+        step = max(1, -(-y.shape[0] // _CHUNKS))
+        with flops.uncounted(), torch.enable_grad():
+            for i in range(0, y.shape[0], step):
+                rows = slice(i, i + step)
+                g = gate[rows].detach().float().requires_grad_()
+                a = ctx.act(g)
+                dout = grad[rows].float()
+                dy[rows] = dout * a.detach()
+                (dg,) = torch.autograd.grad(a, g, dout * y[rows].float())
+                dgate[rows] = dg
+        return dy, dgate, None, None
+
+
+def gdn_apply_gated_norm(self, x, gate):
+    """GatedDeltaNet._apply_gated_norm compiled: dynamo breaks the graph at the output norm
+    (Transformer Engine's norm runs its C++ kernels: the norm stand-in runs as it does, eagerly),
+    and compiles the gate multiply after it (_GatedAct): the gate's fp32 copy and its activation
+    are not kept. Restates megatron.core.ssm.gated_delta_net.GatedDeltaNet._apply_gated_norm
+    (source sha256: b1ce8409786a).
+
+    Known limitations: a norm dynamo can trace (torch.nn.RMSNorm of the local spec) would fuse
+    with the gate multiply on a GPU; every norm is taken to break the graph."""
+    x_dtype = x.dtype
+    x = x.reshape(-1, x.shape[-1])
+    y = self.out_norm(x)
+    gate = gate.reshape(-1, gate.shape[-1])
+    return _GatedAct.apply(y, gate, self.act_fn, x_dtype)
+
+
+class _GAndBeta(torch.autograd.Function):
+    """g = -exp(A_log) * softplus(alpha.float() + dt_bias), beta.sigmoid(), compiled: saves
+    A_log, dt_bias, alpha (as given) and the sigmoid's output; forward allocates g (fp32) and
+    the sigmoid (beta's dtype), backward the four gradients and an fp32 buffer like alpha (the
+    elementwise gradient the reductions over tokens read). Eager saves alpha.float() + dt_bias
+    and the softplus (fp32, alpha's shape each) in place of alpha."""
+
+    @staticmethod
+    def forward(ctx, A_log, dt_bias, alpha, beta):
+        dtype = torch.promote_types(torch.promote_types(A_log.dtype, dt_bias.dtype), torch.float32)
+        g = torch.empty(alpha.shape, dtype=dtype, device=alpha.device)
+        sig = torch.empty_like(beta)
+        flops.report_moved(A_log, dt_bias, alpha, beta, g, sig)  # one kernel
+        if not g.is_meta:
+            with flops.uncounted():  # by row chunks, as _chunked
+                a = -A_log.exp()
+                _compute(
+                    g, lambda al: a * torch.nn.functional.softplus(al.float() + dt_bias), alpha
+                )
+                _compute(sig, torch.sigmoid, beta)
+        ctx.save_for_backward(A_log, dt_bias, alpha, sig)
+        return g, sig
+
+    @staticmethod
+    def backward(ctx, dg, dsig):
+        A_log, dt_bias, alpha, sig = ctx.saved_tensors
+        dz = torch.empty(alpha.shape, dtype=torch.float32, device=alpha.device)  # d/d(alpha+dt)
+        dalpha, dbeta = torch.empty_like(alpha), torch.empty_like(sig)
+        dA, ddt = torch.empty_like(A_log), torch.empty_like(dt_bias)
+        flops.report_moved(dg, dsig, A_log, dt_bias, alpha, sig, dz, dalpha, dbeta, dA, ddt)
+        if not dz.is_meta:
+            with flops.uncounted():  # by row chunks, as _chunked
+                a = -A_log.float().exp()
+                _compute(
+                    dz,
+                    lambda gg, al: gg.float() * a * torch.sigmoid(al.float() + dt_bias),
+                    dg,
+                    alpha,
+                )
+                dalpha.copy_(dz)
+                ddt.copy_(dz.view(-1, dz.shape[-1]).sum(0))
+                dA.zero_()
+                dg2, al2 = dg.reshape(-1, dg.shape[-1]), alpha.reshape(-1, alpha.shape[-1])
+                step = max(1, -(-dg2.shape[0] // _CHUNKS))
+                for i in range(0, dg2.shape[0], step):
+                    z = al2[i : i + step].float() + dt_bias
+                    dA += (dg2[i : i + step].float() * a * torch.nn.functional.softplus(z)).sum(0)
+                _compute(dbeta, lambda gg, ss: gg * ss * (1 - ss), dsig, sig)
+        del dz
+        return dA, ddt, dalpha, dbeta
+
+
+def gdn_compute_g_and_beta(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
+    """_GDNBase._compute_g_and_beta compiled (0.19; 0.16.1 computes g and beta in forward,
+    eagerly): _GAndBeta. Restates
+    megatron.core.ssm.gated_delta_net.common._GDNBase._compute_g_and_beta
+    (source sha256: 43e14d050562; since 0.19)."""
+    return _GAndBeta.apply(A_log_local_cp, dt_bias_local_cp, alpha, beta)

@@ -104,13 +104,17 @@ def gpt_layer_spec(
     moe_grouped_gemm: bool = False,
     multi_latent_attention: bool = False,
     te_op_fuser: bool = False,
+    gated_delta_net: bool = False,
 ) -> ModuleSpec:
     """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
     (megatron-core's MoELayer from get_moe_module_spec_for_backend; the pre-MLP norm is then a
     module of its own, as the MoE layer cannot fuse it); with `multi_latent_attention` its
     attention is MLA (`mla_attention_spec`), whose input norm is never fused. With
     `te_op_fuser` a dense layer's MLP is TEFusedMLP (MoE layers ignore it, as megatron-core's
-    get_mlp_module_spec_for_backend does). Restates
+    get_mlp_module_spec_for_backend does). With `gated_delta_net` its attention is Gated
+    DeltaNet (models.hybrid.gdn_attention_spec), whose input projection takes the norm, as
+    megatron-core's get_transformer_block_with_experimental_attention_variant_spec builds it.
+    Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     (source sha256: 15eb8848f25b, 952ee2781ae2). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
@@ -133,6 +137,20 @@ def gpt_layer_spec(
                 mlp = functools.partial(TEFusedMLP.as_mlp_submodule, submodules=submodules)
             else:
                 mlp = ModuleSpec(module=TEFusedMLP, submodules=mlp.submodules)
+    if gated_delta_net:
+        from metatrace.models.hybrid import gdn_attention_spec
+
+        return ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=IdentityOp if fused else norm,
+                self_attention=gdn_attention_spec(provider),
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=IdentityOp if fused and num_experts is None else norm,
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
     if multi_latent_attention:
         return ModuleSpec(
             module=TransformerLayer,
@@ -195,8 +213,16 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     # metatrace.config resolved moe_layer_freq to a 0/1 list per layer.
-    pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
-    kinds = {moe: _layer_spec(config, provider, moe=moe) for moe in set(pattern)}
+    moe = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
+    gdn = [0] * config.num_layers
+    if config.experimental_attention_variant == "gated_delta_net":
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_linear_attention_pattern,
+        )
+
+        gdn = get_linear_attention_pattern(config)
+    pattern = list(zip(moe, gdn))
+    kinds = {p: _layer_spec(config, provider, moe=p[0], gdn=p[1]) for p in set(pattern)}
     specs = [kinds[p] for p in pattern]
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
@@ -206,10 +232,11 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     return specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
 
 
-def _layer_spec(config, provider, *, moe: bool) -> ModuleSpec:
-    """The model's dense or MoE layer spec."""
+def _layer_spec(config, provider, *, moe: bool, gdn: bool = False) -> ModuleSpec:
+    """The model's dense or MoE layer spec, with attention or Gated DeltaNet."""
     return gpt_layer_spec(
         provider,
+        gated_delta_net=bool(gdn),
         qk_layernorm=config.qk_layernorm,
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm,

@@ -194,3 +194,68 @@ def reserved_over_time(snap) -> list[int]:
             held -= e["size"]
         out.append(held)
     return out
+
+
+def hybrid_params(model, padded_vocab: int) -> tuple[int, int]:
+    """(parameters, parameters active per token) of a whole model with Mamba-2, Gated DeltaNet,
+    attention, MLP and MoE layers, from megatron-core's module shapes (RMSNorm, no biases):
+
+    - Mamba-2 (megatron/core/ssm/mamba_mixer.py), d_inner = heads x head_dim: in_proj
+      h x (2 d_inner + 2 groups state + heads) with its fused norm (h), conv1d over
+      d_inner + 2 groups state channels (kernel 4, a bias each), dt_bias, A_log and D (one a
+      head), the gated norm (d_inner), out_proj d_inner x h.
+    - Gated DeltaNet (gated_delta_net.py), qk = key heads x key_dim, v = value heads x
+      value_dim: in_proj h x (2 qk + 2 v + 2 value heads) and its fused norm (h), conv1d over
+      2 qk + v channels (no bias), dt_bias and A_log (one a value head), out_norm (value_dim),
+      out_proj v x h.
+    - attention: linear_qkv h x (heads + 2 groups) kv_channels, + heads x kv_channels with the
+      output gate, and its fused norm; q/k norms (kv_channels each) in GPT layers with
+      qk_layernorm (the hybrid stack's attention has none); linear_proj.
+    - MLP: fc1 (two matrices gated) with its fused norm, fc2. MoE: pre-MLP norm, router
+      (experts x h), routed experts over the latent width (or h) with the latent projections
+      (2 h latent), shared experts over h.
+    - embedding, an untied output layer (padded vocabulary x h each), the final norm.
+    """
+    from metatrace.config.hybrid import parse
+    from metatrace.config.release import since
+
+    m = model
+    h, gated = m.hidden_size, 2 if m.activation in ("swiglu", "geglu", "quick_geglu") else 1
+    a, d = m.num_attention_heads, m.kv_channels
+    heads = m.mamba_num_heads or 0  # resolved for hybrid models only
+    inner = heads * m.mamba_head_dim
+    conv = inner + 2 * m.mamba_num_groups * m.mamba_state_dim
+    mamba = h + h * (conv + inner + heads) + 5 * conv + 3 * heads + inner + inner * h
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    nv = m.linear_num_value_heads
+    gdn = h + h * (2 * qk + 2 * v + 2 * nv) + (2 * qk + v) * m.linear_conv_kernel_dim
+    gdn += 2 * nv + m.linear_value_head_dim + v * h
+    qkv = (a + 2 * m.num_query_groups) * d + (a * d if m.attention_output_gate else 0)
+    attention = h + h * qkv + a * d * h
+    mlp = h + gated * h * m.ffn_hidden_size + m.ffn_hidden_size * h
+    experts, shared = 0, 0
+    if m.num_experts:
+        width = m.moe_latent_size or h
+        experts = m.num_experts * (gated + 1) * width * m.moe_ffn_hidden_size
+        shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+        shared += 2 * h * m.moe_latent_size if m.moe_latent_size else 0
+    moe = h + (m.num_experts or 0) * h + shared  # without the routed experts
+    if m.hybrid_layer_pattern is not None:
+        layers = parse(m.hybrid_layer_pattern, since_0_19=since(0, 19)).layers
+    else:  # a GPT model: a mixer ('*' or 'G') and an MLP ('-' or 'E') a layer
+        freq = m.linear_attention_freq
+        if isinstance(freq, int):
+            freq = [0 if (i + 1) % freq == 0 else 1 for i in range(m.num_layers)]
+        moe_freq = m.moe_layer_freq if m.num_experts else [0] * m.num_layers
+        layers = "".join(
+            ("G" if freq and freq[i] else "*") + ("E" if moe_freq[i] else "-")
+            for i in range(m.num_layers)
+        )
+        attention += 2 * d if m.qk_layernorm else 0
+    per = {"M": mamba, "G": gdn, "*": attention, "-": mlp, "E": moe}
+    dense = sum(per[s] for s in layers)
+    dense += padded_vocab * h * (2 if m.untie_embeddings_and_output_weights else 1) + h
+    routed = layers.count("E") * experts
+    active = layers.count("E") * experts * m.moe_router_topk // m.num_experts if experts else 0
+    return dense + routed, dense + active

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from metatrace.analysis.memory import lifetimes
-from metatrace.records import STEP, Collective, ModuleInfo, Trace
+from metatrace.records import STEP, Collective, ModuleInfo, Trace, is_layer_type
 
 PHASES = ("forward", "backward", "recompute")
 
@@ -238,7 +238,7 @@ class RoleSummary:
 def role_summary(trace: Trace) -> RoleSummary:
     layers = []
     for info in trace.modules:
-        if info.layer is not None and info.type.endswith("TransformerLayer"):
+        if info.layer is not None and is_layer_type(info.type):
             layers.append(info.layer)
     return RoleSummary(
         params=sum(p.numel for m in trace.modules for p in m.params),

@@ -81,6 +81,8 @@ def check_job(job) -> None:
         _check_attention_variants,
         _check_bias_activation_fusion,
         _check_mtp,
+        _check_hybrid_layers,
+        _check_gate_and_latent,
         _check_cluster,
     ):
         problems.extend(check(job))
@@ -283,6 +285,11 @@ def _check_pipeline(job):
     if vpp is not None and pp == 1:
         yield "parallel.vpp needs parallel.pp > 1"
         return
+    if job.model.hybrid_layer_pattern is not None:
+        yield from _check_hybrid_pipeline(job)
+        stages = _hybrid_stages(job)
+        if stages is not None or vpp is not None:
+            return
     if par.layout is not None:
         if uneven or account:
             yield (
@@ -350,12 +357,54 @@ def _check_pipeline(job):
         )
 
 
+def _hybrid_stages(job):
+    """The pipeline segments of a hybrid layer pattern with `|` (None without)."""
+    from metatrace.config.hybrid import parse
+    from metatrace.config.release import since
+
+    return parse(job.model.hybrid_layer_pattern, since_0_19=since(0, 19)).stages
+
+
+def _check_hybrid_pipeline(job):
+    """megatron-core's hybrid stacks split the pattern by `|` (0.19, one segment a pipeline
+    rank and virtual stage) or evenly / by first and last stage layers (MambaStack, which takes
+    no virtual pipeline)."""
+    from metatrace.config.release import since
+
+    par = job.parallel
+    stages = _hybrid_stages(job)
+    chunks = par.pp * (par.vpp or 1)
+    if par.layout is not None:
+        yield "parallel.layout with model.hybrid_layer_pattern: give the stages as '|' in it"
+    if stages is None:
+        if par.vpp is not None:
+            yield (
+                "parallel.vpp with a hybrid model needs '|' in model.hybrid_layer_pattern "
+                "between its pipeline chunks (megatron-core 0.19; 0.16.1's MambaStack takes no "
+                "virtual pipeline)"
+            )
+        return
+    if par.first_stage_layers is not None or par.last_stage_layers is not None:
+        yield (
+            "parallel.first_stage_layers / last_stage_layers with '|' in "
+            "model.hybrid_layer_pattern: the pattern's segments are the stages"
+        )
+    if len(stages) != chunks:
+        yield (
+            f"model.hybrid_layer_pattern has {len(stages)} pipeline segments ('|'), but "
+            f"parallel.pp x vpp = {chunks} model chunks"
+        )
+    assert since(0, 19)  # the pattern's parse refused '|' before
+
+
 def chunk_layer_counts(job) -> list[int]:
     """Decoder layers of every model chunk, in layer order (virtual stage major: chunk v of
     pipeline rank p is entry v * pp + p), as megatron-core's get_num_layers_to_build splits
     them; call after the pipeline checks passed."""
     par, layers = job.parallel, job.model.num_layers
     pp, vpp = par.pp, par.vpp or 1
+    if job.model.hybrid_layer_pattern is not None and _hybrid_stages(job) is not None:
+        return [len(stage) for stage in _hybrid_stages(job)]
     if par.layout is not None:
         return [stage.count("decoder") for stage in layout_stages(par.layout, pp)]
     if par.first_stage_layers is not None or par.last_stage_layers is not None:
@@ -955,6 +1004,7 @@ _MOE_KEYS = (
     "model.moe_router_group_topk",
     "model.moe_router_topk_scaling_factor",
     "model.moe_router_enable_expert_bias",
+    "model.moe_latent_size",
     "implementation.moe_grouped_gemm",
     "implementation.moe_permute_fusion",
     "implementation.moe_router_fusion",
@@ -1336,6 +1386,106 @@ def _check_mtp(job):
         yield (
             "multi-token prediction needs model.position_embedding_type rope or none "
             "(Megatron-LM asserts it)"
+        )
+
+
+_MAMBA_KEYS = ("model.mamba_state_dim", "model.mamba_head_dim", "model.mamba_num_groups")
+_GDN_KEYS = (
+    "model.linear_conv_kernel_dim",
+    "model.linear_key_head_dim",
+    "model.linear_value_head_dim",
+    "model.linear_num_key_heads",
+    "model.linear_num_value_heads",
+)
+
+
+def _check_hybrid_layers(job):
+    """Mamba-2 and Gated DeltaNet layers: what megatron-core's MambaMixer and GatedDeltaNet
+    assert (megatron/core/ssm/mamba_mixer.py, gated_delta_net.py). megatron-core's specs of
+    them are Transformer Engine's only; metatrace's models.hybrid also builds them from the
+    local modules (`metatrace measure`), so transformer_impl local is accepted."""
+    m, tp = job.model, job.parallel.tp
+    pattern = m.hybrid_layer_pattern or ""
+    mamba, gdn = "M" in pattern, "G" in pattern or m.linear_attention_freq is not None
+    if not mamba:
+        # (resolve gives every hybrid model a mamba_num_heads)
+        heads = ["model.mamba_num_heads"] if m.mamba_num_heads and not pattern else []
+        given = _given(job, _MAMBA_KEYS) + heads
+        if given:
+            yield f"{', '.join(given)} need Mamba-2 layers (M in model.hybrid_layer_pattern)"
+    if not gdn and _given(job, _GDN_KEYS):
+        yield (
+            f"{', '.join(_given(job, _GDN_KEYS))} need Gated DeltaNet layers "
+            "(model.linear_attention_freq, or G in model.hybrid_layer_pattern)"
+        )
+    if pattern and m.qk_layernorm:
+        yield (
+            "model.qk_layernorm with a hybrid model: megatron-core's hybrid stack spec builds "
+            "its attention layers without query/key norms (IdentityOp), so it would not apply"
+        )
+    if gdn and m.activation not in ("swiglu", "silu"):
+        # GatedDeltaNet runs its convolution with config.activation_func and asserts SiLU
+        yield (
+            f"Gated DeltaNet layers need model.activation swiglu or silu, not {m.activation} "
+            "(megatron-core's GatedDeltaNet uses the activation in its short convolution and "
+            "asserts silu)"
+        )
+    if mamba:
+        yield from _head_split(
+            m, tp, "MambaMixer", heads="mamba_num_heads", groups="mamba_num_groups"
+        )
+    freq = m.linear_attention_freq
+    if isinstance(freq, int) and freq < 1:
+        yield f"model.linear_attention_freq = {freq} must be at least 1"
+    elif isinstance(freq, list) and (len(freq) != m.num_layers or set(freq) - {0, 1}):
+        yield (
+            f"model.linear_attention_freq as a list needs one 0 or 1 per layer "
+            f"({m.num_layers}), got {freq}"
+        )
+    if freq is not None and pattern:
+        yield (
+            "model.linear_attention_freq is for GPT models; a hybrid model's Gated DeltaNet "
+            "layers are G in model.hybrid_layer_pattern"
+        )
+    if gdn:  # each query/key head serves value_heads / key_heads value heads
+        yield from _head_split(
+            m, tp, "GatedDeltaNet", heads="linear_num_value_heads", groups="linear_num_key_heads"
+        )
+
+
+def _head_split(m, tp: int, module: str, *, heads: str, groups: str):
+    """megatron-core's asserts of a mixer's head split: model.`heads` and model.`groups` each
+    divisible by tp, and the heads by the groups."""
+    for name in (heads, groups):
+        if getattr(m, name) % tp:
+            yield f"model.{name} = {getattr(m, name)} is not divisible by parallel.tp = {tp} ({module})"
+    if getattr(m, heads) % getattr(m, groups):
+        yield (
+            f"model.{heads} = {getattr(m, heads)} is not divisible by model.{groups} = "
+            f"{getattr(m, groups)} ({module})"
+        )
+
+
+def _check_gate_and_latent(job):
+    """Gated attention (attention_output_gate) and LatentMoE (moe_latent_size): what
+    megatron-core refuses with them."""
+    m, par = job.model, job.parallel
+    if m.attention_output_gate and m.multi_latent_attention:
+        # MLATransformerConfig.__post_init__ raises NotImplementedError
+        yield (
+            "model.attention_output_gate with multi-latent attention: megatron-core has no "
+            "output gate for MLA"
+        )
+    latent = m.moe_latent_size
+    if latent is None or not m.num_experts:
+        return  # without experts _check_moe names the key
+    if latent < 1:
+        yield f"model.moe_latent_size = {latent} must be at least 1 (or omitted)"
+    if par.moe_shared_expert_overlap:
+        # MoELayer.preprocess asserts it (0.16.1) / raises in training (0.19)
+        yield (
+            "model.moe_latent_size with parallel.moe_shared_expert_overlap: megatron-core "
+            "refuses to overlap the shared experts with latent projections in training"
         )
 
 

@@ -516,6 +516,160 @@ def _mtp(src: _Source) -> dict:
     return {"mtp_num_layers": depth} if depth else {}
 
 
+# NemotronH's MLP activation (mlp_hidden_act): up -> act -> down, no gate.
+NEMOTRON_H_ACTIVATIONS = {"relu2": "squared_relu", "relu": "relu", "gelu": "gelu", "silu": "silu"}
+
+
+def _nemotron_h_pattern(src: _Source) -> dict:
+    """hybrid_override_pattern, one symbol a layer as megatron-core reads it; multi-token
+    prediction (num_nextn_predict_layers, its layers' pattern in mtp_hybrid_override_pattern)
+    is the pattern's `/` part, once per depth (megatron-core 0.19's HybridModel)."""
+    from metatrace.config.release import since
+
+    pattern = src.get("hybrid_override_pattern", str)
+    if len(pattern) != src.get("num_hidden_layers", int):
+        raise src.error(
+            "hybrid_override_pattern",
+            f"has {len(pattern)} layers, num_hidden_layers says "
+            f"{src.get('num_hidden_layers', int)}",
+        )
+    depth = src.get("num_nextn_predict_layers", int)
+    if not depth:
+        return {"hybrid_layer_pattern": pattern}
+    if not since(0, 19):
+        raise src.error(
+            "num_nextn_predict_layers",
+            "multi-token prediction in a hybrid model needs megatron-core 0.19 (0.16.1's "
+            "MambaModel has none); set it to 0 in a copy of the file to leave it out",
+        )
+    mtp = src.get("mtp_hybrid_override_pattern", str, optional=True)
+    if not mtp:
+        raise src.error(
+            "num_nextn_predict_layers",
+            "the prediction layers' pattern is not in the file (mtp_hybrid_override_pattern); "
+            "give model.hybrid_layer_pattern with its '/' part",
+        )
+    return {"hybrid_layer_pattern": pattern + ("/" + mtp) * depth}
+
+
+def _nemotron_h_mamba(src: _Source) -> dict:
+    """Mamba-2 mixers. megatron-core's MambaMixer takes heads x head_dim as its inner width
+    (expand is then not read, as in transformers' NemotronH), a kernel-4 convolution with a
+    bias, SiLU, and no projection biases."""
+    if src.get("conv_kernel", int) != 4:
+        raise src.error("conv_kernel", "megatron-core's Mamba layers convolve over 4 positions")
+    if src.get("mamba_hidden_act", str) != "silu":
+        raise src.error("mamba_hidden_act", "megatron-core's MambaMixer uses silu only")
+    if not src.get("use_conv_bias", bool):
+        raise src.error("use_conv_bias", "megatron-core's MambaMixer always has a conv bias")
+    if src.get("mamba_proj_bias", bool):
+        raise src.error("mamba_proj_bias", "megatron-core's MambaMixer has no projection bias")
+    if src.get("residual_in_fp32", bool):
+        raise src.error("residual_in_fp32", "an fp32 residual stream is not modelled")
+    heads = src.get("mamba_num_heads", int, optional=True)
+    out = {
+        "mamba_head_dim": src.get("mamba_head_dim", int),
+        "mamba_state_dim": src.get("ssm_state_size", int),
+        "mamba_num_groups": src.get("n_groups", int),
+    }
+    if heads is None:  # inner width expand x hidden
+        inner = src.get("expand", int) * src.get("hidden_size", int)
+        heads = inner // out["mamba_head_dim"]
+    return {**out, "mamba_num_heads": heads}
+
+
+def _nemotron_h_dense(src: _Source) -> dict:
+    act = src.get("mlp_hidden_act", str)
+    if act not in NEMOTRON_H_ACTIVATIONS:
+        raise src.error(
+            "mlp_hidden_act", f"not modelled; known: {', '.join(NEMOTRON_H_ACTIVATIONS)}"
+        )
+    for field in ("attention_bias", "mlp_bias", "use_bias"):
+        if src.get(field, bool):
+            raise src.error(field, "biases in a hybrid model are not modelled")
+    if src.get("sliding_window", int, optional=True) is not None:
+        raise src.error("sliding_window", "sliding-window attention is not modelled here")
+    dim = src.get("head_dim", int, optional=True)
+    if dim is None:
+        dim = src.get("attention_head_dim", int, optional=True)
+    out = {
+        "activation": NEMOTRON_H_ACTIVATIONS[act],
+        "norm_epsilon": src.get("layer_norm_epsilon", float),
+        "num_query_groups": src.get("num_key_value_heads", int),
+    }
+    return out if dim is None else {**out, "kv_channels": dim}
+
+
+def _nemotron_h_moe(src: _Source) -> dict:
+    """NemotronH's MoE layers (E): sigmoid scores with a correction bias (aux-loss-free
+    balancing), top-k renormalised and scaled, shared experts of their summed width; LatentMoE
+    (moe_latent_size)."""
+    experts = src.get("n_routed_experts", int, optional=True)
+    if not experts:
+        return {}
+    if not src.get("norm_topk_prob", bool) and src.get("num_experts_per_tok", int) > 1:
+        raise src.error(
+            "norm_topk_prob", "megatron-core always renormalises the top-k sigmoid scores"
+        )
+    shared = src.get("n_shared_experts", int) * src.get("moe_shared_expert_intermediate_size", int)
+    out = {
+        "num_experts": experts,
+        "moe_router_topk": src.get("num_experts_per_tok", int),
+        "moe_ffn_hidden_size": src.get("moe_intermediate_size", int),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": src.get("routed_scaling_factor", float),
+    }
+    if shared:
+        out["moe_shared_expert_intermediate_size"] = shared
+    if src.get("n_group", int) > 1:
+        out["moe_router_num_groups"] = src.get("n_group", int)
+        out["moe_router_group_topk"] = src.get("topk_group", int)
+    latent = src.get("moe_latent_size", int, optional=True)
+    return out if latent is None else {**out, "moe_latent_size": latent}
+
+
+def _qwen3_next_layers(src: _Source) -> dict:
+    """Gated DeltaNet in the layers that keep no full attention: every full_attention_interval-
+    th layer is attention (HF's layer_types, when given, says it per layer), as megatron-core's
+    linear_attention_freq; the attention is gated (q_proj doubles for the gate)."""
+    layers = src.get("num_hidden_layers", int)
+    interval = src.get("full_attention_interval", int)
+    if interval < 1:
+        raise src.error("full_attention_interval", "must be at least 1")
+    freq: int | list[int] = interval
+    types = src.get("layer_types", list, optional=True) if src.has("layer_types") else None
+    if types is not None:
+        if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+            raise src.error(
+                "layer_types",
+                f"needs one of linear_attention / full_attention per layer ({layers})",
+            )
+        pattern = [int(t == "linear_attention") for t in types]
+        if pattern != [0 if (i + 1) % interval == 0 else 1 for i in range(layers)]:
+            freq = pattern
+    return {
+        "linear_attention_freq": freq,
+        "linear_conv_kernel_dim": src.get("linear_conv_kernel_dim", int),
+        "linear_key_head_dim": src.get("linear_key_head_dim", int),
+        "linear_value_head_dim": src.get("linear_value_head_dim", int),
+        "linear_num_key_heads": src.get("linear_num_key_heads", int),
+        "linear_num_value_heads": src.get("linear_num_value_heads", int),
+        "rotary_percent": src.get("partial_rotary_factor", float),
+    }
+
+
+def _qwen3_next_shared(src: _Source) -> dict:
+    # one shared expert; its sigmoid gate (h weights a layer) is not modelled
+    width = src.get("shared_expert_intermediate_size", int)
+    if width:
+        src.notes.append(
+            f"{src.path}: the shared expert's sigmoid gate (hidden_size weights a layer) is "
+            "not modelled"
+        )
+    return {"moe_shared_expert_intermediate_size": width} if width else {}
+
+
 # ----------------------------------------------------------------------------- families
 
 _DENSE_RULES = (
@@ -549,6 +703,42 @@ _QWEN_DEFAULTS = {
     "max_window_layers": 28,
 }
 _MOE_ROUTER = Rule(("output_router_logits", "router_aux_loss_coef"), _router_aux_loss)
+
+# Fields of the hybrid families that change nothing metatrace measures.
+_HYBRID_INERT = {
+    "chunk_size": "the Mamba-2 scan's chunk: kernel tiling, the same tensors",
+    "time_step_min": "initialisation",
+    "time_step_max": "initialisation",
+    "time_step_floor": "initialisation",
+    "time_step_rank": "unused by Mamba-2",
+    "rescale_prenorm_residual": "initialisation",
+    "use_mamba_kernels": "HF's choice of kernels",
+    "num_logits_to_keep": "inference",
+    "max_position_embeddings": "no position embedding: no table of that length",
+    "hidden_dropout": "0 in every published file (training.* has no residual dropout here)",
+    "expand": "inner width heads x head_dim (mamba_num_heads given)",
+}
+
+
+def _inert(src: _Source) -> dict:
+    if src.get("hidden_dropout", float):
+        raise src.error("hidden_dropout", "residual dropout in a hybrid model is not modelled")
+    return {}
+
+
+_QWEN3_EXPERTS = Rule(
+    (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "norm_topk_prob",
+    ),
+    _qwen3_moe,
+)
+"""Qwen3-MoE's experts (Qwen3-MoE and Qwen3-Next)."""
+
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
@@ -616,17 +806,7 @@ FAMILIES: dict[str, Family] = {
             _WINDOW,
             Rule(("attention_bias",), _attention_biases),
             _MOE_ROUTER,
-            Rule(
-                (
-                    "num_experts",
-                    "num_experts_per_tok",
-                    "moe_intermediate_size",
-                    "decoder_sparse_step",
-                    "mlp_only_layers",
-                    "norm_topk_prob",
-                ),
-                _qwen3_moe,
-            ),
+            _QWEN3_EXPERTS,
         ),
         {**_FIXED, "qk_layernorm": True},
         {
@@ -678,6 +858,157 @@ FAMILIES: dict[str, Family] = {
             "initial_context_length": 4096,
             "output_router_logits": False,
             "router_aux_loss_coef": 0.9,
+        },
+    ),
+    # Nemotron-H and Nemotron 3 (NemotronHForCausalLM): a hybrid pattern of Mamba-2 (M),
+    # attention (*), MLP (-) and MoE (E) layers; no position embedding.
+    "nemotron_h": Family(
+        {k: v for k, v in _RENAMES.items() if k not in ("rms_norm_eps", "max_position_embeddings")},
+        (
+            Rule(
+                (
+                    "hybrid_override_pattern",
+                    "num_nextn_predict_layers",
+                    "mtp_hybrid_override_pattern",
+                ),
+                _nemotron_h_pattern,
+            ),
+            Rule(
+                (
+                    "mamba_num_heads",
+                    "mamba_head_dim",
+                    "ssm_state_size",
+                    "n_groups",
+                    "conv_kernel",
+                    "mamba_hidden_act",
+                    "use_conv_bias",
+                    "mamba_proj_bias",
+                    "residual_in_fp32",
+                ),
+                _nemotron_h_mamba,
+            ),
+            Rule(
+                (
+                    "mlp_hidden_act",
+                    "attention_bias",
+                    "mlp_bias",
+                    "use_bias",
+                    "sliding_window",
+                    "head_dim",
+                    "attention_head_dim",
+                    "layer_norm_epsilon",
+                    "rms_norm_eps",
+                    "num_key_value_heads",
+                ),
+                _nemotron_h_dense,
+            ),
+            Rule(
+                (
+                    "n_routed_experts",
+                    "n_shared_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "moe_shared_expert_intermediate_size",
+                    "routed_scaling_factor",
+                    "norm_topk_prob",
+                    "n_group",
+                    "topk_group",
+                    "moe_latent_size",
+                ),
+                _nemotron_h_moe,
+            ),
+            Rule(("tie_word_embeddings",), _tied),
+            Rule(tuple(_HYBRID_INERT), _inert),
+        ),
+        {
+            "normalization": "RMSNorm",
+            "position_embedding_type": "none",
+            "hidden_dropout": 0.0,
+            "add_bias_linear": False,
+        },
+        # transformers' NemotronHConfig defaults (v4.5x) of the fields a file may omit
+        {
+            "attention_dropout": 0.0,
+            "hidden_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "num_key_value_heads": 8,
+            "head_dim": None,
+            "attention_head_dim": None,
+            "mlp_hidden_act": "relu2",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "use_bias": False,
+            "sliding_window": None,
+            "layer_norm_epsilon": 1e-5,
+            "mamba_num_heads": 128,
+            "mamba_head_dim": 64,
+            "ssm_state_size": 128,
+            "n_groups": 8,
+            "conv_kernel": 4,
+            "expand": 2,
+            "mamba_hidden_act": "silu",
+            "use_conv_bias": True,
+            "mamba_proj_bias": False,
+            "residual_in_fp32": False,
+            "num_nextn_predict_layers": 0,
+            "n_routed_experts": None,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 1024,
+            "moe_shared_expert_intermediate_size": 1024,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_latent_size": None,
+        },
+    ),
+    # Qwen3-Next (Qwen3NextForCausalLM): Qwen3-MoE with Gated DeltaNet in three of four
+    # layers, gated attention and partial RoPE; megatron-core's GPT model with
+    # experimental_attention_variant gated_delta_net.
+    "qwen3_next": Family(
+        _RENAMES,
+        _DENSE_RULES
+        + (
+            Rule(("attention_bias",), _attention_biases),
+            Rule(("use_sliding_window", "sliding_window", "max_window_layers"), _sliding_window),
+            _MOE_ROUTER,
+            _QWEN3_EXPERTS,
+            Rule(("shared_expert_intermediate_size",), _qwen3_next_shared),
+            Rule(
+                (
+                    "full_attention_interval",
+                    "layer_types",
+                    "linear_conv_kernel_dim",
+                    "linear_key_head_dim",
+                    "linear_value_head_dim",
+                    "linear_num_key_heads",
+                    "linear_num_value_heads",
+                    "partial_rotary_factor",
+                ),
+                _qwen3_next_layers,
+            ),
+            Rule(("num_nextn_predict_layers",), _mtp),
+        ),
+        {**_FIXED, "qk_layernorm": True, "attention_output_gate": True},
+        # transformers' Qwen3NextConfig defaults
+        {
+            **_QWEN_DEFAULTS,
+            "head_dim": 256,
+            "partial_rotary_factor": 0.25,
+            "full_attention_interval": 4,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": None,
+            "norm_topk_prob": True,
+            "shared_expert_intermediate_size": 512,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "num_nextn_predict_layers": 0,
         },
     ),
     "deepseek_v3": Family(

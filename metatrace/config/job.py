@@ -164,6 +164,45 @@ class Model:
     pipeline stage (or where parallel.layout puts 'm'); omitted means none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token-prediction loss."""
+    hybrid_layer_pattern: str | None = None
+    """Hybrid models (Nemotron-H, Nemotron 3): one symbol a layer, as megatron-core's hybrid
+    model reads it: M Mamba-2, * attention, - MLP, E mixture of experts; megatron-core 0.19 also
+    takes G (Gated DeltaNet), `|` between pipeline stages and `/` before the multi-token
+    prediction pattern (once per depth). model.num_layers is then the number of layer symbols
+    of the main pattern. Megatron-LM: --hybrid-override-pattern (0.16.1), --hybrid-layer-pattern
+    (0.19)."""
+    mamba_state_dim: int = 128
+    """Mamba-2: state size per head (N; Megatron-LM's --mamba-state-dim)."""
+    mamba_head_dim: int = 64
+    """Mamba-2: head dimension (P)."""
+    mamba_num_groups: int = 8
+    """Mamba-2: groups sharing B and C (G)."""
+    mamba_num_heads: int | None = None
+    """Mamba-2: heads; omitted means 2 x hidden_size / mamba_head_dim (megatron-core's
+    expand 2)."""
+    linear_attention_freq: int | list[int] | None = None
+    """Gated DeltaNet layers in place of attention (Qwen3-Next; megatron-core's
+    experimental_attention_variant gated_delta_net): every n-th layer keeps attention (an
+    integer; Qwen3-Next: 4) or a 1/0 list per layer (1: Gated DeltaNet); omitted means none."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: the short convolution's kernel size."""
+    linear_key_head_dim: int = 128
+    """Gated DeltaNet: query and key head dimension."""
+    linear_value_head_dim: int = 128
+    """Gated DeltaNet: value head dimension."""
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet: query and key heads."""
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet: value heads (a multiple of the key heads)."""
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3-Next): the query projection also gives a gate per head and
+    channel, sigmoid(gate) scales the attention output before linear_proj (megatron-core's
+    attention_output_gate; linear_qkv grows by num_attention_heads x kv_channels columns)."""
+    moe_latent_size: int | None = None
+    """LatentMoE (Nemotron 3 Super): the routed experts run in a space of this width, between
+    a down-projection of the hidden state before dispatch (fc1_latent_proj, h x latent) and an
+    up-projection after combine (fc2_latent_proj); the shared experts and the router keep the
+    hidden size (megatron-core's moe_latent_size). Omitted means none."""
 
 
 UbMethod = Literal["ring_exchange", "pipeline", "bulk", "external"]

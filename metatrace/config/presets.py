@@ -74,6 +74,29 @@ _GPT_OSS = {
     "moe_router_topk": 4,
 }
 
+# What NVIDIA's hybrid Mamba-2 models share (Nemotron-H, Nemotron 3): RMSNorm, squared ReLU,
+# no biases, untied output layer, no position embedding (the Mamba layers carry position),
+# Mamba-2 heads of 64 channels, 8 groups, state 128, and the 131072-token vocabulary.
+_NEMOTRON_H = {
+    "normalization": "RMSNorm",
+    "activation": "squared_relu",
+    "position_embedding_type": "none",
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "kv_channels": 128,
+    "vocab_size": 131072,
+    "mamba_head_dim": 64,
+    "mamba_num_groups": 8,
+    "mamba_state_dim": 128,
+}
+
+# Nemotron 3 Super's 88 layers, 40 Mamba-2 (M), 40 LatentMoE (E) and 8 attention (*): the order
+# is not in any source at hand; assumed Nano's structure (M and E alternating, an attention
+# layer between the M and E of a pair) with its unit MEMEM*E widened to MEMEMEMEM*E, 8 times.
+_SUPER_PATTERN = "MEMEMEMEM*E" * 8
+
 PRESETS: dict[str, Preset] = {
     "debug": Preset(
         {
@@ -251,6 +274,99 @@ PRESETS: dict[str, Preset] = {
     "gpt-oss-20b": Preset(
         {**_GPT_OSS, "num_layers": 24, "num_experts": 32},
         "openai/gpt-oss-20b config.json",
+    ),
+    "nemotron-h-8b": Preset(
+        {
+            **_NEMOTRON_H,
+            "hybrid_layer_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            "hidden_size": 4096,
+            "ffn_hidden_size": 21504,
+            "num_attention_heads": 32,
+            "num_query_groups": 8,
+            "mamba_num_heads": 128,
+        },
+        "nvidia/Nemotron-H-8B-Base-8K config.json as the issue gives it (52 layers: 24 Mamba-2, "
+        "4 attention, 24 MLP; reconstructed, not read from the file)",
+    ),
+    "nemotron-3-nano-30b-a3b": Preset(
+        {
+            **_NEMOTRON_H,
+            "hybrid_layer_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            "hidden_size": 2688,
+            "ffn_hidden_size": 1856,
+            "num_attention_heads": 32,
+            "num_query_groups": 2,
+            "mamba_num_heads": 64,
+            "num_experts": 128,
+            "moe_ffn_hidden_size": 1856,
+            "moe_router_topk": 6,
+            "moe_shared_expert_intermediate_size": 3712,
+            # sigmoid scores with a correction bias, top-k weights normalised and scaled 2.5
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": 2.5,
+        },
+        "Megatron-Bridge v0.5.0 recipes/nemotronh/nemotron_3_nano.py (MambaModelProvider), as "
+        "recorded in shared/calibration/throughput-2026.jsonl; nvidia/NVIDIA-Nemotron-3-Nano-"
+        "30B-A3B-BF16 (52 layers: 23 Mamba-2, 23 MoE, 6 attention); router settings from the "
+        "public config.json as remembered (values only)",
+    ),
+    "nemotron-3-super-120b-a12b": Preset(
+        {
+            **_NEMOTRON_H,
+            "hybrid_layer_pattern": _SUPER_PATTERN,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_query_groups": 2,
+            "mamba_num_heads": 128,
+            "num_experts": 512,
+            "moe_ffn_hidden_size": 2688,
+            "moe_router_topk": 22,
+            "moe_latent_size": 1024,
+            "moe_shared_expert_intermediate_size": 5376,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+        },
+        "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 dimensions as recorded in "
+        "shared/calibration/throughput-2026.jsonl (88 layers: 40 Mamba-2, 40 LatentMoE with "
+        "latent 1024, 8 attention). ASSUMED: the layer order (not in the file; Nano's structure "
+        "repeated, MEMEMEMEM*E x 8) and the router (sigmoid with expert bias, as Nano). Left "
+        "out: the multi-token-prediction block (*E, applied twice with shared weights), which "
+        "megatron-core 0.16.1 cannot build",
+    ),
+    "qwen3-next-80b-a3b": Preset(
+        {
+            **_LLAMA,
+            "num_layers": 48,
+            "hidden_size": 2048,
+            "ffn_hidden_size": 5120,  # intermediate_size: no dense layer uses it
+            "num_attention_heads": 16,
+            "num_query_groups": 2,
+            "kv_channels": 256,
+            "qk_layernorm": True,
+            "attention_output_gate": True,
+            "norm_epsilon": 1e-6,
+            "vocab_size": 151936,
+            "max_position_embeddings": 262144,
+            "rotary_base": 10000000,
+            "rotary_percent": 0.25,
+            # Gated DeltaNet in three of every four layers (full_attention_interval 4)
+            "linear_attention_freq": 4,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            # every layer sparse (decoder_sparse_step 1, mlp_only_layers [])
+            "num_experts": 512,
+            "moe_router_topk": 10,
+            "moe_ffn_hidden_size": 512,
+            "moe_shared_expert_intermediate_size": 512,
+        },
+        "Qwen/Qwen3-Next-80B-A3B-Instruct config.json, reconstructed (tests/data/hf) (RMSNorm "
+        "zero-centred in the model, the "
+        "same parameters; not modelled: the shared expert's sigmoid gate, 2048 weights a layer, "
+        "and the multi-token-prediction weights the checkpoint carries)",
     ),
     "deepseek-v3": Preset(
         {

@@ -26,6 +26,7 @@ from metatrace.config.job import (
     Training,
     replace,
 )
+from metatrace.config.release import since as release_since
 from metatrace.errors import ConfigError
 
 
@@ -130,6 +131,15 @@ def resolve(job: Job) -> Job:
         notes.append(
             f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
             "builds them for every model); this model has no experts"
+        )
+    if (
+        model.hybrid_layer_pattern is not None
+        and training.recompute.granularity == "full"
+        and not release_since(0, 19)
+    ):
+        notes.append(
+            "training.recompute full: megatron-core 0.16.1's MambaStack runs its layers without "
+            "checkpointing them (0.19's HybridStack does), so nothing is recomputed"
         )
     if par.sequence_parallel and par.tp == 1:
         par = replace(par, sequence_parallel=False)
@@ -293,6 +303,8 @@ def _megatron_fsdp(tr, notes: list[str]):
 
 def _resolve_model(model: Model) -> Model:
     values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    if values["hybrid_layer_pattern"] is not None:
+        _resolve_hybrid(values)
     for name, value in _MODEL_DEFAULTS.items():
         if values[name] is None:
             values[name] = value
@@ -333,7 +345,40 @@ def _resolve_model(model: Model) -> Model:
         if values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         values["moe_layer_freq"] = moe_layer_pattern(values["moe_layer_freq"], values["num_layers"])
+    if values["mamba_num_heads"] is None and values["hybrid_layer_pattern"] is not None:
+        # MambaMixer: d_inner = expand (2) x hidden_size, nheads = d_inner / headdim
+        values["mamba_num_heads"] = 2 * h // values["mamba_head_dim"]
     return Model(**values)
+
+
+def _resolve_hybrid(values: dict) -> None:
+    """A hybrid layer pattern gives the number of layers, which layers are MoE layers and the
+    multi-token-prediction depths (megatron-core counts them from the pattern)."""
+    from metatrace.config.hybrid import parse
+
+    pattern = parse(values["hybrid_layer_pattern"], since_0_19=release_since(0, 19))
+    n = len(pattern.layers)
+    if values["num_layers"] not in (None, n):
+        raise ConfigError(
+            f"model.num_layers = {values['num_layers']} but model.hybrid_layer_pattern has {n} "
+            "layers; give one of them (megatron-core counts the pattern's symbols)"
+        )
+    values["num_layers"] = n
+    moe = [1 if s == "E" else 0 for s in pattern.layers]
+    if any(moe):
+        if not values["num_experts"]:
+            raise ConfigError(
+                "model.hybrid_layer_pattern has mixture-of-experts layers (E): give "
+                "model.num_experts"
+            )
+        values["moe_layer_freq"] = moe
+    if pattern.mtp_depths:
+        if values["mtp_num_layers"] not in (None, pattern.mtp_depths):
+            raise ConfigError(
+                f"model.mtp_num_layers = {values['mtp_num_layers']} but "
+                f"model.hybrid_layer_pattern has {pattern.mtp_depths} prediction depths"
+            )
+        values["mtp_num_layers"] = pattern.mtp_depths
 
 
 def _allocator_unknown(cl) -> tuple[str, ...]:

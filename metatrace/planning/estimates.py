@@ -54,14 +54,24 @@ def shape_of(job) -> Shape:
         attention = (
             h * (m.num_attention_heads + 2 * m.num_query_groups) * d + m.num_attention_heads * d * h
         )
+    if m.attention_output_gate:  # linear_qkv also gives the gate
+        attention += h * m.num_attention_heads * d
     mlp = (gated + 1) * h * m.ffn_hidden_size
     moe_layers, experts, dense = 0, 0, m.num_layers * (attention + mlp + 2 * h)
+    if m.hybrid_layer_pattern is not None:
+        dense, moe_layers = _hybrid_dense(m, attention, mlp)
+    elif m.linear_attention_freq is not None:  # Gated DeltaNet instead of some attention
+        dense -= _gdn_layers(m) * (attention - _gdn(m))
+    width = m.moe_latent_size or h  # LatentMoE: experts run in the latent space
     if m.num_experts:
-        freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, list) else [1] * m.num_layers
-        moe_layers = sum(freq)
-        expert = (gated + 1) * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
-        shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
-        dense -= moe_layers * (mlp - h * m.num_experts - shared)
+        if m.hybrid_layer_pattern is None:
+            freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, list) else [1] * m.num_layers
+            moe_layers = sum(freq)
+            shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+            dense -= moe_layers * (mlp - h * m.num_experts - shared)
+        if m.moe_latent_size:
+            dense += moe_layers * 2 * h * m.moe_latent_size
+        expert = (gated + 1) * width * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
         experts = m.num_experts * expert
     return Shape(
         dense=dense // m.num_layers,
@@ -69,6 +79,48 @@ def shape_of(job) -> Shape:
         moe_layers=moe_layers,
         embedding=job.padded_vocab_size * h,
     )
+
+
+def _mamba(m) -> int:
+    """A Mamba-2 mixer's projections: in_proj to z, x, B, C and dt, out_proj back."""
+    inner = m.mamba_num_heads * m.mamba_head_dim
+    groups = 2 * m.mamba_num_groups * m.mamba_state_dim
+    return m.hidden_size * (2 * inner + groups + m.mamba_num_heads) + inner * m.hidden_size
+
+
+def _gdn(m) -> int:
+    """A Gated DeltaNet's projections: in_proj to q, k, v, the gate, beta and alpha; out_proj."""
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    return m.hidden_size * (2 * qk + 2 * v + 2 * m.linear_num_value_heads) + v * m.hidden_size
+
+
+def _gdn_layers(m) -> int:
+    """Layers of a GPT model that linear_attention_freq gives Gated DeltaNet (megatron-core's
+    get_linear_attention_pattern: an integer n keeps attention in every n-th layer)."""
+    freq = m.linear_attention_freq
+    if isinstance(freq, list):
+        return sum(freq)
+    return m.num_layers - m.num_layers // freq
+
+
+def _hybrid_dense(m, attention: int, mlp: int) -> tuple[int, int]:
+    """(parameters of a hybrid model's layers but the routed experts, MoE layers) from its
+    pattern: one norm a layer, the mixer or MLP, a MoE layer's router and shared experts."""
+    from metatrace.config.hybrid import parse
+    from metatrace.config.release import since
+
+    layers = parse(m.hybrid_layer_pattern, since_0_19=since(0, 19)).layers
+    h, gated = m.hidden_size, _gated(m)
+    shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+    per = {
+        "M": _mamba(m),
+        "*": attention,
+        "G": _gdn(m),
+        "-": mlp,
+        "E": h * (m.num_experts or 0) + shared,
+    }
+    return sum(per[s] + h for s in layers), layers.count("E")
 
 
 def parameter_counts(job) -> tuple[int, int]:

@@ -48,6 +48,8 @@ def model_name(job) -> str:
         path = os.path.normpath(m.hf_config)
         head, tail = os.path.split(path)
         return os.path.basename(head) if tail == "config.json" and head else tail
+    if m.hybrid_layer_pattern is not None:
+        return f"{m.num_layers}-layer hybrid"
     return f"{m.num_layers}-layer GPT"
 
 

@@ -182,7 +182,18 @@ def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask:
             attention_mask=attention_mask,
             mtp=config.mtp_num_layers is not None,
         )
-        output_tensor = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
+        # pretrain_mamba.py (megatron-core 0.16.1's MambaModel) passes no loss mask
+        masked = {"loss_mask": loss_mask} if _takes_loss_mask(model) else {}
+        output_tensor = model(tokens, position_ids, mask, labels=labels, **masked)
         return output_tensor, partial(loss_func, loss_mask)
 
     return forward_step
+
+
+def _takes_loss_mask(model) -> bool:
+    """Whether the language model inside Megatron's wrappers takes a loss_mask argument."""
+    import inspect
+
+    while hasattr(model, "module"):
+        model = model.module
+    return "loss_mask" in inspect.signature(type(model).forward).parameters

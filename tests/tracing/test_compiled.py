@@ -19,6 +19,7 @@ _PROBE = textwrap.dedent("""
     import importlib, json, sys
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from tests.profiled import peak_and_live
     from metatrace.models import compiled as standins
 
     def allocations(fn, make):
@@ -30,18 +31,7 @@ _PROBE = textwrap.dedent("""
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = fn(*args)
-        sizes = []
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            f = node.extra_fields
-            if type(f).__name__ == "_ExtraFields_Allocation" and f.device.type == "cpu":
-                sizes.append((node.start_time_ns, f.alloc_size))
-        live = peak = 0
-        for _, n in sorted(sizes):
-            live += n
-            peak = max(peak, live)
+        peak, live = peak_and_live(prof)
         return [peak, live, sum(saved.values())]
 
     module, name, standin, make = sys.argv[1:5]

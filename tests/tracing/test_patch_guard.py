@@ -61,6 +61,11 @@ CREATED = {
     "megatron.core.tensor_parallel.random.fp8_autocast",
     "megatron.core.tensor_parallel.random.activation_recompute_forward",
     "megatron.core.transformer.moe.experts.Fp8Unpadding",
+    "megatron.core.transformer.moe.moe_layer.te_checkpoint",
+    "megatron.core.transformer.moe.moe_layer.TELinear",
+    "megatron.core.ssm.mamba_mixer.mamba_split_conv1d_scan_combined",
+    "megatron.core.ssm.mamba_mixer.mamba_chunk_scan_combined",
+    "megatron.core.ssm.gated_delta_net.l2norm",
     *(
         f"megatron.core.transformer.moe.moe_utils.{name}"
         for name in (
@@ -314,6 +319,7 @@ def test_copied_megatron_core_sources_are_unchanged():
         "bias_swiglu_back",
         "calculate_gradients",
         "bias_dropout_add_fused_train",
+        "_apply_gated_norm",
         "get_gpt_layer_with_transformer_engine_spec",
         "get_gpt_layer_local_spec",
         "grouped_mlp_modules",

@@ -449,12 +449,13 @@ def _model(v, job, notes, problems) -> None:
         "--seq-length",
         "--micro-batch-size",
     )
+    hybrid = "--hybrid-layer-pattern" in v or "--hybrid-override-pattern" in v
     absent = [
         f
         for f in required
         if f not in v
         and not (
-            (f == "--num-layers" and "--encoder-num-layers" in v)
+            (f == "--num-layers" and ("--encoder-num-layers" in v or hybrid))
             or (f == "--seq-length" and "--encoder-seq-length" in v)
         )
     ]
@@ -508,6 +509,114 @@ def _model(v, job, notes, problems) -> None:
     _latent_attention(v, job, notes, problems)
     _glu_options(v, job, notes, problems)
     _windows(v, job, notes, problems)
+    _hybrid(v, job, notes, problems)
+    _gated_delta_net(v, job, notes, problems)
+
+
+_MAMBA_FLAGS = ("--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads")
+_GDN_FLAGS = (
+    "--linear-conv-kernel-dim",
+    "--linear-key-head-dim",
+    "--linear-value-head-dim",
+    "--linear-num-key-heads",
+    "--linear-num-value-heads",
+)
+
+
+def _drop(job, flags) -> None:
+    for flag in flags:
+        job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
+
+
+def _hybrid(v, job, notes, problems) -> None:
+    """Hybrid models: --hybrid-override-pattern (core_v0.16.1's pretrain_mamba.py; core_v0.19
+    forwards it to --hybrid-layer-pattern and refuses both) is model.hybrid_layer_pattern;
+    core_v0.19's legacy --mtp-hybrid-override-pattern with --mtp-num-layers becomes its `/`
+    part. core_v0.19 derives --num-layers from the pattern; core_v0.16.1's MambaModel asserts
+    that they agree (left to the job's resolution)."""
+    from metatrace.config.release import since
+
+    m = job["model"]
+    old, new = v.get("--hybrid-override-pattern"), v.get("--hybrid-layer-pattern")
+    if old is not None and new is not None:
+        problems.append(
+            "--hybrid-override-pattern and --hybrid-layer-pattern cannot both be given "
+            "(Megatron-LM asserts it; the first is the deprecated name of the second)"
+        )
+    if "--disable-mamba-mem-eff-path" in v:
+        problems.append(
+            "--disable-mamba-mem-eff-path: the unfused Mamba-2 path (a separate convolution "
+            "and chunked scan, other saved tensors) is not modelled; metatrace models the fused "
+            "mamba_split_conv1d_scan_combined"
+        )
+    pattern = new if new is not None else old
+    if pattern is None:
+        given = [f for f in _MAMBA_FLAGS + ("--mtp-hybrid-override-pattern",) if f in v]
+        if given:
+            notes.append(
+                f"{', '.join(given)} are ignored without --hybrid-layer-pattern "
+                "(--hybrid-override-pattern)"
+            )
+            _drop(job, [f for f in given if f in _MAMBA_FLAGS])
+        if "--is-hybrid-model" in v:
+            notes.append(
+                "--is-hybrid-model without a hybrid layer pattern changes only the output "
+                "layers' initialisation; a GPT model is built"
+            )
+        return
+    mtp = v.get("--mtp-hybrid-override-pattern")
+    depth = v.get("--mtp-num-layers") or 0
+    if mtp is not None and depth and "/" not in pattern:
+        pattern += ("/" + mtp) * depth  # core_v0.19's validate_args conversion
+    elif mtp is not None:
+        notes.append("--mtp-hybrid-override-pattern is ignored without --mtp-num-layers")
+    m["hybrid_layer_pattern"] = pattern
+    layers = v.get("--num-layers")
+    if layers is not None and since(0, 19):
+        # the main pattern's layer symbols (not '|', not the '/' part)
+        count = len(pattern.split("/")[0].replace("|", ""))
+        if layers != count:
+            notes.append(
+                f"--num-layers {layers} is ignored: the hybrid layer pattern has {count} "
+                "layers (Megatron-LM core_v0.19 takes the pattern's)"
+            )
+        m.pop("num_layers", None)
+
+
+def _gated_delta_net(v, job, notes, problems) -> None:
+    """Gated DeltaNet in a GPT model: --experimental-attention-variant gated_delta_net (gdn, its
+    newer name) with --linear-attention-freq (la_freq_type: an integer, or a list expression,
+    1 for a GDN layer); megatron-core's TransformerConfig refuses the variant without it."""
+    m = job["model"]
+    variant = v.get("--experimental-attention-variant")
+    gdn = variant in ("gated_delta_net", "gdn")
+    text = v.get("--linear-attention-freq")
+    if gdn and text is None:
+        problems.append(
+            f"--experimental-attention-variant {variant} needs --linear-attention-freq "
+            "(megatron-core asserts it)"
+        )
+    elif gdn:
+        try:
+            m["linear_attention_freq"] = _layer_freq(text)
+        except ValueError:
+            problems.append(
+                f"--linear-attention-freq expects an integer or a list expression such as "
+                f'"([1]*3+[0]*1)*12" (digits, commas, brackets, + and *), got {text!r}'
+            )
+    elif text is not None:
+        notes.append(
+            "--linear-attention-freq is ignored without --experimental-attention-variant "
+            "gated_delta_net"
+        )
+    hybrid = "G" in (m.get("hybrid_layer_pattern") or "")
+    given = [f for f in _GDN_FLAGS if f in v]
+    if given and not gdn and not hybrid:
+        notes.append(
+            f"{', '.join(given)} are ignored without Gated DeltaNet layers "
+            "(--experimental-attention-variant gated_delta_net, or G in the hybrid pattern)"
+        )
+        _drop(job, given)
 
 
 def _glu_options(v, job, notes, problems) -> None:

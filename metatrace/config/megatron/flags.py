@@ -209,6 +209,26 @@ _MODELLED: dict[str, str | None] = {
     "--window-attn-skip-freq": None,  # moe_freq_type, read in megatron_args
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
+    # hybrid models (pretrain_mamba.py / pretrain_hybrid.py): the pattern, Mamba-2's sizes;
+    # Gated DeltaNet in GPT models (Qwen3-Next), gated attention, LatentMoE
+    "--hybrid-override-pattern": None,  # 0.16.1's name; 0.19 forwards it to the next
+    "--hybrid-layer-pattern": None,
+    "--mtp-hybrid-override-pattern": None,  # 0.19's legacy MTP pattern, with --mtp-num-layers
+    "--is-hybrid-model": None,  # implied by a pattern (initialisation scale only)
+    "--disable-mamba-mem-eff-path": None,  # refused: the unfused Mamba-2 path is not modelled
+    "--mamba-state-dim": "model.mamba_state_dim",
+    "--mamba-head-dim": "model.mamba_head_dim",
+    "--mamba-num-groups": "model.mamba_num_groups",
+    "--mamba-num-heads": "model.mamba_num_heads",
+    "--experimental-attention-variant": None,
+    "--linear-attention-freq": None,  # la_freq_type, read in megatron_args
+    "--linear-conv-kernel-dim": "model.linear_conv_kernel_dim",
+    "--linear-key-head-dim": "model.linear_key_head_dim",
+    "--linear-value-head-dim": "model.linear_value_head_dim",
+    "--linear-num-key-heads": "model.linear_num_key_heads",
+    "--linear-num-value-heads": "model.linear_num_value_heads",
+    "--attention-output-gate": "model.attention_output_gate",
+    "--moe-latent-size": "model.moe_latent_size",
     # training (notes 4.5, 4.9, 4.10, 4.12)
     "--micro-batch-size": "training.micro_batch_size",
     "--global-batch-size": "training.global_batch_size",
@@ -324,6 +344,11 @@ UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
         "either",
     ),
     "--fp8-recipe": (("custom",), "custom FP8 quantizers", "unknown"),
+    "--experimental-attention-variant": (
+        ("dsa", "gdn2"),
+        "DeepSeek sparse attention and Gated DeltaNet 2 (built without the variant)",
+        "either",
+    ),
     "--fp4-recipe": (("custom",), "custom FP4 quantizers", "unknown"),
     "--rerun-mode": (
         ("report_stats",),
@@ -386,7 +411,7 @@ _NO_EFFECT: dict[str, str] = {
         "--inference-moe-disable-fused-quant-kernels --inference-moe-token-dispatcher-type "
         "--inference-shards --inference-text-gen-server-logging "
         "--inference-use-synchronous-zmq-collectives --inference-wandb-logging "
-        "--is-hybrid-model --mamba-inference-conv-states-dtype "
+        "--mamba-inference-conv-states-dtype "
         "--mamba-inference-ssm-states-dtype --max-tokens-to-oom --mlp-chunks-for-prefill "
         "--moe-pad-experts-for-cuda-graph-inference --nccl-all-reduce-for-prefill "
         "--no-inference-disable-ep-consensus --no-inference-dynamic-batching-prefix-caching "
@@ -452,18 +477,17 @@ _NO_EFFECT: dict[str, str] = {
         "--save-tokens-per-expert-interval --save-wgrads-interval --use-dist-ckpt "
         "--use-persistent-ckpt-worker --verify-integrity "
     ),
-    "other model families (vision, BERT, retrieval, T5, Mamba): GPT training does not read them": (
+    "other model families (vision, BERT, retrieval, T5): GPT training does not read them": (
         "--bert-load --bert-no-binary-head --biencoder-projection-dim "
         "--biencoder-shared-query-context-model --block-data-path --classes-fraction "
         "--data-per-class-fraction --decoder-num-layers --dino-bottleneck-size "
         "--dino-freeze-last-layer --dino-head-hidden-size --dino-local-crops-number "
         "--dino-local-img-size --dino-norm-last-layer --dino-teacher-temp "
         "--dino-warmup-teacher-temp --dino-warmup-teacher-temp-epochs "
-        "--disable-mamba-mem-eff-path --embedding-path --evidence-data-path "
-        "--hybrid-attention-ratio --hybrid-mlp-ratio --ict-head-size --ict-load --img-h "
+        "--embedding-path --evidence-data-path "
+        "--ict-head-size --ict-load --img-h "
         "--img-w --indexer-batch-size --indexer-log-interval --iter-per-epoch "
-        "--mamba-head-dim --mamba-num-groups --mamba-num-heads --mamba-state-dim "
-        "--mamba-training-ssm-states-dtype --mask-factor --mask-prob --mask-type "
+        "--mask-factor --mask-prob --mask-type "
         "--num-channels --num-classes --patch-dim --query-in-block-prob "
         "--retriever-report-topk-accuracies --retriever-score-scaling --sample-rate "
         "--short-seq-prob --swin-backbone-type --titles-data-path --use-one-sent-docs "
@@ -707,7 +731,7 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("MoE router and expert variants", "either"): (
         "--moe-router-force-biased --moe-input-jitter-eps --moe-apply-probs-on-input "
-        "--moe-shared-expert-gate --moe-latent-size --use-fused-weighted-squared-relu"
+        "--moe-shared-expert-gate --use-fused-weighted-squared-relu"
     ),
     ("MoE expert weight layouts", "unknown"): (
         "--moe-single-grouped-bias --moe-single-grouped-weight --moe-use-grouped-tensor "
@@ -720,11 +744,9 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     # model variants
     ("activation variants", "either"): "--openai-gelu --use-te-activation-func",
-    ("attention variants", "raises"): "--qk-l2-norm --attention-output-gate --qk-clip",
+    ("attention variants", "raises"): "--qk-l2-norm --qk-clip",
     ("experimental attention variants (gated DeltaNet, DSA)", "either"): (
-        "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim "
-        "--linear-key-head-dim --linear-num-key-heads --linear-num-value-heads "
-        "--linear-value-head-dim --dsa-indexer-head-dim --dsa-indexer-k-norm-epsilon "
+        "--dsa-indexer-head-dim --dsa-indexer-k-norm-epsilon "
         "--dsa-indexer-k-norm-fp32 --dsa-indexer-loss-coeff --dsa-indexer-n-heads "
         "--dsa-indexer-rope-interleaved --dsa-indexer-skip-topk-offset --dsa-indexer-topk "
         "--dsa-indexer-topk-freq --dsa-indexer-use-sparse-loss --dsa-kernel-backend "
@@ -762,9 +784,9 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("heterogeneous layers", "either"): (
         "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json"
     ),
-    ("hybrid Mamba models", "either"): (
-        "--hybrid-layer-pattern --hybrid-override-pattern --mtp-hybrid-override-pattern"
-    ),
+    # 0.16.1's MambaModel allocates layers by these ratios without a pattern
+    ("hybrid layers allocated by ratios", "either"): "--hybrid-attention-ratio --hybrid-mlp-ratio",
+    ("the Mamba-2 state's dtype in training", "either"): "--mamba-training-ssm-states-dtype",
     ("the Muon optimizer's options", "either"): (
         "--muon-tp-mode --muon-no-split-qkv --muon-scalar-optimizer --muon-nesterov "
         "--muon-use-nesterov"
@@ -973,8 +995,7 @@ _OLDER: dict[str, tuple[int | str, Class, str, Direction | None]] = {
     "--retriever-seq-length": (
         1,
         "no_effect",
-        "other model families (vision, BERT, retrieval, "
-        "T5, Mamba): GPT training does not read them",
+        "other model families (vision, BERT, retrieval, T5): GPT training does not read them",
         None,
     ),
     "--tokenizer-prompt-format": (
@@ -1006,9 +1027,8 @@ _NEEDS_GROUPS: dict[str, str] = {
     "--enable-mhc-connections": (
         "--mhc-num-residual-streams --mhc-recompute-layer-num --mhc-sinkhorn-iterations"
     ),
-    "--experimental-attention-variant --linear-attention-freq": (
-        "--linear-conv-kernel-dim --linear-key-head-dim --linear-num-key-heads "
-        "--linear-num-value-heads --linear-value-head-dim --dsa-indexer-head-dim "
+    "--experimental-attention-variant": (
+        "--dsa-indexer-head-dim "
         "--dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32 --dsa-indexer-loss-coeff "
         "--dsa-indexer-n-heads --dsa-indexer-rope-interleaved --dsa-indexer-skip-topk-offset "
         "--dsa-indexer-topk --dsa-indexer-topk-freq --dsa-indexer-use-sparse-loss "
@@ -1041,7 +1061,7 @@ _NEEDS_GROUPS: dict[str, str] = {
         "--moe-expert-rank-capacity-factor --moe-paged-stash "
         "--moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda "
         "--moe-paged-stash-page-size --moe-router-force-biased --moe-input-jitter-eps "
-        "--moe-apply-probs-on-input --moe-shared-expert-gate --moe-latent-size "
+        "--moe-apply-probs-on-input --moe-shared-expert-gate "
         "--use-fused-weighted-squared-relu --moe-single-grouped-bias --moe-single-grouped-weight "
         "--moe-use-grouped-tensor --moe-use-legacy-grouped-gemm --moe-mlp-glu-interleave-size "
         "--use-grouped-gemm-for-shared-expert --moe-layer-recompute --moe-use-upcycling "

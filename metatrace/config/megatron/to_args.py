@@ -544,6 +544,14 @@ def _offloading(job, value) -> list[str] | None:
     return out
 
 
+def _pattern_flag() -> str:
+    """The hybrid pattern's flag of the installed release's Megatron-LM (core_v0.19 renamed
+    --hybrid-override-pattern, which it still forwards)."""
+    from metatrace.config.release import since
+
+    return "--hybrid-layer-pattern" if since(0, 19) else "--hybrid-override-pattern"
+
+
 def _one(flag: str, show: Callable[[Any], str] = str) -> Callable[[Any, Any], list[str] | None]:
     return lambda job, value: None if value is None else [flag, show(value)]
 
@@ -560,6 +568,17 @@ _DERIVED: dict[tuple[str, str], Callable[[Any, Any], list[str] | None]] = {
         "model",
         "window_attn_skip_freq",
     ): _one("--window-attn-skip-freq", lambda f: str(f) if isinstance(f, int) else _expression(f)),
+    ("model", "hybrid_layer_pattern"): lambda job, v: None if v is None else [_pattern_flag(), v],
+    ("model", "linear_attention_freq"): lambda job, v: (
+        None
+        if v is None
+        else [
+            "--experimental-attention-variant",
+            "gated_delta_net",
+            "--linear-attention-freq",
+            str(v) if isinstance(v, int) else _expression(v),
+        ]
+    ),
     ("model", "num_experts"): _one("--num-experts"),
     ("model", "moe_layer_freq"): _one("--moe-layer-freq", _expression),
     ("model", "moe_router_load_balancing_type"): _one("--moe-router-load-balancing-type"),

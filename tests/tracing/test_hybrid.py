@@ -1,0 +1,248 @@
+"""Hybrid models traced: a Mamba-2 layer keeps what megatron-core's MambaMixer and the kernels'
+sources say (a closed form), the meta trace keeps what real CPU tensors keep, and megatron-core's
+hybrid stacks split their pattern over the pipeline as the pattern says."""
+
+import pytest
+
+from metatrace.config import job_from_dict, release
+from metatrace.models import ssm_kernels
+
+SINCE_0_19 = release.since(0, 19)
+BLOCK = 512
+
+
+def blocks(n: int) -> int:
+    """Bytes in the CUDA caching allocator's 512-byte blocks."""
+    return -(-n // BLOCK) * BLOCK
+
+
+def hybrid_job(
+    pattern="M*M-", *, tp=2, pp=1, seq=256, mbs=2, hidden=256, impl="transformer_engine"
+):
+    return job_from_dict(
+        {
+            "model": {
+                "hybrid_layer_pattern": pattern,
+                "hidden_size": hidden,
+                "num_attention_heads": 8,
+                "num_query_groups": 2,
+                "ffn_hidden_size": 512,
+                "vocab_size": 1024,
+                "normalization": "RMSNorm",
+                "activation": "squared_relu",
+                "position_embedding_type": "none",
+                "add_bias_linear": False,
+                "mamba_head_dim": 32,
+                "mamba_num_groups": 2,
+                "mamba_state_dim": 16,
+            },
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": tp > 1},
+            "training": {"seq_length": seq, "micro_batch_size": mbs, "global_batch_size": 4 * mbs},
+            "implementation": (
+                {"transformer_impl": "local", "attention_backend": "local"}
+                if impl == "local"
+                else {}
+            ),
+            "cluster": {"num_gpus": 2 * tp * pp, "gpus_per_node": 8},
+        }
+    )
+
+
+def mamba_layer_closed_form(job) -> int:
+    """Bytes one Mamba layer keeps for backward with the Transformer Engine spec and sequence
+    parallelism, from the sources:
+    - in_proj (TE's LayerNormLinear, sequence parallel): the norm's input and output on this
+      rank's s/t tokens, bf16 [s/t * b, h] each, and the fp32 rstd [s/t * b];
+    - MambaMixer._ssm_training: A = -exp(A_log.float()) (exp keeps its fp32 [heads/t] output, the
+      kernel keeps A), dt_bias.float() (fp32 [heads/t], kept by the kernel), and the kernel's own
+      (ssm_kernels.split_conv1d_scan_saved_bytes: zxbcdt and out_x);
+    - the gated RMSNorm (called without z): y bf16 [s * b, d/t] and its fp32 rstd per group;
+    - out_proj: its input bf16 [s * b, d/t];
+    - the layer's hidden dropout: a bool mask [s/t, b, h]."""
+    m, tp = job.model, job.parallel.tp
+    s, b, h = job.training.seq_length, job.training.micro_batch_size, m.hidden_size
+    heads, groups = m.mamba_num_heads // tp, m.mamba_num_groups // tp
+    d = heads * m.mamba_head_dim
+    tokens, local = s * b, s * b // tp
+    in_proj = 2 * blocks(local * h * 2) + blocks(local * 4)
+    scan = ssm_kernels.split_conv1d_scan_saved_bytes(
+        batch=b,
+        seqlen=s,
+        nheads=heads,
+        headdim=m.mamba_head_dim,
+        ngroups=groups,
+        dstate=m.mamba_state_dim,
+        params=False,
+    )
+    mixer = 3 * blocks(4 * heads) + scan
+    norm = ssm_kernels.rmsnorm_gated_saved_bytes(
+        rows=tokens, hidden=d, group_size=d // groups, params=False
+    )
+    out_proj = blocks(tokens * d * 2)
+    dropout = blocks(local * h)
+    return in_proj + mixer + norm + out_proj + dropout
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mamba_layer_keeps_the_closed_form_of_its_kernels(tp):
+    """Per layer and micro-batch, the traced Mamba-2 layer's activations equal the closed form
+    (what TE's linears, megatron-core's MambaMixer and mamba_ssm's kernels keep)."""
+    from metatrace.analysis.aggregate import module_tree, walk
+    from metatrace.tracing.trace import trace_job
+
+    job = hybrid_job("M*M-", tp=tp)
+    traced = trace_job(job, workers=1, full_model=False)
+    tree = {n.fqn: n for n in walk(module_tree(traced.roles[0].trace))}
+    expected = mamba_layer_closed_form(job)
+    for layer in (0, 2):
+        assert tree[f"decoder.layers.{layer}"].activation_bytes_total == expected
+    # (2 * d + 2 * g * n + h) + d per token: the kernel's input and output dominate
+    assert expected > 2 * 256 * 2 * (3 * 512 // tp)
+
+
+def test_hybrid_meta_matches_real_cpu_tensors():
+    """The local-spec hybrid model traced on meta and on real CPU tensors (the kernels' PyTorch
+    references computing): the same tensors kept for backward, the same collectives."""
+    from metatrace.world import World
+    from tests.helpers import assert_meta_matches_real
+
+    job = hybrid_job("M*-M", tp=1, seq=64, mbs=1, hidden=128, impl="local")
+    world = World.from_job(job)
+    assert_meta_matches_real(job, world, world.roles()[0])
+
+
+def test_measure_keeps_the_predicted_activations_of_a_hybrid_model():
+    """metatrace measure runs the local-spec hybrid model for real on the CPU: the storages one
+    micro-batch's forward keeps are the prediction's, byte for byte."""
+    import torch
+
+    from metatrace.tracing.measure import measure_rank, predict
+
+    torch.set_num_threads(1)
+    job = hybrid_job("M*M-", tp=1, seq=64, mbs=2, hidden=128, impl="local")
+    predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
+    assert measured.saved_blocks == predicted.saved > 0
+
+
+@pytest.mark.skipif(not SINCE_0_19, reason="'|' in the pattern needs megatron-core 0.19")
+def test_pattern_segments_place_the_layers_on_pipeline_stages():
+    """megatron-core 0.19's HybridStack builds segment k of "M*M|MM-E..." on pipeline rank k."""
+    from metatrace.tracing.trace import trace_job
+
+    job = hybrid_job("M*M-|M-", tp=1, pp=2)
+    traced = trace_job(job, workers=1, full_model=False)
+    layers = [r.trace for r in traced.roles]
+    kinds = [
+        sorted({m.type for m in t.modules if m.fqn.count(".") == 2 and ".layers." in m.fqn})
+        for t in layers
+    ]
+    assert kinds == [["MLPLayer", "MambaLayer", "TransformerLayer"], ["MLPLayer", "MambaLayer"]]
+    counts = [
+        sum(1 for m in t.modules if m.fqn.count(".") == 2 and ".layers." in m.fqn) for t in layers
+    ]
+    assert counts == [4, 2]
+
+
+def gdn_job(tp=2, *, seq=256, impl="transformer_engine"):
+    return job_from_dict(
+        {
+            "model": {
+                "num_layers": 4,
+                "linear_attention_freq": 4,
+                "hidden_size": 256,
+                "num_attention_heads": 8,
+                "num_query_groups": 2,
+                "ffn_hidden_size": 512,
+                "vocab_size": 1024,
+                "normalization": "RMSNorm",
+                "activation": "swiglu",
+                "position_embedding_type": "rope",
+                "add_bias_linear": False,
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+                "linear_key_head_dim": 32,
+                "linear_value_head_dim": 48,
+            },
+            "parallel": {"tp": tp, "sequence_parallel": tp > 1},
+            "training": {"seq_length": seq, "micro_batch_size": 2, "global_batch_size": 8},
+            "implementation": (
+                {"transformer_impl": "local", "attention_backend": "local"}
+                if impl == "local"
+                else {}
+            ),
+            "cluster": {"num_gpus": 2 * tp, "gpus_per_node": 8},
+        }
+    )
+
+
+def gdn_closed_form(job) -> int:
+    """Bytes a Gated DeltaNet attention keeps for backward (Transformer Engine spec, sequence
+    parallel, megatron-core's jit_fuser methods as compiled), from the sources:
+    - in_proj (TE's LayerNormLinear): norm input and output on s/t tokens, its fp32 rstd;
+    - the short convolution: 0.16.1's causal_conv1d_fn keeps its contiguous input [b, conv, s];
+      0.19's fla causal_conv1d keeps the view it is given, so the whole in_proj output
+      [b, s, conv + v + 2 heads] stays;
+    - l2norm of queries and keys (fla: output and fp32 rstd), 0.16.1 one call each, 0.19 one
+      call over both;
+    - g and beta: 0.16.1 computes them eagerly (exp of A_log and the neg before the multiply,
+      bf16 [heads]; softplus's fp32 input and output; the sigmoid's output), 0.19 in a compiled
+      method that keeps alpha and the sigmoid's output;
+    - chunk_gated_delta_rule (gdn_kernels' closed form), whose beta is the sigmoid's output
+      already counted;
+    - the output norm (x and fp32 rstd per row), the compiled gate (y and the gate, bf16), and
+      out_proj's input."""
+    from metatrace.models import gdn_kernels
+
+    m, tp = job.model, job.parallel.tp
+    s, b, h = job.training.seq_length, job.training.micro_batch_size, m.hidden_size
+    hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+    K, V = m.linear_key_head_dim, m.linear_value_head_dim
+    T, local = s * b, s * b // tp
+    conv = 2 * hk * K + hv * V
+    in_proj = 2 * blocks(local * h * 2) + blocks(local * 4)
+    kernel = gdn_kernels.chunk_gated_delta_rule_saved_bytes(
+        batch=b, seqlen=s, heads=hv, key_dim=K, value_dim=V
+    )
+    beta = T * hv * 2
+    rows = T * hv  # the output norm's rows, V wide
+    out = (rows * V * 2 + rows * 4) + 2 * rows * V * 2 + rows * V * 2  # norm, gate, out_proj
+    if SINCE_0_19:
+        conv_kept = T * (conv + hv * V + 2 * hv) * 2
+        l2 = gdn_kernels.l2norm_saved_bytes(rows=T * 2 * hk, dim=K)
+        g_beta = T * hv * 2 + beta
+    else:
+        conv_kept = ssm_kernels.causal_conv1d_saved_bytes(batch=b, dim=conv, seqlen=s, params=False)
+        l2 = 2 * gdn_kernels.l2norm_saved_bytes(rows=T * hk, dim=K)
+        g_beta = 2 * blocks(hv * 2) + 2 * T * hv * 4 + beta
+    return in_proj + conv_kept + l2 + g_beta + kernel - beta + out
+
+
+def test_a_gated_deltanet_attention_keeps_the_closed_form_of_its_kernels():
+    """A Gated DeltaNet layer's attention in a GPT model (Qwen3-Next's layers): its activations
+    per micro-batch equal the closed form of TE's linears, megatron-core's GatedDeltaNet, the
+    fla kernels and the compiled gate."""
+    from metatrace.analysis.aggregate import module_tree, walk
+    from metatrace.tracing.trace import trace_job
+
+    job = gdn_job()
+    traced = trace_job(job, workers=1, full_model=False)
+    tree = {n.fqn: n for n in walk(module_tree(traced.roles[0].trace))}
+    for layer in (0, 1, 2):  # the fourth is attention
+        node = tree[f"decoder.layers.{layer}.self_attention"]
+        assert node.type == "GatedDeltaNet"
+        assert node.activation_bytes_total == gdn_closed_form(job)
+    assert tree["decoder.layers.3.self_attention"].type == "SelfAttention"
+
+
+def test_measure_keeps_the_predicted_activations_of_gated_deltanet_layers():
+    """metatrace measure runs a local-spec GPT model with Gated DeltaNet layers for real on the
+    CPU (fla's kernels by their PyTorch references, the compiled gate by its stand-in): the
+    storages one micro-batch's forward keeps are the prediction's, byte for byte."""
+    import torch
+
+    from metatrace.tracing.measure import measure_rank, predict
+
+    torch.set_num_threads(1)
+    job = gdn_job(tp=1, seq=128, impl="local")
+    predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
+    assert measured.saved_blocks == predicted.saved > 0
