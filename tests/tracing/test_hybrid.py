@@ -17,7 +17,7 @@ def blocks(n: int) -> int:
 
 
 def hybrid_job(
-    pattern="M*M-", *, tp=2, pp=1, seq=256, mbs=2, hidden=256, impl="transformer_engine"
+    pattern="M*M-", *, tp=2, pp=1, cp=1, seq=256, mbs=2, hidden=256, impl="transformer_engine"
 ):
     return job_from_dict(
         {
@@ -36,14 +36,14 @@ def hybrid_job(
                 "mamba_num_groups": 2,
                 "mamba_state_dim": 16,
             },
-            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": tp > 1},
+            "parallel": {"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": tp > 1},
             "training": {"seq_length": seq, "micro_batch_size": mbs, "global_batch_size": 4 * mbs},
             "implementation": (
                 {"transformer_impl": "local", "attention_backend": "local"}
                 if impl == "local"
                 else {}
             ),
-            "cluster": {"num_gpus": 2 * tp * pp, "gpus_per_node": 8},
+            "cluster": {"num_gpus": 2 * tp * pp * cp, "gpus_per_node": 8},
         }
     )
 
@@ -52,52 +52,56 @@ def mamba_layer_closed_form(job) -> int:
     """Bytes one Mamba layer keeps for backward with the Transformer Engine spec and sequence
     parallelism, from the sources:
     - in_proj (TE's LayerNormLinear, sequence parallel): the norm's input and output on this
-      rank's s/t tokens, bf16 [s/t * b, h] each, and the fp32 rstd [s/t * b];
-    - MambaMixer._ssm_training: A = -exp(A_log.float()) (exp keeps its fp32 [heads/t] output, the
-      kernel keeps A), dt_bias.float() (fp32 [heads/t], kept by the kernel), and the kernel's own
+      rank's s/(c t) tokens, bf16 [s/(c t) * b, h] each, and the fp32 rstd;
+    - MambaMixer._ssm_training on the heads and groups of this tensor- and context-parallel
+      rank (MambaContextParallel: the full sequence after its all-to-all; groups repeated where
+      fewer than the context-parallel ranks): A = -exp(A_log.float()) (exp keeps its fp32
+      output, the kernel keeps A), dt_bias.float(), with context parallelism the conv weight and
+      bias sliced into new tensors the kernel keeps, and the kernel's own
       (ssm_kernels.split_conv1d_scan_saved_bytes: zxbcdt and out_x);
-    - the gated RMSNorm (called without z): y bf16 [s * b, d/t] and its fp32 rstd per group;
-    - out_proj: its input bf16 [s * b, d/t];
-    - the layer's hidden dropout: a bool mask [s/t, b, h]."""
-    m, tp = job.model, job.parallel.tp
+    - the gated RMSNorm (called without z) on s/c tokens: y bf16 [s/c * b, d/t] and its fp32
+      rstd per group;
+    - out_proj: its input bf16 [s/c * b, d/t];
+    - the layer's hidden dropout: a bool mask [s/(c t), b, h]."""
+    m, tp, cp = job.model, job.parallel.tp, job.parallel.cp
     s, b, h = job.training.seq_length, job.training.micro_batch_size, m.hidden_size
-    heads, groups = m.mamba_num_heads // tp, m.mamba_num_groups // tp
-    d = heads * m.mamba_head_dim
-    tokens, local = s * b, s * b // tp
+    p, n = m.mamba_head_dim, m.mamba_state_dim
+    heads = m.mamba_num_heads // (tp * cp)
+    groups_tp = m.mamba_num_groups // tp
+    groups = max(groups_tp // cp, 1)
+    d_tp = m.mamba_num_heads // tp * p
+    local, rows = s * b // (cp * tp), s * b // cp
     in_proj = 2 * blocks(local * h * 2) + blocks(local * 4)
     scan = ssm_kernels.split_conv1d_scan_saved_bytes(
-        batch=b,
-        seqlen=s,
-        nheads=heads,
-        headdim=m.mamba_head_dim,
-        ngroups=groups,
-        dstate=m.mamba_state_dim,
-        params=False,
+        batch=b, seqlen=s, nheads=heads, headdim=p, ngroups=groups, dstate=n, params=False
     )
-    mixer = 3 * blocks(4 * heads) + scan
+    conv = heads * p + 2 * groups * n
+    sliced = blocks(conv * 4 * 2) + blocks(conv * 2) if cp > 1 else 0
+    mixer = 3 * blocks(4 * heads) + sliced + scan
     norm = ssm_kernels.rmsnorm_gated_saved_bytes(
-        rows=tokens, hidden=d, group_size=d // groups, params=False
+        rows=rows, hidden=d_tp, group_size=d_tp // groups_tp, params=False
     )
-    out_proj = blocks(tokens * d * 2)
+    out_proj = blocks(rows * d_tp * 2)
     dropout = blocks(local * h)
     return in_proj + mixer + norm + out_proj + dropout
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_mamba_layer_keeps_the_closed_form_of_its_kernels(tp):
+@pytest.mark.parametrize("tp, cp", [(1, 1), (2, 1), (2, 2)])
+def test_a_mamba_layer_keeps_the_closed_form_of_its_kernels(tp, cp):
     """Per layer and micro-batch, the traced Mamba-2 layer's activations equal the closed form
-    (what TE's linears, megatron-core's MambaMixer and mamba_ssm's kernels keep)."""
+    (what TE's linears, megatron-core's MambaMixer and MambaContextParallel and mamba_ssm's
+    kernels keep), with tensor and context parallelism."""
     from metatrace.analysis.aggregate import module_tree, walk
     from metatrace.tracing.trace import trace_job
 
-    job = hybrid_job("M*M-", tp=tp)
+    job = hybrid_job("M*M-", tp=tp, cp=cp)
     traced = trace_job(job, workers=1, full_model=False)
     tree = {n.fqn: n for n in walk(module_tree(traced.roles[0].trace))}
     expected = mamba_layer_closed_form(job)
     for layer in (0, 2):
         assert tree[f"decoder.layers.{layer}"].activation_bytes_total == expected
     # (2 * d + 2 * g * n + h) + d per token: the kernel's input and output dominate
-    assert expected > 2 * 256 * 2 * (3 * 512 // tp)
+    assert expected > 2 * 256 * 2 * (3 * 512 // (tp * cp))
 
 
 def test_hybrid_meta_matches_real_cpu_tensors():
