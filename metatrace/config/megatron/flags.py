@@ -745,7 +745,7 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     # model variants
     ("activation variants", "either"): "--openai-gelu --use-te-activation-func",
     ("attention variants", "raises"): "--qk-l2-norm --qk-clip",
-    ("experimental attention variants (DeepSeek sparse attention, gated delta product)", "either"): (
+    ("experimental attention variants (DSA, gated delta product)", "either"): (
         "--dsa-indexer-head-dim --dsa-indexer-k-norm-epsilon "
         "--dsa-indexer-k-norm-fp32 --dsa-indexer-loss-coeff --dsa-indexer-n-heads "
         "--dsa-indexer-rope-interleaved --dsa-indexer-skip-topk-offset --dsa-indexer-topk "
