@@ -94,6 +94,10 @@ def _no_op(orig):
     return lambda *args, **kwargs: None
 
 
+def _true(orig):
+    return True
+
+
 def _standin(module: str, name: str):
     """A replacement that is metatrace's stand-in `name` from `module`, whatever the original."""
 
@@ -315,7 +319,7 @@ PATCHES += (
     Patch(
         "megatron.core.tensor_parallel.layers",
         "_grad_accum_fusion_available",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "set at import from whether the extension above imported.",
     ),
@@ -332,7 +336,7 @@ PATCHES += (
     Patch(
         "megatron.core.tensor_parallel.layers",
         "HAVE_TE",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "selects get_dummy_wgrad above; whether the run has TE is the stand-in's to say.",
     ),
@@ -526,7 +530,7 @@ PATCHES += (
     Patch(
         "megatron.core.transformer.moe.moe_layer",
         "HAVE_TE",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "gates only the latent projections' TELinear, stood in for above (moe_layer.py:171 in "
         "0.16.1, :266 in 0.19).",
@@ -792,7 +796,7 @@ PATCHES += tuple(
     Patch(
         "megatron.core.transformer.moe.moe_utils",
         "HAVE_TE",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "gates only the fused_* calls above (moe_utils.py:118, 322, 330, 414, 491, 498, 653, "
         "772); each is also gated by its config flag.",
@@ -1104,7 +1108,7 @@ PATCHES += (
         for name, make, why, creates in (
             (
                 "HAVE_TE",
-                lambda orig: True,
+                _true,
                 "gates only set_save_original_input on linear_proj (attention.py:364, "
                 "multi_latent_attention.py:184).",
                 False,
@@ -1153,7 +1157,7 @@ PATCHES += (
         for name, make, why in (
             (
                 "HAVE_TE",
-                lambda orig: True,
+                _true,
                 "gates set_save_original_input on linear_fc1 (and the fused grouped SwiGLU, which "
                 "needs TE 2.14 and is refused by the release check).",
             ),
@@ -1189,7 +1193,7 @@ PATCHES += tuple(
     Patch(
         "megatron.core.transformer.moe.experts",
         "HAVE_TE",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "gates only the FP8 padding above (TEGroupedMLP asserts it under FP8, experts.py:604).",
     ),
@@ -1217,7 +1221,7 @@ PATCHES += (
     Patch(
         "megatron.core.transformer.mlp",
         "HAVE_TE",
-        lambda orig: True,
+        _true,
         EVERY_RELEASE,
         "gates only whether the fused SwiGLU marks its input for TE's layer-wise offloading "
         "(mlp.py:210), itself gated by cpu_offloading.",
@@ -1492,10 +1496,6 @@ def clear_parallel_state_leftovers() -> None:
     if mtp is not None:
         mtp.MTPLossLoggingHelper.tracker = {}
         mtp.MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
-
-
-def _true(orig):
-    return True
 
 
 _MIXER = "megatron.core.ssm.mamba_mixer"

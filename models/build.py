@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metatrace.config import release
+from metatrace.config.hybrid import GDN
 from metatrace.config.job import FSDP_DTYPES
 from metatrace.errors import ConfigError
 
@@ -231,7 +232,7 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
             experimental_attention_variant="gated_delta_net",
             linear_attention_freq=m.linear_attention_freq,
         )
-    if m.linear_attention_freq is not None or "G" in (m.hybrid_layer_pattern or ""):
+    if m.linear_attention_freq is not None or GDN in (m.hybrid_layer_pattern or ""):
         fields.update(
             linear_conv_kernel_dim=m.linear_conv_kernel_dim,
             linear_key_head_dim=m.linear_key_head_dim,

@@ -40,7 +40,7 @@ def gdn_attention_spec(provider) -> ModuleSpec:
     """megatron-core's GatedDeltaNet as a layer's attention: its input projection takes the
     layer's norm, its output norm and projection follow. Restates
     megatron.core.models.gpt.experimental_attention_variant_module_specs.get_gated_delta_net_module_spec
-    (source sha256: 0, 0)."""
+    (source sha256: 452e783ea3ba)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 
     fused = provider.fuse_layernorm_and_linear()
@@ -60,10 +60,11 @@ def gdn_attention_spec(provider) -> ModuleSpec:
 
 
 def stack_spec(config, provider) -> ModuleSpec:
-    """megatron-core's stack spec of a hybrid model with `provider`'s modules. Restates
-    megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec (0.16.1) and
-    megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec (0.19)
-    (source sha256: 0, 0)."""
+    """megatron-core's stack spec of a hybrid model with `provider`'s modules: 0.16.1's
+    mamba_stack_spec, 0.19's hybrid_stack_spec (to which 0.19's mamba_layer_specs points).
+    Restates megatron.core.models.mamba.mamba_layer_specs (source sha256: 9146b4a3945f,
+    149156bbbbe6). Restates megatron.core.models.hybrid.hybrid_layer_specs
+    (source sha256: 71b133822996; since 0.19)."""
     fused = provider.fuse_layernorm_and_linear()
     ln_linear = (
         provider.column_parallel_layer_norm_linear() if fused else provider.column_parallel_linear()
@@ -150,8 +151,8 @@ def stack_spec(config, provider) -> ModuleSpec:
 
 def _mtp_block_spec(provider) -> ModuleSpec:
     """0.19's multi-token-prediction block of a hybrid model: norms and the projection; its
-    layers are built from the pattern. Restates
-    megatron.core.models.hybrid.hybrid_layer_specs._hybrid_mtp_block_spec (source sha256: 0)."""
+    layers are built from the pattern: its _hybrid_mtp_block_spec. Restates
+    megatron.core.models.hybrid.hybrid_layer_specs (source sha256: 71b133822996; since 0.19)."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,

@@ -207,7 +207,11 @@ def decoder_layer_specs(config, provider, *, vp_stage=None) -> list[ModuleSpec]:
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec
     (source sha256: 0fa0e2d15e04, 3a6beff80b1d). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_layer_specs
-    (source sha256: 3a05e1158089, 5bf3e5a8bc2a)."""
+    (source sha256: 3a05e1158089, 5bf3e5a8bc2a). With Gated DeltaNet layers
+    (experimental_attention_variant) the attention of each layer follows megatron-core's
+    linear-attention pattern. Restates
+    megatron.core.models.gpt.experimental_attention_variant_module_specs.get_transformer_block_with_experimental_attention_variant_spec
+    (source sha256: 45e9125e3e52, a8f353cff3bb)."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset

@@ -11,6 +11,7 @@ import functools
 import re
 
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
+from metatrace.config.hybrid import GDN, MAMBA
 from metatrace.config.job import FSDP_DTYPES, changed_from_default
 from metatrace.errors import ConfigError
 
@@ -286,8 +287,8 @@ def _check_pipeline(job):
         yield "parallel.vpp needs parallel.pp > 1"
         return
     if job.model.hybrid_layer_pattern is not None:
-        yield from _check_hybrid_pipeline(job)
         stages = _hybrid_stages(job)
+        yield from _check_hybrid_pipeline(job, stages)
         if stages is not None or vpp is not None:
             return
     if par.layout is not None:
@@ -365,14 +366,11 @@ def _hybrid_stages(job):
     return parse(job.model.hybrid_layer_pattern, since_0_19=since(0, 19)).stages
 
 
-def _check_hybrid_pipeline(job):
+def _check_hybrid_pipeline(job, stages):
     """megatron-core's hybrid stacks split the pattern by `|` (0.19, one segment a pipeline
-    rank and virtual stage) or evenly / by first and last stage layers (MambaStack, which takes
-    no virtual pipeline)."""
-    from metatrace.config.release import since
-
+    rank and virtual stage: `stages`) or evenly / by first and last stage layers (MambaStack,
+    which takes no virtual pipeline)."""
     par = job.parallel
-    stages = _hybrid_stages(job)
     chunks = par.pp * (par.vpp or 1)
     if par.layout is not None:
         yield "parallel.layout with model.hybrid_layer_pattern: give the stages as '|' in it"
@@ -394,7 +392,6 @@ def _check_hybrid_pipeline(job):
             f"model.hybrid_layer_pattern has {len(stages)} pipeline segments ('|'), but "
             f"parallel.pp x vpp = {chunks} model chunks"
         )
-    assert since(0, 19)  # the pattern's parse refused '|' before
 
 
 def chunk_layer_counts(job) -> list[int]:
@@ -403,8 +400,9 @@ def chunk_layer_counts(job) -> list[int]:
     them; call after the pipeline checks passed."""
     par, layers = job.parallel, job.model.num_layers
     pp, vpp = par.pp, par.vpp or 1
-    if job.model.hybrid_layer_pattern is not None and _hybrid_stages(job) is not None:
-        return [len(stage) for stage in _hybrid_stages(job)]
+    stages = _hybrid_stages(job) if job.model.hybrid_layer_pattern is not None else None
+    if stages is not None:
+        return [len(stage) for stage in stages]
     if par.layout is not None:
         return [stage.count("decoder") for stage in layout_stages(par.layout, pp)]
     if par.first_stage_layers is not None or par.last_stage_layers is not None:
@@ -1406,7 +1404,7 @@ def _check_hybrid_layers(job):
     local modules (`metatrace measure`), so transformer_impl local is accepted."""
     m, tp = job.model, job.parallel.tp
     pattern = m.hybrid_layer_pattern or ""
-    mamba, gdn = "M" in pattern, "G" in pattern or m.linear_attention_freq is not None
+    mamba, gdn = MAMBA in pattern, GDN in pattern or m.linear_attention_freq is not None
     if not mamba:
         # (resolve gives every hybrid model a mamba_num_heads)
         heads = ["model.mamba_num_heads"] if m.mamba_num_heads and not pattern else []

@@ -6,6 +6,9 @@ Symbols). megatron-core 0.19's HybridModel takes `hybrid_layer_pattern`, which a
 DeltaNet), D (DeepSeek sparse attention) and + (multi-latent attention), `|` between pipeline
 stages and `/` before each multi-token-prediction depth's pattern
 (megatron/core/models/hybrid/hybrid_layer_allocation.py, parse_hybrid_pattern). Pure: no torch.
+Restates megatron.core.ssm.mamba_hybrid_layer_allocation.Symbols (source sha256: 90f8fb7b6e12,
+39922661ee42). Restates megatron.core.models.hybrid.hybrid_layer_allocation.parse_hybrid_pattern
+(source sha256: 7c3372dcc278; since 0.19).
 """
 
 from __future__ import annotations

@@ -354,7 +354,7 @@ def _resolve_model(model: Model) -> Model:
 def _resolve_hybrid(values: dict) -> None:
     """A hybrid layer pattern gives the number of layers, which layers are MoE layers and the
     multi-token-prediction depths (megatron-core counts them from the pattern)."""
-    from metatrace.config.hybrid import parse
+    from metatrace.config.hybrid import MOE, parse
 
     pattern = parse(values["hybrid_layer_pattern"], since_0_19=release_since(0, 19))
     n = len(pattern.layers)
@@ -364,7 +364,7 @@ def _resolve_hybrid(values: dict) -> None:
             "layers; give one of them (megatron-core counts the pattern's symbols)"
         )
     values["num_layers"] = n
-    moe = [1 if s == "E" else 0 for s in pattern.layers]
+    moe = [1 if s == MOE else 0 for s in pattern.layers]
     if any(moe):
         if not values["num_experts"]:
             raise ConfigError(

@@ -19,6 +19,7 @@ checks of the rerun state machine (they need values).
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import torch
@@ -192,8 +193,13 @@ def make_forward_step(*, micro_batch_size: int, seq_length: int, attention_mask:
 
 def _takes_loss_mask(model) -> bool:
     """Whether the language model inside Megatron's wrappers takes a loss_mask argument."""
-    import inspect
-
     while hasattr(model, "module"):
         model = model.module
-    return "loss_mask" in inspect.signature(type(model).forward).parameters
+    return _forward_takes_loss_mask(type(model))
+
+
+@functools.cache
+def _forward_takes_loss_mask(cls) -> bool:
+    import inspect
+
+    return "loss_mask" in inspect.signature(cls.forward).parameters

@@ -75,8 +75,8 @@ def mamba_layer_closed_form(job) -> int:
     scan = ssm_kernels.split_conv1d_scan_saved_bytes(
         batch=b, seqlen=s, nheads=heads, headdim=p, ngroups=groups, dstate=n, params=False
     )
-    conv = heads * p + 2 * groups * n
-    sliced = blocks(conv * 4 * 2) + blocks(conv * 2) if cp > 1 else 0
+    conv, d_conv = heads * p + 2 * groups * n, 4  # MambaMixer's kernel width (its default)
+    sliced = blocks(conv * d_conv * 2) + blocks(conv * 2) if cp > 1 else 0
     mixer = 3 * blocks(4 * heads) + sliced + scan
     norm = ssm_kernels.rmsnorm_gated_saved_bytes(
         rows=rows, hidden=d_tp, group_size=d_tp // groups_tp, params=False
