@@ -187,6 +187,7 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         moe_router_topk=m.moe_router_topk,
         moe_layer_freq=m.moe_layer_freq if m.num_experts else 1,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
         moe_shared_expert_overlap=par.moe_shared_expert_overlap,
         overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=par.delay_wgrad_compute,

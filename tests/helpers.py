@@ -213,7 +213,7 @@ def hybrid_params(model, padded_vocab: int) -> tuple[int, int]:
       qk_layernorm (the hybrid stack's attention has none); linear_proj.
     - MLP: fc1 (two matrices gated) with its fused norm, fc2. MoE: pre-MLP norm, router
       (experts x h), routed experts over the latent width (or h) with the latent projections
-      (2 h latent), shared experts over h.
+      (2 h latent), shared experts over h and their sigmoid gate (h).
     - embedding, an untied output layer (padded vocabulary x h each), the final norm.
     """
     from metatrace.config.hybrid import parse
@@ -240,6 +240,7 @@ def hybrid_params(model, padded_vocab: int) -> tuple[int, int]:
         experts = m.num_experts * (gated + 1) * width * m.moe_ffn_hidden_size
         shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
         shared += 2 * h * m.moe_latent_size if m.moe_latent_size else 0
+        shared += h if m.moe_shared_expert_gate else 0
     moe = h + (m.num_experts or 0) * h + shared  # without the routed experts
     if m.hybrid_layer_pattern is not None:
         layers = parse(m.hybrid_layer_pattern, since_0_19=since(0, 19)).layers

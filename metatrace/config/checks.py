@@ -997,6 +997,7 @@ def _check_te_op_fuser(job):
 # Keys that only mixture-of-experts layers read.
 _MOE_KEYS = (
     "model.moe_shared_expert_intermediate_size",
+    "model.moe_shared_expert_gate",
     "model.moe_ffn_hidden_size",
     "model.moe_router_num_groups",
     "model.moe_router_group_topk",
@@ -1132,6 +1133,8 @@ def _check_moe(job):
         )
     if par.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         yield "parallel.moe_shared_expert_overlap needs model.moe_shared_expert_intermediate_size"
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        yield "model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size"
     if tr.moe_router_padding_for_quantization:
         yield from _check_router_padding(job)
     if impl.moe_router_fusion and tr.moe_router_dtype == "fp64":

@@ -660,14 +660,14 @@ def _qwen3_next_layers(src: _Source) -> dict:
 
 
 def _qwen3_next_shared(src: _Source) -> dict:
-    # one shared expert; its sigmoid gate (h weights a layer) is not modelled
+    # one shared expert behind a sigmoid gate (Qwen3NextSparseMoeBlock.shared_expert_gate;
+    # Megatron-Bridge's qwen3_next_bridge.py sets moe_shared_expert_gate)
     width = src.get("shared_expert_intermediate_size", int)
-    if width:
-        src.notes.append(
-            f"{src.path}: the shared expert's sigmoid gate (hidden_size weights a layer) is "
-            "not modelled"
-        )
-    return {"moe_shared_expert_intermediate_size": width} if width else {}
+    return (
+        {"moe_shared_expert_intermediate_size": width, "moe_shared_expert_gate": True}
+        if width
+        else {}
+    )
 
 
 # ----------------------------------------------------------------------------- families

@@ -108,6 +108,9 @@ class Model:
     expression such as "([0]*3+[1]*58)"."""
     moe_shared_expert_intermediate_size: int | None = None
     """Total width of the shared experts (all shared experts together); omitted means none."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate on the shared experts' output (Qwen2-MoE, Qwen3-Next; megatron-core's
+    moe_shared_expert_gate): hidden_size weights a layer, one logit a token."""
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
     moe_router_pre_softmax: bool = False

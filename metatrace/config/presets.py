@@ -362,11 +362,11 @@ PRESETS: dict[str, Preset] = {
             "moe_router_topk": 10,
             "moe_ffn_hidden_size": 512,
             "moe_shared_expert_intermediate_size": 512,
+            "moe_shared_expert_gate": True,
         },
         "Qwen/Qwen3-Next-80B-A3B-Instruct config.json, reconstructed (tests/data/hf) (RMSNorm "
-        "zero-centred in the model, the "
-        "same parameters; not modelled: the shared expert's sigmoid gate, 2048 weights a layer, "
-        "and the multi-token-prediction weights the checkpoint carries)",
+        "zero-centred in the model, the same parameters; not modelled: the "
+        "multi-token-prediction weights the checkpoint carries, mtp_num_layers: 1 adds them)",
     ),
     "deepseek-v3": Preset(
         {

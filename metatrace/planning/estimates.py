@@ -67,7 +67,7 @@ def shape_of(job) -> Shape:
         if m.hybrid_layer_pattern is None:
             freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, list) else [1] * m.num_layers
             moe_layers = sum(freq)
-            shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+            shared = _shared(m, gated)
             dense -= moe_layers * (mlp - h * m.num_experts - shared)
         if m.moe_latent_size:
             dense += moe_layers * 2 * h * m.moe_latent_size
@@ -79,6 +79,12 @@ def shape_of(job) -> Shape:
         moe_layers=moe_layers,
         embedding=job.padded_vocab_size * h,
     )
+
+
+def _shared(m, gated: int) -> int:
+    """A MoE layer's shared experts: their MLP, and the sigmoid gate's hidden_size weights."""
+    width = m.moe_shared_expert_intermediate_size or 0
+    return (gated + 1) * m.hidden_size * width + (m.hidden_size if m.moe_shared_expert_gate else 0)
 
 
 def _mamba(m) -> int:
@@ -112,7 +118,7 @@ def _hybrid_dense(m, attention: int, mlp: int) -> tuple[int, int]:
 
     layers = parse(m.hybrid_layer_pattern, since_0_19=since(0, 19)).layers
     h, gated = m.hidden_size, _gated(m)
-    shared = (gated + 1) * h * (m.moe_shared_expert_intermediate_size or 0)
+    shared = _shared(m, gated)
     per = {
         "M": _mamba(m),
         "*": attention,
@@ -229,7 +235,8 @@ def _moe_mlp_bytes(job, tokens: int) -> float:
     logits, probabilities and bool map and the permutation's int32 [T, 2E + 1] row map; per
     (token, expert) pair the experts' first GEMM input (h), its output (the activation's input,
     two halves when gated), the second GEMM's input and the fp32 routing weight; a shared
-    expert's dense MLP (models/te_moe.py, te_grouped.py, megatron-core's experts)."""
+    expert's dense MLP, and with its sigmoid gate the gated output and score (models/te_moe.py,
+    te_grouped.py, megatron-core's experts and shared_experts.py)."""
     par, m = job.parallel, job.model
     h, e, k = m.hidden_size, m.num_experts, m.moe_router_topk
     local = tokens / par.tp if par.sequence_parallel else tokens  # after the SP scatter
@@ -238,6 +245,8 @@ def _moe_mlp_bytes(job, tokens: int) -> float:
     out = local * (2 * h + 9 * e + 4 * (2 * e + 1))
     out += pairs * (2 * h + 2 * _gated(m) * f + 2 * f + 4)
     shared = (m.moe_shared_expert_intermediate_size or 0) / par.tp
+    if m.moe_shared_expert_gate:
+        out += local * (2 * h + 2)
     return out + tokens * (2 * h + 2 * _gated(m) * shared + 2 * shared)
 
 

@@ -54,6 +54,7 @@ CASES = {
         "qk_layernorm": True,
         "attention_output_gate": True,
         "linear_attention_freq": 2,
+        "moe_shared_expert_gate": True,
     },
 }
 if release.since(0, 19):

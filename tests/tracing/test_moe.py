@@ -316,3 +316,27 @@ def test_moe_recompute_keeps_only_the_layer_input():
 
     assert kept(True) == S * B * H * BF16
     assert kept(False) > 4 * S * B * H * BF16
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_shared_expert_gate_keeps_the_gated_output_and_its_score(tp):
+    """megatron-core's SharedExpertMLP with moe_shared_expert_gate (Qwen3-Next): sigmoid(x w)
+    keeps its [s, b, 1] score, and the product with the shared experts' output keeps that
+    output ([s/tp, b, h] with sequence parallelism) besides; the gate's linear keeps the layer's
+    input, which the router already keeps. The layer holds exactly those two tensors more."""
+    from metatrace.analysis.aggregate import module_tree, walk
+
+    def shared_bytes(gate: bool) -> int:
+        job = moe_job(
+            model={"moe_shared_expert_intermediate_size": 128, "moe_shared_expert_gate": gate},
+            parallel={"tp": tp, "sequence_parallel": tp > 1},
+            cluster={"num_gpus": tp, "gpus_per_node": 8},
+        )
+        trace = trace_job(job, workers=1, full_model=False).roles[0].trace
+        nodes = {n.fqn: n for n in walk(module_tree(trace))}
+        return nodes["decoder.layers.0"].activation_bytes_total
+
+    tokens = S // tp * B
+    block = 512  # the caching allocator's smallest block
+    score = -(-tokens * BF16 // block) * block
+    assert shared_bytes(True) - shared_bytes(False) == tokens * H * BF16 + score

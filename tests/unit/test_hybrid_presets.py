@@ -7,8 +7,8 @@ How close a card's figure must be: a card's figure is a rounded number, so the c
 to it at the digits the card gives ("8.1 B": 8.05 to 8.15 B). Where the card gives only the
 model's name (Nemotron 3 Super "120B-A12B", Qwen3-Next "80B-A3B"), the name's figure is read the
 same way at its last digit: 119.5 to 120.5 B is too narrow for a name (Nemotron 3 Nano's name
-says 30B for 31.6 B), so the total is held to 1% of the named figure (the closed form leaves out
-only Qwen3-Next's shared-expert gates, 98,304 weights) and the active count to half a billion.
+says 30B for 31.6 B), so the total is held to 1% of the named figure and the active count to
+half a billion.
 What an active count counts differs by vendor and is stated at each figure.
 """
 
@@ -46,7 +46,7 @@ def test_closed_forms_of_the_presets():
         "nemotron-h-8b": (8_100_852_736, 8_100_852_736),
         "nemotron-3-nano-30b-a3b": (31_577_937_344, 3_580_073_408),
         "nemotron-3-super-120b-a12b": (120_668_687_360, 12_770_216_960),
-        "qwen3-next-80b-a3b": (79_674_292_992, 3_874_831_104),
+        "qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408),  # with the 48 x 2,048 gate weights
     }
     for name, counts in expected.items():
         job = _job(name)
@@ -126,6 +126,12 @@ def test_planner_estimate_is_the_closed_form_less_norms(name):
         ),
         ("deepseek-v3", {"attention_output_gate": True}, "no output gate for MLA"),
         ("nemotron-h-8b", {"qk_layernorm": True}, "without query/key norms"),
+        (
+            "mixtral-8x7b",
+            {"moe_shared_expert_gate": True},
+            "model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size",
+        ),
+        ("llama3-8b", {"moe_shared_expert_gate": True}, "need mixture-of-experts layers"),
     ],
 )
 def test_checks_refuse_what_megatron_core_refuses(preset, model, message):

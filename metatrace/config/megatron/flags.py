@@ -159,6 +159,7 @@ _MODELLED: dict[str, str | None] = {
     "--moe-layer-freq": None,
     "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
     "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
+    "--moe-shared-expert-gate": "model.moe_shared_expert_gate",
     "--moe-shared-expert-overlap": "parallel.moe_shared_expert_overlap",
     "--overlap-moe-expert-parallel-comm": "parallel.overlap_moe_expert_parallel_comm",
     "--delay-wgrad-compute": "parallel.delay_wgrad_compute",
@@ -731,7 +732,7 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("MoE router and expert variants", "either"): (
         "--moe-router-force-biased --moe-input-jitter-eps --moe-apply-probs-on-input "
-        "--moe-shared-expert-gate --use-fused-weighted-squared-relu"
+        "--use-fused-weighted-squared-relu"
     ),
     ("MoE expert weight layouts", "unknown"): (
         "--moe-single-grouped-bias --moe-single-grouped-weight --moe-use-grouped-tensor "
