@@ -146,3 +146,22 @@ def crossing(nbytes: int):
 
 def current_crossing() -> int | None:
     return _CROSSING[-1] if _CROSSING else None
+
+
+_LIBRARY: list[str] = []
+
+
+@contextlib.contextmanager
+def by_library(name: str):
+    """Collectives issued inside stand for a library's kernels that move the data through
+    buffers of their own (DeepEP, HybridEP), not an NCCL communicator: the recorder marks them
+    so."""
+    _LIBRARY.append(name)
+    try:
+        yield
+    finally:
+        _LIBRARY.pop()
+
+
+def current_library() -> str | None:
+    return _LIBRARY[-1] if _LIBRARY else None

@@ -50,6 +50,7 @@ from metatrace.hooks.collectives import (
     COMPUTE_NAMESPACES,
     NOT_COLLECTIVES,
     current_crossing,
+    current_library,
     current_overlap,
     message_tensors,
     op_key,
@@ -923,6 +924,7 @@ class Recorder:
                 output_bytes=output_bytes,
                 overlap=current_overlap(),
                 inter_bytes=current_crossing(),
+                library=current_library(),
             )
         )
 

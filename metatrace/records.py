@@ -127,6 +127,9 @@ class Collective:
     """Bytes of the message that leave the rank's NVLink domain where the kernel forwards
     inside it (DeepEP's internode kernels send a token once per node); None: every peer outside
     the domain gets its share over the network."""
+    library: str | None = None
+    """The library whose kernels move it with buffers of their own (deepep, hybridep: the flex
+    dispatcher's), not through an NCCL communicator; None: NCCL."""
 
 
 @_pickled_by_fields

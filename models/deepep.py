@@ -117,18 +117,25 @@ class FlexLayout:
 
 
 def _exchange(
-    group, arrive: torch.Tensor, leave: torch.Tensor, rows_out: int, rows_in: int, layout=None
+    group,
+    arrive: torch.Tensor,
+    leave: torch.Tensor,
+    rows_out: int,
+    rows_in: int,
+    layout=None,
+    library: str = "deepep",
 ):
     """One all-to-all carrying `rows_out` rows of `leave` to the group and `rows_in` rows of
-    `arrive` from it, equal shares per peer; expanded views, so no memory is allocated. With an
-    internode DeepEP `layout`, marked with the bytes that leave the node (layout.rdma_sent rows)."""
+    `arrive` from it, equal shares per peer; expanded views, so no memory is allocated; marked
+    as `library`'s (its own buffers, no NCCL communicator's). With an internode DeepEP `layout`,
+    marked with the bytes that leave the node (layout.rdma_sent rows)."""
     n = group.size()
     out = arrive.reshape(-1, arrive.shape[-1])[:1].expand(rows_in, arrive.shape[-1])
     inp = leave.reshape(-1, leave.shape[-1])[:1].expand(rows_out, leave.shape[-1])
     across = contextlib.nullcontext()
     if layout is not None and layout.internode:
         across = collectives.crossing(layout.rdma_sent * leave.shape[-1] * leave.element_size())
-    with across:
+    with across, collectives.by_library(library):
         dist.all_to_all_single(
             out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
         )
@@ -136,13 +143,14 @@ def _exchange(
 
 def _exchange_rows(group, arrive, leave, rows_out: int, rows_in: int, width: int):
     """As `_exchange` for rows of `width` elements of the tensors' dtype (views of their first
-    element: no memory is allocated)."""
+    element: no memory is allocated); HybridEP's."""
     n = group.size()
     out = arrive.reshape(-1)[:1].view(1, 1).expand(rows_in, width)
     inp = leave.reshape(-1)[:1].view(1, 1).expand(rows_out, width)
-    dist.all_to_all_single(
-        out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
-    )
+    with collectives.by_library("hybridep"):
+        dist.all_to_all_single(
+            out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
+        )
 
 
 def _payload(group, x, idx, weights, rows_out, rows_in, layout=None):
@@ -303,7 +311,7 @@ class _HybridDispatch(torch.autograd.Function):
         out = torch.empty((permuted, x.shape[1]), dtype=x.dtype, device=x.device)
         out_probs = torch.empty((permuted,), dtype=torch.float32, device=x.device)
         sent, received = layout.per_peer * layout.ranks, layout.received
-        _exchange(group, out, x, sent, received)
+        _exchange(group, out, x, sent, received, library="hybridep")
         # each token's probabilities for the destination's local experts (fp32) beside it
         _exchange_rows(group, out_probs, probs, sent, received, layout.local_experts)
         ctx.group, ctx.layout, ctx.n, ctx.probs_shape = group, layout, x.shape[0], probs.shape
@@ -316,7 +324,7 @@ class _HybridDispatch(torch.autograd.Function):
         probs = torch.empty(ctx.probs_shape, dtype=torch.float32, device=grad.device)
         layout = ctx.layout
         sent, received = layout.received, layout.per_peer * layout.ranks
-        _exchange(ctx.group, out, grad, sent, received)
+        _exchange(ctx.group, out, grad, sent, received, library="hybridep")
         if grad_probs is not None:
             _exchange_rows(ctx.group, probs, grad_probs, sent, received, layout.local_experts)
         return out, None, probs, None, None, None
@@ -328,14 +336,23 @@ class _HybridCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, layout, tokens):
         out = torch.empty((tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-        _exchange(group, out, x, layout.received, layout.per_peer * layout.ranks)
+        _exchange(
+            group, out, x, layout.received, layout.per_peer * layout.ranks, library="hybridep"
+        )
         ctx.group, ctx.layout, ctx.permuted = group, layout, x.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = torch.empty((ctx.permuted, grad.shape[1]), dtype=grad.dtype, device=grad.device)
-        _exchange(ctx.group, out, grad, ctx.layout.per_peer * ctx.layout.ranks, ctx.layout.received)
+        _exchange(
+            ctx.group,
+            out,
+            grad,
+            ctx.layout.per_peer * ctx.layout.ranks,
+            ctx.layout.received,
+            library="hybridep",
+        )
         return out, None, None, None
 
 

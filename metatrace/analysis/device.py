@@ -319,7 +319,11 @@ aside; [assumption] the same on other GPUs until measured there (bench/device_me
 EXPANDABLE_SLACK = 256 * MiB
 """Headroom below which the verdict also simulates expandable segments: more than they can
 reserve beyond the default (a 20 MiB page per pool and stream)."""
-RING_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+RING_OPS = frozenset(
+    {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_gather_object"}
+)
+"""Collectives NCCL runs on its rings; all_gather_object (a few bytes a rank: a library's
+set-up exchanging its buffers' handles) only there, with no NVLS."""
 NVLS_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
 P2P_OPS = frozenset({"send", "recv", "all_to_all", "gather", "scatter"})
 
@@ -410,12 +414,19 @@ def communicator(
 def communicators(job, collectives, rank: int) -> tuple[Communicator, ...]:
     """The communicators rank `rank` creates: one per process group its `collectives`
     (records.Collective) use, groups of one rank aside (PyTorch creates a communicator when a
-    group first runs a collective)."""
+    group first runs a collective). What a library moves with buffers of its own
+    (Collective.library) takes none of NCCL's send/receive buffers."""
     groups: dict = {}
     for c in collectives:
         if len(c.ranks) < 2:
             continue
         ops, peers, name = groups.setdefault(c.ranks, (set(), set(), c.group))
+        if c.library is not None:
+            # DeepEP's and HybridEP's kernels move the tokens through their own buffers; NCCL
+            # runs only their set-up's all_gather_object of the buffers' IPC handles over the
+            # group (deep_ep buffer.py)
+            ops.add("all_gather_object")
+            continue
         ops.add(c.op)
         if c.peer is not None:
             peers.add(c.peer)

@@ -4,7 +4,8 @@ communicator against the closed forms worked by hand from its sources
 
 from types import SimpleNamespace
 
-from metatrace.analysis.device import communicator
+from metatrace.analysis.device import communicator, communicators
+from metatrace.records import Collective
 
 MiB = 1 << 20
 
@@ -63,3 +64,30 @@ def test_the_nccl_settings_a_run_gives():
     assert big.ring == 32 * (14 + 2) * MiB  # the receiver's SIMPLE 8 MiB: 4 KiB + ... -> 14 MiB
     few = communicator("tp", (0, 1), {"all_reduce"}, set(), 0, cluster(channels=8))
     assert few.ring == 8 * 12 * MiB and few.setup == (2 + 24 + 16) * 2 * MiB
+
+
+def _all_to_all(library=None):
+    return Collective(
+        seq=0,
+        op="all_to_all",
+        aten="c10d.alltoall_base_.default",
+        group="tp_ep",
+        ranks=tuple(range(8)),
+        shape=(4096, 1024),
+        dtype="bfloat16",
+        bytes=8 * MiB,
+        count=1,
+        phase="forward",
+        module="decoder.layers.0.mlp.token_dispatcher",
+        library=library,
+    )
+
+
+def test_a_library_s_dispatch_takes_no_nccl_send_and_receive_buffers():
+    job = SimpleNamespace(cluster=cluster())
+    (nccl,) = communicators(job, [_all_to_all()], 0)
+    # the alltoall dispatcher: NCCL connects to its 7 peers, every p2p channel
+    assert nccl.p2p == 7 * 32 * (10 + 2) * MiB and nccl.ring == 0
+    # DeepEP / HybridEP: their own buffers; NCCL gathers the buffers' IPC handles (a ring)
+    (deepep,) = communicators(job, [_all_to_all("deepep")], 0)
+    assert deepep.p2p == deepep.nvls == 0 and deepep.ring == 32 * (10 + 2) * MiB
