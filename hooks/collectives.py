@@ -111,18 +111,24 @@ def resolve_group(handle) -> dist.ProcessGroup | None:
         return None
 
 
-_OVERLAP: list[str] = []
-
-
 @contextlib.contextmanager
-def overlapped(what: str):
-    """Collectives issued inside run beside `what` (e.g. Transformer Engine's userbuffers
-    overlap them with the GEMM): the recorder marks them so."""
-    _OVERLAP.append(what)
+def _pushed(stack: list, value):
+    """`value` on top of `stack` while inside: what the recorder reads for the collectives
+    issued there."""
+    stack.append(value)
     try:
         yield
     finally:
-        _OVERLAP.pop()
+        stack.pop()
+
+
+_OVERLAP: list[str] = []
+
+
+def overlapped(what: str):
+    """Collectives issued inside run beside `what` (e.g. Transformer Engine's userbuffers
+    overlap them with the GEMM): the recorder marks them so."""
+    return _pushed(_OVERLAP, what)
 
 
 def current_overlap() -> str | None:
@@ -132,16 +138,11 @@ def current_overlap() -> str | None:
 _CROSSING: list[int] = []
 
 
-@contextlib.contextmanager
 def crossing(nbytes: int):
     """A collective issued inside sends `nbytes` of its message out of the rank's NVLink domain
     (a kernel that forwards inside the domain, e.g. DeepEP's internode dispatch sending a token
     once per node): the recorder marks it so."""
-    _CROSSING.append(int(nbytes))
-    try:
-        yield
-    finally:
-        _CROSSING.pop()
+    return _pushed(_CROSSING, int(nbytes))
 
 
 def current_crossing() -> int | None:
@@ -151,16 +152,11 @@ def current_crossing() -> int | None:
 _LIBRARY: list[str] = []
 
 
-@contextlib.contextmanager
 def by_library(name: str):
     """Collectives issued inside stand for a library's kernels that move the data through
     buffers of their own (DeepEP, HybridEP), not an NCCL communicator: the recorder marks them
     so."""
-    _LIBRARY.append(name)
-    try:
-        yield
-    finally:
-        _LIBRARY.pop()
+    return _pushed(_LIBRARY, name)
 
 
 def current_library() -> str | None:
