@@ -44,6 +44,18 @@ from __future__ import annotations
 import contextlib
 
 
+def _backward_step(input_tensor, output_tensor, output_grad, model_chunk, config):
+    """megatron-core's schedules.backward_step as each release takes it: with the chunk's model
+    type before 0.19 (input, output, output gradient, model type, config), without it since."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.utils import get_model_type
+
+    from metatrace.hooks import guards
+
+    model_type = () if guards.since(0, 19) else (get_model_type(model_chunk),)
+    return schedules.backward_step(input_tensor, output_tensor, output_grad, *model_type, config)
+
+
 @contextlib.contextmanager
 def delayed_wgrad(model):
     """With delay_wgrad_compute, call each MoE layer's backward_dw where megatron-core's combined
@@ -144,11 +156,6 @@ def combined_no_pipelining(hold):
         total_num_tokens,
         check_first_val_step,
     ):
-        from megatron.core.pipeline_parallel import schedules
-        from megatron.core.utils import get_model_type
-
-        model_type = get_model_type(model)
-
         def forward(i):
             return _forward(
                 forward_step_func,
@@ -168,14 +175,12 @@ def combined_no_pipelining(hold):
             for i in range(num_microbatches - 1):
                 total_num_tokens += num_tokens
                 extra = hold(0)
-                schedules.backward_step(
-                    input_tensor, output_tensor, output_tensor_grad, model_type, config
-                )
+                _backward_step(input_tensor, output_tensor, output_tensor_grad, model, config)
                 output_tensor, num_tokens = forward(i + 1)
                 del extra
         total_num_tokens += num_tokens
         # The last backward alone, outside no_sync (the gradients are synchronised).
-        schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        _backward_step(input_tensor, output_tensor, output_tensor_grad, model, config)
         return forward_data_store, total_num_tokens
 
     return schedule
@@ -209,8 +214,6 @@ def combined_interleaved(hold):
         post_forward=None,
         post_backward=None,
     ):
-        from megatron.core.pipeline_parallel import schedules
-        from megatron.core.utils import get_model_type
 
         f_chunk = b_chunk = input_tensor = None
         if f_virtual_microbatch_id is not None:
@@ -230,9 +233,7 @@ def combined_interleaved(hold):
         extra = hold(f_chunk) if f_chunk is not None and b_chunk is not None else None
         output_tensor = input_tensor_grad = None
         if b_chunk is not None:
-            input_tensor_grad = schedules.backward_step(
-                b_input, b_output, b_grad, get_model_type(model[b_chunk]), config
-            )
+            input_tensor_grad = _backward_step(b_input, b_output, b_grad, model[b_chunk], config)
         if f_chunk is not None:
             first = is_first_microbatch_for_model_chunk(f_virtual_microbatch_id)
             output_tensor, num_tokens = _forward(

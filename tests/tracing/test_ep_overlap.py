@@ -115,3 +115,36 @@ def test_ep_all_to_alls_are_hidden_in_the_time_model():
     plain, n = exposed_ep(False)
     hidden, m = exposed_ep(True)
     assert n == m and plain > 0 and hidden == pytest.approx(0.0)
+
+
+def test_measure_runs_the_combined_schedule_under_the_installed_release():
+    """metatrace measure runs the iteration's combined steps as metatrace runs them (the
+    backward step, then the forward step: tracing/overlap.py) for real on CPU tensors (local
+    spec), through the installed release's backward_step (0.19 dropped its model-type
+    argument): the storages one micro-batch keeps are the prediction's, byte for byte."""
+    import torch
+
+    from metatrace.config import job_from_dict
+    from metatrace.tracing.measure import measure_rank, predict
+
+    torch.set_num_threads(1)
+    job = job_from_dict(
+        {
+            "model": {"preset": "debug", **MOE, "num_layers": 2},
+            "parallel": {
+                "ep": 2,
+                "moe_token_dispatcher_type": "alltoall",
+                "overlap_moe_expert_parallel_comm": True,
+            },
+            "training": {
+                "seq_length": S,
+                "micro_batch_size": B,
+                "global_batch_size": 8,
+                **BALANCED,
+            },
+            "implementation": {"transformer_impl": "local", "attention_backend": "local"},
+            "cluster": {"num_gpus": 2},
+        }
+    )
+    predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
+    assert measured.saved_blocks == predicted.saved > 0
