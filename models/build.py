@@ -245,6 +245,8 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         fields.update(
             cuda_graph_impl=tr.cuda_graph_impl, cuda_graph_scope=tr.cuda_graph_scope or []
         )
+    if m.mtp_use_repeated_layer:  # a 0.19 field (tracing.checks refuses it under 0.16.1)
+        fields.update(mtp_use_repeated_layer=True)
     config_class = TransformerConfig
     if m.multi_latent_attention:
         # Megatron-LM's core_transformer_config_from_args switches the class for MLA.

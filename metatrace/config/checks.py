@@ -1380,6 +1380,8 @@ def _check_mtp(job):
     m = job.model
     n = m.mtp_num_layers
     if n is None:
+        if m.mtp_use_repeated_layer:
+            yield "model.mtp_use_repeated_layer needs multi-token prediction (model.mtp_num_layers)"
         return
     if n < 1:
         yield f"model.mtp_num_layers = {n} must be at least 1 (or omitted)"

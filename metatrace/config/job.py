@@ -167,6 +167,9 @@ class Model:
     pipeline stage (or where parallel.layout puts 'm'); omitted means none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token-prediction loss."""
+    mtp_use_repeated_layer: bool = False
+    """One multi-token-prediction layer applied at every depth (its weights shared: Nemotron 3
+    Super); megatron-core 0.19's mtp_use_repeated_layer."""
     hybrid_layer_pattern: str | None = None
     """Hybrid models (Nemotron-H, Nemotron 3): one symbol a layer, as megatron-core's hybrid
     model reads it: M Mamba-2, * attention, - MLP, E mixture of experts; megatron-core 0.19 also

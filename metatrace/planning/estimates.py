@@ -131,12 +131,13 @@ def _hybrid_dense(m, attention: int, mlp: int) -> tuple[int, int]:
 
 def parameter_counts(job) -> tuple[int, int]:
     """(parameters, parameters active per token) of the whole model from its dimensions: the
-    layers, the multi-token prediction layers (each a layer and its 2h x h projection), the
+    layers, the multi-token prediction layers (each a layer and its 2h x h projection; one
+    shared by every depth with mtp_use_repeated_layer), the
     embedding and an untied output layer; of the routed experts top-k of every MoE layer's
     active. Norms and biases are left out (a few per mille at most; `metatrace run` counts
     every parameter)."""
     m, s = job.model, shape_of(job)
-    mtp = m.mtp_num_layers or 0
+    mtp = min(m.mtp_num_layers or 0, 1 if m.mtp_use_repeated_layer else 1 << 30)
     embedding = s.embedding * (2 if m.untie_embeddings_and_output_weights else 1)
     dense = (m.num_layers + mtp) * s.dense + mtp * 2 * m.hidden_size**2 + embedding
     experts = s.experts * (s.moe_layers + (mtp if s.moe_layers else 0))

@@ -16,12 +16,18 @@ def check_with_megatron(job) -> None:
 
 
 def _check_release(job) -> None:
-    """Job keys only megatron-core 0.19 has, given another value than their default under an
-    older release."""
+    """Job keys only megatron-core 0.19 has (the Megatron-FSDP dtypes, the repeated MTP layer),
+    given another value than their default under an older release."""
     from metatrace.config.job import FSDP_DTYPES, changed_from_default
     from metatrace.errors import ConfigError
     from metatrace.hooks import guards
 
+    if job.model.mtp_use_repeated_layer and not guards.since(0, 19):
+        raise ConfigError(
+            "model.mtp_use_repeated_layer needs megatron-core 0.19 or newer (megatron-core "
+            f"{guards.release_text()} is installed, which builds a multi-token-prediction layer "
+            'per depth; README.md, "megatron-core 0.19", says how to get it)'
+        )
     given = changed_from_default(job.training, FSDP_DTYPES)
     if given and not guards.since(0, 19):
         key = given[0]

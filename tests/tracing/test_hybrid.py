@@ -250,3 +250,73 @@ def test_measure_keeps_the_predicted_activations_of_gated_deltanet_layers():
     job = gdn_job(tp=1, seq=128, impl="local")
     predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
     assert measured.saved_blocks == predicted.saved > 0
+
+
+def _mtp_job(model, repeated):
+    return job_from_dict(
+        {
+            "model": {**model, "mtp_use_repeated_layer": repeated},
+            "parallel": {"pp": 2},
+            "training": {"seq_length": 128, "micro_batch_size": 2, "global_batch_size": 8},
+            "cluster": {"num_gpus": 2, "gpus_per_node": 8},
+        }
+    )
+
+
+_MTP_HYBRID = {
+    "hybrid_layer_pattern": "M*M-/*-/*-",
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 256,
+    "vocab_size": 1024,
+    "normalization": "RMSNorm",
+    "activation": "squared_relu",
+    "position_embedding_type": "none",
+    "add_bias_linear": False,
+    "mamba_head_dim": 32,
+    "mamba_num_groups": 2,
+    "mamba_state_dim": 16,
+}
+
+
+def _mtp_figures(job):
+    """(the model's parameters, the last stage's MTP block's activations per micro-batch)."""
+    from metatrace.analysis.aggregate import module_tree, walk
+    from metatrace.analysis.analyze import analyze
+    from metatrace.tracing.trace import trace_job
+
+    traced = trace_job(job, workers=1, full_model=False)
+    tree = {n.fqn: n for n in walk(module_tree(traced.roles[-1].trace))}
+    return analyze(traced).total_params, tree["mtp"].activation_bytes_total
+
+
+@pytest.mark.skipif(not SINCE_0_19, reason="mtp_use_repeated_layer is megatron-core 0.19's")
+def test_a_repeated_mtp_layer_shares_its_weights_across_the_depths():
+    """megatron-core 0.19's mtp_use_repeated_layer (Nemotron 3 Super's MTP): one layer applied
+    at each depth. Of a pattern's two depths '/*-' the model keeps one depth's weights: its
+    norms (enorm, hnorm, the final one: h each), eh_proj (2h x h), the attention (its fused
+    norm, qkv h x (a + 2g) d, the projection a d x h) and the MLP (its fused norm, h x f and f x
+    h); the activations are both depths', as without sharing. In a GPT model the same: two
+    repeated depths hold the weights of one and the activations of two."""
+    h, a, g, d, f = 128, 4, 2, 32, 256
+    depth = 3 * h + 2 * h * h + (h + h * (a + 2 * g) * d + a * d * h) + (h + 2 * h * f)
+    per_depth = _mtp_figures(_mtp_job(_MTP_HYBRID, False))
+    shared = _mtp_figures(_mtp_job(_MTP_HYBRID, True))
+    assert per_depth[0] - shared[0] == depth
+    assert shared[1] == per_depth[1] > 0
+    gpt = {"preset": "debug", "num_layers": 4, "position_embedding_type": "rope"}
+    one = _mtp_figures(_mtp_job({**gpt, "mtp_num_layers": 1}, False))
+    two = _mtp_figures(_mtp_job({**gpt, "mtp_num_layers": 2}, False))
+    repeated = _mtp_figures(_mtp_job({**gpt, "mtp_num_layers": 2}, True))
+    assert repeated == (one[0], two[1]) and two[1] > one[1]
+
+
+@pytest.mark.skipif(SINCE_0_19, reason="megatron-core 0.19 has mtp_use_repeated_layer")
+def test_a_repeated_mtp_layer_is_refused_under_0_16():
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.checks import check_with_megatron
+
+    gpt = {"preset": "debug", "num_layers": 4, "position_embedding_type": "rope"}
+    with pytest.raises(ConfigError, match="mtp_use_repeated_layer needs megatron-core 0.19"):
+        check_with_megatron(_mtp_job({**gpt, "mtp_num_layers": 2}, True))

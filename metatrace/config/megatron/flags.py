@@ -210,6 +210,7 @@ _MODELLED: dict[str, str | None] = {
     "--window-attn-skip-freq": None,  # moe_freq_type, read in megatron_args
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
+    "--mtp-use-repeated-layer": "model.mtp_use_repeated_layer",
     # hybrid models (pretrain_mamba.py / pretrain_hybrid.py): the pattern, Mamba-2's sizes;
     # Gated DeltaNet in GPT models (Qwen3-Next), gated attention, LatentMoE
     "--hybrid-override-pattern": None,  # 0.16.1's name; 0.19 forwards it to the next
@@ -772,9 +773,7 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("embedding output not cloned under sequence parallelism", "either"): (
         "--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding"
     ),
-    ("multi-token-prediction variants", "either"): (
-        "--mtp-detach-heads --mtp-hsm --mtp-use-repeated-layer"
-    ),
+    ("multi-token-prediction variants", "either"): ("--mtp-detach-heads --mtp-hsm"),
     ("hyper-connection residual streams (mHC)", "either"): (
         "--enable-mhc-connections --mhc-num-residual-streams --mhc-recompute-layer-num "
         "--mhc-sinkhorn-iterations"
