@@ -138,8 +138,17 @@ def resolve(job: Job) -> Job:
         and not release_since(0, 19)
     ):
         notes.append(
-            "training.recompute full: megatron-core 0.16.1's MambaStack runs its layers without "
-            "checkpointing them (0.19's HybridStack does), so nothing is recomputed"
+            "warning: training.recompute full: megatron-core 0.16.1's MambaStack runs its layers "
+            "without checkpointing them (0.19's HybridStack does), so nothing is recomputed"
+        )
+    if (
+        model.hybrid_layer_pattern is not None
+        and training.precision == "fp4"
+        and not release_since(0, 19)
+    ):
+        notes.append(
+            "warning: training.precision fp4: megatron-core 0.16.1's MambaStack enters no FP4 "
+            "context (0.19's HybridStack does), so its layers run in bf16"
         )
     if par.sequence_parallel and par.tp == 1:
         par = replace(par, sequence_parallel=False)

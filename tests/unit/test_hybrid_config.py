@@ -108,3 +108,36 @@ def test_virtual_pipeline_without_segments_is_refused():
 def test_even_pipeline_split_of_a_pattern_without_segments():
     job = _job("M*M*M*M*", pp=2)
     assert chunk_layer_counts(job) == [4, 4]
+
+
+@pytest.mark.parametrize(
+    "training, says",
+    [
+        (
+            {"recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+            "nothing is",
+        ),
+        ({"precision": "fp4", "fp4_recipe": "nvfp4"}, "its layers run in bf16"),
+    ],
+)
+def test_what_0_16_s_mamba_stack_does_not_do_is_a_warning(training, says):
+    """megatron-core 0.16.1's MambaStack (ssm/mamba_block.py) neither checkpoints its layers
+    under full recompute nor enters an FP4 context; 0.19's HybridStack does both."""
+    job = job_from_dict(
+        {
+            "model": {
+                "hybrid_layer_pattern": "M*M-",
+                "hidden_size": 256,
+                "num_attention_heads": 8,
+                "vocab_size": 1024,
+                "activation": "squared_relu",
+                "normalization": "RMSNorm",
+                "position_embedding_type": "none",
+                "add_bias_linear": False,
+            },
+            "training": {"seq_length": 128, "micro_batch_size": 1, **training},
+            "cluster": {"num_gpus": 8, "gpu": "b200"},
+        }
+    )
+    warned = [n for n in job.notes if n.startswith("warning") and says in n]
+    assert len(warned) == (0 if SINCE_0_19 else 1)
