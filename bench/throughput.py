@@ -188,21 +188,30 @@ def _mbridge_layout(row: dict) -> dict:
     return {}
 
 
+def _preset_dims(name: str) -> dict:
+    from metatrace.config.presets import PRESETS
+
+    return PRESETS[name].dims
+
+
+def _since_0_19() -> bool:
+    from metatrace.config import release
+
+    return release.since(0, 19)
+
+
 def _hybrid_mtp(preset: str, mtp: str, notes: list) -> dict:
     """A hybrid recipe's multi-token prediction ("1 MTP block (pattern '*E') applied
     mtp_num_layers=2 times (mtp_use_repeated_layer=True)") as model keys: under megatron-core
     0.19 the pattern's depths after '/' and the repeated layer; 0.16.1 builds none (noted)."""
-    from metatrace.config import release
-    from metatrace.config.presets import PRESETS
-
     block = re.search(r"pattern '([^']+)'", mtp).group(1)
     depths = int(re.search(r"mtp_num_layers=(\d+)", mtp).group(1))
-    if not release.since(0, 19):
+    if not _since_0_19():
         notes.append("multi-token prediction (megatron-core 0.16.1: none in hybrid models)")
         return {}
     if "BF16" in mtp:
         notes.append("the MTP block in BF16")
-    pattern = PRESETS[preset].dims["hybrid_layer_pattern"] + f"/{block}" * depths
+    pattern = _preset_dims(preset)["hybrid_layer_pattern"] + f"/{block}" * depths
     return {
         "hybrid_layer_pattern": pattern,
         "mtp_use_repeated_layer": "mtp_use_repeated_layer=True" in mtp,
@@ -219,7 +228,8 @@ def _mbridge(
     model = {"preset": MBRIDGE_PRESETS[name]}
     if m.get("vocab_size"):
         model["vocab_size"] = m["vocab_size"]
-    if "mtp" in m:
+    hybrid = "hybrid_layer_pattern" in _preset_dims(model["preset"])
+    if hybrid and "mtp" in m:
         model.update(_hybrid_mtp(model["preset"], m["mtp"], notes))
     if "GB" in row["system"]:  # trays of 4; a job takes 16 of an NVL72 rack's 18 trays: 64
         cluster.update(gpus_per_node=4, nvlink_domain=64)
@@ -241,6 +251,8 @@ def _mbridge(
         training.update(precision="fp8", fp8_recipe="mxfp8")
     elif precision.startswith("nvfp4"):
         training.update(precision="fp4", fp4_recipe="nvfp4")
+        if hybrid and not _since_0_19():
+            notes.append("NVFP4 in the hybrid layers (megatron-core 0.16.1 runs them in bf16)")
         if "fp4_param_gather=True" in detail:
             notes.append("FP4 parameter gathering (megatron-core 0.16.1 has none)")
     else:
