@@ -16,26 +16,28 @@ def blocks(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+# The small hybrid model of these tests (its pattern and width given per test).
+HYBRID = {
+    "num_attention_heads": 8,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 512,
+    "vocab_size": 1024,
+    "normalization": "RMSNorm",
+    "activation": "squared_relu",
+    "position_embedding_type": "none",
+    "add_bias_linear": False,
+    "mamba_head_dim": 32,
+    "mamba_num_groups": 2,
+    "mamba_state_dim": 16,
+}
+
+
 def hybrid_job(
     pattern="M*M-", *, tp=2, pp=1, cp=1, seq=256, mbs=2, hidden=256, impl="transformer_engine"
 ):
     return job_from_dict(
         {
-            "model": {
-                "hybrid_layer_pattern": pattern,
-                "hidden_size": hidden,
-                "num_attention_heads": 8,
-                "num_query_groups": 2,
-                "ffn_hidden_size": 512,
-                "vocab_size": 1024,
-                "normalization": "RMSNorm",
-                "activation": "squared_relu",
-                "position_embedding_type": "none",
-                "add_bias_linear": False,
-                "mamba_head_dim": 32,
-                "mamba_num_groups": 2,
-                "mamba_state_dim": 16,
-            },
+            "model": {**HYBRID, "hybrid_layer_pattern": pattern, "hidden_size": hidden},
             "parallel": {"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": tp > 1},
             "training": {"seq_length": seq, "micro_batch_size": mbs, "global_batch_size": 4 * mbs},
             "implementation": (
@@ -264,19 +266,11 @@ def _mtp_job(model, repeated):
 
 
 _MTP_HYBRID = {
+    **HYBRID,
     "hybrid_layer_pattern": "M*M-/*-/*-",
     "hidden_size": 128,
     "num_attention_heads": 4,
-    "num_query_groups": 2,
     "ffn_hidden_size": 256,
-    "vocab_size": 1024,
-    "normalization": "RMSNorm",
-    "activation": "squared_relu",
-    "position_embedding_type": "none",
-    "add_bias_linear": False,
-    "mamba_head_dim": 32,
-    "mamba_num_groups": 2,
-    "mamba_state_dim": 16,
 }
 
 
