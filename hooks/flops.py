@@ -136,18 +136,23 @@ def report_gemm(m: int, k: int, n: int, *, fp8: bool = False, fp4: bool = False,
 def report_grouped(
     rows, k: int, n: int, *, fp8: bool = False, fp4: bool = False, times: int = 1
 ) -> None:
-    """A stand-in's grouped GEMM kernel: [rows[i], k] @ [k, n] per group, `times` such kernels
-    (the backward's data and weight gradients are timed as the forward's shape)."""
+    """A stand-in's grouped GEMM: [rows[i], k] @ [k, n] per group, `times` such calls (the
+    backward's data and weight gradients are timed as the forward's shape). Transformer Engine
+    2.8 runs a call as one cuBLAS GEMM per group with rows (te_general_grouped_gemm hands
+    nvte_multi_tensor_gemm the non-empty ones: "For now, we only have multi-stream cublas
+    backend", spread over its compute streams): as many launches; their GPU time is the groups'
+    tiles together (kernels.grouped_gemm_seconds)."""
     count = _count()
     if count is not None and times > 0:
         rows = tuple(int(r) for r in rows)
+        launches = times * max(1, sum(1 for r in rows if r > 0))
         _add(count, times * gemm(sum(rows), k, n), fp8, fp4)
         if count.model is not None:
             sec = kernels.grouped_gemm_seconds(
                 count.model, rows, n, k, fp8=fp8, fp4=fp4, margin=count.margin
             )
-            count.add_seconds(times * sec, launches=times)
-        count.unpriced_launch(times)
+            count.add_seconds(times * sec, launches=launches)
+        count.unpriced_launch(launches)
 
 
 def report_attention(shape: tuple, *, causal: bool, backward: bool, window: int | None) -> int:

@@ -370,7 +370,8 @@ def estimate(job, exposed_comm: float | None = None) -> Estimate:
 # on the debug model (tp 1; hooks/host.py): a layer's forward and backward per
 # transformer_impl; a MoE layer's routing and dispatch beside its grouped experts (what it adds
 # to a dense layer), and each local expert more where they run one after another (no
-# moe_grouped_gemm); the first stage's embedding and the last stage's output layer and loss; the
+# moe_grouped_gemm; with it, one unit and each further expert's launches of the grouped GEMMs);
+# the first stage's embedding and the last stage's output layer and loss; the
 # optimizer step per layer and once. Collectives (a few per layer with tp > 1) and selective
 # recompute (a few operators) are left out; full recompute runs the layers' forward again in
 # backward.
@@ -417,13 +418,21 @@ def host_seconds(job) -> float:
         forward -= 2 * HOST_SECONDS["module"]
     moe_share = shape_of(job).moe_layers / m.num_layers if m.num_experts else 0.0
     if moe_share:
-        local = 1 if job.implementation.moe_grouped_gemm else max(1, m.num_experts // par.ep)
+        experts = max(1, m.num_experts // par.ep)
+        local = 1 if job.implementation.moe_grouped_gemm else experts
         forward += moe_share * (
             _host_units(("moe", "forward")) + local * _host_units(("expert", "forward"))
         )
         backward += moe_share * (
             _host_units(("moe", "backward")) + local * _host_units(("expert", "backward"))
         )
+        if job.implementation.moe_grouped_gemm:
+            # Transformer Engine's grouped GEMM launches one cuBLAS GEMM per expert
+            # (hooks.flops.report_grouped): fc1 and fc2 forward, their data and weight
+            # gradients backward, each expert's but the one ("expert") counts
+            more = (experts - 1) * HOST_SECONDS["launch"]
+            forward += moe_share * 2 * more
+            backward += moe_share * 4 * more
     if tr.recompute.granularity == "full":
         backward += forward
     if tr.cuda_graph_impl != "none":

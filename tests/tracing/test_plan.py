@@ -142,8 +142,13 @@ def test_nothing_left_out_would_have_ranked_first(searched):
             "model": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 96},
             "implementation": {"transformer_impl": "local"},
         },
+        # Transformer Engine's grouped GEMMs: a launch per local expert
+        {
+            "model": {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 96},
+            "implementation": {"moe_grouped_gemm": True},
+        },
     ],
-    ids=["te", "local", "pp2", "full-recompute", "moe-local"],
+    ids=["te", "local", "pp2", "full-recompute", "moe-local", "moe-grouped"],
 )
 def test_the_estimates_host_is_the_traced_hosts(sections):
     """The planner's closed-form host work (estimates.host_seconds, from per-layer counts of

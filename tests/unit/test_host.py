@@ -382,3 +382,29 @@ def test_the_constants_are_the_stored_measurement():
     for unit in ("operator", "view", "backward", "module"):
         assert HOST_SECONDS[unit] == pytest.approx(float(f"{stored[unit]:.2g}")), unit
     assert stored["launch"] is None and HOST_SECONDS["launch"] == 3.8e-6
+
+
+def test_a_grouped_gemm_launches_one_cublas_gemm_per_group_with_rows():
+    """Transformer Engine 2.8's grouped GEMM is one cuBLAS GEMM per non-empty group
+    (te_general_grouped_gemm -> nvte_multi_tensor_gemm): a call over 4 experts of which one
+    received nothing launches 3 kernels, the backward's two calls 6; the GPU time is the same
+    as one kernel over the groups' tiles."""
+    from metatrace.config import kernels
+    from metatrace.hooks import flops
+    from metatrace.hooks.host import HostCount
+
+    host = HostCount()
+    count = flops.FlopCount(H100, host)
+    rows = (256, 0, 512, 128)
+    flops.push(count)
+    try:
+        flops.report_grouped(rows, 1024, 2048)
+        assert host.kernels == 3
+        flops.report_grouped(rows, 2048, 1024, times=2)
+        assert host.kernels == 3 + 6
+    finally:
+        flops.pop(count)
+    once = kernels.grouped_gemm_seconds(H100, rows, 2048, 1024)
+    twice = 2 * kernels.grouped_gemm_seconds(H100, rows, 1024, 2048)
+    assert count.ps == round(once * 1e12) + round(twice * 1e12)
+    assert host.host_ps == 9 * LAUNCH
