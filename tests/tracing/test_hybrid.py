@@ -149,7 +149,7 @@ def test_pattern_segments_place_the_layers_on_pipeline_stages():
     assert counts == [4, 2]
 
 
-def gdn_job(tp=2, *, seq=256, impl="transformer_engine"):
+def gdn_job(tp=2, *, cp=1, seq=256, impl="transformer_engine"):
     return job_from_dict(
         {
             "model": {
@@ -169,14 +169,14 @@ def gdn_job(tp=2, *, seq=256, impl="transformer_engine"):
                 "linear_key_head_dim": 32,
                 "linear_value_head_dim": 48,
             },
-            "parallel": {"tp": tp, "sequence_parallel": tp > 1},
+            "parallel": {"tp": tp, "cp": cp, "sequence_parallel": tp > 1},
             "training": {"seq_length": seq, "micro_batch_size": 2, "global_batch_size": 8},
             "implementation": (
                 {"transformer_impl": "local", "attention_backend": "local"}
                 if impl == "local"
                 else {}
             ),
-            "cluster": {"num_gpus": 2 * tp, "gpus_per_node": 8},
+            "cluster": {"num_gpus": 2 * tp * cp, "gpus_per_node": 8},
         }
     )
 
@@ -196,14 +196,19 @@ def gdn_closed_form(job) -> int:
     - chunk_gated_delta_rule (gdn_kernels' closed form), whose beta is the sigmoid's output
       already counted;
     - the output norm (x and fp32 rstd per row), the compiled gate (y and the gate, bf16), and
-      out_proj's input."""
+      out_proj's input.
+    With context parallelism (0.19, gdn.py: in_proj and out_proj on the rank's s/cp tokens,
+    all-to-alls between them to the whole sequence with the heads split over tp x cp) the
+    same on heads / (tp cp), and besides: the int64 index of in_proj's output features that
+    index_select's backward keeps (the heads permuted for one all-to-all), and the conv
+    weight's slice of the rank's channels (get_parameter_local_cp), which the kernel keeps."""
     from metatrace.models import gdn_kernels
 
-    m, tp = job.model, job.parallel.tp
+    m, tp, cp = job.model, job.parallel.tp, job.parallel.cp
     s, b, h = job.training.seq_length, job.training.micro_batch_size, m.hidden_size
-    hk, hv = m.linear_num_key_heads // tp, m.linear_num_value_heads // tp
+    hk, hv = m.linear_num_key_heads // (tp * cp), m.linear_num_value_heads // (tp * cp)
     K, V = m.linear_key_head_dim, m.linear_value_head_dim
-    T, local = s * b, s * b // tp
+    T, local = s * b, s * b // (tp * cp)
     conv = 2 * hk * K + hv * V
     in_proj = 2 * blocks(local * h * 2) + blocks(local * 4)
     kernel = gdn_kernels.chunk_gated_delta_rule_saved_bytes(
@@ -220,7 +225,11 @@ def gdn_closed_form(job) -> int:
         conv_kept = ssm_kernels.causal_conv1d_saved_bytes(batch=b, dim=conv, seqlen=s, params=False)
         l2 = 2 * gdn_kernels.l2norm_saved_bytes(rows=T * hk, dim=K)
         g_beta = 2 * blocks(hv * 2) + 2 * T * hv * 4 + beta
-    return in_proj + conv_kept + l2 + g_beta + kernel - beta + out
+    extra = 0
+    if cp > 1:
+        features = cp * (conv + hv * V + 2 * hv)  # in_proj's output columns on a TP rank
+        extra = blocks(features * 8) + blocks(conv * m.linear_conv_kernel_dim * 2)
+    return in_proj + conv_kept + l2 + g_beta + kernel - beta + out + extra
 
 
 def test_a_gated_deltanet_attention_keeps_the_closed_form_of_its_kernels():
@@ -238,6 +247,28 @@ def test_a_gated_deltanet_attention_keeps_the_closed_form_of_its_kernels():
         assert node.type == "GatedDeltaNet"
         assert node.activation_bytes_total == gdn_closed_form(job)
     assert tree["decoder.layers.3.self_attention"].type == "SelfAttention"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gated_deltanet_under_context_parallelism(tp):
+    """megatron-core 0.19's Gated DeltaNet splits its heads over tp x cp on the whole sequence
+    (all-to-alls after in_proj and before out_proj): per micro-batch it keeps the closed form
+    on heads / (tp cp) and the rank's s / cp tokens, plus the index and the conv slice.
+    megatron-core 0.16.1 refuses context parallelism for it."""
+    from metatrace.analysis.aggregate import module_tree, walk
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.trace import trace_job
+
+    job = gdn_job(tp, cp=2)
+    if not SINCE_0_19:
+        with pytest.raises(ConfigError, match="does not support context parallel"):
+            trace_job(job, workers=1, full_model=False)
+        return
+    traced = trace_job(job, workers=1, full_model=False)
+    tree = {n.fqn: n for n in walk(module_tree(traced.roles[0].trace))}
+    node = tree["decoder.layers.0.self_attention"]
+    assert node.type == "GatedDeltaNet"
+    assert node.activation_bytes_total == gdn_closed_form(job)
 
 
 def test_measure_keeps_the_predicted_activations_of_gated_deltanet_layers():
