@@ -145,7 +145,7 @@ def report_grouped(
     count = _count()
     if count is not None and times > 0:
         rows = tuple(int(r) for r in rows)
-        launches = times * max(1, sum(1 for r in rows if r > 0))
+        launches = times * sum(1 for r in rows if r > 0)
         _add(count, times * gemm(sum(rows), k, n), fp8, fp4)
         if count.model is not None:
             sec = kernels.grouped_gemm_seconds(

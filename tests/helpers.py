@@ -1,6 +1,6 @@
 """Helpers shared by both tiers (tests/unit, tests/tracing): paths, model sections and jobs
 (small, from Hugging Face configs), the command line in a subprocess, the report's schema, and
-checkers of traces (meta against real tensors) and of memory snapshots.
+checkers of traces (meta against real tensors), what autograd saves, and memory snapshots.
 
 Importing this module imports nothing of metatrace's: each helper imports what it needs when
 called, so the fast tier can use it without megatron-core.
@@ -108,6 +108,24 @@ def report_validator():
     )
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
+
+
+def saved_storages(fn):
+    """(fn()'s result, {storage: bytes}) of the distinct storages autograd saves while fn()
+    runs, each once (as metatrace.tracing.measure counts them); told apart by their StorageImpl
+    (meta storages all have data_ptr 0)."""
+    import torch
+
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        saved[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
 
 
 def collective_rows(trace):

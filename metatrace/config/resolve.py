@@ -132,24 +132,18 @@ def resolve(job: Job) -> Job:
             f"parallel.etp = {par.etp} only lays out the expert process groups (megatron-core "
             "builds them for every model); this model has no experts"
         )
-    if (
-        model.hybrid_layer_pattern is not None
-        and training.recompute.granularity == "full"
-        and not release_since(0, 19)
-    ):
-        notes.append(
-            "warning: training.recompute full: megatron-core 0.16.1's MambaStack runs its layers "
-            "without checkpointing them (0.19's HybridStack does), so nothing is recomputed"
-        )
-    if (
-        model.hybrid_layer_pattern is not None
-        and training.precision == "fp4"
-        and not release_since(0, 19)
-    ):
-        notes.append(
-            "warning: training.precision fp4: megatron-core 0.16.1's MambaStack enters no FP4 "
-            "context (0.19's HybridStack does), so its layers run in bf16"
-        )
+    if model.hybrid_layer_pattern is not None and not release_since(0, 19):
+        if training.recompute.granularity == "full":
+            notes.append(
+                "warning: training.recompute full: megatron-core 0.16.1's MambaStack runs its "
+                "layers without checkpointing them (0.19's HybridStack does), so nothing is "
+                "recomputed"
+            )
+        if training.precision == "fp4":
+            notes.append(
+                "warning: training.precision fp4: megatron-core 0.16.1's MambaStack enters no FP4 "
+                "context (0.19's HybridStack does), so its layers run in bf16"
+            )
     if par.sequence_parallel and par.tp == 1:
         par = replace(par, sequence_parallel=False)
         notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")

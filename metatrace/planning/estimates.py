@@ -137,7 +137,9 @@ def parameter_counts(job) -> tuple[int, int]:
     active. Norms and biases are left out (a few per mille at most; `metatrace run` counts
     every parameter)."""
     m, s = job.model, shape_of(job)
-    mtp = min(m.mtp_num_layers or 0, 1 if m.mtp_use_repeated_layer else 1 << 30)
+    mtp = m.mtp_num_layers or 0
+    if m.mtp_use_repeated_layer:
+        mtp = min(mtp, 1)
     embedding = s.embedding * (2 if m.untie_embeddings_and_output_weights else 1)
     dense = (m.num_layers + mtp) * s.dense + mtp * 2 * m.hidden_size**2 + embedding
     experts = s.experts * (s.moe_layers + (mtp if s.moe_layers else 0))

@@ -19,18 +19,14 @@ _PROBE = textwrap.dedent("""
     import importlib, json, sys
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from tests.helpers import saved_storages
     from tests.profiled import peak_and_live
     from metatrace.models import compiled as standins
 
     def allocations(fn, make):
         args = make()
-        saved = {}
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = fn(*args)
+            out, saved = saved_storages(lambda: fn(*args))
         peak, live = peak_and_live(prof)
         return [peak, live, sum(saved.values())]
 

@@ -21,6 +21,7 @@ _PROBE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
+    from tests.helpers import saved_storages
     from tests.profiled import peak_and_live
     from metatrace.models import compiled as standins
     from metatrace.models import gdn_kernels
@@ -28,18 +29,13 @@ _PROBE = textwrap.dedent("""
     def allocations(fn, make, backward):
         torch.manual_seed(0)
         args = make()
-        saved = {}
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                outs = fn(*args)
+            outs, saved = saved_storages(lambda: fn(*args))
             outs = outs if isinstance(outs, tuple) else (outs,)
             if backward:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         peak, live = peak_and_live(prof)
-        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        inputs = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
         return [peak, live, sum(saved.values()), sum(n for p, n in saved.items() if p in inputs)]
 
     def values(fn, make):

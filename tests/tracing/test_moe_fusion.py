@@ -7,24 +7,10 @@ import torch
 
 from metatrace.hooks import guards
 from metatrace.models import te_moe as S
-from tests.helpers import BALANCED, small_job
+from tests.helpers import BALANCED, saved_storages, small_job
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4, torch.int64: 8, torch.bool: 1}
-
-
-def saved_storages(fn):
-    """(output, {storage id: bytes}) of what autograd saves while fn() runs."""
-    saved = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        saved[st._cdata] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, saved
 
 
 # ----------------------------------------------------------------- closed forms, on meta

@@ -12,24 +12,14 @@ import torch.nn.functional as F
 
 from metatrace.models import gdn_kernels as G
 from metatrace.models import ssm_kernels as K
+from tests.helpers import saved_storages
 
 BF16 = torch.bfloat16
 
 
 def saved_storage_bytes(fn) -> int:
-    """Bytes of the distinct storages fn()'s autograd graph saves (each storage once, as
-    metatrace.tracing.measure counts them; meta storages all have data_ptr 0, so they are told
-    apart by their StorageImpl)."""
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+    """Bytes of the distinct storages fn()'s autograd graph saves."""
+    return sum(saved_storages(fn)[1].values())
 
 
 def _param(*shape, dtype=torch.float32, device="meta"):
@@ -167,6 +157,17 @@ def _grads_of(fn, inputs, names, seed=1):
     return out.detach(), dict(zip(names, grads))
 
 
+def _same_function(fn, ref, inputs, names=None, grad_tol=1e-4):
+    """fn and ref give the same output on `inputs` and the same gradients of `names` (all
+    inputs by default) for one random output gradient."""
+    names = list(inputs) if names is None else names
+    out, grads = _grads_of(fn, inputs, names)
+    expected, expected_grads = _grads_of(ref, inputs, names)
+    _close(out, expected)
+    for k in names:
+        _close(grads[k], expected_grads[k], grad_tol)
+
+
 @pytest.mark.parametrize("sl", [64, 56])
 def test_chunk_scan_matches_the_recurrence(sl):
     inputs = _mamba_inputs(sl=sl)
@@ -174,11 +175,7 @@ def test_chunk_scan_matches_the_recurrence(sl):
     stand_in = lambda x, dt, A, B, C, D, z, dt_bias: K.mamba_chunk_scan_combined(
         x, dt, A, B, C, 16, D=D, z=z, dt_bias=dt_bias, dt_softplus=True
     )
-    out, grads = _grads_of(stand_in, inputs, names)
-    ref, ref_grads = _grads_of(naive_ssd, inputs, names)
-    _close(out, ref)
-    for k in names:
-        _close(grads[k], ref_grads[k], 2e-4)
+    _same_function(stand_in, naive_ssd, inputs, names, grad_tol=2e-4)
 
 
 def test_split_conv1d_scan_matches_the_recurrence():
@@ -215,12 +212,7 @@ def test_split_conv1d_scan_matches_the_recurrence():
         )
         return y.reshape(b, sl, d)
 
-    names = list(inputs)
-    out, grads = _grads_of(stand_in, inputs, names)
-    ref, ref_grads = _grads_of(naive, inputs, names)
-    _close(out, ref)
-    for k in names:
-        _close(grads[k], ref_grads[k], 2e-4)
+    _same_function(stand_in, naive, inputs, grad_tol=2e-4)
 
 
 def test_causal_conv1d_and_gated_norm_match_naive_forms():
@@ -231,11 +223,7 @@ def test_causal_conv1d_and_gated_norm_match_naive_forms():
         bias=torch.randn(24, generator=gen),
     )
     conv = lambda x, weight, bias: K.causal_conv1d_fn(x, weight, bias, activation="silu")
-    out, grads = _grads_of(conv, inputs, list(inputs))
-    ref, ref_grads = _grads_of(naive_conv, inputs, list(inputs))
-    _close(out, ref)
-    for k in inputs:
-        _close(grads[k], ref_grads[k])
+    _same_function(conv, naive_conv, inputs)
 
     norm = K.RMSNormGated(32, eps=1e-5, group_size=8, norm_before_gate=False)
     with torch.no_grad():
@@ -247,11 +235,7 @@ def test_causal_conv1d_and_gated_norm_match_naive_forms():
         v = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)
         return v.reshape(10, 2, 32) * norm.weight
 
-    out, grads = _grads_of(lambda y, z: norm(y, z), inputs, ["y", "z"])
-    ref, ref_grads = _grads_of(naive_norm, inputs, ["y", "z"])
-    _close(out, ref)
-    for k in ("y", "z"):
-        _close(grads[k], ref_grads[k])
+    _same_function(lambda y, z: norm(y, z), naive_norm, inputs)
 
 
 # --- Gated DeltaNet -----------------------------------------------------------------------------
@@ -328,15 +312,11 @@ def test_gated_delta_rule_matches_the_recurrence(sl):
         g=F.logsigmoid(torch.randn(b, sl, h, generator=gen) + 2),
         beta=torch.rand(b, sl, h, generator=gen),
     )
-    names = list(inputs)
     stand_in = lambda q, k, v, g, beta: G.chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, scale=0.5, chunk_size=16
     )[0]
-    out, grads = _grads_of(stand_in, inputs, names)
-    ref, ref_grads = _grads_of(lambda **kw: naive_gated_delta_rule(**kw, scale=0.5), inputs, names)
-    _close(out, ref)
-    for k in names:
-        _close(grads[k], ref_grads[k], 2e-4)
+    naive = lambda **kw: naive_gated_delta_rule(**kw, scale=0.5)
+    _same_function(stand_in, naive, inputs, grad_tol=2e-4)
 
 
 def test_l2norm_in_kernel_and_fla_conv_match_naive_forms():
@@ -349,7 +329,6 @@ def test_l2norm_in_kernel_and_fla_conv_match_naive_forms():
         g=F.logsigmoid(torch.randn(b, sl, h, generator=gen) + 2),
         beta=torch.rand(b, sl, h, generator=gen),
     )
-    names = list(inputs)
     stand_in = lambda q, k, v, g, beta: G.chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, chunk_size=16, use_qk_l2norm_in_kernel=True
     )[0]
@@ -361,19 +340,12 @@ def test_l2norm_in_kernel_and_fla_conv_match_naive_forms():
         )
         return naive_gated_delta_rule(q, k, v, g, beta, kd**-0.5)
 
-    out, grads = _grads_of(stand_in, inputs, names)
-    ref, ref_grads = _grads_of(naive, inputs, names)
-    _close(out, ref)
-    for k in names:
-        _close(grads[k], ref_grads[k], 2e-4)
+    _same_function(stand_in, naive, inputs, grad_tol=2e-4)
 
     x = dict(x=torch.randn(2, 40, 24, generator=gen))
-    out, grads = _grads_of(lambda x: G.l2norm(x), x, ["x"])
-    ref, ref_grads = _grads_of(
-        lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), x, ["x"]
+    _same_function(
+        lambda x: G.l2norm(x), lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), x
     )
-    _close(out, ref)
-    _close(grads["x"], ref_grads["x"])
 
     # fla's conv on [B, T, D], given a strided view as megatron-core 0.19 passes it
     inputs = dict(
@@ -387,11 +359,7 @@ def test_l2norm_in_kernel_and_fla_conv_match_naive_forms():
     naive = lambda full, weight, bias: naive_conv(
         full[..., :24].transpose(1, 2), weight, bias
     ).transpose(1, 2)
-    out, grads = _grads_of(conv, inputs, names := list(inputs))
-    ref, ref_grads = _grads_of(naive, inputs, names)
-    _close(out, ref)
-    for k in names:
-        _close(grads[k], ref_grads[k])
+    _same_function(conv, naive, inputs)
 
 
 def test_the_scans_report_their_matrix_products():
