@@ -477,7 +477,7 @@ def cmd_run(args, console=None) -> int:
         from metatrace.export.snapshot import write_snapshots
 
         config = parse_alloc_conf(analysis.job.cluster.allocator_conf or "")
-        lines = write_snapshots(analysis.traced.roles, args.memory_snapshot, config)
+        lines = write_snapshots(analysis.job, analysis.traced.roles, args.memory_snapshot, config)
         console.print("\n" + "\n".join(lines), markup=False, soft_wrap=True)
     if args.fail_on_oom and not analysis.verdict.fits:
         return 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,8 @@ class HostCopy:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    moved: int | None = None
+    """Its place in the OffloadLog's `moved` (None when no log was open)."""
 
 
 _LOGS: list[OffloadLog] = []
@@ -111,24 +113,25 @@ def fresh_manager():
 
 def offload(orig):
     def offload(self, src_tensor, pin_memory=True, use_cpu_pool=True):
-        if _LOGS:
-            _log_moved(self, src_tensor)
+        moved = _log_moved(self, src_tensor) if _LOGS else None
         if src_tensor.is_cuda:
             return orig(self, src_tensor, pin_memory=pin_memory, use_cpu_pool=use_cpu_pool)
         if not src_tensor.is_contiguous():
             src_tensor = src_tensor.contiguous()  # a device temporary, as on the GPU
-        host = HostCopy(tuple(src_tensor.shape), src_tensor.dtype)
+        host = HostCopy(tuple(src_tensor.shape), src_tensor.dtype, moved)
         return (src_tensor.device, host, use_cpu_pool)
 
     return offload
 
 
-def _log_moved(handler, t: torch.Tensor) -> None:
+def _log_moved(handler, t: torch.Tensor) -> int:
+    """Log `t` as moved by `handler`'s pending group; its place in the log."""
     manager = _manager_class().get_instance()
     handlers = manager._cached_chunks_forward
     group = handler._groups_to_offload[-1]
     chunk = handlers.index(handler) if handler in handlers else -1
     _append(chunk, handler.offload_groups.index(group), group._name, t)
+    return len(_LOGS[-1].moved) - 1
 
 
 def log_layer_offload(group: int, t: torch.Tensor) -> None:
@@ -161,9 +164,12 @@ def reload(orig):
         else:
             gpu_tensor = orig(self, state, non_blocking=non_blocking)
         if _LOGS:
-            sid = _LOGS[-1].storage(gpu_tensor)
+            log = _LOGS[-1]
+            sid = log.storage(gpu_tensor)
             if sid is not None:
-                _LOGS[-1].reloads.add(sid)
+                log.reloads.add(sid)
+                if isinstance(host, HostCopy) and host.moved is not None:
+                    log.moved[host.moved] = replace(log.moved[host.moved], reload=sid)
         return gpu_tensor
 
     return reload

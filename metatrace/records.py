@@ -286,6 +286,9 @@ class Moved:
     """Exact bytes copied each way."""
     source: int | None
     """Recorder storage id of the GPU storage it came from (None without a recorder)."""
+    reload: int | None = None
+    """Recorder storage id of the GPU copy its reload allocated (None without a recorder, or
+    before the reload)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from metatrace.config import release
 from metatrace.config.hybrid import GDN
-from metatrace.config.job import FSDP_DTYPES
+from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, changed_from_default
 from metatrace.errors import ConfigError
 
 DTYPES = {
@@ -247,6 +247,8 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         )
     if m.mtp_use_repeated_layer:  # a 0.19 field (tracing.checks refuses it under 0.16.1)
         fields.update(mtp_use_repeated_layer=True)
+    # 0.19 fields (tracing.checks refuses other values than their defaults under 0.16.1).
+    fields.update({key: getattr(tr, key) for key in changed_from_default(tr, OFFLOAD_KNOBS)})
     config_class = TransformerConfig
     if m.multi_latent_attention:
         # Megatron-LM's core_transformer_config_from_args switches the class for MLA.

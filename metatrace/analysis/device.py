@@ -126,9 +126,19 @@ def simulated_iteration(iteration: Trace | None) -> Trace | None:
     return steady.trace(min(n, STEADY_PERIODS))
 
 
-def allocations(micro: Trace, iteration: Trace | None):
+def role_allocations(job, rt):
+    """allocations() of a traced role: with fine-grained activation offloading that keeps
+    groups on the GPU, the iteration's steps as its steady micro-batches run them."""
+    from metatrace.analysis.memory import steady_microbatches
+
+    return allocations(rt.trace, rt.iteration, steady=steady_microbatches(job, rt))
+
+
+def allocations(micro: Trace, iteration: Trace | None, *, steady=None):
     """The rank's allocations in order: (delta bytes, key) with keys unique per tensor life
-    (see the module docstring); a positive delta is an allocation."""
+    (see the module docstring); a positive delta is an allocation. `steady`: (the micro-batch
+    the iteration's steps run, {(chunk, micro-batch): another one for those steps}), where they
+    differ from the traced one (memory.steady_microbatches)."""
     yield from ((n, ("static", i)) for i, n in enumerate(micro.static_sizes))
     seqs, deltas, sids, _ = _columns(micro)
     for delta, sid in zip(deltas, sids):
@@ -136,7 +146,9 @@ def allocations(micro: Trace, iteration: Trace | None):
     iteration = simulated_iteration(iteration)
     if iteration is None:
         return
-    steps, _ = _micro_steps(micro)
+    typical, others = steady if steady is not None else (micro, {})
+    steps, _ = _micro_steps(typical)
+    other_steps = {key: _micro_steps(trace)[0] for key, trace in others.items()}
     seqs, deltas, sids, win = _columns(iteration)
     coarse = set()  # the replay's lumps: storages allocated inside a chunk step
     size: dict = {}
@@ -157,7 +169,8 @@ def allocations(micro: Trace, iteration: Trace | None):
         j = 0
 
         def step_events(i, rep=rep, outputs=outputs):
-            mb, step = win["microbatch"][i], steps.get((win["phase"][i], win["chunk"][i]))
+            mb, chunk = win["microbatch"][i], win["chunk"][i]
+            step = other_steps.get((chunk, mb), steps).get((win["phase"][i], chunk))
             if step is None:
                 return
             for d, s in step.events:
@@ -554,7 +567,7 @@ def role_device_memory(job, rt, allocated: int, *, capacity: int | None = None) 
     from metatrace.config.userbuffers import userbuffer_bytes
 
     config = parse_alloc_conf(job.cluster.allocator_conf or "")
-    events = requests(allocations(rt.trace, rt.iteration))
+    events = requests(role_allocations(job, rt))
     reserve = simulate(events, config)
     collectives = list(rt.trace.collectives)
     if rt.iteration is not None:

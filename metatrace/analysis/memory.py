@@ -21,6 +21,7 @@ Every storage is classified by when it is allocated and freed in (1):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +210,9 @@ def _last_groups(names: tuple[str, ...]) -> set[int]:
     return {max(i for i, n in enumerate(names) if n == name) for name in set(names)}
 
 
-def offload_slots(trace: Trace, record: OffloadRecord, *, last_stage: bool) -> tuple[int, ...]:
+def offload_slots(
+    trace: Trace, record: OffloadRecord, *, last_stage: bool, steady: Steady | None = None
+) -> tuple[int, ...]:
     """Per chunk, the bytes the steady state holds on the GPU while a step of the chunk runs,
     beyond what the traced micro-batch keeps: the last group of each name of one chunk.
 
@@ -218,7 +221,10 @@ def offload_slots(trace: Trace, record: OffloadRecord, *, last_stage: bool) -> t
     copy per tensor, the largest chunk's. The last pipeline stage runs the backward of its last
     chunk right after its forward, and the manager never offloads what is about to be used: in
     that chunk's steps its groups stay where the forward left them, the storages the traced
-    micro-batch freed before the chunk's backward."""
+    micro-batch freed before the chunk's backward. With `steady` (activation_offload_fraction),
+    what comes back ahead is the last offloaded group of each name in the chunk's steady
+    micro-batches (measured: megatron-core 0.19's manager running every step,
+    tests/tracing/test_offload.py)."""
     life = lifetimes(trace.memory)
     backward = {w.chunk: w.first for w in trace.windows if w.phase == "backward"}
     kept, reload = [], []
@@ -232,6 +238,12 @@ def offload_slots(trace: Trace, record: OffloadRecord, *, last_stage: bool) -> t
             if m.source is not None and life.freed.get(m.source, start) < start
         }
         kept.append(sum(life.bytes[sid] for sid in freed))
+        if steady is not None:  # the last offloaded group of each name comes back ahead
+            offloaded = steady.offloaded(chunk)
+            ahead = {
+                max(i for i in offloaded if names[i] == n) for n in {names[i] for i in offloaded}
+            }
+            moved = [m for m in record.moved if m.chunk == chunk and m.group in ahead]
         reload.append(sum(_blocks(m.bytes) for m in moved))
     if not reload:
         return ()
@@ -239,6 +251,213 @@ def offload_slots(trace: Trace, record: OffloadRecord, *, last_stage: bool) -> t
         return (max(reload),) * len(reload)
     others = max(reload[:-1], default=kept[-1])
     return (others,) * (len(reload) - 1) + (kept[-1],)
+
+
+# megatron-core 0.19's activation_offload_fraction keeps more groups on the GPU from the second
+# iteration on: PipelineOffloadManager.post_warmup_callback decides per offload handler (one per
+# micro-batch and chunk), in the order the handlers run backward. The replay gives each micro-batch the traced micro-batch as if those
+# groups had stayed (keeping_groups), less the last group of each name that offload_slots holds.
+
+
+@dataclass(frozen=True)
+class Steady:
+    """Which offload groups megatron-core's manager keeps on the GPU in the steady state."""
+
+    order: tuple[tuple[int, int], ...]
+    """The handlers, (chunk, micro-batch), in the order their backward steps run."""
+    kept: dict[tuple[int, int], frozenset[int]]
+    """Per handler, its groups not offloaded (by post_warmup_callback, and on the last pipeline
+    stage the last group of each name of the last chunk, which should_bulk_offload keeps)."""
+    slotted: dict[tuple[int, int], frozenset[int]]
+    """Per handler, those of its kept groups that offload_slots holds (the first handler's
+    margin; the last stage's last chunk's last groups)."""
+    sizes: tuple[tuple[int, ...], ...]
+    """Per chunk, the bytes each group moves."""
+
+    def offloaded(self, chunk: int) -> set[int]:
+        """Groups the chunk's steady micro-batches (its last handler to run backward) offload."""
+        last = [h for h in self.order if h[0] == chunk][-1]
+        return set(range(len(self.sizes[chunk]))) - self.kept[last]
+
+    def held(self, chunk: int, microbatch: int) -> frozenset[int]:
+        """Groups the micro-batch keeps beyond what the traced one and the slots hold."""
+        h = (chunk, microbatch)
+        return self.kept[h] - self.slotted[h]
+
+    def moved(self, chunk: int, microbatch: int) -> int:
+        """Bytes the micro-batch's forward step of the chunk copies to the host."""
+        kept = self.kept[(chunk, microbatch)]
+        return sum(b for i, b in enumerate(self.sizes[chunk]) if i not in kept)
+
+
+def backward_order(microbatches: int, chunks: int, group: int) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) in the order megatron-core's schedules run backward steps (the
+    order the offload manager queues its handlers): per group of `group` micro-batches, the
+    last chunk first."""
+    if chunks == 1:
+        return [(0, m) for m in range(microbatches)]
+    out = []
+    for start in range(0, microbatches, group):
+        batch = range(start, min(start + group, microbatches))
+        for v in reversed(range(chunks)):
+            out += [(v, m) for m in batch]
+    return out
+
+
+def steady_offload(
+    record: OffloadRecord,
+    *,
+    last_stage: bool,
+    microbatches: int,
+    group: int,
+    fraction: float,
+) -> Steady | None:
+    """post_warmup_callback of megatron-core 0.19 (pipeline_parallel/
+    fine_grained_activation_offload.py) over the traced micro-batch's groups, repeated for
+    each handler; None where it offloads what 0.16.1 does (fraction 1).
+
+    Its delta across pipeline ranks keeps nothing on rank 0 and, on the others, the first
+    group of the first handler, which megatron-core 0.19.2 cannot run (config.checks refuses
+    it with pipeline parallelism)."""
+    if fraction >= 1.0:
+        return None
+    chunks = len(record.groups)
+    sizes = tuple(
+        tuple(
+            sum(m.bytes for m in record.moved if m.chunk == v and m.group == i)
+            for i in range(len(names))
+        )
+        for v, names in enumerate(record.groups)
+    )
+    order = backward_order(microbatches, chunks, group)
+    offload = {h: [True] * len(sizes[h[0]]) for h in order}
+    # The margin: the last group of each name in the first handler to run backward.
+    margin = max((len(set(names)) for names in record.groups), default=0)
+    last_of_name: dict[str, tuple] = {}
+    for h in reversed(order):
+        for i, name in enumerate(record.groups[h[0]]):
+            last_of_name[name] = (h, i)
+    for h, i in last_of_name.values():
+        if margin <= 0:
+            break
+        offload[h][i] = False
+        margin -= 1
+    slotted = {h: frozenset(i for i, on in enumerate(offload[h]) if not on) for h in order}
+    # The fraction: per handler, the last of its eligible groups.
+    for h in order:
+        eligible = [i for i, on in enumerate(offload[h]) if on and sizes[h[0]][i] > 0]
+        for i in reversed(eligible[len(eligible) - int(len(eligible) * (1 - fraction)) :]):
+            offload[h][i] = False
+    kept = {h: frozenset(i for i, on in enumerate(offload[h]) if not on) for h in order}
+    if last_stage and chunks:  # should_bulk_offload: what the next backward step uses at once
+        tail = frozenset(_last_groups(record.groups[-1]))
+        for h in order:
+            if h[0] == chunks - 1:
+                kept[h] |= tail
+                slotted[h] = tail
+    return Steady(tuple(order), kept, slotted, sizes)
+
+
+def keeping_groups(trace: Trace, record: OffloadRecord, chunk: int, groups) -> Trace:
+    """The traced (warm-up) micro-batch as it would have been had the manager kept `groups` of
+    `chunk` on the GPU: their storages stay until the copies their reloads made are freed in
+    backward, and those reloads do not happen."""
+    kept = [
+        m
+        for m in record.moved
+        if m.chunk == chunk and m.group in groups and m.source is not None and m.reload is not None
+    ]
+    if not kept:
+        return trace
+    life = lifetimes(trace.memory)
+    forward = next(w for w in trace.windows if w.phase == "forward" and w.chunk == chunk)
+    backward = next(w for w in trace.windows if w.phase == "backward" and w.chunk == chunk)
+    reloads = {m.reload for m in kept}
+    until: dict[int, int] = {}  # source -> where its last kept reload was freed
+    for m in kept:
+        until[m.source] = max(until.get(m.source, 0), life.freed.get(m.reload, backward.last))
+    at = {seq: sid for sid, seq in until.items()}
+    dropped: dict[int, int] = {}
+    events: list[MemEvent] = []
+    for e in trace.memory:
+        if e.storage in until and e.delta < 0 and forward.first <= e.seq < backward.first:
+            dropped[e.storage] = dropped.get(e.storage, 0) + e.delta  # freed by the offload
+            continue
+        if e.storage not in reloads:
+            events.append(e)
+        elif e.seq in at and dropped.get(at[e.seq]):
+            events.append(dataclasses.replace(e, delta=dropped.pop(at[e.seq]), storage=at[e.seq]))
+    live, out = trace.memory[0].live - trace.memory[0].delta if trace.memory else 0, []
+    for e in events:
+        live += e.delta
+        out.append(dataclasses.replace(e, live=live))
+    return dataclasses.replace(trace, memory=tuple(out))
+
+
+def role_steady(job, record: OffloadRecord, *, pp_stage: int) -> Steady | None:
+    """steady_offload for a rank of pipeline stage `pp_stage` of `job`."""
+    tr, par = job.training, job.parallel
+    return steady_offload(
+        record,
+        last_stage=pp_stage == par.pp - 1,
+        microbatches=job.num_microbatches,
+        group=par.microbatch_group_size or par.pp,
+        fraction=tr.activation_offload_fraction,
+    )
+
+
+def offload_profiles(
+    trace: Trace, record: OffloadRecord, steady: Steady | None
+) -> dict[tuple, StepProfile]:
+    """step_profiles of the traced micro-batch for the replay of an offloading rank: per chunk
+    its steady micro-batches' steps, and ("forward", chunk, micro-batch) for the micro-batches
+    that keep other groups on the GPU (`steady`)."""
+    profiles: dict[tuple, StepProfile] = dict(step_profiles(trace, reloads=record.reloads))
+    if steady is None:
+        return profiles
+    cache: dict[tuple[int, frozenset], StepProfile] = {}
+
+    def forward(v: int, groups: frozenset) -> StepProfile:
+        if (v, groups) not in cache:
+            kept = keeping_groups(trace, record, v, groups)
+            gone = {m.reload for m in record.moved if m.chunk == v and m.group in groups}
+            cache[(v, groups)] = step_profiles(kept, reloads=record.reloads - gone)[("forward", v)]
+        return cache[(v, groups)]
+
+    typical = {}
+    for v, m in steady.order:  # the last handler of each chunk stands for its steady state
+        typical[v] = steady.held(v, m)
+    for v, groups in typical.items():
+        profiles[("forward", v)] = forward(v, groups)
+    for v, m in steady.order:
+        if steady.held(v, m) != typical[v]:
+            profiles[("forward", v, m)] = forward(v, steady.held(v, m))
+    return profiles
+
+
+def steady_microbatches(job, rt) -> tuple[Trace, dict[tuple[int, int], Trace]] | None:
+    """The traced micro-batch as an offloading role's steady micro-batches run it (each chunk
+    keeping what its steady state keeps, role_steady), and {(chunk, micro-batch): trace} for the
+    micro-batches that keep other groups; None where the traced one stands for them all."""
+    if rt.offload is None or job.training.cpu_offloading_num_layers:
+        return None
+    steady = role_steady(job, rt.offload, pp_stage=rt.role.pp_stage)
+    if steady is None:
+        return None
+    typical = {v: steady.held(v, m) for v, m in steady.order}  # each chunk's last handler
+
+    def keeping(groups: dict[int, frozenset]) -> Trace:
+        trace = rt.trace
+        for v, kept in groups.items():
+            trace = keeping_groups(trace, rt.offload, v, kept)
+        return trace
+
+    others = {
+        (v, m): keeping({**typical, v: steady.held(v, m)})
+        for v, m in steady.order
+        if steady.held(v, m) != typical[v]
+    }
+    return keeping(typical), others
 
 
 @dataclass(frozen=True)
@@ -257,7 +476,12 @@ class OffloadSummary:
 
 
 def offload_summary(
-    record: OffloadRecord, iteration: Trace, *, microbatches: int, last_stage: bool
+    record: OffloadRecord,
+    iteration: Trace,
+    *,
+    microbatches: int,
+    last_stage: bool,
+    steady: Steady | None = None,
 ) -> OffloadSummary:
     """PCIe traffic and pinned host memory from the offload record of the traced micro-batch and
     the replayed iteration (its forward and backward windows say what is in flight).
@@ -265,14 +489,19 @@ def offload_summary(
     The last group of each name stays on the GPU: on the last pipeline stage in every
     micro-batch of the last chunk (its backward comes right after its forward, so the manager
     never offloads what is about to be used); elsewhere in the first micro-batch of the chunk
-    that runs backward first (the last chunk)."""
+    that runs backward first (the last chunk). With `steady`, the groups it keeps stay too."""
     chunks = len(record.groups)
-    moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
-    last = chunks - 1
-    tail = _last_groups(record.groups[last]) if chunks else set()
-    kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
-    per_microbatch = sum(moved) - (kept if last_stage else 0)
-    per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
+    if steady is not None:
+        order = steady.order
+        per_microbatch = sum(steady.moved(v, order[-1][1]) for v in range(chunks))
+        per_iteration = sum(steady.moved(v, m) for v, m in order)
+    else:
+        moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
+        last = chunks - 1
+        tail = _last_groups(record.groups[last]) if chunks else set()
+        kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
+        per_microbatch = sum(moved) - (kept if last_stage else 0)
+        per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
     host = [_pinned(m for m in record.moved if m.chunk == v) for v in range(chunks)]
     changes = []
     win = iteration.columns("windows", ("phase", "chunk", "first", "last"))
@@ -314,6 +543,7 @@ def role_offload(job, rt) -> OffloadSummary | None:
         rt.iteration,
         microbatches=job.num_microbatches,
         last_stage=rt.role.pp_stage == job.parallel.pp - 1,
+        steady=role_steady(job, rt.offload, pp_stage=rt.role.pp_stage),
     )
 
 

@@ -12,7 +12,7 @@ import re
 
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
 from metatrace.config.hybrid import GDN, MAMBA
-from metatrace.config.job import FSDP_DTYPES, changed_from_default
+from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, changed_from_default
 from metatrace.errors import ConfigError
 
 RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -1566,7 +1566,33 @@ def _check_offload(job):
     if not modules:
         if tr.min_offloaded_tensor_size != 1024 * 1024:
             yield "training.min_offloaded_tensor_size needs training.activation_offload_modules"
+        for key in changed_from_default(tr, OFFLOAD_KNOBS):
+            yield f"training.{key} needs training.activation_offload_modules"
         return
+    # A micro-batch whose first offload group stays on the GPU is taken for finished after
+    # that group (ChunkOffloadHandler.finish_all_groups: nothing pending), so megatron-core
+    # 0.19.2 gives its later groups to the next micro-batch and fails in backward
+    # (on_group_commit_backward: 'Chunk mismatch'); measured running its manager on meta.
+    fraction = tr.activation_offload_fraction
+    if not 0.0 < fraction <= 1.0:
+        yield (
+            f"training.activation_offload_fraction = {fraction} must be above 0 and at most 1 "
+            "(at 0 every group stays on the GPU, which megatron-core 0.19.2's offload manager "
+            "fails in backward: 'Chunk mismatch'; leave activation_offload_modules out instead)"
+        )
+    delta = tr.delta_offload_bytes_across_pp_ranks
+    if delta < 0:
+        yield f"training.delta_offload_bytes_across_pp_ranks = {delta} must not be negative"
+    elif delta and job.parallel.pp > 1:
+        yield (
+            f"training.delta_offload_bytes_across_pp_ranks = {delta} with pipeline "
+            "parallelism: megatron-core 0.19.2 keeps the first offload group of the first "
+            "micro-batch on the GPU on every pipeline rank but the first, and its offload "
+            "manager then fails in backward ('Chunk mismatch'); leave it at 0"
+        )
+    cap = tr.fine_grained_offloading_max_inflight_offloads
+    if cap is not None and cap < 0:
+        yield f"training.fine_grained_offloading_max_inflight_offloads = {cap} must not be negative"
     if tr.min_offloaded_tensor_size < 0:
         size = tr.min_offloaded_tensor_size
         yield f"training.min_offloaded_tensor_size = {size} must not be negative"

@@ -417,6 +417,18 @@ class Training:
     min_offloaded_tensor_size: int = 1024 * 1024
     """With activation_offload_modules: saved tensors with fewer elements stay on the GPU
     (--min-offloaded-tensor-size)."""
+    activation_offload_fraction: float = 1.0
+    """With activation_offload_modules (megatron-core 0.19): the share of each micro-batch's
+    offload groups that are offloaded; the later groups of its forward stay on the GPU
+    (--activation-offload-fraction, 0 to 1)."""
+    delta_offload_bytes_across_pp_ranks: int = 0
+    """With activation_offload_modules (megatron-core 0.19): pipeline rank r keeps r times
+    this many bytes of offload groups on the GPU, those of the micro-batches whose backward
+    runs first (--delta-offload-bytes-across-pp-ranks)."""
+    fine_grained_offloading_max_inflight_offloads: int | None = None
+    """With activation_offload_modules (megatron-core 0.19): per offload module, how many of
+    its copies to the host may be pending before the compute stream waits for the oldest
+    (--fine-grained-offloading-max-inflight-offloads; None: no such waits)."""
     cpu_offloading_num_layers: int = 0
     """Transformer Engine's layer-wise activation offloading (--cpu-offloading-num-layers): what
     the first N transformer layers save for backward (the tensors TE's modules mark: linear and
@@ -580,6 +592,14 @@ class Training:
 FSDP_DTYPES = ("fsdp_main_grads_dtype", "fsdp_main_params_dtype", "fsdp_grad_comm_dtype")
 """Training's keys for Megatron-FSDP's dtypes: megatron-core 0.19's megatron_<key> fields,
 which 0.16.1 does not have."""
+
+OFFLOAD_KNOBS = (
+    "activation_offload_fraction",
+    "delta_offload_bytes_across_pp_ranks",
+    "fine_grained_offloading_max_inflight_offloads",
+)
+"""Training's keys for fine-grained offloading's steady state: megatron-core 0.19's
+TransformerConfig fields of the same names, which 0.16.1 does not have."""
 
 
 def changed_from_default(section, names) -> list[str]:

@@ -227,16 +227,17 @@ def role_snapshot(
     rank: int,
     stage: int,
     config: AllocatorConfig | None = None,
+    steady=None,
 ) -> dict:
     """The memory snapshot of one role (see the module docstring): `micro` is the role's
     one-micro-batch trace, `iteration` the whole iteration; `config` the allocator's settings
-    (PyTorch's defaults)."""
+    (PyTorch's defaults); `steady` as analysis.device.allocations takes it."""
     stacks = _Stacks(
         f"rank {rank}, pipeline stage {stage}: set-up, the first micro-batch, two iterations"
     )
     labels = _Labels(stacks, micro, simulated_iteration(iteration))
     alloc = _Recording(config or AllocatorConfig(), labels)
-    simulate(allocations(micro, iteration), alloc.config, alloc=alloc)
+    simulate(allocations(micro, iteration, steady=steady), alloc.config, alloc=alloc)
     return {"segments": alloc.final_segments(), "device_traces": [alloc.entries]}
 
 
@@ -278,17 +279,23 @@ def chosen_roles(roles: tuple[RoleTrace, ...], template: str) -> list[tuple[str,
 
 
 def write_snapshots(
-    roles: tuple[RoleTrace, ...], template: str, config: AllocatorConfig | None = None
+    job, roles: tuple[RoleTrace, ...], template: str, config: AllocatorConfig | None = None
 ) -> list[str]:
     """Write the snapshot file(s) `template` names, the allocator under `config`; returns what
     to tell the user."""
+    from metatrace.analysis.memory import steady_microbatches
     from metatrace.errors import ConfigError
     from metatrace.render.format import size
 
     lines = []
     for path, rt, peak in chosen_roles(roles, template):
         snap = role_snapshot(
-            rt.trace, rt.iteration, rank=rt.role.rank, stage=rt.role.pp_stage, config=config
+            rt.trace,
+            rt.iteration,
+            rank=rt.role.rank,
+            stage=rt.role.pp_stage,
+            config=config,
+            steady=steady_microbatches(job, rt),
         )
         try:
             with open(path, "wb") as f:

@@ -16,23 +16,39 @@ def check_with_megatron(job) -> None:
 
 
 def _check_release(job) -> None:
-    """Job keys only megatron-core 0.19 has (the Megatron-FSDP dtypes, the repeated MTP layer),
-    given another value than their default under an older release."""
-    from metatrace.config.job import FSDP_DTYPES, changed_from_default
+    """Job keys only megatron-core 0.19 has (the Megatron-FSDP dtypes, the repeated MTP layer,
+    fine-grained offloading's steady-state knobs), given another value than their default
+    under an older release, and Megatron-FSDP in the combined 1F1B schedule."""
+    from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, changed_from_default
     from metatrace.errors import ConfigError
     from metatrace.hooks import guards
 
-    if job.model.mtp_use_repeated_layer and not guards.since(0, 19):
-        raise ConfigError(
-            "model.mtp_use_repeated_layer needs megatron-core 0.19 or newer (megatron-core "
-            f"{guards.release_text()} is installed, which builds a multi-token-prediction layer "
-            'per depth; README.md, "megatron-core 0.19", says how to get it)'
+    if guards.since(0, 19):
+        return
+    tr, par = job.training, job.parallel
+    given = [
+        (f"training.{key}: {getattr(tr, key)}", why)
+        for keys, why in (
+            (OFFLOAD_KNOBS, "whose fine-grained activation offloading offloads every group"),
+            (FSDP_DTYPES, "whose Megatron-FSDP has no such option"),
         )
-    given = changed_from_default(job.training, FSDP_DTYPES)
-    if given and not guards.since(0, 19):
-        key = given[0]
+        for key in changed_from_default(tr, keys)
+    ]
+    if job.model.mtp_use_repeated_layer:
+        why = "which builds a multi-token-prediction layer per depth"
+        given.insert(0, ("model.mtp_use_repeated_layer", why))
+    if tr.megatron_fsdp and par.overlap_moe_expert_parallel_comm and job.model.num_experts:
+        why = (
+            "whose combined 1F1B schedule calls the layers' parts directly, past the hooks with "
+            "which Megatron-FSDP gathers and releases their parameters; 0.19 gathers per part "
+            "and releases per layer"
+        )
+        given.insert(
+            0, ("training.megatron_fsdp with parallel.overlap_moe_expert_parallel_comm", why)
+        )
+    if given:
+        what, why = given[0]
         raise ConfigError(
-            f"training.{key}: {getattr(job.training, key)} needs megatron-core 0.19 or newer "
-            f"(megatron-core {guards.release_text()} is installed, whose Megatron-FSDP has no "
-            'such option; README.md, "megatron-core 0.19", says how to get it)'
+            f"{what} needs megatron-core 0.19 or newer (megatron-core {guards.release_text()} "
+            f'is installed, {why}; README.md, "megatron-core 0.19", says how to get it)'
         )

@@ -274,6 +274,30 @@ def outer_gather(chunk, *, backward: bool) -> None:
                 )
 
 
+def combined_extra(chunk) -> int:
+    """Bytes a combined 1F1B step (overlap_moe_expert_parallel_comm, megatron-core 0.19) holds
+    beyond the backward and forward steps run one after the other, with Megatron-FSDP sharding
+    the parameters (optim_grads_params): the forward layer's parameters are gathered beside
+    the backward layer's. combined_1f1b.py wires each layer's release to its last forward node
+    (moe_combine or mlp) and to the backward of its first (pre_dispatch_computation,
+    model_chunk_schedule_plan.set_fsdp_reshard_hooks), and the schedule runs layer i's forward
+    nodes between layer L-1-i's backward nodes (model_chunk_schedule_plan.py: attn_fwd, mlp_bwd,
+    mlp_fwd, attn_bwd): the largest FSDP unit's gathered buckets, each a block of its own."""
+    if not is_fsdp(chunk) or chunk.ddp_config.data_parallel_sharding_strategy != (
+        "optim_grads_params"
+    ):
+        return 0
+    buffer = chunk.module.param_and_grad_buffer
+    units: dict[int, int] = {}
+    for group in buffer.parameter_groups:
+        weights = group.model_weight_buffer
+        if group.fsdp_unit_id is None or weights is None:
+            continue
+        nbytes = weights.bucket_index.size * weights.dtype.itemsize
+        units[group.fsdp_unit_id] = units.get(group.fsdp_unit_id, 0) + -(-nbytes // 512) * 512
+    return max(units.values(), default=0)
+
+
 def _bucket_groups(buffer) -> list[list[int]]:
     """The bucket groups (buckets of one FSDP unit, communicated in one coalesced call), in
     bucket order."""

@@ -65,6 +65,8 @@ class Deferred:
     kept: int = 0
 
 
+OFFLOAD_SLOT = "activation offloading: the steady state's reloads ahead"
+"""Module name of the replay's offload slot."""
 _HELD = "_metatrace_held"  # attribute of a replayed output: (chunk, micro-batch, held tensor)
 
 
@@ -156,7 +158,9 @@ class _Replay:
             self._gather_params(model)
             if fsdp.hybrid(model):
                 fsdp.outer_gather(model, backward=False)
-        prof: StepProfile = self.profiles[("forward", v)]
+        prof: StepProfile = (
+            self.profiles.get(("forward", v, microbatch)) or self.profiles[("forward", v)]
+        )
         shape = self.shapes[v]
         if v not in self.places:  # (the same for every micro-batch)
             vp_stage = get_attr_wrapped_model(model, "vp_stage")
@@ -166,9 +170,9 @@ class _Replay:
             )
         last, decoder = self.places[v]
         mask_shape = StepShape((shape.shape[0], shape.shape[-1]), torch.float32)
+        self._hold_slot(v, "forward")
         with self.rec.window("forward", v, microbatch) as window:
             with self.rec.label(prof.module, "forward"):
-                self._hold_slot(v)
                 held_bytes = prof.held
                 acts = self._defers(model, "embedding_activation_buffer") if last else None
                 if acts is not None:
@@ -215,16 +219,23 @@ class _Replay:
 
     def hold_overlap(self, v: int):
         """overlap_moe_expert_parallel_comm: the extra of a combined step whose forward runs
-        chunk v (StepProfile.overlap), alive while the caller holds the tensor."""
+        chunk v (StepProfile.overlap; with Megatron-FSDP sharding the parameters, one layer's
+        gathered parameters more, fsdp.combined_extra), alive while the caller holds it."""
         n = self.profiles[("forward", v)].overlap
-        return self._empty(n) if n else None
+        extra = fsdp.combined_extra(self.model[v])
+        held = [self._empty(b) for b in (n, extra) if b]
+        return held or None
 
-    def _hold_slot(self, v: int) -> None:
+    def _hold_slot(self, v: int, phase: str) -> None:
+        """The offload slot of chunk `v` (memory.offload_slots), allocated before the step's
+        window: not the step's own memory, which the allocator simulation takes from the traced
+        micro-batch (analysis.device), but an allocation of its own."""
         if not self.slots or self.backward_steps >= self.last_backward:
             return
         if self.slot is None or self.slot.numel() != self.slots[v]:
             self.slot = None  # freed before its successor is allocated, as the GPU reuses it
-            self.slot = self._empty(self.slots[v]) if self.slots[v] else None
+            with self.rec.label(OFFLOAD_SLOT, phase):
+                self.slot = self._empty(self.slots[v]) if self.slots[v] else None
 
     def _defers(self, chunk, name):
         """(buffer, how many of this step's entries megatron-core appends to it) for the chunk's
@@ -288,11 +299,11 @@ class _Replay:
         prof: StepProfile = self.profiles[("backward", v)]
         unwrap = not isinstance(input_tensor, list)
         inputs = [input_tensor] if unwrap else input_tensor
+        self._hold_slot(v, "backward")
         with self.rec.window("backward", v, microbatch):
             if microbatch == 0 and fsdp.hybrid(self.model[v]):
                 fsdp.outer_gather(self.model[v], backward=True)
             with self.rec.label(prof.module, "backward"):
-                self._hold_slot(v)
                 if prof.excess:
                     self._empty(prof.excess)  # the step's temporaries at its highest point
                 del held

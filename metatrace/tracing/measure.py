@@ -614,10 +614,10 @@ def measured_reserve(measured: Measured, config):
 def _reserve_cpu(job, rt, config):
     """The simulated allocator's Reserve over the role's allocations without the cuBLAS
     workspaces (what a CPU run allocates)."""
-    from metatrace.analysis.device import allocations, simulate
+    from metatrace.analysis.device import role_allocations, simulate
     from metatrace.config.hardware import cublas_workspace_bytes
 
     workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
-    predicted = list(allocations(rt.trace, rt.iteration))
+    predicted = list(role_allocations(job, rt))
     workspaces = {key for delta, key in predicted if delta == workspace}
     return simulate([e for e in predicted if e[1] not in workspaces], config)

@@ -30,7 +30,8 @@ How metatrace runs it:
 - the replayed iteration runs megatron-core's own schedule with the flag on (its warm-up count),
   its combined step (`combined_interleaved`, `combined_no_pipelining`) replaced by the backward
   step then the forward step of the replay, with the overlap's extra one-layer attention part
-  (`StepProfile.overlap`) held across both.
+  (`StepProfile.overlap`) held across both, and with Megatron-FSDP sharding the parameters
+  (megatron-core 0.19) one layer's gathered parameters (fsdp.combined_extra).
 
 Known limitations: chunk granularity, not layer granularity (the extra is held beside the
 whole backward and forward steps, so beside the output layer's logits gradient too, where the

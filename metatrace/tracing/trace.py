@@ -298,7 +298,13 @@ def _trace_role(
     """
     import torch
 
-    from metatrace.analysis.memory import deferred_bytes, offload_slots, step_profiles
+    from metatrace.analysis.memory import (
+        deferred_bytes,
+        offload_profiles,
+        offload_slots,
+        role_steady,
+        step_profiles,
+    )
     from metatrace.hooks.fake_world import fake_world, named_groups
     from metatrace.hooks.offload import reset_manager
     from metatrace.hooks.optimizer_offload import offload_record
@@ -381,8 +387,12 @@ def _trace_role(
         if iteration:
             last_stage = role.pp_stage == job.parallel.pp - 1
             fine_grained = record if offloading else None
-            slots = offload_slots(trace, record, last_stage=last_stage) if fine_grained else ()
-            reloads = record.reloads if fine_grained else frozenset()
+            on_gpu = role_steady(job, record, pp_stage=role.pp_stage) if fine_grained else None
+            slots = (
+                offload_slots(trace, record, last_stage=last_stage, steady=on_gpu)
+                if fine_grained
+                else ()
+            )
             if real_steps:
                 for chunk in hooked:
                     chunk.enable_forward_pre_hook()
@@ -401,7 +411,9 @@ def _trace_role(
                 # The model's steps reach tensors the micro-batch left behind (caches,
                 # workspaces): already allocated, not allocations of this iteration.
                 static = {**static, "existing": _live_tensors(devices)}
-            profiles = step_profiles(trace, reloads=reloads)
+            profiles = (
+                offload_profiles(trace, record, on_gpu) if fine_grained else step_profiles(trace)
+            )
             kept = deferred and dataclasses.replace(deferred, kept=deferred_bytes(trace))
 
             def replay(microbatches: int, reduced: int | None = None):

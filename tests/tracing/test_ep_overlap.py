@@ -16,7 +16,7 @@ H, S, B, FFN, K = 64, 64, 2, 96, 2  # debug preset's hidden size, tests' s and b
 BF16 = 2
 
 
-def moe_job(overlap, delay=False, pp=1, vpp=None, layers=2, gbs=8):
+def moe_job(overlap, delay=False, pp=1, vpp=None, layers=2, gbs=8, fsdp=False):
     par = {
         "ep": 2,
         "pp": pp,
@@ -29,7 +29,15 @@ def moe_job(overlap, delay=False, pp=1, vpp=None, layers=2, gbs=8):
     return small_job(
         model={**MOE, "num_layers": layers},
         parallel=par,
-        training={"global_batch_size": gbs, **BALANCED},
+        training={
+            "global_batch_size": gbs,
+            **BALANCED,
+            **(
+                {"megatron_fsdp": True, "fsdp_sharding_strategy": "optim_grads_params"}
+                if fsdp
+                else {}
+            ),
+        },
         implementation={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},
         cluster={"num_gpus": 2 * pp},
     )
@@ -53,6 +61,37 @@ def test_combined_step_holds_one_layers_attention_part_more():
     # at the plain run's (not attributed yet: 0.19's micro-batch holds 5 KiB more, of which the
     # plain run's peak step has freed one block)
     assert 0 <= peak(combined) - peak(plain) - extra <= (512 if guards.since(0, 19) else 0)
+
+
+def _blocks(n):
+    return -(-n // 512) * 512
+
+
+@pytest.mark.skipif(not guards.since(0, 19), reason="megatron-core 0.19 runs Megatron-FSDP in it")
+def test_combined_step_with_fsdp_holds_one_layers_gathered_parameters_more():
+    """Megatron-FSDP (optim_grads_params) in the combined 1F1B schedule of megatron-core 0.19:
+    the forward layer's parameters are gathered beside the backward layer's
+    (set_fsdp_reshard_hooks), one layer's bf16 buckets more than the same steps run one after
+    the other: its attention bucket (qkv h (a + 2g) d with the fused input norm's h, the
+    projection a d h, the pre-MLP norm's h, the router E h) and its experts' (2 local experts of
+    fc1 h 2f and fc2 f h, SwiGLU), each a block of its own."""
+    a, g, d, experts, local = 4, 2, 16, MOE["num_experts"], MOE["num_experts"] // 2
+    attention = H * (a + 2 * g) * d + H + a * d * H + H + experts * H
+    expert = local * (H * 2 * FFN + FFN * H)
+    unit = _blocks(attention * BF16) + _blocks(expert * BF16)
+    peak = lambda rt: role_memory(rt.trace, rt.iteration).peak
+    fsdp = peak(first_role(moe_job(True, fsdp=True))) - peak(first_role(moe_job(False, fsdp=True)))
+    ddp = peak(first_role(moe_job(True))) - peak(first_role(moe_job(False)))
+    assert fsdp - ddp == unit == 99_328
+
+
+@pytest.mark.skipif(guards.since(0, 19), reason="megatron-core 0.19 runs Megatron-FSDP in it")
+def test_combined_step_with_fsdp_is_refused_before_0_19():
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.checks import check_with_megatron
+
+    with pytest.raises(ConfigError, match="whose combined 1F1B schedule calls the layers' parts"):
+        check_with_megatron(moe_job(True, fsdp=True))
 
 
 def most_in_flight(rt) -> int:

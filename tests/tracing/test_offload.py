@@ -12,10 +12,13 @@ import json
 import pytest
 
 from metatrace.analysis.memory import persistent_bytes, role_memory, role_offload
+from metatrace.config import release
 from metatrace.errors import ConfigError
 from metatrace.tracing.trace import JobTrace, trace_role
 from metatrace.world import World
 from tests.helpers import MOE, small_job
+
+SINCE_0_19 = release.since(0, 19)
 
 BLOCK = 512
 S, B, H, A, G, D = 64, 2, 64, 4, 2, 16
@@ -156,6 +159,8 @@ CASES = {
         training={"global_batch_size": 4},
     ),
 }
+# megatron-core 0.19's activation_offload_fraction on some of them: {name: (case, fraction)}.
+FRACTIONS = {"pp2-quarter": ("pp2", 0.25), "vpp-half": ("vpp", 0.5), "moe-half": ("moe", 0.5)}
 _TRACES: dict = {}
 
 
@@ -167,7 +172,13 @@ def traces(case, offload: bool, real: bool):
         import metatrace.tracing.iteration as iteration
         from metatrace.hooks.offload import OffloadLog
 
-        spec = dict(CASES[case])
+        base, fraction = FRACTIONS.get(case, (case, None))
+        if fraction is not None and not offload:
+            return traces(base, offload, real)
+        spec = dict(CASES[base])
+        if fraction is not None:
+            training = spec.get("training", {})
+            spec["training"] = {**training, "activation_offload_fraction": fraction}
         modules = spec.pop("modules")
         job = offload_job(modules if offload else None, **spec)
         world = World.from_job(job)
@@ -219,6 +230,55 @@ def test_replay_matches_the_offload_manager_running_every_step(case):
         assert p - p0 == m - m0, (stage, p - p0, m - m0)
         assert p != p0
         assert abs(p - m) <= (2 if case != "moe" else 12) * BLOCK
+
+
+@pytest.mark.skipif(not SINCE_0_19, reason="activation_offload_fraction is megatron-core 0.19's")
+@pytest.mark.parametrize("case", list(FRACTIONS))
+def test_a_fraction_offloaded_matches_the_offload_manager_running_every_step(case):
+    """megatron-core 0.19's activation_offload_fraction: the later groups of each micro-batch
+    stay on the GPU from the second iteration on (post_warmup_callback). The replay (each
+    micro-batch's steps as if those groups had stayed, the slot the last offloaded group of each
+    module) against the manager running every step: the same change of each stage's peak (MoE:
+    within one block), and the same bytes moved."""
+    replay, real = peaks(case, True, False), peaks(case, True, True)
+    replay0, real0 = peaks(case, False, False), peaks(case, False, True)
+    full = peaks(FRACTIONS[case][0], True, False)
+    for stage, (p, m, p0, m0, f) in enumerate(zip(replay, real, replay0, real0, full)):
+        assert abs((p - p0) - (m - m0)) <= (0 if case != "moe-half" else BLOCK), (stage, p, m)
+        assert p > f  # less offloaded, a higher peak
+    job, _, replayed = traces(case, True, False)
+    for (rt, _), (_, moved) in zip(replayed, traces(case, True, True)[2]):
+        assert role_offload(job, rt).d2h_per_iteration == moved[0] > 0
+
+
+@pytest.mark.skipif(not SINCE_0_19, reason="activation_offload_fraction is megatron-core 0.19's")
+def test_a_fraction_offloaded_moves_its_closed_form():
+    """pp2, fraction 0.5: four groups a micro-batch (core_attn C = 49,152 bytes, attn_proj
+    P = 16,384 bytes, per layer). Stage 0: the first micro-batch to run backward keeps layer 1
+    (the margin) and of the two groups left the later (int(2 x 0.5) = 1 kept), moving C; the
+    other three keep int(4 x 0.5) = 2 groups, layer 1's, moving a layer each. The last stage
+    moves the same: its last layer stays in every micro-batch anyway."""
+    job = offload_job(
+        ["core_attn", "attn_proj"],
+        model={"num_layers": 4},
+        parallel={"pp": 2},
+        training={"activation_offload_fraction": 0.5},
+    )
+    world = World.from_job(job)
+    c = 2 * N * A * D * 2 + 2 * N * G * D * 2
+    for role in world.roles():
+        summary = role_offload(job, trace_role(job, world, role))
+        assert summary.d2h_per_microbatch == LAYER
+        assert summary.d2h_per_iteration == 3 * LAYER + c
+
+
+@pytest.mark.skipif(SINCE_0_19, reason="megatron-core 0.19 has activation_offload_fraction")
+def test_a_fraction_offloaded_is_refused_before_0_19():
+    from metatrace.tracing.checks import check_with_megatron
+
+    job = offload_job(["core_attn"], training={"activation_offload_fraction": 0.5})
+    with pytest.raises(ConfigError, match="activation_offload_fraction: 0.5 needs megatron-core"):
+        check_with_megatron(job)
 
 
 # Stage 0 / stage 1 of pp2 (2 layers a stage, 4 micro-batches): a layer moves

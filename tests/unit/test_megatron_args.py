@@ -614,7 +614,11 @@ def test_classes_of_flags_new_in_core_v0_19_2():
         "--megatron-fsdp-main-params-dtype": ("modelled", None),
         "--megatron-fsdp-grad-comm-dtype": ("modelled", None),
         # fine_grained_activation_offload.py: (1 - fraction) of the groups stay on the device
-        "--activation-offload-fraction": ("not_modelled", "raises"),
+        # fine-grained offloading's steady state (post_warmup_callback): job keys
+        # (training.activation_offload_fraction ...) under megatron-core 0.19
+        "--activation-offload-fraction": ("modelled", None),
+        "--delta-offload-bytes-across-pp-ranks": ("modelled", None),
+        "--fine-grained-offloading-max-inflight-offloads": ("modelled", None),
         "--no-use-layer-wise-param-layout": ("not_modelled", "unknown"),
         # combined_1f1b.py: a stream's priority
         "--high-priority-a2a-comm-stream": ("no_effect", None),

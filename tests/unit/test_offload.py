@@ -12,6 +12,62 @@ def test_unknown_module_names_are_refused_at_load():
         small_job(training={"activation_offload_modules": ["core_atn"]})
 
 
+@pytest.mark.parametrize(
+    "training, sections, message",
+    [
+        ({"activation_offload_fraction": 0.0}, {}, r"must be above 0 and at most 1 \(at 0"),
+        ({"activation_offload_fraction": 1.5}, {}, "must be above 0 and at most 1"),
+        (
+            {"delta_offload_bytes_across_pp_ranks": 1},
+            {"parallel": {"pp": 2}, "cluster": {"num_gpus": 2}, "model": {"num_layers": 4}},
+            "with pipeline parallelism: megatron-core 0.19.2 keeps the first offload group",
+        ),
+        ({"delta_offload_bytes_across_pp_ranks": -1}, {}, "must not be negative"),
+        ({"fine_grained_offloading_max_inflight_offloads": -1}, {}, "must not be negative"),
+        (
+            {"activation_offload_modules": None, "activation_offload_fraction": 0.5},
+            {},
+            "activation_offload_fraction needs training.activation_offload_modules",
+        ),
+    ],
+    ids=["fraction-0", "fraction-above-1", "delta-with-pp", "delta-negative", "cap", "alone"],
+)
+def test_steady_state_knobs_megatron_core_cannot_run_are_refused(training, sections, message):
+    training = {"activation_offload_modules": ["core_attn"], **training}
+    with pytest.raises(ConfigError, match=message):
+        small_job(training=training, **sections)
+
+
+def test_delta_without_pipeline_parallelism_is_taken():
+    """Pipeline rank 0 keeps 0 x delta bytes on the GPU: nothing changes, nothing refused."""
+    training = {"activation_offload_modules": ["core_attn"]}
+    job = small_job(training={**training, "delta_offload_bytes_across_pp_ranks": 1 << 20})
+    assert job.training.delta_offload_bytes_across_pp_ranks == 1 << 20
+
+
+def test_steady_state_flags_map_to_their_keys_and_back():
+    from metatrace.config.megatron.args import job_from_args, split_args
+    from metatrace.config.megatron.to_args import megatron_args
+
+    args = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --bf16 "
+        "--vocab-size 1000 --fine-grained-activation-offloading --offload-modules core_attn "
+        "--activation-offload-fraction 0.5 --fine-grained-offloading-max-inflight-offloads 2 "
+        "--delta-offload-bytes-across-pp-ranks 4096"
+    )
+    resolved, _ = job_from_args(split_args(args), world_size=8)
+    tr = resolved.training
+    assert tr.activation_offload_fraction == 0.5
+    assert tr.fine_grained_offloading_max_inflight_offloads == 2
+    assert tr.delta_offload_bytes_across_pp_ranks == 4096
+    assert resolved.not_modelled == ()
+    back = " ".join(megatron_args(resolved))
+    assert "--activation-offload-fraction 0.5" in back
+    assert "--fine-grained-offloading-max-inflight-offloads 2" in back
+    assert "--delta-offload-bytes-across-pp-ranks 4096" in back
+
+
 # ----------------------------------------------------------------- layer-wise (Transformer Engine)
 
 

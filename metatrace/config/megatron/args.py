@@ -1102,7 +1102,7 @@ def _megatron_fsdp(v, t, notes) -> None:
 def _offloading(v, t, notes, problems) -> None:
     """Fine-grained activation offloading: --offload-modules and --min-offloaded-tensor-size
     act only with --fine-grained-activation-offloading (megatron-core then needs modules)."""
-    given = [f for f in ("--offload-modules", "--min-offloaded-tensor-size") if f in v]
+    given = [f for f in ("--offload-modules", *_OFFLOAD_OPTIONS) if f in v]
     if "--fine-grained-activation-offloading" not in v:
         if given:
             notes.append(
@@ -1116,8 +1116,21 @@ def _offloading(v, t, notes, problems) -> None:
         )
         return
     t["activation_offload_modules"] = list(v["--offload-modules"])
-    if "--min-offloaded-tensor-size" in v:
-        t["min_offloaded_tensor_size"] = v["--min-offloaded-tensor-size"]
+    for flag, key in _OFFLOAD_OPTIONS.items():
+        if flag in v:
+            t[key] = v[flag]
+
+
+# Fine-grained offloading's options beside --offload-modules (all but the first megatron-core
+# 0.19's: tracing.checks refuses them under 0.16.1).
+_OFFLOAD_OPTIONS = {
+    "--min-offloaded-tensor-size": "min_offloaded_tensor_size",
+    "--activation-offload-fraction": "activation_offload_fraction",
+    "--delta-offload-bytes-across-pp-ranks": "delta_offload_bytes_across_pp_ranks",
+    "--fine-grained-offloading-max-inflight-offloads": (
+        "fine_grained_offloading_max_inflight_offloads"
+    ),
+}
 
 
 def _recompute(v, t, notes) -> None:

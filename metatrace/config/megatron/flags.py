@@ -297,6 +297,9 @@ _MODELLED: dict[str, str | None] = {
     "--megatron-fsdp-grad-comm-dtype": None,
     "--offload-modules": None,
     "--min-offloaded-tensor-size": None,
+    "--activation-offload-fraction": None,
+    "--delta-offload-bytes-across-pp-ranks": None,
+    "--fine-grained-offloading-max-inflight-offloads": None,
     # implementation (notes 4.10, 4.11)
     "--transformer-impl": None,
     "--attention-backend": None,
@@ -667,14 +670,8 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ("NCCL user-buffer registration (buffers from NCCL's pool)", "unknown"): (
         "--use-nccl-ub --disable-symmetric-registration"
     ),
-    # megatron-core 0.19.2 fine_grained_activation_offload.py: a fraction of the eligible groups
-    # stays on the device, which the prediction (every group offloaded) moved to the host
-    ("a fraction of the activation offloading groups kept on the device", "raises"): (
-        "--activation-offload-fraction"
-    ),
-    ("fine-grained activation offloading options of newer Megatron-LM", "either"): (
-        "--delay-offload-until-cuda-graph "
-        "--delta-offload-bytes-across-pp-ranks --fine-grained-offloading-max-inflight-offloads"
+    ("fine-grained activation offloading delayed until a CUDA graph replays", "either"): (
+        "--delay-offload-until-cuda-graph"
     ),
     ("gradient buckets by count or with fp32 accumulation", "either"): (
         "--ddp-num-buckets --ddp-param-name-patterns-for-fp32-local-accumulation "

@@ -34,7 +34,7 @@ from typing import Any
 
 from metatrace.config.checks import YARN_KEYS
 from metatrace.config.hardware import GPU_ARCH
-from metatrace.config.job import FSDP_DTYPES, SECTIONS, changed_from_default
+from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, SECTIONS, changed_from_default
 from metatrace.config.megatron.flags import FLAGS, NEWER
 from metatrace.errors import ConfigError
 
@@ -539,8 +539,8 @@ def _offloading(job, value) -> list[str] | None:
         return None
     out = ["--fine-grained-activation-offloading", "--offload-modules"]
     out += list(t.activation_offload_modules)
-    if t.min_offloaded_tensor_size != 1024 * 1024:
-        out += ["--min-offloaded-tensor-size", str(t.min_offloaded_tensor_size)]
+    for key in changed_from_default(t, ("min_offloaded_tensor_size", *OFFLOAD_KNOBS)):
+        out += ["--" + key.replace("_", "-"), str(getattr(t, key))]
     return out
 
 
@@ -596,7 +596,10 @@ _DERIVED: dict[tuple[str, str], Callable[[Any, Any], list[str] | None]] = {
     ),
     ("training", "optimizer"): _one("--optimizer"),
     ("training", "activation_offload_modules"): _offloading,
-    ("training", "min_offloaded_tensor_size"): lambda job, v: None,  # with _offloading
+    **{  # with _offloading
+        ("training", key): lambda job, v: None
+        for key in ("min_offloaded_tensor_size", *OFFLOAD_KNOBS)
+    },
     ("training", "megatron_fsdp"): _fsdp,
     ("training", "fsdp_sharding_strategy"): lambda job, v: None,  # with _fsdp
     ("training", "fsdp_outer_sharding_strategy"): lambda job, v: None,
