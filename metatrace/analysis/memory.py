@@ -255,8 +255,9 @@ def offload_slots(
 
 # megatron-core 0.19's activation_offload_fraction keeps more groups on the GPU from the second
 # iteration on: PipelineOffloadManager.post_warmup_callback decides per offload handler (one per
-# micro-batch and chunk), in the order the handlers run backward. The replay gives each micro-batch the traced micro-batch as if those
-# groups had stayed (keeping_groups), less the last group of each name that offload_slots holds.
+# micro-batch and chunk), in the order the handlers run backward. The replay gives each
+# micro-batch the traced micro-batch as if those groups had stayed (keeping_groups), less the
+# last group of each name that offload_slots holds.
 
 
 @dataclass(frozen=True)
@@ -274,10 +275,15 @@ class Steady:
     sizes: tuple[tuple[int, ...], ...]
     """Per chunk, the bytes each group moves."""
 
+    def steady(self, chunk: int) -> int:
+        """The micro-batch whose handler stands for the chunk's steady state (the last to run
+        backward)."""
+        return [m for v, m in self.order if v == chunk][-1]
+
     def offloaded(self, chunk: int) -> set[int]:
-        """Groups the chunk's steady micro-batches (its last handler to run backward) offload."""
-        last = [h for h in self.order if h[0] == chunk][-1]
-        return set(range(len(self.sizes[chunk]))) - self.kept[last]
+        """Groups the chunk's steady micro-batches offload."""
+        kept = self.kept[(chunk, self.steady(chunk))]
+        return set(range(len(self.sizes[chunk]))) - kept
 
     def held(self, chunk: int, microbatch: int) -> frozenset[int]:
         """Groups the micro-batch keeps beyond what the traced one and the slots hold."""
@@ -424,9 +430,7 @@ def offload_profiles(
             cache[(v, groups)] = step_profiles(kept, reloads=record.reloads - gone)[("forward", v)]
         return cache[(v, groups)]
 
-    typical = {}
-    for v, m in steady.order:  # the last handler of each chunk stands for its steady state
-        typical[v] = steady.held(v, m)
+    typical = {v: steady.held(v, steady.steady(v)) for v in range(len(record.groups))}
     for v, groups in typical.items():
         profiles[("forward", v)] = forward(v, groups)
     for v, m in steady.order:
@@ -444,7 +448,7 @@ def steady_microbatches(job, rt) -> tuple[Trace, dict[tuple[int, int], Trace]] |
     steady = role_steady(job, rt.offload, pp_stage=rt.role.pp_stage)
     if steady is None:
         return None
-    typical = {v: steady.held(v, m) for v, m in steady.order}  # each chunk's last handler
+    typical = {v: steady.held(v, steady.steady(v)) for v in range(len(rt.offload.groups))}
 
     def keeping(groups: dict[int, frozenset]) -> Trace:
         trace = rt.trace
@@ -492,9 +496,8 @@ def offload_summary(
     that runs backward first (the last chunk). With `steady`, the groups it keeps stay too."""
     chunks = len(record.groups)
     if steady is not None:
-        order = steady.order
-        per_microbatch = sum(steady.moved(v, order[-1][1]) for v in range(chunks))
-        per_iteration = sum(steady.moved(v, m) for v, m in order)
+        per_microbatch = sum(steady.moved(v, steady.steady(v)) for v in range(chunks))
+        per_iteration = sum(steady.moved(v, m) for v, m in steady.order)
     else:
         moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
         last = chunks - 1
