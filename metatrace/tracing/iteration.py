@@ -19,7 +19,9 @@ memory in the traced micro-batch (metatrace.analysis.memory.StepProfile), with p
   handed back;
 - with fine-grained activation offloading, beside them, the activations megatron-core's offload
   manager keeps on the GPU or brings back ahead of a backward step in its steady state (one
-  tensor, memory.offload_slots).
+  tensor, memory.offload_slots, allocated outside the step's window); with megatron-core 0.19's
+  activation_offload_fraction, each forward step keeps what its micro-batch's handler keeps
+  (memory.offload_profiles: ("forward", chunk, micro-batch) where it differs from the chunk's).
 A step's micro-batches all have the same shapes, so one traced micro-batch stands for all; this
 keeps an iteration of hundreds of micro-batches at the cost of a few operators per step.
 
