@@ -368,8 +368,8 @@ def keeping_groups(trace: Trace, record: OffloadRecord, chunk: int, groups) -> T
     """The traced (warm-up) micro-batch as it would have been had the manager kept `groups` of
     `chunk` on the GPU: their storages stay until the copies their reloads made are freed in
     backward, and those reloads do not happen."""
-    kept = [
-        m
+    kept = [  # (source storage, reload storage)
+        (m.source, m.reload)
         for m in record.moved
         if m.chunk == chunk and m.group in groups and m.source is not None and m.reload is not None
     ]
@@ -378,10 +378,10 @@ def keeping_groups(trace: Trace, record: OffloadRecord, chunk: int, groups) -> T
     life = lifetimes(trace.memory)
     forward = next(w for w in trace.windows if w.phase == "forward" and w.chunk == chunk)
     backward = next(w for w in trace.windows if w.phase == "backward" and w.chunk == chunk)
-    reloads = {m.reload for m in kept}
+    reloads = {reload for _, reload in kept}
     until: dict[int, int] = {}  # source -> where its last kept reload was freed
-    for m in kept:
-        until[m.source] = max(until.get(m.source, 0), life.freed.get(m.reload, backward.last))
+    for source, reload in kept:
+        until[source] = max(until.get(source, 0), life.freed.get(reload, backward.last))
     at = {seq: sid for sid, seq in until.items()}
     dropped: dict[int, int] = {}
     events: list[MemEvent] = []
