@@ -396,3 +396,23 @@ def test_what_cannot_run_is_refused(training, sections, message):
 
     with pytest.raises(ConfigError, match=message):  # the job's rules, or megatron-core's
         check_with_megatron(small_job(training=training, **sections))
+
+
+@pytest.mark.parametrize(
+    "case", ["pp2", "vpp"] + ([*FRACTIONS] if SINCE_0_19 else []), ids=lambda c: c
+)
+def test_the_allocator_simulation_reaches_the_replayed_peak(case):
+    """The caching allocator's simulation (analysis.device) replays each step as the traced
+    micro-batch ran it: with offloading, as the steady micro-batches run it (the groups kept by
+    the fraction, memory.steady_microbatches) beside the offload slot, an allocation of its own.
+    Its allocated peak is the replay's within the blocks' rounding, as without offloading
+    (tests/tracing/test_snapshot.py)."""
+    from metatrace.analysis.device import role_allocations, simulate
+    from metatrace.config.allocator import AllocatorConfig
+
+    job, _, roles = traces(case, True, False)
+    for rt, _ in roles:
+        reserve = simulate(role_allocations(job, rt), AllocatorConfig())
+        assert reserve.allocated == pytest.approx(
+            role_memory(rt.trace, rt.iteration).peak, rel=0.002
+        )
