@@ -206,12 +206,16 @@ def _fixed_bytes(job) -> int:
 def memory_lower_bound(job) -> int:
     """What any rank of the first stage holds at least: its fixed memory and every layer's
     input for the micro-batches in flight."""
+    tr = job.training
     layers = job.model.num_layers // job.parallel.pp
-    if {"attn_norm", "qkv_linear"} & set(job.training.activation_offload_modules or ()):
-        layers = 0  # activation offloading moves the layer inputs to the host
+    if {"attn_norm", "qkv_linear"} & set(tr.activation_offload_modules or ()):
+        # Activation offloading moves the layer inputs to the host, but with a fraction f
+        # below 1 (megatron-core 0.19) the last int(n (1 - f)) of a micro-batch's n offload
+        # groups stay: k groups a layer, at least floor(layers (1 - f)) - 1 whole layers.
+        layers = max(0, int(layers * (1 - tr.activation_offload_fraction)) - 1)
     # Transformer Engine's layer-wise offloading (pp 1): when the forward ends, the inputs of
     # the first cpu_offloading_num_layers layers are on the host.
-    layers -= job.training.cpu_offloading_num_layers if layers else 0
+    layers -= tr.cpu_offloading_num_layers if layers else 0
     return _fixed_bytes(job) + layers * _layer_input(job) * _in_flight(job)
 
 

@@ -121,3 +121,24 @@ def test_megatron_lm_flag_maps_to_the_layer_count():
     resolved, _ = job_from_args(split_args(args), world_size=8)
     assert resolved.training.cpu_offloading_num_layers == 3
     assert resolved.not_modelled == ()
+
+
+def test_the_planners_bound_keeps_the_layer_inputs_a_fraction_leaves():
+    """memory_lower_bound: offloading qkv_linear moves every layer input to the host; with
+    activation_offload_fraction 0.5 over 8 layers (one or more groups a layer) the last
+    int(8 x 0.5) - 1 = 3 whole layers keep theirs ([s, b, h] bf16, one micro-batch in flight
+    without pipelining)."""
+    from metatrace.planning.estimates import memory_lower_bound
+
+    def bound(fraction):
+        training = {
+            "activation_offload_modules": ["qkv_linear", "core_attn"],
+            "activation_offload_fraction": fraction,
+        }
+        job = small_job(model={"num_layers": 8}, training=training)
+        return memory_lower_bound(job), job
+
+    full, job = bound(1.0)
+    half, _ = bound(0.5)
+    tokens = job.training.seq_length * job.training.micro_batch_size
+    assert half - full == 3 * tokens * job.model.hidden_size * 2
