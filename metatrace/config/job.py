@@ -124,9 +124,10 @@ class Model:
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing with a per-expert bias (DeepSeek-V3)."""
     moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"
     ] = "aux_loss"
-    """Load balancing of the router (Megatron-LM default aux_loss)."""
+    """Load balancing of the router (Megatron-LM default aux_loss; quantile_balancing, a
+    per-expert bias updated once per global batch, needs megatron-core 0.19)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the auxiliary load-balancing loss (Megatron-LM default 0)."""
     moe_z_loss_coeff: float | None = None

@@ -17,8 +17,9 @@ def check_with_megatron(job) -> None:
 
 def _check_release(job) -> None:
     """Job keys only megatron-core 0.19 has (the Megatron-FSDP dtypes, the repeated MTP layer,
-    fine-grained offloading's steady-state knobs), given another value than their default
-    under an older release, and Megatron-FSDP in the combined 1F1B schedule."""
+    fine-grained offloading's steady-state knobs, quantile-balancing routing), given another
+    value than their default under an older release, and Megatron-FSDP in the combined 1F1B
+    schedule."""
     from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, changed_from_default
     from metatrace.errors import ConfigError
     from metatrace.hooks import guards
@@ -37,6 +38,9 @@ def _check_release(job) -> None:
     if job.model.mtp_use_repeated_layer:
         why = "which builds a multi-token-prediction layer per depth"
         given.insert(0, ("model.mtp_use_repeated_layer", why))
+    if job.model.moe_router_load_balancing_type == "quantile_balancing":
+        why = "whose router has no quantile balancing"
+        given.insert(0, ("model.moe_router_load_balancing_type: quantile_balancing", why))
     if tr.megatron_fsdp and par.overlap_moe_expert_parallel_comm and job.model.num_experts:
         why = (
             "whose combined 1F1B schedule calls the layers' parts directly, past the hooks with "

@@ -7,6 +7,7 @@ import pytest
 from metatrace.analysis import aggregate as agg
 from metatrace.analysis.comm import job_comm
 from metatrace.analysis.memory import role_memory
+from metatrace.config import release
 from metatrace.tracing.trace import trace_job
 from tests.helpers import BALANCED, MOE, assert_meta_matches_real, small_job
 
@@ -340,3 +341,56 @@ def test_the_shared_expert_gate_keeps_the_gated_output_and_its_score(tp):
     block = 512  # the caching allocator's smallest block
     score = -(-tokens * BF16 // block) * block
     assert shared_bytes(True) - shared_bytes(False) == tokens * H * BF16 + score
+
+
+def _quantile_job(balancing):
+    return moe_job(
+        model={"num_layers": 2, "moe_router_load_balancing_type": balancing},
+        parallel={"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+        training={"global_batch_size": 8},
+        cluster={"num_gpus": 4},
+    )
+
+
+@pytest.mark.skipif(not release.since(0, 19), reason="quantile balancing is megatron-core 0.19's")
+def test_quantile_balancing_keeps_its_bias_and_averages_it_once_per_iteration():
+    """megatron-core 0.19's quantile-balancing routing (router.py quantile_balancing, run on
+    meta): each router keeps three fp32 buffers (qb_beta, qb_beta_accum [E], qb_beta_count),
+    a block each, and finalize_model_grads averages the layers' accumulated quantiles across
+    data parallelism once per iteration, one [moe layers, E] fp32 all-reduce; the meta trace
+    keeps what real CPU tensors keep."""
+    from metatrace.analysis.analyze import analyze
+    from metatrace.world import World
+
+    layers, experts = 2, MOE["num_experts"]
+    runs = {
+        b: analyze(trace_job(_quantile_job(b), full_model=False, workers=1))
+        for b in ("none", "quantile_balancing")
+    }
+    plain, quantile = (runs[b].roles[0].memory.params for b in ("none", "quantile_balancing"))
+    assert quantile - plain == 3 * layers * 512
+
+    def reduced(analysis):
+        rt = analysis.traced.roles[0]
+        return [
+            (c.shape, c.dtype, c.group)
+            for c, _ in rt.iteration.tally("collectives")
+            if c.op == "all_reduce"
+        ]
+
+    added = list(reduced(runs["quantile_balancing"]))
+    for entry in reduced(runs["none"]):
+        added.remove(entry)
+    assert added == [((layers, experts), "float32", "dp_cp")]
+    job = _quantile_job("quantile_balancing")
+    world = World.from_job(job)
+    assert_meta_matches_real(job, world, world.roles()[0])
+
+
+@pytest.mark.skipif(release.since(0, 19), reason="megatron-core 0.19 has quantile balancing")
+def test_quantile_balancing_is_refused_before_0_19():
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.checks import check_with_megatron
+
+    with pytest.raises(ConfigError, match="quantile_balancing needs megatron-core 0.19"):
+        check_with_megatron(_quantile_job("quantile_balancing"))

@@ -770,9 +770,7 @@ def _experts(v, job, notes, problems) -> None:
                 f"{_show('--moe-router-load-balancing-type', kinds)}: combined "
                 "load-balancing losses are not modelled; give one"
             )
-        # quantile_balancing (newer Megatron-LM) is reported as not modelled
-        kind = "none" if kinds[0] == "quantile_balancing" else kinds[0]
-        m["moe_router_load_balancing_type"] = kind
+        m["moe_router_load_balancing_type"] = kinds[0]
     coeffs = v.get("--moe-aux-loss-coeff")
     if coeffs:
         m["moe_aux_loss_coeff"] = coeffs[0]

@@ -338,11 +338,6 @@ UNMODELLED_VALUES: dict[str, tuple[tuple[Any, ...], str, Direction]] = {
         "the sqrtsoftplus router score function (routed as softmax)",
         "unknown",
     ),
-    "--moe-router-load-balancing-type": (
-        ("quantile_balancing",),
-        "quantile load balancing (routed without a balancing loss)",
-        "unknown",
-    ),
     "--moe-flex-dispatcher-backend": (
         ("ncclep",),
         "the NCCL EP flex dispatcher (dispatched as DeepEP)",
