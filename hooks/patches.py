@@ -967,6 +967,14 @@ PATCHES += (
         "as TELinear: the down-projections' class test.",
     ),
     Patch(
+        "megatron.core.transformer.multi_latent_attention",
+        "TELayerNormColumnParallelLinear",
+        _standin("metatrace.models.te_linear", "TELayerNormColumnParallelLinear"),
+        RELEASE_0_19,
+        "as TELinear: FusedMLASelfAttention's class test of its fused down-projection "
+        "(mla_down_proj_fusion), which takes the input norm.",
+    ),
+    Patch(
         "megatron.core.transformer.dot_product_attention",
         "DotProductAttention.__init__",
         _kv_channels_per_tensor,

@@ -247,6 +247,8 @@ def transformer_config(job, *, cuda_graphs: bool = False, check_only: bool = Fal
         )
     if m.mtp_use_repeated_layer:  # a 0.19 field (tracing.checks refuses it under 0.16.1)
         fields.update(mtp_use_repeated_layer=True)
+    if m.mla_down_proj_fusion:  # as mtp_use_repeated_layer
+        fields.update(mla_down_proj_fusion=True)
     # 0.19 fields (tracing.checks refuses other values than their defaults under 0.16.1).
     fields.update({key: getattr(tr, key) for key in changed_from_default(tr, OFFLOAD_KNOBS)})
     config_class = TransformerConfig

@@ -13,8 +13,8 @@ plugs into `gpt_layer_spec` the same way.
 norm into the following linear (`fuse_layernorm_and_linear()`), input_layernorm and
 pre_mlp_layernorm become identities and linear_qkv / linear_fc1 take the norm, as in the TE spec.
 megatron-core 0.19 builds the same modules through its `*_submodules` functions: its norms'
-`has_residual` fuses the residual add only with `fused_residual_rmsnorm`, and
-`mla_down_proj_fusion` is off unless set; no job sets either.
+`has_residual` fuses the residual add only with `fused_residual_rmsnorm`, which no job sets;
+`mla_down_proj_fusion` (model.mla_down_proj_fusion) builds FusedMLASelfAttention.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class MetaLocalSpecProvider(LocalSpecProvider):
         return LocalNorm
 
 
-def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
+def mla_attention_spec(provider, *, qk_layernorm: bool, fused_down: bool = False) -> ModuleSpec:
     """megatron-core 0.16.1's MLASelfAttention spec, as get_gpt_layer_with_transformer_engine_spec
     (a provider that fuses norms: down-projections replicated (TELinear), the latent norms fused
     into the up-projections) and get_gpt_layer_local_spec (column-parallel projections, separate
@@ -68,7 +68,34 @@ def mla_attention_spec(provider, *, qk_layernorm: bool) -> ModuleSpec:
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     (source sha256: 15eb8848f25b, 952ee2781ae2). Restates
     megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec
-    (source sha256: d2c4230163a4, 2530dc133326)."""
+    (source sha256: d2c4230163a4, 2530dc133326).
+
+    `fused_down` (megatron-core 0.19's mla_down_proj_fusion, a provider that fuses norms): one
+    down-projection for the query and the key-value latents that takes the layer's input norm
+    (FusedMLASelfAttention; the layer's input norm is then an identity), the latent norms fused
+    into the up-projections as before."""
+    if fused_down:
+        from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
+
+        up = (
+            provider.column_parallel_layer_norm_linear()
+            if qk_layernorm
+            else provider.column_parallel_linear()
+        )
+        return ModuleSpec(
+            module=FusedMLASelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=provider.column_parallel_linear(),
+                linear_qkv_down_proj=provider.column_parallel_layer_norm_linear(),
+                linear_q_up_proj=up,
+                linear_kv_up_proj=up,
+                core_attention=provider.core_attention(),
+                linear_proj=provider.row_parallel_linear(),
+                q_layernorm=IdentityOp,
+                kv_layernorm=IdentityOp,
+            ),
+        )
     if provider.fuse_layernorm_and_linear():
         up = (
             provider.column_parallel_layer_norm_linear()
@@ -105,6 +132,7 @@ def gpt_layer_spec(
     multi_latent_attention: bool = False,
     te_op_fuser: bool = False,
     gated_delta_net: bool = False,
+    mla_down_proj_fusion: bool = False,
 ) -> ModuleSpec:
     """A GPT layer spec built from `provider`: dense, or with `num_experts` a MoE layer
     (megatron-core's MoELayer from get_moe_module_spec_for_backend; the pre-MLP norm is then a
@@ -152,11 +180,14 @@ def gpt_layer_spec(
             ),
         )
     if multi_latent_attention:
+        fused_down = mla_down_proj_fusion and fused  # megatron-core 0.19's TE spec
         return ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=norm,
-                self_attention=mla_attention_spec(provider, qk_layernorm=qk_layernorm),
+                input_layernorm=IdentityOp if fused_down else norm,
+                self_attention=mla_attention_spec(
+                    provider, qk_layernorm=qk_layernorm, fused_down=fused_down
+                ),
                 self_attn_bda=get_bias_dropout_add,
                 pre_mlp_layernorm=IdentityOp if fused and num_experts is None else norm,
                 mlp=mlp,
@@ -246,6 +277,7 @@ def _layer_spec(config, provider, *, moe: bool, gdn: bool = False) -> ModuleSpec
         moe_grouped_gemm=config.moe_grouped_gemm,
         multi_latent_attention=config.multi_latent_attention,
         te_op_fuser=getattr(config, "use_transformer_engine_op_fuser", False),
+        mla_down_proj_fusion=getattr(config, "mla_down_proj_fusion", False),
     )
 
 

@@ -1214,6 +1214,7 @@ _MLA_KEYS = tuple(
         "qk_head_dim",
         "qk_pos_emb_head_dim",
         "v_head_dim",
+        "mla_down_proj_fusion",
         *YARN_KEYS,
     )
 )
@@ -1249,6 +1250,13 @@ def _check_mla(job):
             yield f"model.{name} = {getattr(m, name)} must be at least 1"
     if m.q_lora_rank is not None and m.q_lora_rank < 1:
         yield f"model.q_lora_rank = {m.q_lora_rank} must be at least 1 (or omitted)"
+    if m.mla_down_proj_fusion:
+        # megatron-core 0.19 builds the fused attention in its Transformer Engine spec only and
+        # asserts a query compression (FusedMLASelfAttention)
+        if job.implementation.transformer_impl != "transformer_engine":
+            yield "model.mla_down_proj_fusion needs implementation.transformer_impl transformer_engine"
+        if m.q_lora_rank is None:
+            yield "model.mla_down_proj_fusion needs model.q_lora_rank (a query compression)"
     if par.cp > 1:
         # Transformer Engine's context-parallel attention exchanges K and V of different head
         # dimensions separately for MLA; models/te_cp.py models equal head dimensions only.

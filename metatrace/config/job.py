@@ -147,6 +147,10 @@ class Model:
     is qk_head_dim + qk_pos_emb_head_dim wide."""
     v_head_dim: int = 128
     """MLA: value head dimension."""
+    mla_down_proj_fusion: bool = False
+    """MLA (megatron-core 0.19, Transformer Engine, q_lora_rank set): one down-projection for
+    the query and the key-value latents with the input norm fused in (FusedMLASelfAttention,
+    --mla-down-proj-fusion)."""
     rope_type: Literal["rope", "yarn"] | None = None
     """MLA: rotary embedding kind; default yarn (megatron-core's MLATransformerConfig). Without
     MLA only rope (YaRN there is position_embedding_type: yarn)."""

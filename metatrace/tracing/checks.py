@@ -38,6 +38,9 @@ def _check_release(job) -> None:
     if job.model.mtp_use_repeated_layer:
         why = "which builds a multi-token-prediction layer per depth"
         given.insert(0, ("model.mtp_use_repeated_layer", why))
+    if job.model.mla_down_proj_fusion:
+        why = "whose multi-latent attention has no fused down-projection"
+        given.insert(0, ("model.mla_down_proj_fusion", why))
     if job.model.moe_router_load_balancing_type == "quantile_balancing":
         why = "whose router has no quantile balancing"
         given.insert(0, ("model.moe_router_load_balancing_type: quantile_balancing", why))

@@ -152,3 +152,51 @@ def test_mtp_adds_its_layer_and_loss_on_the_last_stage(parallel):
     assert _loss_reductions(last0) == 3
     assert _loss_reductions(last) == 6
     assert _loss_reductions(first) == _loss_reductions(first0) == 0
+
+
+def _fused_down(fused):
+    job = small_job(
+        model={**MLA, "mla_down_proj_fusion": fused}, parallel={"tp": 2}, cluster={"num_gpus": 2}
+    )
+    return job, trace_job(job, full_model=False, workers=1).roles[0]
+
+
+@pytest.mark.skipif(not guards.since(0, 19), reason="mla_down_proj_fusion is megatron-core 0.19's")
+def test_fused_down_projection_is_column_parallel_and_gathers_the_latents():
+    """megatron-core 0.19's mla_down_proj_fusion (FusedMLASelfAttention, run on meta): one
+    down-projection [h, q_lora + kv_lora + rope] that takes the input norm and is
+    column-parallel (tp 2): a layer has h (q_lora + kv_lora + rope) / 2 weights fewer on a rank
+    than the replicated pair; each forward all-gathers the query latent [s, b, q_lora / 2] and
+    the key-value latent [s, b, (kv_lora + rope) / 2] over TP, and its backward all-reduces the
+    input's gradient [s b, h]."""
+    from collections import Counter
+
+    (plain_job, plain), (_, fused) = _fused_down(False), _fused_down(True)
+    m, s, b = plain_job.model, plain_job.training.seq_length, plain_job.training.micro_batch_size
+    down = m.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    expected = mla_layer_closed_form(plain_job, fused=True) - down // 2
+    for layer in range(m.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        got = sum(
+            p.numel for x in fused.trace.modules if x.fqn.startswith(prefix) for p in x.params
+        )
+        assert got == expected
+
+    def tp(rt):
+        return Counter((c.phase, c.op, c.shape) for c in rt.trace.collectives if c.group == "tp")
+
+    latents = (m.q_lora_rank // 2, (m.kv_lora_rank + m.qk_pos_emb_head_dim) // 2)
+    added = {("forward", "all_gather", (2 * s, b, n)): m.num_layers for n in latents}
+    added[("backward", "all_reduce", (s * b, m.hidden_size))] = m.num_layers
+    assert tp(fused) - tp(plain) == Counter(added)
+    assert not tp(plain) - tp(fused)
+
+
+@pytest.mark.skipif(guards.since(0, 19), reason="megatron-core 0.19 has mla_down_proj_fusion")
+def test_fused_down_projection_is_refused_before_0_19():
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.checks import check_with_megatron
+
+    job = small_job(model={**MLA, "mla_down_proj_fusion": True})
+    with pytest.raises(ConfigError, match="mla_down_proj_fusion needs megatron-core 0.19"):
+        check_with_megatron(job)

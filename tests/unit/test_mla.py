@@ -34,6 +34,21 @@ from tests.helpers import MLA, small_job
         ),
         ({"model": {"mtp_num_layers": 0}}, "model.mtp_num_layers = 0 must be at least 1"),
         (
+            {"model": {**MLA, "mla_down_proj_fusion": True, "q_lora_rank": None}},
+            "mla_down_proj_fusion needs model.q_lora_rank",
+        ),
+        (
+            {
+                "model": {**MLA, "mla_down_proj_fusion": True},
+                "implementation": {"transformer_impl": "local"},
+            },
+            "mla_down_proj_fusion needs implementation.transformer_impl transformer_engine",
+        ),
+        (
+            {"model": {"mla_down_proj_fusion": True}},
+            "model.mla_down_proj_fusion need model.multi_latent_attention",
+        ),
+        (
             {
                 "model": {"num_layers": 3, "mtp_num_layers": 1},
                 "parallel": {"pp": 3, "layout": "Et|ttm|L"},

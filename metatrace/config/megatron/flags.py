@@ -211,6 +211,7 @@ _MODELLED: dict[str, str | None] = {
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
     "--mtp-use-repeated-layer": "model.mtp_use_repeated_layer",
+    "--mla-down-proj-fusion": "model.mla_down_proj_fusion",
     # hybrid models (pretrain_mamba.py / pretrain_hybrid.py): the pattern, Mamba-2's sizes;
     # Gated DeltaNet in GPT models (Qwen3-Next), gated attention, LatentMoE
     "--hybrid-override-pattern": None,  # 0.16.1's name; 0.19 forwards it to the next
@@ -750,7 +751,6 @@ _NOT_MODELLED: dict[tuple[str, Direction], str] = {
     ),
     ("attention kernel generation pinned (FA2/FA3/FA4)", "either"): "--flash-attention-version",
     ("fused residual + RMSNorm", "unknown"): "--fused-residual-rmsnorm",
-    ("MLA down-projection fusion", "unknown"): "--mla-down-proj-fusion",
     # megatron-core 0.19.2 TransformerLayer._forward_mlp: each chunk's activations are saved as
     # the whole MLP's were, its temporaries 1/n as large, and the chunks' outputs concatenated
     # (a second copy of the MLP's output while torch.cat runs).
