@@ -74,28 +74,6 @@ def mla_attention_spec(provider, *, qk_layernorm: bool, fused_down: bool = False
     down-projection for the query and the key-value latents that takes the layer's input norm
     (FusedMLASelfAttention; the layer's input norm is then an identity), the latent norms fused
     into the up-projections as before."""
-    if fused_down:
-        from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
-
-        up = (
-            provider.column_parallel_layer_norm_linear()
-            if qk_layernorm
-            else provider.column_parallel_linear()
-        )
-        return ModuleSpec(
-            module=FusedMLASelfAttention,
-            params={"attn_mask_type": AttnMaskType.causal},
-            submodules=MLASelfAttentionSubmodules(
-                linear_q_proj=provider.column_parallel_linear(),
-                linear_qkv_down_proj=provider.column_parallel_layer_norm_linear(),
-                linear_q_up_proj=up,
-                linear_kv_up_proj=up,
-                core_attention=provider.core_attention(),
-                linear_proj=provider.row_parallel_linear(),
-                q_layernorm=IdentityOp,
-                kv_layernorm=IdentityOp,
-            ),
-        )
     if provider.fuse_layernorm_and_linear():
         up = (
             provider.column_parallel_layer_norm_linear()
@@ -106,19 +84,24 @@ def mla_attention_spec(provider, *, qk_layernorm: bool, fused_down: bool = False
     else:
         up = down = provider.column_parallel_linear()
         latent_norm = provider.layer_norm(for_qk=True) if qk_layernorm else IdentityOp
+    module, downs = MLASelfAttention, {"linear_q_down_proj": down, "linear_kv_down_proj": down}
+    if fused_down:
+        from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
+
+        module = FusedMLASelfAttention
+        downs = {"linear_qkv_down_proj": provider.column_parallel_layer_norm_linear()}
     return ModuleSpec(
-        module=MLASelfAttention,
+        module=module,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=provider.column_parallel_linear(),
-            linear_q_down_proj=down,
             linear_q_up_proj=up,
-            linear_kv_down_proj=down,
             linear_kv_up_proj=up,
             core_attention=provider.core_attention(),
             linear_proj=provider.row_parallel_linear(),
             q_layernorm=latent_norm,
             kv_layernorm=latent_norm,
+            **downs,
         ),
     )
 
