@@ -317,16 +317,14 @@ def steady_offload(
     microbatches: int,
     group: int,
     fraction: float,
-) -> Steady | None:
+) -> Steady:
     """post_warmup_callback of megatron-core 0.19 (pipeline_parallel/
-    fine_grained_activation_offload.py) over the traced micro-batch's groups, repeated for
-    each handler; None where it offloads what 0.16.1 does (fraction 1).
+    fine_grained_activation_offload.py; 0.16.1's without the fraction) over the traced
+    micro-batch's groups, repeated for each handler.
 
     Its delta across pipeline ranks keeps nothing on rank 0 and, on the others, the first
     group of the first handler, which megatron-core 0.19.2 cannot run (config.checks refuses
     it with pipeline parallelism)."""
-    if fraction >= 1.0:
-        return None
     chunks = len(record.groups)
     sizes = tuple(
         tuple(
@@ -400,7 +398,14 @@ def keeping_groups(trace: Trace, record: OffloadRecord, chunk: int, groups) -> T
     return dataclasses.replace(trace, memory=tuple(out))
 
 
-def role_steady(job, record: OffloadRecord, *, pp_stage: int) -> Steady | None:
+def keeps_more(job) -> bool:
+    """Whether the steady state keeps groups on the GPU beyond the traced micro-batch and
+    offload_slots (activation_offload_fraction below 1): the replay then takes each
+    micro-batch's steps from role_steady."""
+    return job.training.activation_offload_fraction < 1.0
+
+
+def role_steady(job, record: OffloadRecord, *, pp_stage: int) -> Steady:
     """steady_offload for a rank of pipeline stage `pp_stage` of `job`."""
     tr, par = job.training, job.parallel
     return steady_offload(
@@ -443,11 +448,9 @@ def steady_microbatches(job, rt) -> tuple[Trace, dict[tuple[int, int], Trace]] |
     """The traced micro-batch as an offloading role's steady micro-batches run it (each chunk
     keeping what its steady state keeps, role_steady), and {(chunk, micro-batch): trace} for the
     micro-batches that keep other groups; None where the traced one stands for them all."""
-    if rt.offload is None or job.training.cpu_offloading_num_layers:
+    if rt.offload is None or job.training.cpu_offloading_num_layers or not keeps_more(job):
         return None
     steady = role_steady(job, rt.offload, pp_stage=rt.role.pp_stage)
-    if steady is None:
-        return None
     typical = {v: steady.held(v, steady.steady(v)) for v in range(len(rt.offload.groups))}
 
     def keeping(groups: dict[int, frozenset]) -> Trace:
@@ -479,32 +482,18 @@ class OffloadSummary:
     host allocator); per node, times the GPUs per node."""
 
 
-def offload_summary(
-    record: OffloadRecord,
-    iteration: Trace,
-    *,
-    microbatches: int,
-    last_stage: bool,
-    steady: Steady | None = None,
-) -> OffloadSummary:
+def offload_summary(record: OffloadRecord, iteration: Trace, steady: Steady) -> OffloadSummary:
     """PCIe traffic and pinned host memory from the offload record of the traced micro-batch and
     the replayed iteration (its forward and backward windows say what is in flight).
 
-    The last group of each name stays on the GPU: on the last pipeline stage in every
-    micro-batch of the last chunk (its backward comes right after its forward, so the manager
-    never offloads what is about to be used); elsewhere in the first micro-batch of the chunk
-    that runs backward first (the last chunk). With `steady`, the groups it keeps stay too."""
+    What stays on the GPU is `steady`'s: the last group of each name on the last pipeline stage
+    in every micro-batch of the last chunk (its backward comes right after its forward, so the
+    manager never offloads what is about to be used), elsewhere in the first micro-batch of the
+    chunk that runs backward first (the last chunk); with a fraction, the later groups of
+    every micro-batch."""
     chunks = len(record.groups)
-    if steady is not None:
-        per_microbatch = sum(steady.moved(v, steady.steady(v)) for v in range(chunks))
-        per_iteration = sum(steady.moved(v, m) for v, m in steady.order)
-    else:
-        moved = [sum(m.bytes for m in record.moved if m.chunk == v) for v in range(chunks)]
-        last = chunks - 1
-        tail = _last_groups(record.groups[last]) if chunks else set()
-        kept = sum(m.bytes for m in record.moved if m.chunk == last and m.group in tail)
-        per_microbatch = sum(moved) - (kept if last_stage else 0)
-        per_iteration = microbatches * per_microbatch - (0 if last_stage else kept)
+    per_microbatch = sum(steady.moved(v, steady.steady(v)) for v in range(chunks))
+    per_iteration = sum(steady.moved(v, m) for v, m in steady.order)
     host = [_pinned(m for m in record.moved if m.chunk == v) for v in range(chunks)]
     changes = []
     win = iteration.columns("windows", ("phase", "chunk", "first", "last"))
@@ -542,11 +531,7 @@ def role_offload(job, rt) -> OffloadSummary | None:
     if job.training.cpu_offloading_num_layers:
         return layer_offload_summary(rt.offload, microbatches=job.num_microbatches)
     return offload_summary(
-        rt.offload,
-        rt.iteration,
-        microbatches=job.num_microbatches,
-        last_stage=rt.role.pp_stage == job.parallel.pp - 1,
-        steady=role_steady(job, rt.offload, pp_stage=rt.role.pp_stage),
+        rt.offload, rt.iteration, role_steady(job, rt.offload, pp_stage=rt.role.pp_stage)
     )
 
 

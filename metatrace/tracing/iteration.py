@@ -125,6 +125,7 @@ class _Replay:
         self.chunk_of = {id(chunk): v for v, chunk in enumerate(model)}
         self.calls = [0] * len(model)
         self.places: dict[int, tuple] = {}  # chunk -> (the last virtual stage?, its decoder)
+        self.combined: dict[int, int] = {}  # chunk -> fsdp.combined_extra
         # DDP's gradient hooks per chunk, in backward order (last parameter first).
         self.hooks = [_gradient_hooks(chunk) for chunk in model]
         self.launches = [_launches_reductions(chunk) for chunk in model]
@@ -224,7 +225,9 @@ class _Replay:
         chunk v (StepProfile.overlap; with Megatron-FSDP sharding the parameters, one layer's
         gathered parameters more, fsdp.combined_extra), alive while the caller holds it."""
         n = self.profiles[("forward", v)].overlap
-        extra = fsdp.combined_extra(self.model[v])
+        if v not in self.combined:  # (the same for every step)
+            self.combined[v] = fsdp.combined_extra(self.model[v])
+        extra = self.combined[v]
         held = [self._empty(b) for b in (n, extra) if b]
         return held or None
 

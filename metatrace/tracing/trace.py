@@ -300,6 +300,7 @@ def _trace_role(
 
     from metatrace.analysis.memory import (
         deferred_bytes,
+        keeps_more,
         offload_profiles,
         offload_slots,
         role_steady,
@@ -387,7 +388,11 @@ def _trace_role(
         if iteration:
             last_stage = role.pp_stage == job.parallel.pp - 1
             fine_grained = record if offloading else None
-            on_gpu = role_steady(job, record, pp_stage=role.pp_stage) if fine_grained else None
+            on_gpu = (
+                role_steady(job, record, pp_stage=role.pp_stage)
+                if fine_grained and keeps_more(job)
+                else None
+            )
             slots = (
                 offload_slots(trace, record, last_stage=last_stage, steady=on_gpu)
                 if fine_grained
