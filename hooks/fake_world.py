@@ -17,6 +17,14 @@ from metatrace.world import Layout
 # Every device type needs a backend: plain "fake" breaks batch_isend_irecv on meta tensors.
 FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
 
+_DOMAIN: list[int | None] = [None]
+
+
+def nvlink_domain() -> int | None:
+    """GPUs per NVLink domain of the simulated cluster (World.nvlink_domain: ranks in order),
+    for stand-ins of kernels that route by it (HybridEP); None outside `fake_world`."""
+    return _DOMAIN[0]
+
 
 def _group_getters():
     """megatron-core's process groups by the name metatrace reports them under.
@@ -111,8 +119,9 @@ def _symmetric_object_gathers():
 
 
 @contextlib.contextmanager
-def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
-    """Simulate global `rank` of `layout`; megatron-core's parallel_state is live inside."""
+def fake_world(layout: Layout, rank: int, *, seed: int = 1234, nvlink_domain: int | None = None):
+    """Simulate global `rank` of `layout`; megatron-core's parallel_state is live inside;
+    `nvlink_domain`: the cluster's GPUs per NVLink domain (read back by `nvlink_domain()`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -122,6 +131,7 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
     dist.init_process_group(
         backend=FAKE_BACKEND, rank=rank, world_size=layout.world_size, store=FakeStore()
     )
+    _DOMAIN[0] = nvlink_domain
     try:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
@@ -143,6 +153,7 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234):
     finally:
         from metatrace.hooks.patches import clear_parallel_state_leftovers
 
+        _DOMAIN[0] = None
         ps.destroy_model_parallel()
         clear_parallel_state_leftovers()
         if dist.is_initialized():

@@ -30,7 +30,12 @@ Known limitations:
   per destination node over RDMA and forwards it over NVLink inside the node: the call is marked
   with the bytes that leave the node (FlexLayout.rdma_sent rows, from `node_hit_probability`),
   which the time model sends through the NIC (metatrace.analysis.comm.wire_seconds); the
-  traffic tables count the whole message. HybridEP's hierarchical path is not marked;
+  traffic tables count the whole message. HybridEP's dispatch and combine across NVLink domains
+  (the cluster's: nvlink_domain) are marked the same way, once per other domain hosting one of
+  a token's experts (FlexLayout.hybrid_across): its sources are not published (neither with
+  megatron-core nor on PyPI), and its hierarchy is taken as DeepEP's. The probabilities
+  HybridEP sends beside the tokens (the destination's local experts', fp32) stay a plain
+  all-to-all of rank rows;
 - the DeepEP / HybridEP communication buffers (deep_ep.Buffer's num_nvl_bytes and
   num_rdma_bytes, HybridEPBuffer) are allocated with cudaMalloc / NVSHMEM, outside PyTorch's
   allocator (deep_ep.cpp:45): not in the predicted peak, and not added to the verdict;
@@ -48,6 +53,7 @@ import torch.distributed as dist
 from metatrace.config.routing import Routing
 from metatrace.hooks import collectives
 from metatrace.hooks import host as _host
+from metatrace.hooks.fake_world import nvlink_domain
 from metatrace.models.moe import balanced_split, received_per_local_expert
 
 NVL_PEERS = 8
@@ -114,6 +120,27 @@ class FlexLayout:
         self.rdma_sent = (self.rdma_ranks - 1) * math.ceil(tokens * p_node)
         """Rows a rank sends over RDMA (to the other nodes, once per node that hosts one of a
         token's experts; NVLink forwards it inside the node); the combine sends as many back."""
+        self.hybrid_across = _hybrid_across(group, self.rank, self.tp, experts, topk, ep, tokens)
+        """HybridEP's rows out of the rank's NVLink domain, None inside one (_hybrid_across)."""
+
+
+def _hybrid_across(group, rank: int, tp: int, experts: int, topk: int, ep: int, tokens: int):
+    """Rows a rank's HybridEP dispatch sends out of its NVLink domain (the cluster's: a node,
+    or an NVL72 rack), once per other domain that hosts one of a token's experts, as DeepEP's
+    internode kernels do per node (HybridEP's sources are not published with megatron-core or
+    on PyPI: its hierarchy, RDMA between domains and NVLink inside them, is taken as DeepEP's);
+    None when the group lies inside one domain."""
+    domain = nvlink_domain()
+    if not domain:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    domains = {r // domain for r in ranks}
+    if len(domains) < 2:
+        return None
+    home = ranks[rank] // domain
+    near = sum(1 for r in ranks if r // domain == home)
+    p_domain = node_hit_probability(experts, topk, ep, max(near // tp, 1))
+    return (len(domains) - 1) * math.ceil(tokens * p_domain)
 
 
 def _exchange(
@@ -122,20 +149,21 @@ def _exchange(
     leave: torch.Tensor,
     rows_out: int,
     rows_in: int,
-    layout=None,
+    across: int | None = None,
     library: str = "deepep",
 ):
     """One all-to-all carrying `rows_out` rows of `leave` to the group and `rows_in` rows of
     `arrive` from it, equal shares per peer; expanded views, so no memory is allocated; marked
-    as `library`'s (its own buffers, no NCCL communicator's). With an internode DeepEP `layout`,
-    marked with the bytes that leave the node (layout.rdma_sent rows)."""
+    as `library`'s (its own buffers, no NCCL communicator's). `across`: the rows that leave the
+    NVLink domain where the kernel forwards inside it (DeepEP's internode path: layout.rdma_sent;
+    HybridEP's: layout.hybrid_across), marked with their bytes."""
     n = group.size()
     out = arrive.reshape(-1, arrive.shape[-1])[:1].expand(rows_in, arrive.shape[-1])
     inp = leave.reshape(-1, leave.shape[-1])[:1].expand(rows_out, leave.shape[-1])
-    across = contextlib.nullcontext()
-    if layout is not None and layout.internode:
-        across = collectives.crossing(layout.rdma_sent * leave.shape[-1] * leave.element_size())
-    with across, collectives.by_library(library):
+    crossing = contextlib.nullcontext()
+    if across is not None:
+        crossing = collectives.crossing(across * leave.shape[-1] * leave.element_size())
+    with crossing, collectives.by_library(library):
         dist.all_to_all_single(
             out, inp, balanced_split(rows_in, n), balanced_split(rows_out, n), group=group
         )
@@ -153,13 +181,18 @@ def _exchange_rows(group, arrive, leave, rows_out: int, rows_in: int, width: int
         )
 
 
-def _payload(group, x, idx, weights, rows_out, rows_in, layout=None):
+def _rdma(layout) -> int | None:
+    """DeepEP's rows out of the node (its internode kernels), None intranode."""
+    return layout.rdma_sent if layout.internode else None
+
+
+def _payload(group, x, idx, weights, rows_out, rows_in, layout):
     """The hidden states, then the top-k indices and weights beside them (DeepEP sends both
     with every token: intranode.cu dispatch's topk_idx / topk_weights buffers)."""
-    _exchange(group, x, x, rows_out, rows_in, layout)
+    _exchange(group, x, x, rows_out, rows_in, _rdma(layout))
     if idx is not None:
-        _exchange(group, idx, idx, rows_out, rows_in, layout)
-        _exchange(group, weights, weights, rows_out, rows_in, layout)
+        _exchange(group, idx, idx, rows_out, rows_in, _rdma(layout))
+        _exchange(group, weights, weights, rows_out, rows_in, _rdma(layout))
 
 
 def _sms(num_sms: int) -> int:
@@ -235,7 +268,7 @@ class _Dispatch(torch.autograd.Function):
         back = layout.per_peer * layout.ranks
         _payload(ctx.group, grad_x, None, None, grad_x.shape[0], back, layout)
         if weights is not None:
-            _exchange(ctx.group, weights, grad_weights, grad_x.shape[0], back, layout)
+            _exchange(ctx.group, weights, grad_weights, grad_x.shape[0], back, _rdma(layout))
         return out, None, weights, None, None, None
 
 
@@ -246,7 +279,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, x, group, handle, layout):
         n = handle[0 if layout.internode else 4].shape[0]
         combined = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
-        _exchange(group, combined, x, x.shape[0], layout.per_peer * layout.ranks, layout)
+        _exchange(group, combined, x, x.shape[0], layout.per_peer * layout.ranks, _rdma(layout))
         ctx.group, ctx.layout, ctx.n = group, layout, n
         return combined
 
@@ -255,7 +288,9 @@ class _Combine(torch.autograd.Function):
         # buffer.dispatch of the gradient with the cached handle (fused_a2a.py:197-203).
         layout = ctx.layout
         out = torch.empty((layout.received, grad.shape[1]), dtype=grad.dtype, device=grad.device)
-        _exchange(ctx.group, out, grad, layout.per_peer * layout.ranks, layout.received, layout)
+        _exchange(
+            ctx.group, out, grad, layout.per_peer * layout.ranks, layout.received, _rdma(layout)
+        )
         return out, None, None, None
 
 
@@ -311,7 +346,7 @@ class _HybridDispatch(torch.autograd.Function):
         out = torch.empty((permuted, x.shape[1]), dtype=x.dtype, device=x.device)
         out_probs = torch.empty((permuted,), dtype=torch.float32, device=x.device)
         sent, received = layout.per_peer * layout.ranks, layout.received
-        _exchange(group, out, x, sent, received, library="hybridep")
+        _exchange(group, out, x, sent, received, layout.hybrid_across, library="hybridep")
         # each token's probabilities for the destination's local experts (fp32) beside it
         _exchange_rows(group, out_probs, probs, sent, received, layout.local_experts)
         ctx.group, ctx.layout, ctx.n, ctx.probs_shape = group, layout, x.shape[0], probs.shape
@@ -324,7 +359,7 @@ class _HybridDispatch(torch.autograd.Function):
         probs = torch.empty(ctx.probs_shape, dtype=torch.float32, device=grad.device)
         layout = ctx.layout
         sent, received = layout.received, layout.per_peer * layout.ranks
-        _exchange(ctx.group, out, grad, sent, received, library="hybridep")
+        _exchange(ctx.group, out, grad, sent, received, layout.hybrid_across, library="hybridep")
         if grad_probs is not None:
             _exchange_rows(ctx.group, probs, grad_probs, sent, received, layout.local_experts)
         return out, None, probs, None, None, None
@@ -337,7 +372,13 @@ class _HybridCombine(torch.autograd.Function):
     def forward(ctx, x, group, layout, tokens):
         out = torch.empty((tokens, x.shape[1]), dtype=x.dtype, device=x.device)
         _exchange(
-            group, out, x, layout.received, layout.per_peer * layout.ranks, library="hybridep"
+            group,
+            out,
+            x,
+            layout.received,
+            layout.per_peer * layout.ranks,
+            layout.hybrid_across,
+            library="hybridep",
         )
         ctx.group, ctx.layout, ctx.permuted = group, layout, x.shape[0]
         return out
@@ -351,6 +392,7 @@ class _HybridCombine(torch.autograd.Function):
             grad,
             ctx.layout.per_peer * ctx.layout.ranks,
             ctx.layout.received,
+            ctx.layout.hybrid_across,
             library="hybridep",
         )
         return out, None, None, None

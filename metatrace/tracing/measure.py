@@ -368,7 +368,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         profiler as prof,
         patches,
         remap,
-        fake_world(world.layout, rank),
+        fake_world(world.layout, rank, nvlink_domain=world.nvlink_domain),
         te_process(te),
         local_broadcasts(),
         dropout,

@@ -337,7 +337,7 @@ def _trace_role(
     with (
         megatron_patches(compiled=compiled, optimizer=job.training.optimizer_impl),
         remap_cuda(device),
-        fake_world(world.layout, rank),
+        fake_world(world.layout, rank, nvlink_domain=world.nvlink_domain),
         te_process(te, userbuffers(job), device) as te_state,
     ):
         chunks = build_model_chunks(job=job, config=config, device=device)

@@ -144,6 +144,47 @@ def test_internode_deepep_marks_what_leaves_the_node():
     assert all(c.inter_bytes is None for c in layer0(intranode, "forward"))
 
 
+@pytest.mark.parametrize(
+    "cluster, domains, near",
+    [
+        ({"gpus_per_node": 8}, 2, 8),  # two nodes of 8
+        ({"gpus_per_node": 4}, 4, 4),  # four nodes of 4
+        ({"gpus_per_node": 4, "nvlink_domain": 16}, 1, 16),  # one NVLink domain of 4 nodes
+    ],
+)
+def test_hybridep_marks_what_leaves_the_nvlink_domain(cluster, domains, near):
+    """EP 16 over NVLink domains of `near` GPUs: HybridEP's dispatch and combine send a token
+    once to each other domain hosting one of its K experts (P = 1 - C(E - E near / EP, K) /
+    C(E, K)), in forward and backward alike; inside one domain nothing is marked. The
+    probabilities beside the tokens (fp32) stay unmarked."""
+    e, k, ep = 32, 4, 16
+    hybrid = small_job(
+        model={**MOE, "num_experts": e, "moe_router_topk": k},
+        parallel={
+            "ep": ep,
+            "moe_token_dispatcher_type": "flex",
+            "moe_flex_dispatcher_backend": "hybridep",
+        },
+        training={"global_batch_size": 32, "seq_length": S, "micro_batch_size": B, **BALANCED},
+        implementation={"moe_grouped_gemm": True},
+        cluster={"num_gpus": ep, **cluster},
+    )
+    trace = trace_job(hybrid, full_model=False).roles[0].trace
+    for phase in ("forward", "backward"):
+        calls = layer0(trace, phase)
+        hidden = [c.inter_bytes for c in calls if c.dtype == "bfloat16"]
+        assert len(hidden) == 2 and all(
+            c.inter_bytes is None for c in calls if c.dtype == "float32"
+        )
+        if domains == 1:
+            assert hidden == [None, None]
+            continue
+        local = e * near // ep  # experts in the rank's domain
+        rows = (domains - 1) * math.ceil(N * (1 - math.comb(e - local, k) / math.comb(e, k)))
+        assert rows == {2: 122, 4: 273}[domains]  # 128 x (1 - 1820/35960); 3 x ceil(128 x 0.7045)
+        assert hidden == [rows * H * BF16] * 2
+
+
 def test_every_dispatcher_waits_for_the_counts_once_a_layer(traced):
     """Dropless, the host learns the received tokens once per MoE layer's forward: DeepEP's
     dispatch busy-waits for the counts (deep_ep.cpp), HybridEP without num_permuted_tokens
