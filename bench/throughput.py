@@ -60,9 +60,9 @@ ASSUMED = {
     "mbridge": "the recipe's settings as the row gives them (MBRIDGE_PRESETS for the models); "
     "DGX B200/B300/H100 nodes of 8, GB200/GB300 trays of 4 in NVL72 racks, 64 GPUs of a "
     "rack to a job (16 of its 18 trays: the rack is the NVLink domain); force-balanced "
-    "routing (the tables' footnote); Transformer Engine graphs of scope attn where the "
-    "recipe also graphs moe_router and moe_preprocess (megatron-core 0.16.1's scopes); what "
-    "metatrace does not model said per row (MBRIDGE_LEFT_OUT)",
+    "routing (the tables' footnote); Transformer Engine's per-module graphs of the recipe's "
+    "scope (attn, moe_router, moe_preprocess; mamba not modelled); what metatrace does not "
+    "model said per row (MBRIDGE_LEFT_OUT)",
 }
 
 # GPU families the summary reports apart.
@@ -100,7 +100,6 @@ MBRIDGE_LEFT_OUT = (
     ("fp8_dot_product_attention=True", "FP8 attention"),
     ("moe_paged_stash", "paged stash and the experts padded for the graph"),
     ("cutedsl_fused_grouped_mlp", "cuteDSL fused grouped MLP"),
-    ("moe_router, moe_preprocess", "graphs of the router and the dispatch preprocessing"),
 )
 
 
@@ -292,12 +291,18 @@ def _mbridge(
             offload.split("cpu_offloading_num_layers=")[1].split(")")[0]
         )
     graphs, moe = tr.get("cuda_graphs", "none"), tr.get("moe")
-    if moe and not graphs.startswith("none"):
-        notes.append("CUDA graphs (metatrace: not with MoE models yet)")
+    if "full_iteration" in graphs and moe:
+        notes.append("the whole-iteration CUDA graph (metatrace: not with MoE models yet)")
     elif "full_iteration" in graphs:
         training.update(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
     elif graphs.startswith("Transformer Engine"):
-        training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"])
+        listed = re.search(r"scope \[([^\]]*)\]", graphs)
+        scope = [x.strip() for x in listed.group(1).split(",")] if listed else ["attn"]
+        if "mamba" in scope:
+            notes.append("CUDA graphs of the Mamba layers (scope mamba: not modelled)")
+            scope.remove("mamba")
+        if scope:
+            training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
     impl = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
     if moe:
         training["moe_routing"] = "balanced"  # force-balanced (the tables' footnote)

@@ -149,6 +149,20 @@ def current_crossing() -> int | None:
     return _CROSSING[-1] if _CROSSING else None
 
 
+_DOMAIN: list[int | None] = [None]
+
+
+def set_nvlink_domain(gpus: int | None) -> None:
+    """The simulated cluster's GPUs per NVLink domain (hooks/fake_world.py sets it)."""
+    _DOMAIN[0] = gpus
+
+
+def nvlink_domain() -> int | None:
+    """GPUs per NVLink domain of the simulated cluster (World.nvlink_domain: ranks in order),
+    for stand-ins of kernels that route by it (HybridEP); None outside a fake world."""
+    return _DOMAIN[0]
+
+
 _LIBRARY: list[str] = []
 
 

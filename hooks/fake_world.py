@@ -12,18 +12,11 @@ import contextlib
 
 import torch.distributed as dist
 
+from metatrace.hooks import collectives
 from metatrace.world import Layout
 
 # Every device type needs a backend: plain "fake" breaks batch_isend_irecv on meta tensors.
 FAKE_BACKEND = "cpu:fake,cuda:fake,meta:fake"
-
-_DOMAIN: list[int | None] = [None]
-
-
-def nvlink_domain() -> int | None:
-    """GPUs per NVLink domain of the simulated cluster (World.nvlink_domain: ranks in order),
-    for stand-ins of kernels that route by it (HybridEP); None outside `fake_world`."""
-    return _DOMAIN[0]
 
 
 def _group_getters():
@@ -121,7 +114,7 @@ def _symmetric_object_gathers():
 @contextlib.contextmanager
 def fake_world(layout: Layout, rank: int, *, seed: int = 1234, nvlink_domain: int | None = None):
     """Simulate global `rank` of `layout`; megatron-core's parallel_state is live inside;
-    `nvlink_domain`: the cluster's GPUs per NVLink domain (read back by `nvlink_domain()`)."""
+    `nvlink_domain`: the cluster's GPUs per NVLink domain (collectives.nvlink_domain() inside)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -131,7 +124,7 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234, nvlink_domain: in
     dist.init_process_group(
         backend=FAKE_BACKEND, rank=rank, world_size=layout.world_size, store=FakeStore()
     )
-    _DOMAIN[0] = nvlink_domain
+    collectives.set_nvlink_domain(nvlink_domain)
     try:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
@@ -153,7 +146,7 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234, nvlink_domain: in
     finally:
         from metatrace.hooks.patches import clear_parallel_state_leftovers
 
-        _DOMAIN[0] = None
+        collectives.set_nvlink_domain(None)
         ps.destroy_model_parallel()
         clear_parallel_state_leftovers()
         if dist.is_initialized():

@@ -98,6 +98,15 @@ def _true(orig):
     return True
 
 
+def _standin_factory(module: str, name: str):
+    """A patch's `make` from `module.name(orig)`, imported when the patch is applied."""
+
+    def make(orig):
+        return getattr(importlib.import_module(module), name)(orig)
+
+    return make
+
+
 def _standin(module: str, name: str):
     """A replacement that is metatrace's stand-in `name` from `module`, whatever the original."""
 
@@ -526,6 +535,23 @@ PATCHES += (
         "bound from Transformer Engine at import (absent or None without it); the latent "
         "projections of moe_latent_size (Nemotron 3 Super's LatentMoE) are TELinear.",
         creates=True,
+    ),
+    *(
+        Patch(
+            "megatron.core.transformer.moe.moe_layer",
+            f"MoELayer.{method}",
+            _standin_factory("metatrace.models.moe_graphs", factory),
+            EVERY_RELEASE,
+            "Transformer Engine's graphs of a MoE layer's router part (cuda_graph_scope "
+            "moe_router, moe_preprocess) end in these methods: the graph's outputs, whose "
+            "static gradients it keeps, and the preprocessing the time model counts as "
+            "captured (metatrace.models.moe_graphs; unchanged without such graphs).",
+        )
+        for method, factory in (
+            ("route", "moe_route"),
+            ("preprocess", "moe_preprocess"),
+            ("shared_experts_compute", "moe_shared_experts"),
+        )
     ),
     Patch(
         "megatron.core.transformer.moe.moe_layer",
@@ -1024,15 +1050,6 @@ for _name in (
             "module imports with a mocked triton and `kernel[grid](...)` raises TypeError.",
         ),
     )
-
-
-def _standin_factory(module: str, name: str):
-    """A patch's `make` from `module.name(orig)`, imported when the patch is applied."""
-
-    def make(orig):
-        return getattr(importlib.import_module(module), name)(orig)
-
-    return make
 
 
 # Recompute under FP8 (CheckpointWithoutOutput(fp8=True): layernorm, mla_up_proj): random.py

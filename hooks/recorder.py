@@ -467,6 +467,14 @@ def _model_params(mod: torch.nn.Module):
         yield name, getattr(p, "orig_param", p)
 
 
+_ACTIVE: list[Recorder] = []
+
+
+def current() -> Recorder | None:
+    """The recorder recording now (the innermost), None outside one."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -572,6 +580,7 @@ class Recorder:
                 self._modes.append(mode)
             _flops.push(self._flops)
             _host.push(self._host)
+            _ACTIVE.append(self)
         except BaseException:
             self._remove()
             raise
@@ -592,6 +601,8 @@ class Recorder:
         return _DataSwaps(self, fast and (not below or remap is not None), remap)
 
     def _remove(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         _flops.pop(self._flops)
         _host.pop(self._host)
         while self._modes:
@@ -701,6 +712,23 @@ class Recorder:
         finally:
             self._label = saved
 
+    def fqn_of(self, module) -> str | None:
+        """The recorded name of a module of the traced chunks (None for others)."""
+        return self._fqn.get(id(module))
+
+    @contextlib.contextmanager
+    def region(self, fqn: str, args=()):
+        """Attribute what runs inside to a module `fqn` that is not an nn.Module of its own (a
+        method of one that a CUDA graph captures apart from the rest, e.g. a MoE layer's
+        preprocessing), as a module's forward is: its operators, and the autograd nodes of the
+        outputs put in the yielded list (their backward)."""
+        out: list = []
+        self._enter(fqn, args, call=False)
+        try:
+            yield out
+        finally:
+            self._leave(fqn, out[0] if out else None)
+
     def storage_of(self, t: torch.Tensor) -> int | None:
         """The storage id of `t` (None when it is not on a recorded device)."""
         return self.storages.see(t)
@@ -748,18 +776,23 @@ class Recorder:
     def _pre_forward(self, module, args):
         fqn = self._fqn.get(id(module))
         if fqn is not None:
-            if _flops.counting():
-                in_backward = torch._C._current_graph_task_id() != -1
-                self._host.module(fqn, "recompute" if in_backward else "forward")
-            self._stack.append(fqn)
-            # Nodes behind the module's inputs were made before it ran (by its parent, e.g. a
-            # MoE layer's dispatcher before its experts): not the module's to label.
-            self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
+            self._enter(fqn, args)
+
+    def _enter(self, fqn: str, args, call: bool = True) -> None:
+        if call and _flops.counting():  # a module's __call__ (a region is a method's)
+            in_backward = torch._C._current_graph_task_id() != -1
+            self._host.module(fqn, "recompute" if in_backward else "forward")
+        self._stack.append(fqn)
+        # Nodes behind the module's inputs were made before it ran (by its parent, e.g. a
+        # MoE layer's dispatcher before its experts): not the module's to label.
+        self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module, args, output):
         fqn = self._fqn.get(id(module))
-        if fqn is None:
-            return
+        if fqn is not None:
+            self._leave(fqn, output)
+
+    def _leave(self, fqn: str, output) -> None:
         inputs = set()
         if self._stack and self._stack[-1] == fqn:
             self._stack.pop()

@@ -53,7 +53,6 @@ import torch.distributed as dist
 from metatrace.config.routing import Routing
 from metatrace.hooks import collectives
 from metatrace.hooks import host as _host
-from metatrace.hooks.fake_world import nvlink_domain
 from metatrace.models.moe import balanced_split, received_per_local_expert
 
 NVL_PEERS = 8
@@ -130,7 +129,7 @@ def _hybrid_across(group, rank: int, tp: int, experts: int, topk: int, ep: int, 
     internode kernels do per node (HybridEP's sources are not published with megatron-core or
     on PyPI: its hierarchy, RDMA between domains and NVLink inside them, is taken as DeepEP's);
     None when the group lies inside one domain."""
-    domain = nvlink_domain()
+    domain = collectives.nvlink_domain()
     if not domain:
         return None
     ranks = dist.get_process_group_ranks(group)

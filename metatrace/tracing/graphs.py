@@ -16,7 +16,12 @@ good. What a captured run holds beyond the eager run's peak are the static buffe
   chunks. Beside them one gradient buffer per output signature (the layer's output). Where
   eager mode keeps one tensor per layer in flight (a layer's output, saved as the next one's
   input), the capture keeps two: the output in the pool and the next layer's static input, a
-  copy of it; the static inputs are that difference.
+  copy of it; the static inputs are that difference. A MoE layer's graph of its router part
+  (cuda_graph_scope moe_router, moe_preprocess) ends before the dispatch and returns the
+  router's or the preprocessing's tensors, the residual and the shared experts' output: one
+  gradient buffer for each of those that requires grad, per signature (`_MoEGraphs`), made
+  where the traced micro-batch's first MoE layer ends its captured part. Its outputs are
+  taken to live as long as the eager run keeps them (as the layers' activations are).
 - megatron-core's whole-iteration graph (local, cuda_graph_scope [full_iteration]:
   full_cuda_graph.py): its StaticBufferLoader copies every micro-batch's batch (tokens, labels,
   loss mask, positions, and the data loader's attention mask) to the GPU at the start of the
@@ -29,7 +34,9 @@ good. What a captured run holds beyond the eager run's peak are the static buffe
 All are allocated where the traced micro-batch starts and kept, like the kernel workspaces.
 Not modelled: the graphs' own memory outside PyTorch's allocator (executables, NCCL's
 registrations), fragmentation between the two pools, the zero mask a TE-graphed layer
-allocates per call when the data loader gives none.
+allocates per call when the data loader gives none; with moe_preprocess, the alltoall
+dispatcher's device-to-host copy moving out of the graph (megatron-core's cuda_dtoh_point
+before_ep_alltoall): the trace keeps it where eager mode has it, before the permutation.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import contextlib
 import itertools
 
 import torch
+
+from metatrace.models.moe_graphs import PREPROCESS, capturing
 
 
 class StaticBuffers:
@@ -69,10 +78,15 @@ def capture_plan(job, config, model) -> list[tuple[tuple[int, ...], torch.dtype]
 def static_buffers(job, plan, device):
     """Allocate the capture's static buffers of this rank (module doc; `plan` from capture_plan)
     inside the recorder, one allocation each; yield a StaticBuffers."""
+    tr = job.training
     tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in plan]
-    whole = job.training.cuda_graph_scope == ["full_iteration"]
+    whole = tr.cuda_graph_scope == ["full_iteration"]
     batches = _static_batches(job) if whole else None
-    yield StaticBuffers(tensors, batches)
+    router = tr.cuda_graph_impl == "transformer_engine" and "moe_router" in (
+        tr.cuda_graph_scope or []
+    )
+    with capturing(tr.cuda_graph_scope, tensors) if router else contextlib.nullcontext():
+        yield StaticBuffers(tensors, batches)
 
 
 def _static_batches(job) -> list[dict] | None:
@@ -130,6 +144,12 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
         helper = cuda_graphs.TECudaGraphHelper(model, config, tr.seq_length, tr.micro_batch_size)
         if not helper.flattened_callables:
             return []
+        # A MoE layer's router graph has outputs of its own (_MoEGraphs): the layer output's
+        # gradient buffer is for the other captured layers.
+        router = "moe_router" in (tr.cuda_graph_scope or [])
+        plain = any(
+            not (router and getattr(c, "is_moe_layer", False)) for c in helper.flattened_callables
+        )
         # _get_cuda_graph_input_data's order: one micro-batch without pipelining, else all.
         helper.num_microbatches = job.num_microbatches if job.parallel.pp > 1 else 1
         order = _schedule_order(config, helper.num_microbatches, helper.num_model_chunks)
@@ -147,8 +167,9 @@ def _te_static_inputs(job, config, model) -> list[torch.Tensor]:
                 unique.setdefault(id(t), t)
     tensors = list(unique.values())
     # The static gradient of the layer's output (TE 2.8 graph.py: one per output signature).
-    hidden = args[0][0]
-    tensors.append(torch.empty_like(hidden, dtype=config.params_dtype, requires_grad=False))
+    if plain:
+        hidden = args[0][0]
+        tensors.append(torch.empty_like(hidden, dtype=config.params_dtype, requires_grad=False))
     return tensors
 
 
@@ -255,37 +276,74 @@ def _local_layer_buffers(job, config, model) -> list[tuple[tuple[int, ...], torc
 
 _STEP_PHASES = ("forward", "backward", "recompute")
 _SCOPE_MODULES = {
-    # What a layer's attn and mlp graphs hold (megatron-core 0.16.1's TransformerLayer: the
-    # norm before each part, the part, its bias-dropout-add).
+    # What each part of a layer's graph holds, as paths below the layer (megatron-core 0.16.1's
+    # TransformerLayer._get_submodules_under_cudagraphs and _te_cuda_graph_capture; 0.19 alike):
+    # the norm before the part, the part, its bias-dropout-add; of a MoE layer with moe_router
+    # the pre-MLP norm, the router and the shared experts when not overlapped (moe_layer.py's
+    # maybe_skip_or_early_return_by_cudagraph), with moe_preprocess also MoELayer.preprocess:
+    # the latent projection and the dispatcher's preprocessing (recorded as "mlp.preprocess").
     "attn": ("input_layernorm", "self_attention", "self_attn_bda"),
-    "mlp": ("pre_mlp_layernorm", "mlp", "mlp_bda"),
+    "mlp": ("pre_mlp_layernorm", "mlp", "mlp_bda"),  # dense layers
+    "moe": ("pre_mlp_layernorm", "mlp", "mlp_bda"),  # MoE layers
+    "moe_router": ("pre_mlp_layernorm", "mlp.router", "mlp.shared_experts"),
+    "moe_preprocess": (f"mlp.{PREPROCESS}", "mlp.fc1_latent_proj"),
 }
+_LAYERS = "decoder.layers."
 
 
-def captured_by_graphs(job):
+def _layer_of(module: str) -> tuple[str, str] | None:
+    """(the decoder layer's name, the path below it) of a module inside a decoder layer."""
+    at = module.find(_LAYERS)
+    if at < 0 or (at and module[at - 1] != "."):
+        return None
+    number, _, rest = module[at + len(_LAYERS) :].partition(".")
+    if not number.isdigit():
+        return None
+    return module[: at + len(_LAYERS) + len(number)], rest
+
+
+def _below(path: str, parts) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in parts)
+
+
+def captured_by_graphs(job, modules=()):
     """The time model's view of CUDA graphs (metatrace.config.host): a predicate
     `captured(module, phase)`, whether the module's work in that phase replays from a graph (its
     kernels launch with the graph, its Python does not run), or None without graphs. The
     whole-iteration graph holds every step's work (the optimizer step runs outside it); per-layer
     graphs (Transformer Engine's, megatron-core's local ones) the decoder layers, or with
-    cuda_graph_scope attn / mlp those parts of them."""
+    cuda_graph_scope the parts of them `_SCOPE_MODULES` names: mlp those of dense layers, moe,
+    moe_router and moe_preprocess those of MoE layers, told by their router among `modules`
+    (the traced modules' names)."""
     tr = job.training
     if tr.cuda_graph_impl == "none":
         return None
     scope = tr.cuda_graph_scope or []
     if scope == ["full_iteration"]:
         return lambda module, phase: phase in _STEP_PHASES
-    parts = tuple(m for s in scope for m in _SCOPE_MODULES.get(s, ())) if scope else None
+    moe_layers = {
+        layer[0]
+        for m in modules
+        if (layer := _layer_of(m)) is not None and layer[1] == "mlp.router"
+    }
+
+    def parts_of(scopes) -> tuple[str, ...]:
+        out = tuple(m for s in scopes for m in _SCOPE_MODULES[s])
+        if "moe_router" in scopes and job.parallel.moe_shared_expert_overlap:
+            out = tuple(m for m in out if m != "mlp.shared_experts")  # run by the dispatcher
+        return out
+
+    dense = parts_of([s for s in scope if s in ("attn", "mlp")])
+    moe = parts_of([s for s in scope if s != "mlp"])
 
     def captured(module: str, phase: str) -> bool:
         if phase not in _STEP_PHASES:
             return False
-        at = module.find("decoder.layers.")
-        if at < 0 or (at and module[at - 1] != "."):
+        layer = _layer_of(module)
+        if layer is None:
             return False
-        rest = module[at + len("decoder.layers.") :].split(".", 2)
-        if not rest[0].isdigit():
-            return False
-        return parts is None or (len(rest) > 1 and rest[1] in parts)
+        if not scope:
+            return True
+        return _below(layer[1], moe if layer[0] in moe_layers else dense)
 
     return captured

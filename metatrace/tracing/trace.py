@@ -365,7 +365,14 @@ def _trace_role(
             groups=groups,
             rank=rank,
             outside=list(te_state.userbuffers.values()),
-            captured=captured_by_graphs(job),
+            captured=captured_by_graphs(
+                job,
+                [
+                    ".".join(filter(None, (p, n)))
+                    for p, m in models.items()
+                    for n, _ in m.named_modules()
+                ],
+            ),
         )
         if micro is not None:
             trace, shapes, deferred, record = micro

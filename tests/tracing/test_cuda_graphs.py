@@ -9,9 +9,10 @@ import pytest
 
 from metatrace.analysis.memory import role_memory
 from metatrace.errors import ConfigError
-from metatrace.tracing.trace import trace_role
+from metatrace.hooks import guards
+from metatrace.tracing.trace import trace_job, trace_role
 from metatrace.world import World
-from tests.helpers import small_job
+from tests.helpers import BALANCED, MOE, small_job
 
 BLOCK = 512
 S, B, H, D, M = 64, 2, 64, 16, 4
@@ -153,6 +154,19 @@ def test_what_is_refused(training, implementation, message):
         small_job(training=training, implementation=implementation)
 
 
+def test_whole_moe_layers_are_captured_with_drop_and_pad_only():
+    te = {"transformer_impl": "transformer_engine"}
+    graphs = {"cuda_graph_impl": "transformer_engine"}
+    with pytest.raises(ConfigError, match="over whole MoE layers needs"):
+        small_job(model=MOE, training=graphs, implementation=te)
+    padded = {**graphs, "moe_routing": "capacity", "moe_expert_capacity_factor": 1.0}
+    assert (
+        small_job(model=MOE, training=padded, implementation=te).training.cuda_graph_scope is None
+    )
+    with pytest.raises(ConfigError, match="mixture-of-experts model is not modelled yet"):
+        small_job(model=MOE, training={"cuda_graph_impl": "local"}, implementation=te)
+
+
 @pytest.mark.parametrize(
     "training, message",
     [
@@ -166,3 +180,80 @@ def test_megatron_core_refuses(training, message):
     job = small_job(training={"cuda_graph_impl": "transformer_engine", **training})
     with pytest.raises(ConfigError, match=message):
         check_with_megatron(job)
+
+
+# --------------------------------------------------------------------------- MoE layers
+
+E, K = 4, 2  # experts, top-k (tests.helpers.MOE)
+T = (S // 2) * B  # tokens a rank routes (sequence parallel)
+PROBS = rounded(T * E * 2)  # the router's probabilities [T, E], bf16 (no moe_router_dtype)
+
+
+def moe_job(scope=None):
+    training = {"global_batch_size": 16, **BALANCED}
+    if scope is not None:
+        training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
+    return small_job(
+        model={**MOE, "num_layers": 4},
+        parallel={
+            "tp": 2,
+            "pp": 2,
+            "ep": 2,
+            "sequence_parallel": True,
+            "moe_token_dispatcher_type": "alltoall",
+        },
+        training=training,
+        implementation={"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},
+        cluster={"num_gpus": 8, "gpus_per_node": 8},
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_eager():
+    return workspaces(moe_job())
+
+
+@pytest.mark.parametrize(
+    "scope, gradients",
+    [
+        # The attention part: as a dense layer's, the layer output's gradient buffer.
+        (["attn"], X),
+        # With the router: the graph returns the MoE input [s', b, h], the probabilities and
+        # the routing map (bool, no gradient), and the residual: one buffer each but the map's.
+        (["attn", "moe_router"], X + PROBS + X),
+        # With the preprocessing (the alltoall dispatcher's permutation): the permuted tokens
+        # [T k, h] and probabilities [T k] (bf16), the dispatcher's counts and maps (no
+        # gradient; 0.19's cudagraph_attrs add its probabilities [T, E]), the residual.
+        (["attn", "moe_router", "moe_preprocess"], rounded(T * K * H * 2) + rounded(T * K * 2) + X),
+    ],
+)
+def test_te_moe_graphs_keep_a_gradient_per_output_of_their_signature(moe_eager, scope, gradients):
+    if "moe_preprocess" in scope and guards.since(0, 19):
+        gradients += PROBS
+    got = workspaces(moe_job(scope))
+    for stage, inflight in ((0, 2), (1, 1)):
+        sets = 2 * inflight  # static inputs: hidden states and mask per layer-forward in flight
+        want = sets * (X + rounded(MASK)) + rounded(ROPE) + gradients
+        assert got[stage] - moe_eager[stage] == want
+
+
+def test_te_moe_graphs_launch_their_parts_once():
+    """The host issues nothing of what the router graphs capture: the same kernels on the GPU,
+    less host work; the preprocessing is recorded as a module of its own."""
+    eager = trace_job(moe_job(), full_model=False).roles[0].trace
+    graphed = (
+        trace_job(moe_job(["attn", "moe_router", "moe_preprocess"]), full_model=False)
+        .roles[0]
+        .trace
+    )
+
+    def totals(trace):
+        steps = [w for w in trace.windows if w.phase in ("forward", "backward")]
+        return [sum(getattr(w, f) for w in steps) for f in ("kernels", "kernel_ps", "syncs")]
+
+    assert totals(graphed) == totals(eager)
+    host = [sum(w.host_ps for w in t.windows) for t in (eager, graphed)]
+    assert host[1] < host[0]
+    modules = {s.module for s in graphed.saved}
+    assert "decoder.layers.0.mlp.preprocess" in modules
+    assert "decoder.layers.0.mlp.preprocess" not in {s.module for s in eager.saved}

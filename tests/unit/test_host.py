@@ -206,6 +206,55 @@ def test_what_cuda_graphs_capture(training, captured, eager):
     assert captured_by_graphs(job_from_dict(plain)) is None
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_what_moe_graphs_capture(overlap):
+    """Transformer Engine's graphs of MoE layers: a dense layer (0) has its attention and MLP
+    captured with scopes attn and mlp, a MoE layer (1) its attention, pre-MLP norm, router,
+    preprocessing and shared experts with attn, moe_router and moe_preprocess: the shared
+    experts not when the dispatcher overlaps them."""
+    from metatrace.config import job_from_dict
+    from metatrace.tracing.graphs import captured_by_graphs
+
+    job = job_from_dict(
+        {
+            "model": {
+                "preset": "debug",
+                "num_experts": 4,
+                "moe_shared_expert_intermediate_size": 64,
+            },
+            "parallel": {
+                "moe_token_dispatcher_type": "alltoall",
+                "moe_shared_expert_overlap": overlap,
+            },
+            "implementation": {"transformer_impl": "transformer_engine"},
+            "training": {
+                "seq_length": 64,
+                "cuda_graph_impl": "transformer_engine",
+                "cuda_graph_scope": ["attn", "mlp", "moe_router", "moe_preprocess"],
+            },
+        }
+    )
+    dense, moe = "decoder.layers.0", "decoder.layers.1"
+    modules = [dense, f"{dense}.mlp", f"{moe}.mlp", f"{moe}.mlp.router", f"{moe}.mlp.experts"]
+    inside = captured_by_graphs(job, modules)
+    captured = [
+        f"{dense}.self_attention.linear_qkv",
+        f"{dense}.pre_mlp_layernorm",
+        f"{dense}.mlp.linear_fc1",
+        f"{moe}.input_layernorm",
+        f"{moe}.pre_mlp_layernorm",
+        f"{moe}.mlp.router",
+        f"{moe}.mlp.preprocess",
+    ]
+    eager = [f"{moe}.mlp", f"{moe}.mlp.experts.linear_fc1", f"{moe}.mlp_bda", "output_layer"]
+    shared = f"{moe}.mlp.shared_experts.linear_fc1"
+    (eager if overlap else captured).append(shared)
+    for module in captured:
+        assert inside(module, "forward") and inside(module, "backward")
+    for module in eager:
+        assert not inside(module, "forward") and not inside(module, "backward")
+
+
 def test_batched_pipeline_communication_synchronises_the_host():
     """Two stages of 1F1B, two micro-batches, host-bound steps (100 us of host work issuing a
     10 us kernel, as one max-plus matrix): megatron-core's batched sends and receives end in

@@ -348,8 +348,8 @@ def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
                 "--cuda-graph-impl",
                 NotModelled(
                     f"--cuda-graph-impl {impl}",
-                    "CUDA graphs of mixture-of-experts models or MoE scopes (the run is "
-                    "described without CUDA graphs)",
+                    "megatron-core's own CUDA graphs of mixture-of-experts models or MoE "
+                    "scopes, and the mamba scope (the run is described without CUDA graphs)",
                     "raises",
                 ),
             )
@@ -1027,7 +1027,7 @@ def _training(v, job, notes, problems) -> None:
     _cuda_graphs(v, t, notes)
 
 
-_MOE_SCOPES = {"moe", "moe_router", "moe_preprocess", "mamba"}
+_MOE_SCOPES = {"moe", "moe_router", "moe_preprocess"}
 
 
 def _graph_flags(v) -> tuple[str, list[str]]:
@@ -1049,9 +1049,11 @@ def _graph_flags(v) -> tuple[str, list[str]]:
 
 
 def _graphs_not_modelled(v) -> bool:
-    """CUDA graphs of an MoE model or with MoE scopes: listed as not modelled."""
+    """CUDA graphs listed as not modelled: megatron-core's own (local) of an MoE model or with
+    MoE scopes, and the mamba scope."""
     impl, scope = _graph_flags(v)
-    return impl != "none" and ("--num-experts" in v or bool(_MOE_SCOPES & set(scope)))
+    moe = "--num-experts" in v or bool(_MOE_SCOPES & set(scope))
+    return impl != "none" and ((moe and impl != "transformer_engine") or "mamba" in scope)
 
 
 def _cuda_graphs(v, t, notes) -> None:
