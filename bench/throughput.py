@@ -295,6 +295,8 @@ def _mbridge(
         notes.append("the whole-iteration CUDA graph (metatrace: not with MoE models yet)")
     elif "full_iteration" in graphs:
         training.update(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    elif graphs.startswith("Transformer Engine") and moe and moe.get("ep_a2a_overlap"):
+        notes.append("CUDA graphs with the EP all-to-all overlap (metatrace: not modelled)")
     elif graphs.startswith("Transformer Engine"):
         listed = re.search(r"scope \[([^\]]*)\]", graphs)
         scope = [x.strip() for x in listed.group(1).split(",")] if listed else ["attn"]
