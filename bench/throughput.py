@@ -61,8 +61,8 @@ ASSUMED = {
     "DGX B200/B300/H100 nodes of 8, GB200/GB300 trays of 4 in NVL72 racks, 64 GPUs of a "
     "rack to a job (16 of its 18 trays: the rack is the NVLink domain); force-balanced "
     "routing (the tables' footnote); Transformer Engine's per-module graphs of the recipe's "
-    "scope (attn, moe_router, moe_preprocess; mamba not modelled); what metatrace does not "
-    "model said per row (MBRIDGE_LEFT_OUT)",
+    "scope (attn, mamba, moe_router, moe_preprocess); what metatrace does not model said per "
+    "row (MBRIDGE_LEFT_OUT)",
 }
 
 # GPU families the summary reports apart.
@@ -300,11 +300,7 @@ def _mbridge(
     elif graphs.startswith("Transformer Engine"):
         listed = re.search(r"scope \[([^\]]*)\]", graphs)
         scope = [x.strip() for x in listed.group(1).split(",")] if listed else ["attn"]
-        if "mamba" in scope:
-            notes.append("CUDA graphs of the Mamba layers (scope mamba: not modelled)")
-            scope.remove("mamba")
-        if scope:
-            training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
+        training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
     impl = {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
     if moe:
         training["moe_routing"] = "balanced"  # force-balanced (the tables' footnote)

@@ -613,6 +613,8 @@ def _check_cuda_graphs(job):
             yield f"{what} per layer with multi-latent attention is not modelled"
     if "full_iteration" in scope and len(scope) > 1:
         yield "training.cuda_graph_scope full_iteration goes alone"
+    if "mamba" in scope and impl != "transformer_engine":
+        yield f"{what} with training.cuda_graph_scope mamba is not modelled yet"
     if job.model.num_experts and impl != "transformer_engine":
         yield f"{what} with a mixture-of-experts model is not modelled yet"
     elif job.model.num_experts and not scope and tr.moe_routing != "capacity":

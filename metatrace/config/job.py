@@ -581,13 +581,16 @@ class Training:
     own graphs: each whole transformer layer (any scope but full_iteration; with Transformer
     Engine) or the whole iteration (cuda_graph_scope: [full_iteration])."""
     cuda_graph_scope: (
-        list[Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration"]] | None
+        list[
+            Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration"]
+        ]
+        | None
     ) = None
     """What is captured (--cuda-graph-scope): attn (a layer's attention part), mlp (its MLP
     part: dense layers), moe (a MoE layer's MLP part: drop-and-pad routing only), moe_router
     (a MoE layer's pre-MLP norm, router and shared experts), moe_preprocess (with moe_router:
-    also the dispatcher's preprocessing before the all-to-all), several of them, or omitted: the
-    whole layer; full_iteration (local): the whole forward-backward of an iteration, every
+    also the dispatcher's preprocessing before the all-to-all), mamba (a hybrid model's Mamba
+    layers), several of them, or omitted: the whole layer; full_iteration (local): the whole forward-backward of an iteration, every
     micro-batch."""
     create_attention_mask_in_dataloader: bool = True
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to

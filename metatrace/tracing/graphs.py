@@ -313,19 +313,19 @@ def captured_by_graphs(job, modules=()):
     whole-iteration graph holds every step's work (the optimizer step runs outside it); per-layer
     graphs (Transformer Engine's, megatron-core's local ones) the decoder layers, or with
     cuda_graph_scope the parts of them `_SCOPE_MODULES` names: mlp those of dense layers, moe,
-    moe_router and moe_preprocess those of MoE layers, told by their router among `modules`
-    (the traced modules' names)."""
+    moe_router and moe_preprocess those of MoE layers, mamba a hybrid model's Mamba layers
+    whole, told by their router or their mixer among `modules` (the traced modules' names)."""
     tr = job.training
     if tr.cuda_graph_impl == "none":
         return None
     scope = tr.cuda_graph_scope or []
     if scope == ["full_iteration"]:
         return lambda module, phase: phase in _STEP_PHASES
-    moe_layers = {
-        layer[0]
-        for m in modules
-        if (layer := _layer_of(m)) is not None and layer[1] == "mlp.router"
-    }
+    named = [layer for m in modules if (layer := _layer_of(m)) is not None]
+    moe_layers = {layer for layer, path in named if path == "mlp.router"}
+    mamba_layers = (
+        {layer for layer, path in named if path == "mixer"} if "mamba" in scope else set()
+    )
 
     def parts_of(scopes) -> tuple[str, ...]:
         out = tuple(m for s in scopes for m in _SCOPE_MODULES[s])
@@ -334,7 +334,7 @@ def captured_by_graphs(job, modules=()):
         return out
 
     dense = parts_of([s for s in scope if s in ("attn", "mlp")])
-    moe = parts_of([s for s in scope if s != "mlp"])
+    moe = parts_of([s for s in scope if s not in ("mlp", "mamba")])
 
     def captured(module: str, phase: str) -> bool:
         if phase not in _STEP_PHASES:
@@ -342,7 +342,7 @@ def captured_by_graphs(job, modules=()):
         layer = _layer_of(module)
         if layer is None:
             return False
-        if not scope:
+        if not scope or layer[0] in mamba_layers:
             return True
         return _below(layer[1], moe if layer[0] in moe_layers else dense)
 

@@ -257,3 +257,40 @@ def test_te_moe_graphs_launch_their_parts_once():
     modules = {s.module for s in graphed.saved}
     assert "decoder.layers.0.mlp.preprocess" in modules
     assert "decoder.layers.0.mlp.preprocess" not in {s.module for s in eager.saved}
+
+
+def test_te_mamba_graphs_keep_a_static_input_per_mamba_layer():
+    """A hybrid stack M*M- (two Mamba layers, an attention layer, an MLP layer) without
+    pipelining: one capture per graphed layer, its hidden states [s/tp, b, h] as the static input
+    (the attention layer's also its causal mask), one gradient buffer for the layers' output;
+    the Mamba layers' work launches with their graphs."""
+    from metatrace.config import job_from_dict
+    from tests.tracing.test_hybrid import HYBRID
+
+    seq, mbs, hidden = 256, 2, 256
+    x = (seq // 2) * mbs * hidden * 2
+    mask = mbs * seq * seq
+
+    def job(scope=None):
+        training = {"seq_length": seq, "micro_batch_size": mbs, "global_batch_size": 4 * mbs}
+        if scope:
+            training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
+        return job_from_dict(
+            {
+                "model": {**HYBRID, "hybrid_layer_pattern": "M*M-", "hidden_size": hidden},
+                "parallel": {"tp": 2, "sequence_parallel": True},
+                "training": training,
+                "cluster": {"num_gpus": 4},
+            }
+        )
+
+    def traced(scope=None):
+        rt = trace_job(job(scope), full_model=False).roles[0]
+        steps = [w for w in rt.trace.windows if w.phase in ("forward", "backward")]
+        return role_memory(rt.trace, rt.iteration).workspaces, sum(w.host_ps for w in steps)
+
+    eager, eager_host = traced()
+    for scope, want in ((["mamba"], 2 * x + x), (["attn", "mamba"], 3 * x + mask + x)):
+        workspaces, host = traced(scope)
+        assert workspaces - eager == want
+        assert host < eager_host

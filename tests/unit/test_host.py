@@ -255,6 +255,29 @@ def test_what_moe_graphs_capture(overlap):
         assert not inside(module, "forward") and not inside(module, "backward")
 
 
+def test_what_mamba_graphs_capture():
+    """Scope mamba: a hybrid stack's Mamba layers whole (told by their mixer), nothing else."""
+    from metatrace.config import job_from_dict
+    from metatrace.tracing.graphs import captured_by_graphs
+
+    job = job_from_dict(
+        {
+            "model": {"preset": "debug"},
+            "implementation": {"transformer_impl": "transformer_engine"},
+            "training": {
+                "seq_length": 64,
+                "cuda_graph_impl": "transformer_engine",
+                "cuda_graph_scope": ["mamba"],
+            },
+        }
+    )
+    inside = captured_by_graphs(job, ["decoder.layers.0.mixer", "decoder.layers.1.self_attention"])
+    for module in ("decoder.layers.0.mixer.in_proj", "decoder.layers.0.norm"):
+        assert inside(module, "forward") and inside(module, "backward")
+    for module in ("decoder.layers.1.self_attention.linear_qkv", "decoder.layers.1", "embedding"):
+        assert not inside(module, "forward")
+
+
 def test_batched_pipeline_communication_synchronises_the_host():
     """Two stages of 1F1B, two micro-batches, host-bound steps (100 us of host work issuing a
     10 us kernel, as one max-plus matrix): megatron-core's batched sends and receives end in

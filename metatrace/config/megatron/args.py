@@ -348,8 +348,8 @@ def _unmodelled(v, notes: list[str]) -> list[tuple[str, NotModelled]]:
                 "--cuda-graph-impl",
                 NotModelled(
                     f"--cuda-graph-impl {impl}",
-                    "megatron-core's own CUDA graphs of mixture-of-experts models or MoE "
-                    "scopes, and the mamba scope (the run is described without CUDA graphs)",
+                    "megatron-core's own CUDA graphs of mixture-of-experts models, MoE or "
+                    "mamba scopes (the run is described without CUDA graphs)",
                     "raises",
                 ),
             )
@@ -1050,10 +1050,10 @@ def _graph_flags(v) -> tuple[str, list[str]]:
 
 def _graphs_not_modelled(v) -> bool:
     """CUDA graphs listed as not modelled: megatron-core's own (local) of an MoE model or with
-    MoE scopes, and the mamba scope."""
+    MoE or mamba scopes."""
     impl, scope = _graph_flags(v)
     moe = "--num-experts" in v or bool(_MOE_SCOPES & set(scope))
-    return impl != "none" and ((moe and impl != "transformer_engine") or "mamba" in scope)
+    return impl not in ("none", "transformer_engine") and (moe or "mamba" in scope)
 
 
 def _cuda_graphs(v, t, notes) -> None:
