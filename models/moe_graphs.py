@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from metatrace.hooks import recorder
+
 PREPROCESS = "preprocess"
 """The name below a MoE layer's "mlp" that MoELayer.preprocess is recorded under when a graph
 captures it (moe_preprocess): not a module of its own."""
@@ -50,14 +52,15 @@ class _MoEGraphs:
                         break
                 if isinstance(attr, torch.Tensor):
                     outputs.append(attr)
+        grads = [(tuple(o.shape), o.dtype) for o in outputs if o.requires_grad]
         shared = getattr(layer, "_metatrace_shared_output", None)
         if shared is not None:
-            outputs.append(shared)
-        grads = [o for o in outputs if o.requires_grad] + [moe_input]  # the residual's
-        key = tuple((tuple(o.shape), o.dtype) for o in grads)
+            grads.append(shared)
+        grads.append((tuple(moe_input.shape), moe_input.dtype))  # the residual's
+        key = tuple(grads)
         if key not in self.signatures:
             self.signatures.add(key)
-            self.held += [torch.empty_like(o) for o in grads]
+            self.held += [torch.empty(s, dtype=d, device=moe_input.device) for s, d in grads]
 
 
 _MOE: list[_MoEGraphs] = []
@@ -96,8 +99,6 @@ def moe_preprocess(orig):
     ("<layer>.mlp.preprocess") for the time model's `captured`."""
 
     def preprocess(self, hidden_states, probs, routing_map):
-        from metatrace.hooks import recorder
-
         graphs = _moe_graphs()
         rec = recorder.current() if graphs is not None and graphs.preprocess else None
         fqn = rec.fqn_of(self) if rec is not None else None
@@ -114,12 +115,14 @@ def moe_preprocess(orig):
 
 
 def moe_shared_experts(orig):
-    """MoELayer.shared_experts_compute: its output, one of the router graph's outputs."""
+    """MoELayer.shared_experts_compute: its output, one of the router graph's outputs (its
+    shape and dtype, when it requires grad: the tensor itself lives as eager mode has it)."""
 
     def shared_experts_compute(self, hidden_states):
         out = orig(self, hidden_states)
         if _moe_graphs() is not None:
-            self._metatrace_shared_output = out
+            grad = out is not None and out.requires_grad
+            self._metatrace_shared_output = (tuple(out.shape), out.dtype) if grad else None
         return out
 
     return shared_experts_compute

@@ -189,12 +189,13 @@ T = (S // 2) * B  # tokens a rank routes (sequence parallel)
 PROBS = rounded(T * E * 2)  # the router's probabilities [T, E], bf16 (no moe_router_dtype)
 
 
-def moe_job(scope=None):
+def moe_job(scope=None, shared=False):
     training = {"global_batch_size": 16, **BALANCED}
     if scope is not None:
         training.update(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
+    experts = {"moe_shared_expert_intermediate_size": 64} if shared else {}
     return small_job(
-        model={**MOE, "num_layers": 4},
+        model={**MOE, "num_layers": 4, **experts},
         parallel={
             "tp": 2,
             "pp": 2,
@@ -235,6 +236,16 @@ def test_te_moe_graphs_keep_a_gradient_per_output_of_their_signature(moe_eager, 
         sets = 2 * inflight  # static inputs: hidden states and mask per layer-forward in flight
         want = sets * (X + rounded(MASK)) + rounded(ROPE) + gradients
         assert got[stage] - moe_eager[stage] == want
+
+
+def test_te_moe_router_graphs_return_the_shared_experts_output():
+    """Shared experts not overlapped run inside the router graph: their output [s', b, h] is
+    one more output, one more gradient buffer."""
+    eager = workspaces(moe_job(shared=True))
+    got = workspaces(moe_job(["attn", "moe_router"], shared=True))
+    for stage, inflight in ((0, 2), (1, 1)):
+        want = 2 * inflight * (X + rounded(MASK)) + rounded(ROPE) + X + PROBS + X + X
+        assert got[stage] - eager[stage] == want
 
 
 def test_te_moe_graphs_launch_their_parts_once():
