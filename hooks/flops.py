@@ -196,12 +196,14 @@ def op_seconds(model, func, args, out, flops: int, margin: int = 0) -> float:
 
 def report_moved(*tensors, launches: int = 1) -> None:
     """A stand-in's memory-bound kernel reads or writes each of `tensors` (None: left out) once;
-    `launches`: the kernels that work takes (a multi-tensor kernel's, config.host)."""
+    `launches`: the kernels that work takes one after another (a multi-tensor kernel's launches,
+    config.host), each with its fixed cost (kernels.LAUNCH_SECONDS)."""
     count = _count()
     if count is not None:
         n = sum(t.nbytes for t in tensors if t is not None)
         if n and count.model is not None:
-            count.add_seconds(kernels.memory_seconds(count.model, n), launches=launches)
+            fixed = (launches - 1) * kernels.LAUNCH_SECONDS if launches > 1 else 0.0
+            count.add_seconds(kernels.memory_seconds(count.model, n) + fixed, launches=launches)
         elif n:
             count.unpriced_launch(launches)
 

@@ -177,8 +177,8 @@ def quantize(
         raise ValueError(f"unknown fp8 recipe {recipe!r}")
     if cast is not None:
         flops.report_moved(cast, *q.tensors())
-        if recipe == "tensorwise":  # its amax first (quantizer.cpp:497-535): one more read
-            flops.report_moved(cast)
+        if recipe == "tensorwise":  # its amax first, then the scale (quantizer.cpp:497-535)
+            flops.report_moved(cast, launches=2)
     return q
 
 
@@ -399,6 +399,7 @@ def split_quantize(
     one uint8 buffer per usage for all experts (each expert's data 256-byte aligned, then each
     expert's scales 16-byte aligned, cast.cpp:245-265, 288-308) and hand out views of it:
     returned as one Quantized holding the bulk buffers."""
+    experts = sum(1 for m in m_splits if m)
     if recipe == "nvfp4":
         out, start = [], 0
         for m in m_splits:
@@ -422,7 +423,8 @@ def split_quantize(
             quantize((m, cols), recipe, arch, rowwise=rowwise, columnwise=columnwise, device=device)
             for m in m_splits
         ]
-        _price_split(x, recipe, [t for q in out for t in q.tensors()])
+        fused = recipe == "delayed" and rowwise and columnwise and arch != "sm100"
+        _price_split(x, recipe, [t for q in out for t in q.tensors()], 1 if fused else experts)
         return out
     out = Quantized()
     for usage, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
@@ -439,22 +441,24 @@ def split_quantize(
         for q in per_expert:
             offset = _rnd(offset, 16) + _nbytes(getattr(q, usage)[1])
         getattr(out, usage).append(torch.empty(offset, dtype=U8, device=device))
-    _price_split(x, recipe, out.tensors())
+    _price_split(x, recipe, out.tensors(), experts)
     return [out]
 
 
-def _price_split(x, recipe: str, written: list) -> None:
-    """The split quantization's kernels, by the bytes they move: each reads its expert's rows
-    of `x` once and writes their quantized buffers (MXFP8 and blockwise: one kernel over all
-    experts; Float8: one per expert, the same bytes in all); current scaling (tensorwise) reads
-    each expert's rows once more before, for its amax (the cast needs the scale first:
-    Float8CurrentScalingQuantizer::quantize_impl, TE 2.8 quantizer.cpp:497-535). Nothing
-    without `x` (a quantization timed elsewhere)."""
+def _price_split(x, recipe: str, written: list, kernels: int) -> None:
+    """The split quantization's kernels, by the bytes they move: they read the experts' rows of
+    `x` once and write their quantized buffers, in `kernels` launches: TE 2.8's
+    multi_tensor_quantize_impl (cast.cpp:103-150) runs one fused nvte_multi_cast_transpose
+    for delayed scaling with both usages (off Blackwell), else each expert's quantizer in turn
+    (MXFP8, blockwise and Float8 alike: one kernel an expert with rows); current scaling
+    (tensorwise) reads each expert's rows once more before, for its amax, and computes its
+    scale in a kernel of its own (Float8CurrentScalingQuantizer::quantize_impl, quantizer.cpp:
+    497-535). Nothing without `x` (a quantization timed elsewhere)."""
     if x is None:
         return
-    flops.report_moved(x, *written)
+    flops.report_moved(x, *written, launches=kernels)
     if recipe == "tensorwise":
-        flops.report_moved(x)
+        flops.report_moved(x, launches=2 * kernels)
 
 
 def _other(usage: str) -> dict:

@@ -252,3 +252,49 @@ def test_fp8_recompute_of_the_norms_and_mla_up_projections():
 
     assert kv_down_quantized(["mla_up_proj"]) == rnd(64 * 2 * H)
     assert kv_down_quantized(["layernorm", "mla_up_proj"]) == 0
+
+
+@pytest.mark.parametrize(
+    "recipe, arch, columnwise, kernels",
+    [
+        ("delayed", "sm90", True, 1),  # one nvte_multi_cast_transpose for all experts
+        ("delayed", "sm90", False, 3),  # without the column-wise usage: each expert's quantize
+        ("mxfp8", "sm100", True, 3),
+        ("blockwise", "sm90", True, 3),
+        ("tensorwise", "sm90", True, 3 + 2 * 3),  # per expert its amax and scale, then its cast
+    ],
+)
+def test_split_quantize_launches_each_experts_kernels_unless_fused(
+    recipe, arch, columnwise, kernels
+):
+    """TE 2.8's split_quantize (cast.cpp:103-150, quantizer.cpp:497-535) over three experts
+    with rows and one without: the kernels launched, each with its fixed cost on the GPU beside
+    the bytes it moves."""
+    import torch
+
+    from metatrace.config.kernels import LAUNCH_SECONDS, kernel_model, memory_seconds
+    from metatrace.models.te_fp8 import split_quantize
+    from tests.tracing.test_moe_fusion import _priced
+
+    x = torch.empty(256, 128, dtype=torch.bfloat16, device="meta")
+    out = []
+    ps, launched = _priced(
+        lambda: out.extend(
+            split_quantize(
+                [64, 0, 64, 128],
+                128,
+                recipe,
+                arch,
+                rowwise=True,
+                columnwise=columnwise,
+                device="meta",
+                x=x,
+            )
+        )
+    )
+    assert launched == kernels
+    written = sum(t.nbytes for q in out for t in q.tensors())
+    model = kernel_model("h100")
+    moved = [x.nbytes + written] + ([x.nbytes] if recipe == "tensorwise" else [])
+    want = sum(memory_seconds(model, n) for n in moved) + (kernels - len(moved)) * LAUNCH_SECONDS
+    assert ps == pytest.approx(want * 1e12, abs=len(moved))
