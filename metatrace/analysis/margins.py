@@ -6,8 +6,10 @@ never a factor fitted per case (README, "Accuracy"; `python bench/calibration.py
 
 - dense jobs: 34 cases of Megatron-LM's functional tests (`../shared/calibration`), errors
   -4.60 % (FP8 with TP communication overlap) to +1.35 %: a band of 4.60 %;
-- mixture-of-experts jobs: 7 cases, -2.93 % to +1.53 % (their runs route by the data;
-  metatrace assumes the job's routing): 2.93 %;
+- mixture-of-experts jobs: 8 cases, -2.93 % to +5.94 % (their runs route by the data;
+  metatrace assumes the job's routing; the +5.94 % case runs Transformer Engine's graphs of the
+  attention and router parts, where metatrace adds the graphs' static buffers to the eager
+  peak: metatrace.tracing.graphs): 5.94 %;
 - activation offloading (fine-grained or layer-wise): no run measured on a GPU yet; on the CPU
   megatron-core running so peaks within 1 % of the prediction (tests/tracing/test_offload.py,
   tests/tracing/test_cpu_offload.py), added to the band of the job's other kind.
@@ -28,13 +30,13 @@ from dataclasses import dataclass
 
 DENSE_BAND = 0.046
 """The largest error of the 34 dense calibration cases (-4.60 %)."""
-MOE_BAND = 0.0293
-"""The largest error of the 7 mixture-of-experts calibration cases (-2.93 %)."""
+MOE_BAND = 0.0594
+"""The largest error of the 8 mixture-of-experts calibration cases (+5.94 %)."""
 OFFLOAD_CPU_BAND = 0.01
 """Activation offloading's peak against megatron-core running on the CPU (within 1 %)."""
 SOURCES = {
     "dense": "34 dense calibration cases, -4.60 % to +1.35 %",
-    "MoE": "7 mixture-of-experts calibration cases, -2.93 % to +1.53 %",
+    "MoE": "8 mixture-of-experts calibration cases, -2.93 % to +5.94 %",
     "offloading": "no GPU measurement of offloading yet: its CPU check's 1 % added",
 }
 

@@ -37,6 +37,17 @@ registrations), fragmentation between the two pools, the zero mask a TE-graphed 
 allocates per call when the data loader gives none; with moe_preprocess, the alltoall
 dispatcher's device-to-host copy moving out of the graph (megatron-core's cuda_dtoh_point
 before_ep_alltoall): the trace keeps it where eager mode has it, before the permutation.
+
+Known limitation: with graphs of parts of layers the allocated peak is an upper bound.
+Megatron-LM runs its first cuda_graph_warmup_steps iterations (3) eagerly and captures after
+them, and once captured, the activations the graphs save live in their pool without counting
+as allocated (TE weak-references what the capture allocated). `max_memory_allocated` is then the
+largest of the eager peak, the capture's (static buffers and the captured parts' activations)
+and the replay's (static buffers and the eager parts' activations); metatrace gives the eager
+peak plus the static buffers, which holds for whole-layer graphs (their capture is the eager
+run) and exceeds it for partial ones: the one calibration case, a MoE model with graphs of its
+attention and router parts (bench/calibration.py), +5.94 % where its eager peak is +2.50 %.
+The device's memory (the pool reserved beside the eager parts) is what the sum approximates.
 """
 
 from __future__ import annotations
