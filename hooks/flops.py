@@ -202,7 +202,7 @@ def report_moved(*tensors, launches: int = 1) -> None:
     if count is not None:
         n = sum(t.nbytes for t in tensors if t is not None)
         if n and count.model is not None:
-            fixed = (launches - 1) * kernels.LAUNCH_SECONDS if launches > 1 else 0.0
+            fixed = max(launches - 1, 0) * kernels.LAUNCH_SECONDS  # memory_seconds has one
             count.add_seconds(kernels.memory_seconds(count.model, n) + fixed, launches=launches)
         elif n:
             count.unpriced_launch(launches)

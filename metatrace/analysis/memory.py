@@ -290,6 +290,16 @@ class Steady:
         h = (chunk, microbatch)
         return self.kept[h] - self.slotted[h]
 
+    def typical(self) -> dict[int, frozenset[int]]:
+        """Per chunk, what its steady micro-batch holds (held)."""
+        return {v: self.held(v, self.steady(v)) for v in range(len(self.sizes))}
+
+    def atypical(self) -> list[tuple[int, int]]:
+        """The handlers, (chunk, micro-batch), that hold other groups than their chunk's
+        steady one."""
+        typical = self.typical()
+        return [(v, m) for v, m in self.order if self.held(v, m) != typical[v]]
+
     def moved(self, chunk: int, microbatch: int) -> int:
         """Bytes the micro-batch's forward step of the chunk copies to the host."""
         kept = self.kept[(chunk, microbatch)]
@@ -435,12 +445,10 @@ def offload_profiles(
             cache[(v, groups)] = step_profiles(kept, reloads=record.reloads - gone)[("forward", v)]
         return cache[(v, groups)]
 
-    typical = {v: steady.held(v, steady.steady(v)) for v in range(len(record.groups))}
-    for v, groups in typical.items():
+    for v, groups in steady.typical().items():
         profiles[("forward", v)] = forward(v, groups)
-    for v, m in steady.order:
-        if steady.held(v, m) != typical[v]:
-            profiles[("forward", v, m)] = forward(v, steady.held(v, m))
+    for v, m in steady.atypical():
+        profiles[("forward", v, m)] = forward(v, steady.held(v, m))
     return profiles
 
 
@@ -451,7 +459,7 @@ def steady_microbatches(job, rt) -> tuple[Trace, dict[tuple[int, int], Trace]] |
     if rt.offload is None or job.training.cpu_offloading_num_layers or not keeps_more(job):
         return None
     steady = role_steady(job, rt.offload, pp_stage=rt.role.pp_stage)
-    typical = {v: steady.held(v, steady.steady(v)) for v in range(len(rt.offload.groups))}
+    typical = steady.typical()
 
     def keeping(groups: dict[int, frozenset]) -> Trace:
         trace = rt.trace
@@ -459,11 +467,7 @@ def steady_microbatches(job, rt) -> tuple[Trace, dict[tuple[int, int], Trace]] |
             trace = keeping_groups(trace, rt.offload, v, kept)
         return trace
 
-    others = {
-        (v, m): keeping({**typical, v: steady.held(v, m)})
-        for v, m in steady.order
-        if steady.held(v, m) != typical[v]
-    }
+    others = {(v, m): keeping({**typical, v: steady.held(v, m)}) for v, m in steady.atypical()}
     return keeping(typical), others
 
 

@@ -590,8 +590,8 @@ class Training:
     part: dense layers), moe (a MoE layer's MLP part: drop-and-pad routing only), moe_router
     (a MoE layer's pre-MLP norm, router and shared experts), moe_preprocess (with moe_router:
     also the dispatcher's preprocessing before the all-to-all), mamba (a hybrid model's Mamba
-    layers), several of them, or omitted: the whole layer; full_iteration (local): the whole forward-backward of an iteration, every
-    micro-batch."""
+    layers), several of them, or omitted: the whole layer; full_iteration (local): the whole
+    forward-backward of an iteration, every micro-batch."""
     create_attention_mask_in_dataloader: bool = True
     """The data loader builds a causal mask bool [b, 1, s, s] per micro-batch and copies it to
     the GPU (Megatron-LM's default; --no-create-attention-mask-in-dataloader turns it off)."""

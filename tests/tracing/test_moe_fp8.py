@@ -274,11 +274,11 @@ def test_split_quantize_launches_each_experts_kernels_unless_fused(
 
     from metatrace.config.kernels import LAUNCH_SECONDS, kernel_model, memory_seconds
     from metatrace.models.te_fp8 import split_quantize
-    from tests.tracing.test_moe_fusion import _priced
+    from tests.helpers import priced
 
     x = torch.empty(256, 128, dtype=torch.bfloat16, device="meta")
     out = []
-    ps, launched = _priced(
+    ps, launched = priced(
         lambda: out.extend(
             split_quantize(
                 [64, 0, 64, 128],

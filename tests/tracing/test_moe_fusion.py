@@ -7,7 +7,7 @@ import torch
 
 from metatrace.hooks import guards
 from metatrace.models import te_moe as S
-from tests.helpers import BALANCED, saved_storages, small_job
+from tests.helpers import BALANCED, priced, saved_storages, small_job
 
 BF16, FP32 = torch.bfloat16, torch.float32
 SIZE = {torch.bfloat16: 2, torch.float32: 4, torch.int32: 4, torch.int64: 8, torch.bool: 1}
@@ -224,31 +224,6 @@ def test_fused_meta_matches_real_cpu_tensors(dispatcher):
 # ---------------------------------------------------------------- what the kernels take
 
 
-class _Launches:
-    """Stands in for the recorder's host count: the kernels reported."""
-
-    def __init__(self):
-        self.launches = 0
-
-    def kernel(self, ps, launches):
-        self.launches += launches
-
-
-def _priced(fn):
-    """(picoseconds, launches) the stand-ins report while fn() runs, at an H100's rates."""
-    from metatrace.config.kernels import kernel_model
-    from metatrace.hooks import flops
-
-    host = _Launches()
-    count = flops.FlopCount(kernel_model("h100"), host)
-    flops.push(count)
-    try:
-        fn()
-    finally:
-        flops.pop(count)
-    return count.ps, host.launches
-
-
 def _ps(*nbytes):
     from metatrace.config.kernels import kernel_model, memory_seconds
 
@@ -274,9 +249,9 @@ def test_permutation_kernels_move_their_closed_form_bytes():
 
     row_map = 3 * 4 * T * (2 * E + 1) + T * E + 4 * E * 2  # + the [E, T/1024] workspace
     passes = 2 * round(LAUNCH_SECONDS * 1e12)  # the map's three kernels: two more fixed costs
-    assert _priced(permute) == (_ps(row_map, T * h * b + N * h * b + 2 * N * f) + passes, 4)
+    assert priced(permute) == (_ps(row_map, T * h * b + N * h * b + 2 * N * f) + passes, 4)
     o, pp, row_id = out["p"]
-    back = _priced(
+    back = priced(
         lambda: torch.autograd.backward([o, pp], [torch.empty_like(o), torch.empty_like(pp)])
     )
     assert back == (_ps(N * h * b + T * h * b + N * f + T * E * f), 1)
@@ -287,17 +262,17 @@ def test_permutation_kernels_move_their_closed_form_bytes():
     def unpermute():
         out["u"] = S.moe_unpermute(inp, row_id, merging_probs=merge, restore_shape=(T, h))
 
-    assert _priced(unpermute) == (_ps(N * h * b + T * h * b + T * E * f), 1)
-    back = _priced(lambda: out["u"].backward(torch.empty_like(out["u"])))
+    assert priced(unpermute) == (_ps(N * h * b + T * h * b + T * E * f), 1)
+    back = priced(lambda: out["u"].backward(torch.empty_like(out["u"])))
     assert back == (_ps(T * h * b + N * h * b + N * h * b + 2 * T * E * f), 1)
 
     y = torch.empty(N, h, dtype=BF16, device="meta", requires_grad=True)
     split, idx = torch.full((8,), N // 8), torch.arange(8)
-    assert _priced(lambda: out.update(s=S.moe_sort_chunks_by_index(y, split, idx))) == (
+    assert priced(lambda: out.update(s=S.moe_sort_chunks_by_index(y, split, idx))) == (
         _ps(4 * N, 2 * N * h * b),
         2,
     )
-    assert _priced(lambda: out["s"].backward(torch.empty_like(out["s"]))) == (
+    assert priced(lambda: out["s"].backward(torch.empty_like(out["s"]))) == (
         _ps(2 * N * h * b),
         1,
     )
