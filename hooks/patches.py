@@ -613,6 +613,7 @@ def _allgather_dispatch_postprocess(orig):
         self.local_map = self.routing_map[:, first:last].contiguous()
         self.local_probs = probs[:, first:last].contiguous()
         tokens_per_expert = _moe().allgather_local_counts(self, hidden_states.shape[0])
+        _moe().route_local_as_assumed(self.local_map, tokens_per_expert.tolist())
         _host.sync()  # megatron-core copies the counts to the host: .cpu()
         total = int(tokens_per_expert.sum())
         # 0.19's permute also returns the padding offsets and padded counts

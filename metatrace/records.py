@@ -237,6 +237,10 @@ class Trace:
     """Bytes of each static storage (512-byte rounded) in the order the recorder first saw
     them: the parameters and buffers module by module, then the parts of static_parts; what
     the allocator simulation (analysis.device) allocates before the first micro-batch."""
+    workspaces: tuple[int, ...] = ()
+    """Storage ids of PyTorch's cuBLAS workspaces (hooks.remap.cublas_workspaces), made at the
+    micro-batch's first GEMMs and kept for the process's life: what a CPU run does not
+    allocate (tracing.measure compares without them)."""
 
     def columns(self, kind: str, names: tuple[str, ...]) -> dict[str, Any]:
         """Fields `names` of the records of `kind` ("memory", "windows", ...) as numpy arrays,

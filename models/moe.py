@@ -91,6 +91,24 @@ def balance_routing_map(routing_map: torch.Tensor, topk: int) -> None:
     routing_map.copy_(balanced.to(routing_map.device))
 
 
+def route_local_as_assumed(local_map: torch.Tensor, counts: list[int]) -> None:
+    """On real tensors (the CPU check of a meta trace): overwrite the all-gather dispatcher's
+    map of the gathered tokens to its local experts so that local expert j gets counts[j] of
+    them, the routing assumption's counts (`allgather_local_counts`), which the random
+    policy's hottest expert makes uneven. Rows are taken consecutively from where the previous
+    expert's stopped, wrapping around, so no token goes to one expert twice. Meta tensors hold
+    no choices to overwrite."""
+    if local_map.device.type == "meta":
+        return
+    tokens = local_map.size(0)
+    assumed = torch.zeros(local_map.shape, dtype=torch.bool)
+    start = 0
+    for j, count in enumerate(counts):
+        assumed[(start + torch.arange(min(count, tokens))) % tokens, j] = True
+        start += count
+    local_map.copy_(assumed.to(local_map.device))
+
+
 def padded(count: int, align: int, tokens: int) -> int:
     """What moe_utils.pad_routing_map makes of `count` tokens of one expert in a map of
     `tokens` rows: the next multiple of `align`, or every row when there are not that many

@@ -672,6 +672,7 @@ def _insert(trace, run: Run, at: dict, statics: dict, spans: dict, old_bands: di
         op_counts=dict(counted(Counter(trace.op_counts), "ops")),
         unclassified=dict(counted(Counter(trace.unclassified), "unclassified")),
         collective_flops=collective_flops,
+        workspaces=tuple(sid_new(y) for y in trace.workspaces),
     )
 
     def moved(mark):

@@ -468,15 +468,11 @@ def predicted(job, rt) -> Predicted:
     from metatrace.analysis.device import context_bytes, role_device_memory
     from metatrace.analysis.memory import lifetimes, role_memory
     from metatrace.config.allocator import parse_alloc_conf
-    from metatrace.config.hardware import cublas_workspace_bytes
 
-    # The cuBLAS workspaces are the micro-batch's persistent storages of exactly the configured
-    # size (one per thread that ran a GEMM: forward, and the autograd engine's in backward).
+    # The cuBLAS workspaces (one per thread that ran a GEMM: forward, and the autograd
+    # engine's in backward), by their storages: a global memory buffer can have their size.
     life = lifetimes(rt.trace.memory)
-    workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
-    cublas = sum(
-        life.bytes[sid] for sid in life.persistent() if workspace and life.bytes[sid] == workspace
-    )
+    cublas = sum(life.bytes[sid] for sid in rt.trace.workspaces)
     memory = role_memory(rt.trace, rt.iteration)
     config = parse_alloc_conf(job.cluster.allocator_conf or "")
     device = role_device_memory(job, rt, memory.peak)
@@ -615,9 +611,6 @@ def _reserve_cpu(job, rt, config):
     """The simulated allocator's Reserve over the role's allocations without the cuBLAS
     workspaces (what a CPU run allocates)."""
     from metatrace.analysis.device import role_allocations, simulate
-    from metatrace.config.hardware import cublas_workspace_bytes
 
-    workspace = -(-cublas_workspace_bytes(job) // BLOCK) * BLOCK
-    predicted = list(role_allocations(job, rt))
-    workspaces = {key for delta, key in predicted if delta == workspace}
-    return simulate([e for e in predicted if e[1] not in workspaces], config)
+    workspaces = {("micro", sid) for sid in rt.trace.workspaces}
+    return simulate([e for e in role_allocations(job, rt) if e[1] not in workspaces], config)

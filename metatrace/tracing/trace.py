@@ -503,7 +503,8 @@ def _microbatch(job, config, model, recorder, static, device, workspace, plan, l
             stack.enter_context(_routing_graphs_dropped(model))
             marks = stack.enter_context(layers.truncated(models, runs, rec)) if runs else None
             shapes, deferred = run_microbatch(job, config, model, rec=rec, data=captured.data())
-    trace = rec.trace()
+    held = tuple(rec.known_storage(t) for t in workspaces.held.values())
+    trace = dataclasses.replace(rec.trace(), workspaces=held)
     if runs:
         trace = layers.expand(trace, runs, marks)
         if trace is None or not layers.mirror(models, runs):

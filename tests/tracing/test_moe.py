@@ -269,6 +269,31 @@ def test_moe_meta_matches_real_cpu_tensors_under_balanced_routing(sections):
     assert_meta_matches_real(job, world, world.roles()[0])
 
 
+def test_real_cpu_run_routes_the_allgather_dispatcher_as_assumed():
+    """metatrace measure of random routing: the all-gather dispatcher's experts get the hottest
+    expert's counts on real tensors too (its map of the gathered tokens is overwritten; the
+    fake world's all-gather leaves the other ranks' rows as the allocator gave them), so the
+    real run keeps what the meta trace does instead of failing to split its tokens."""
+    import torch
+
+    from metatrace.config.routing import Routing
+    from metatrace.tracing.measure import measure_rank, predict
+
+    torch.set_num_threads(1)
+    job = moe_job(
+        training={"moe_routing": "random"},
+        parallel={"tp": 2, "ep": 2, "sequence_parallel": True},
+        implementation={"transformer_impl": "local"},
+        cluster={"num_gpus": 4},
+    )
+    gathered = S * B // 2 * 4  # s*b/tp tokens from each of the tp x ep ranks
+    assert Routing.of_job(job).load(gathered, 1, MOE["num_experts"], MOE["moe_router_topk"]) > 1
+    predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
+    assert measured.saved_blocks == predicted.saved > 0
+    peak = predicted.peak - predicted.cuda_only
+    assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
+
+
 def test_moe_act_recompute_against_megatron_core_running_on_cpu():
     """Selective recompute of moe_act: megatron-core's CheckpointWithoutOutput frees the
     activation's output after the forward (untyped_storage().resize_(0)) and recomputes it in
