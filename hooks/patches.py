@@ -649,8 +649,11 @@ def _balanced_routing(orig):
     def routing(self, logits, padding_mask=None):
         probs, routing_map = orig(self, logits, padding_mask=padding_mask)
         routing = _moe().Routing.of(self.config)
-        if routing.policy == "balanced" and routing.balanced_load == 1.0:
-            _moe().balance_routing_map(routing_map, self.topk)
+        # Token dropping makes the real map's count data-dependent: balanced, every source
+        # rank sends each expert its share (at most its capacity), as the assumption has it.
+        dropping = self.config.moe_expert_capacity_factor is not None
+        if dropping or (routing.policy == "balanced" and routing.balanced_load == 1.0):
+            routing_map = _moe().balanced_routing_map(routing_map, self.topk)
         return probs, routing_map
 
     return routing

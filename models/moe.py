@@ -78,17 +78,18 @@ def received_per_local_expert(
     return out
 
 
-def balance_routing_map(routing_map: torch.Tensor, topk: int) -> None:
-    """On real tensors (the CPU check of a meta trace): overwrite the router's choices with the
+def balanced_routing_map(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """On real tensors (the CPU check of a meta trace): the router's choices replaced by the
     balanced assumption, token i going to experts (i·k + j) mod E for j < k, so that the real
-    run routes as the meta trace assumes. Meta tensors hold no choices to overwrite."""
+    run routes as the meta trace assumes (a new tensor: the router may have saved its map for
+    backward). Meta tensors hold no choices to replace: `routing_map` itself."""
     if routing_map.device.type == "meta":
-        return
+        return routing_map
     tokens, experts = routing_map.shape
     choice = (torch.arange(tokens).unsqueeze(1) * topk + torch.arange(topk)) % experts
     balanced = torch.zeros(tokens, experts, dtype=torch.bool)
     balanced.scatter_(1, choice, True)
-    routing_map.copy_(balanced.to(routing_map.device))
+    return balanced.to(routing_map.device)
 
 
 def route_local_as_assumed(local_map: torch.Tensor, counts: list[int]) -> None:

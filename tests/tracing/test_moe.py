@@ -269,25 +269,42 @@ def test_moe_meta_matches_real_cpu_tensors_under_balanced_routing(sections):
     assert_meta_matches_real(job, world, world.roles()[0])
 
 
-def test_real_cpu_run_routes_the_allgather_dispatcher_as_assumed():
-    """metatrace measure of random routing: the all-gather dispatcher's experts get the hottest
-    expert's counts on real tensors too (its map of the gathered tokens is overwritten; the
-    fake world's all-gather leaves the other ranks' rows as the allocator gave them), so the
-    real run keeps what the meta trace does instead of failing to split its tokens."""
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {
+            "parallel": {"tp": 2, "ep": 2, "sequence_parallel": True},
+            "implementation": {"transformer_impl": "local"},
+            "cluster": {"num_gpus": 4},
+        },
+        {
+            "parallel": {"ep": 2, "moe_token_dispatcher_type": "alltoall"},
+            "training": {"moe_expert_capacity_factor": 1.0},
+            "cluster": {"num_gpus": 2},
+        },
+    ],
+    ids=["allgather-local-tp2", "alltoall-token-dropping"],
+)
+def test_real_cpu_run_routes_as_assumed_under_random_routing(sections):
+    """metatrace measure of random routing, where the real router's choices cannot be the
+    assumed counts: the all-gather dispatcher's experts get the hottest expert's counts on
+    real tensors too (its map of the gathered tokens is overwritten; the fake world's
+    all-gather leaves the other ranks' rows as the allocator gave them), and a router that
+    drops tokens routes its source's balanced share (a new map: the router saved its own for
+    backward). The real run then keeps what the meta trace does, instead of failing to split
+    its tokens."""
     import torch
 
     from metatrace.config.routing import Routing
     from metatrace.tracing.measure import measure_rank, predict
 
     torch.set_num_threads(1)
-    job = moe_job(
-        training={"moe_routing": "random"},
-        parallel={"tp": 2, "ep": 2, "sequence_parallel": True},
-        implementation={"transformer_impl": "local"},
-        cluster={"num_gpus": 4},
-    )
-    gathered = S * B // 2 * 4  # s*b/tp tokens from each of the tp x ep ranks
-    assert Routing.of_job(job).load(gathered, 1, MOE["num_experts"], MOE["moe_router_topk"]) > 1
+    job = moe_job(**merged({"training": {"moe_routing": "random"}}, sections))
+    par = job.parallel
+    draws = S * B // par.tp * par.tp * par.ep  # the dispatch's tokens over its sources
+    # The hottest expert above its share: more than the all-gather's even split, more than a
+    # capacity of 1.0 (real random choices would drop some)
+    assert Routing.of_job(job).hottest(draws, MOE["num_experts"], MOE["moe_router_topk"]) > 1
     predicted, measured = predict(job, 0), measure_rank(job, 0, iterations=2)
     assert measured.saved_blocks == predicted.saved > 0
     peak = predicted.peak - predicted.cuda_only
