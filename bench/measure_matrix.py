@@ -40,7 +40,9 @@ BASE = {
     "--transformer-impl": "local",
 }
 TE = {"--transformer-impl": "transformer_engine"}
-# Mixture of experts on the local spec (SequentialMLP); the router's choices are real.
+# Mixture of experts on the local spec (SequentialMLP), under Megatron-LM's default of random
+# routing: where real choices could not give the assumed counts (the all-gather dispatcher's
+# hottest expert, a router dropping tokens) the real map is made to (hooks.patches).
 MOE = {
     "--swiglu": True,
     "--disable-bias-linear": True,
@@ -68,6 +70,26 @@ CASES = {
     "moe allgather": (MOE, 1, False),
     "moe alltoall ep2": (
         {**MOE, "--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "alltoall"},
+        2,
+        False,
+    ),
+    "moe allgather tp2 ep2": (
+        {
+            **MOE,
+            "--tensor-model-parallel-size": 2,
+            "--sequence-parallel": True,
+            "--expert-model-parallel-size": 2,
+        },
+        4,
+        False,
+    ),
+    "moe alltoall ep2 token dropping": (
+        {
+            **MOE,
+            "--expert-model-parallel-size": 2,
+            "--moe-token-dispatcher-type": "alltoall",
+            "--moe-expert-capacity-factor": 1.0,
+        },
         2,
         False,
     ),
