@@ -649,7 +649,7 @@ def _balanced_routing(orig):
     def routing(self, logits, padding_mask=None):
         probs, routing_map = orig(self, logits, padding_mask=padding_mask)
         routing = _moe().Routing.of(self.config)
-        # Token dropping makes the real map's count data-dependent: balanced, every source
+        # Token dropping makes the real map's counts data-dependent: balanced, every source
         # rank sends each expert its share (at most its capacity), as the assumption has it.
         dropping = self.config.moe_expert_capacity_factor is not None
         if dropping or (routing.policy == "balanced" and routing.balanced_load == 1.0):
@@ -702,16 +702,17 @@ PATCHES += (
         _allgather_dispatch_postprocess,
         EVERY_RELEASE,
         "reads the tokens per local expert on the host (.cpu()); they come from the routing "
-        "assumption.",
+        "assumption (on real tensors the local map is made to route them).",
     ),
     Patch(
         "megatron.core.transformer.moe.router",
         "TopKRouter.routing",
         _balanced_routing,
         EVERY_RELEASE,
-        "on real tensors (the CPU check of a meta trace) under balanced routing the routing map "
-        "is made the balanced one metatrace assumes (random routing keeps the router's own "
-        "draw); on meta it holds no values and is left alone.",
+        "on real tensors (the CPU check of a meta trace) under balanced routing, or where the "
+        "router drops tokens, the routing map is made the balanced one metatrace assumes "
+        "(random routing otherwise keeps the router's own draw); on meta it holds no values "
+        "and is left alone.",
     ),
     Patch(
         "megatron.core.transformer.moe.router",
