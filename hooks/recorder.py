@@ -569,7 +569,7 @@ class Recorder:
                     self._post_forward, always_call=True
                 )
             )
-            self._identity = _SavedIdentity()
+            self._identity = SavedIdentity()
             self._identity.__enter__()
             self._modes.append(self._identity)
             saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -1028,7 +1028,7 @@ def _saved_key(t: torch.Tensor):
     )
 
 
-class _SavedIdentity:
+class SavedIdentity:
     """Saved-tensor hooks cost saved tensors their Python identity: autograd hands back a new
     tensor object for every saved tensor once a hook is installed (SavedVariable::unpack), so
     attributes set on the original (megatron-core's `weight.main_grad`,

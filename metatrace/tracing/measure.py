@@ -245,9 +245,12 @@ def counting_saved(probe: _Probe, existing: _Existing):
 
     import torch
 
+    from metatrace.hooks.recorder import SavedIdentity
+
     saved: dict[int, int] = {}
     held: list = []
     host = _host_tensors()
+    identity = SavedIdentity()  # megatron-core's attributes on saved weights kept in backward
 
     def count():
         skip = existing.ptrs() | host.ptrs()
@@ -260,6 +263,7 @@ def counting_saved(probe: _Probe, existing: _Existing):
                 saved[storage.data_ptr()] = storage.nbytes()
 
     def pack(t):
+        identity.note(t)
         if probe.phase != "forward":
             return t
         h = _Held(t)
@@ -270,7 +274,7 @@ def counting_saved(probe: _Probe, existing: _Existing):
         return h.tensor if isinstance(h, _Held) else h
 
     probe.on_backward = count
-    with host, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with host, identity, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield saved
 
 

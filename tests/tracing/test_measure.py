@@ -39,6 +39,20 @@ CASES = {
         },
         0,
     ),
+    # megatron-core's DDP asserts every weight's gradient under overlap_grad_reduce: the
+    # counted micro-batch's saved-tensor hooks must keep the attributes its linear layers read
+    # from the saved weight (grad_added_to_main_grad).
+    "overlapped gradient reduce": (
+        {
+            "training": {
+                "global_batch_size": 8,
+                "distributed_optimizer": True,
+                "overlap_grad_reduce": True,
+            },
+            "cluster": {"num_gpus": 2},
+        },
+        0,
+    ),
     # The unfused attention's global memory buffer ([b x heads, s, s] bf16: 64 KiB) the size of
     # a cuBLAS workspace: it is not one.
     "a buffer of a workspace's size": ({"cluster": {"cublas_workspace_config": ":64:1"}}, 0),
