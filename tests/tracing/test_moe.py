@@ -194,6 +194,23 @@ def test_allgather_local_counts_of_random_routing():
     assert allgather_local_counts(dispatcher(Routing("balanced")), 256).tolist() == [128, 128]
 
 
+def test_a_real_local_map_routes_the_assumed_counts():
+    # The all-gather dispatcher's map of 6 gathered tokens to 2 local experts, made to route
+    # 5 and 3 (more than half the tokens each: they wrap around), each token at most once per
+    # expert; a meta map is left alone.
+    import torch
+
+    from models.moe import route_local_as_assumed
+
+    local = torch.ones(6, 2, dtype=torch.bool)
+    route_local_as_assumed(local, [5, 3])
+    assert local.sum(dim=0).tolist() == [5, 3]
+    assert local[:, 0].tolist() == [True] * 5 + [False]
+    assert local[:, 1].tolist() == [True, True, False, False, False, True]
+    meta = torch.empty(6, 2, dtype=torch.bool, device="meta")
+    route_local_as_assumed(meta, [5, 3])
+
+
 def test_expert_and_dense_optimizer_state_shard_over_their_own_groups():
     # tp 2, ep 4, etp 1, pp 2 on 16 GPUs: dense parameters shard over dp = 16/(2·2) = 4, the
     # experts' over expert dp = 16/(1·4·2) = 2 (megatron-core's groups). Adam with the
