@@ -513,6 +513,12 @@ def check_request(job, rank: int, device: str) -> None:
             + ("on the CPU" if device == "cpu" else "without transformer_engine installed")
             + "; measure the local spec instead (implementation.transformer_impl: local)"
         )
+    if job.model.num_experts and job.parallel.moe_token_dispatcher_type == "flex":
+        raise ConfigError(
+            "the flex dispatcher (DeepEP, HybridEP) cannot run for real in a world of one rank: "
+            "its kernels exchange tokens through buffers shared with the other ranks; measure "
+            "parallel.moe_token_dispatcher_type alltoall or allgather instead"
+        )
 
 
 def check_fits(predicted: Predicted, device: str) -> None:

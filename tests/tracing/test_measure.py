@@ -167,6 +167,18 @@ def test_measure_refuses_bad_input(tmp_path, capsys, extra, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_measure_refuses_the_flex_dispatcher(tmp_path, capsys):
+    # DeepEP's and HybridEP's kernels need the group's other ranks (the stand-ins run on meta).
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "model: {preset: debug, num_experts: 4, moe_router_topk: 2, moe_ffn_hidden_size: 96}\n"
+        "training: {seq_length: 64}\nparallel: {ep: 2, moe_token_dispatcher_type: flex}\n"
+        "implementation: {transformer_impl: local}\ncluster: {num_gpus: 2}\n"
+    )
+    assert _cli(["measure", "--config", str(config), "--rank", "0"])[0] == 2
+    assert "the flex dispatcher (DeepEP, HybridEP) cannot run for real" in capsys.readouterr().err
+
+
 def test_measure_refuses_a_model_too_large_for_the_machine(monkeypatch):
     from metatrace.errors import ConfigError
     from metatrace.tracing import measure
