@@ -106,7 +106,7 @@ class FlexLayout:
             load,
             sent,
             range(first, first + self.local_experts),
-            alone=self.ranks == 1,
+            alone=ep == 1,
         )
         self.per_expert = [n * self.ranks for n in per_source]
         """Tokens each local expert receives (one per token and expert, from every source)."""

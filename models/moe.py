@@ -19,7 +19,8 @@ routing map's values. metatrace supplies the counts from a stated assumption
   the same share from every source rank. With `training.moe_hottest_expert_load` = L > 1 the
   first local expert of every rank receives ceil(L x its share) from every source, the others
   their share: each rank is shown in its worst case (globally this overcounts: the other
-  ranks' experts do not lose what the hot one gains; on a single rank they do);
+  ranks' experts do not lose what the hot one gains; without expert parallelism, every
+  expert on the rank, they do: a source sends no more in all);
 - capacity: megatron-core's own static path (moe_expert_capacity_factor with
   moe_pad_expert_input_to_capacity): every expert's input is padded to its capacity, no count
   depends on the data, and none of this module's substitutions are used.
@@ -66,8 +67,8 @@ def received_per_local_expert(
 ) -> list[int]:
     """Tokens one source rank sends to each of this rank's local experts: its balanced share
     `sent[e]`, the first local expert scaled by the hottest expert's `load` (rounded up).
-    `alone`: the rank is the only source (no expert or tensor parallelism), so what the hottest
-    expert gains the others lose."""
+    `alone`: every expert is on this rank (no expert parallelism), so what the hottest expert
+    gains from a source the others lose: the source sends no more in all."""
     out = [sent[e] for e in local]
     if load != 1.0 and out:
         total = sum(out)
@@ -136,8 +137,8 @@ def alltoall_preprocess(dispatcher, routing_map: torch.Tensor) -> torch.Tensor:
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
     sources = d.tp_size * d.ep_size
     load = routing.load(tokens, sources, experts, topk)
-    per_source = received_per_local_expert(load, sent, local, alone=sources == 1)
-    if sources == 1:  # the rank sends its experts what they receive (the hottest one's gain)
+    per_source = received_per_local_expert(load, sent, local, alone=d.ep_size == 1)
+    if d.ep_size == 1:  # every source sends this rank's experts what they receive
         sent = list(per_source)
     if d.config.moe_router_padding_for_quantization:
         from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
@@ -181,7 +182,7 @@ def allgather_local_counts(dispatcher, global_tokens: int) -> torch.Tensor:
     routing = Routing.of(d.config)
     sent = balanced_split(global_tokens * d.router_topk, d.config.num_moe_experts)
     local = range(d.local_expert_indices[0], d.local_expert_indices[-1] + 1)
-    alone = d.tp_size * d.ep_size == 1
+    alone = d.ep_size == 1
     # every rank routes the gathered tokens of the whole group: one source of them all
     load = routing.load(global_tokens, 1, d.config.num_moe_experts, d.router_topk)
     counts = received_per_local_expert(load, sent, local, alone=alone)

@@ -299,8 +299,16 @@ def test_moe_meta_matches_real_cpu_tensors_under_balanced_routing(sections):
             "training": {"moe_expert_capacity_factor": 1.0},
             "cluster": {"num_gpus": 2},
         },
+        {
+            "parallel": {
+                "tp": 2,
+                "sequence_parallel": True,
+                "moe_token_dispatcher_type": "alltoall",
+            },
+            "cluster": {"num_gpus": 2},
+        },
     ],
-    ids=["allgather-local-tp2", "alltoall-token-dropping"],
+    ids=["allgather-local-tp2", "alltoall-token-dropping", "alltoall-tp2-every-expert-local"],
 )
 def test_real_cpu_run_routes_as_assumed_under_random_routing(sections):
     """metatrace measure of random routing, where the real router's choices cannot be the
@@ -309,7 +317,9 @@ def test_real_cpu_run_routes_as_assumed_under_random_routing(sections):
     all-gather leaves the other ranks' rows as the allocator gave them), and a router that
     drops tokens routes its source's balanced share (a new map: the router saved its own for
     backward). The real run then keeps what the meta trace does, instead of failing to split
-    its tokens."""
+    its tokens. Without expert parallelism every expert is on the rank: what the hottest one
+    gains from a source the others lose (the trace failed in backward when each TP source's
+    all-gathered share held the gain on top: 132 rows against the 128 it sent)."""
     import torch
 
     from metatrace.config.routing import Routing
