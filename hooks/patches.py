@@ -526,6 +526,23 @@ for _module in (
             creates=_module == "megatron.core.transformer.moe.moe_layer",
         ),
     )
+# megatron-core 0.19 runs full recompute's checkpointed chunks in megatron.core.recompute
+# (TransformerBlock's and HybridStack's), which binds all three at import.
+PATCHES += tuple(
+    Patch(
+        "megatron.core.recompute",
+        name,
+        _standin("metatrace.models.te_fp8", standin),
+        RELEASE_0_19,
+        "full recompute's chunks run under these (0.19 moved them out of transformer_block): "
+        "without Transformer Engine te_checkpoint is None and the FP8 and FP4 contexts null.",
+    )
+    for name, standin in (
+        ("te_checkpoint", "checkpoint"),
+        ("get_fp8_context", "get_fp8_context"),
+        ("get_fp4_context", "get_fp4_context"),
+    )
+)
 PATCHES += (
     Patch(
         "megatron.core.transformer.moe.moe_layer",

@@ -473,13 +473,25 @@ def checkpoint(
     function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args, **kwargs
 ):
     """megatron-core's te_checkpoint (used for recompute under FP8) with megatron-core's own
-    activation checkpointing, which saves the same inputs."""
+    activation checkpointing, which saves the same inputs; the recompute runs under the FP8
+    region the forward ran in, as TE's _CheckpointFunction re-enters it (TE 2.8
+    distributed.py:372-379, 418-425: fp8_autocast(enabled=ctx.fp8, fp8_recipe=ctx.fp8_recipe)).
+    Under delayed scaling that region is the block's outer one, which the backward is not in."""
     from functools import partial
 
     from megatron.core import tensor_parallel
 
     fn = partial(function, **kwargs) if kwargs else function
-    return tensor_parallel.checkpoint(fn, distribute_saved_activations, *args)
+    recipe = active_recipe() if FP8GlobalStateManager.is_fp8_enabled() else None
+    calls = []
+
+    def run(*inputs):
+        region = recompute_autocast(True, recipe) if calls else contextlib.nullcontext()
+        calls.append(None)  # the first call is the forward, the others recompute it
+        with region:
+            return fn(*inputs)
+
+    return tensor_parallel.checkpoint(run, distribute_saved_activations, *args)
 
 
 # ----------------------------------------------------------------------------- FP8 recompute

@@ -270,3 +270,23 @@ def test_the_saved_input_is_reordered_when_the_wgrad_gemm_waits():
     reorder = [4096, -4096, 32768, -32768, 4096, -4096]
     start = deltas.index(32768)
     assert deltas[start : start + 14] == gather + dgrad + reorder
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8"])
+def test_full_recompute_reruns_the_layers_in_fp8(recipe):
+    """Full recompute under FP8 goes through TE's checkpoint: the recompute runs each layer in
+    FP8 again, under its own context (tensorwise, MXFP8: megatron-core 0.19 runs the chunks in
+    megatron.core.recompute, which binds te_checkpoint and the contexts at import) or under the
+    region the forward ran in, which TE's checkpoint re-enters (delayed scaling's is the
+    block's, outside which the backward runs). The backward computes the forward's FP8 GEMMs
+    once more."""
+    training = {"precision": "fp8", "fp8_recipe": recipe}
+
+    def quantized(job, phase):
+        return sum(w.fp8_flops for w in _trace(job).windows if w.phase == phase)
+
+    recompute = {"granularity": "full", "method": "uniform", "num_layers": 1}
+    eager, checkpointed = _job(training), _job({**training, "recompute": recompute})
+    forward = quantized(eager, "forward")
+    assert forward > 0
+    assert quantized(checkpointed, "backward") - quantized(eager, "backward") == forward
