@@ -9,7 +9,10 @@ chunks are wanted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -361,7 +364,7 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
         if m.hybrid_layer_pattern is not None:
             from metatrace.models.hybrid import build_hybrid_model
 
-            with torch.device(device):
+            with torch.device(device), _refused_by_megatron_core():
                 model = build_hybrid_model(job, provider, vp_stage, **common)
         else:
             block = TransformerBlockSubmodules(
@@ -369,7 +372,7 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
                 layer_norm=provider.layer_norm(),
             )
             mtp_block = mtp_block_spec(config, provider, block, vp_stage=vp_stage)
-            with torch.device(device):
+            with torch.device(device), _refused_by_megatron_core():
                 model = GPTModel(
                     transformer_layer_spec=block,
                     mtp_block_spec=mtp_block,
@@ -380,6 +383,21 @@ def build_model_chunks(*, job, config, device="meta") -> list[torch.nn.Module]:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+@contextlib.contextmanager
+def _refused_by_megatron_core():
+    """megatron-core's own assertions while its modules are built (a layer's checks of its
+    dimensions, e.g. Gated DeltaNet's FP8 alignment of its input projection) are its refusal of
+    the configuration: one message (ConfigError), not a traceback. An assertion raised outside
+    megatron-core's sources is a defect here and propagates."""
+    try:
+        yield
+    except AssertionError as e:
+        raised_in = traceback.extract_tb(e.__traceback__)[-1].filename
+        if os.path.join("megatron", "core", "") not in raised_in:
+            raise
+        raise ConfigError(f"megatron-core rejects this configuration: {e}") from None
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -345,3 +345,36 @@ def test_a_repeated_mtp_layer_is_refused_under_0_16():
     gpt = {"preset": "debug", "num_layers": 4, "position_embedding_type": "rope"}
     with pytest.raises(ConfigError, match="mtp_use_repeated_layer needs megatron-core 0.19"):
         check_with_megatron(_mtp_job({**gpt, "mtp_num_layers": 2}, True))
+
+
+def test_megatron_core_refusing_a_layer_it_builds_is_one_message():
+    """megatron-core's own assertion while it builds a layer is its refusal of the
+    configuration: Gated DeltaNet under FP8 wants its input projection's output width a multiple
+    of 16 (here 2 x 2 x 16 + 2 x 4 x 16 + 2 x 4 = 200). One message (ConfigError: exit 2), not
+    a traceback."""
+    from metatrace.errors import ConfigError
+    from metatrace.tracing.trace import trace_job
+
+    job = job_from_dict(
+        {
+            "model": {
+                "preset": "debug",
+                "num_layers": 4,
+                "linear_attention_freq": 2,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+            },
+            "training": {
+                "seq_length": 128,
+                "micro_batch_size": 1,
+                "global_batch_size": 1,
+                "precision": "fp8",
+                "fp8_recipe": "tensorwise",
+            },
+            "cluster": {"num_gpus": 1},
+        }
+    )
+    with pytest.raises(ConfigError, match="megatron-core rejects this configuration: For FP8"):
+        trace_job(job, workers=1, full_model=False)
