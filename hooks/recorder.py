@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from metatrace.config.host import (
     NO_DATA,
     SYNC,
+    VIEW_LIKE,
     embedding_backward_kernels,
     kernels_of,
     multi_tensor_launches,
@@ -230,7 +231,8 @@ def _op_info(func) -> list:
     else:
         launches = 1 if spec is not None and spec is not _UNCLASSIFIED else 0
     sync = func.namespace == "aten" and name in SYNC
-    return [0, formula, _written_args(func), spec, moves, launches, sync, func.is_view]
+    view = func.is_view or name in VIEW_LIKE
+    return [0, formula, _written_args(func), spec, moves, launches, sync, view]
 
 
 def _empty(out) -> bool:

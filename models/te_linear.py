@@ -84,8 +84,13 @@ def _reduce_scatter(x2, mode):
 
 
 def _output_view(out, x):
+    """The GEMM's [N, out] output in the input's leading shape. TE's GEMM writes that shape
+    itself (general_gemm takes the N-d input), so the function's output is no view: an
+    _unsafe_view, which autograd does not track as one (megatron-core 0.19 adds an expert's
+    bias into its fc2 output in place, mlp.py:350)."""
     lead = x.shape[:-1]
-    return out.view(out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
+    shape = (out.shape[0] // max(1, _prod(lead[1:])), *lead[1:], out.shape[-1])
+    return torch.ops.aten._unsafe_view(out, shape)
 
 
 class _LinearFunction(torch.autograd.Function):

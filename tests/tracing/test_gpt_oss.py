@@ -100,6 +100,18 @@ def test_te_stand_ins_on_meta_match_real_cpu_tensors(backend):
     assert_meta_matches_real(job, world, world.roles()[0])
 
 
+def test_sequential_experts_with_biases_on_meta_match_real_cpu_tensors():
+    """Experts one TE linear pair each (no grouped GEMM), with biases: megatron-core 0.19 adds
+    an expert's fc2 bias, scaled by its routing probability, into the fc2 output in place
+    (mlp.py:350), which autograd allows only on a GEMM output that is no view (TE writes the
+    N-d shape itself); both sides keep the same tensors."""
+    from metatrace.world import World
+
+    job = gpt_oss_job(implementation={"moe_grouped_gemm": False})
+    world = World.from_job(job)
+    assert_meta_matches_real(job, world, world.roles()[0])
+
+
 def _trace(job):
     return trace_job(job, full_model=False, workers=1).roles[0].trace
 
