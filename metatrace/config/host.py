@@ -111,12 +111,12 @@ NO_DATA = frozenset(
     }
 )
 
-# ATen operators that launch no kernel although they are not views: NO_DATA and those that only
-# read metadata.
 VIEW_LIKE = frozenset({"_unsafe_view"})
 """Operators that make a view without their schema saying so (autograd does not track it as
 one): a view's host cost ("view" above)."""
 
+# ATen operators that launch no kernel although they are not views: NO_DATA and those that only
+# read metadata.
 NO_KERNEL = NO_DATA | {
     "is_nonzero",
     "size",
