@@ -399,7 +399,6 @@ def split_quantize(
     one uint8 buffer per usage for all experts (each expert's data 256-byte aligned, then each
     expert's scales 16-byte aligned, cast.cpp:245-265, 288-308) and hand out views of it:
     returned as one Quantized holding the bulk buffers."""
-    experts = sum(1 for m in m_splits if m)
     if recipe == "nvfp4":
         out, start = [], 0
         for m in m_splits:
@@ -418,6 +417,7 @@ def split_quantize(
                 )
             )
         return out
+    experts = sum(1 for m in m_splits if m)  # the kernels of a quantization an expert
     if recipe in ("delayed", "tensorwise"):
         out = [
             quantize((m, cols), recipe, arch, rowwise=rowwise, columnwise=columnwise, device=device)
@@ -482,12 +482,13 @@ def checkpoint(
     from megatron.core import tensor_parallel
 
     fn = partial(function, **kwargs) if kwargs else function
-    recipe = active_recipe() if FP8GlobalStateManager.is_fp8_enabled() else None
-    calls = []
+    recipe = active_recipe()
+    recomputing = False
 
     def run(*inputs):
-        region = recompute_autocast(True, recipe) if calls else contextlib.nullcontext()
-        calls.append(None)  # the first call is the forward, the others recompute it
+        nonlocal recomputing
+        region = recompute_autocast(True, recipe) if recomputing else contextlib.nullcontext()
+        recomputing = True  # the first call is the forward, the others recompute it
         with region:
             return fn(*inputs)
 
