@@ -91,7 +91,7 @@ MBRIDGE_PRESETS = {
 
 # What a Megatron-Bridge row cannot be built with yet, by a word of its settings.
 MBRIDGE_UNBUILDABLE = {
-    "Muon": "the Muon optimizer (layer-wise distributed optimizer: megatron-core 0.19, issue 45)",
+    "Muon": "the Muon optimizer (not modelled: docs/megatron-core-releases.md says why)",
 }
 
 # Recipe settings metatrace does not model (megatron-core 0.18-0.19 features, kernels without a
