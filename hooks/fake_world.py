@@ -9,6 +9,7 @@ On exit it destroys both, so the next rank can be simulated in the same process.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch.distributed as dist
 
@@ -121,9 +122,16 @@ def fake_world(layout: Layout, rank: int, *, seed: int = 1234, nvlink_domain: in
 
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed world is already initialised in this process")
-    dist.init_process_group(
-        backend=FAKE_BACKEND, rank=rank, world_size=layout.world_size, store=FakeStore()
-    )
+    # init_process_group wraps sys.excepthook to prefix "[rank<r>]: " to every line of an
+    # uncaught exception's report, and never unwraps it: each simulated rank would add a prefix
+    # to whatever the process reports afterwards (torch 2.13 distributed_c10d.py:1921-1937).
+    excepthook = sys.excepthook
+    try:
+        dist.init_process_group(
+            backend=FAKE_BACKEND, rank=rank, world_size=layout.world_size, store=FakeStore()
+        )
+    finally:
+        sys.excepthook = excepthook
     collectives.set_nvlink_domain(nvlink_domain)
     try:
         ps.initialize_model_parallel(

@@ -89,6 +89,29 @@ def test_every_group_kind_equals_megatron(layout):
                     assert sorted(ranks) == sorted(world.group_of(name, rank)), (name, rank)
 
 
+def test_the_simulated_world_leaves_the_process_excepthook_as_it_was():
+    # torch's init_process_group wraps sys.excepthook with a "[rank<r>]: " prefix and never
+    # unwraps it: two ranks traced in one process would report a later exception as
+    # "[rank0]: [rank1]: Traceback ...".
+    import io
+    import sys
+
+    before = sys.excepthook
+    layout = Layout(world_size=2, tp=2)
+    with megatron_patches(), remap_cuda("meta"):
+        for rank in range(layout.world_size):
+            with fake_world(layout, rank):
+                pass
+    assert sys.excepthook is before
+    report = io.StringIO()
+    stderr, sys.stderr = sys.stderr, report
+    try:
+        sys.excepthook(ValueError, ValueError("late"), None)
+    finally:
+        sys.stderr = stderr
+    assert report.getvalue().startswith("ValueError: late"), report.getvalue()
+
+
 @pytest.mark.parametrize("sizes", [(2, 1, 1, 4, 2), (8, 2, 1, 4, 16), (3, 2, 5, 1, 2)])
 def test_vectorised_groups_equal_megatron_generator(sizes):
     import itertools
