@@ -1042,6 +1042,11 @@ def _given(job, paths) -> list[str]:
     return out
 
 
+def _need(paths: list[str]) -> str:
+    """The subject and verb of a message about the keys `paths`: "a needs", "a, b need"."""
+    return f"{', '.join(paths)} {'needs' if len(paths) == 1 else 'need'}"
+
+
 @functools.cache
 def _default(cls, key: str):
     import dataclasses
@@ -1095,7 +1100,7 @@ def _check_moe(job):
     if m.num_experts is None:
         given = _given(job, _MOE_KEYS)
         if given:
-            yield f"{', '.join(given)} need mixture-of-experts layers (model.num_experts)"
+            yield f"{_need(given)} mixture-of-experts layers (model.num_experts)"
         return
     if par.tp > 1 and not par.sequence_parallel:
         # megatron-core's MoELayer.forward raises this in training.
@@ -1113,7 +1118,7 @@ def _check_moe(job):
     if par.moe_token_dispatcher_type == "flex":
         yield from _check_flex(job)
     elif _given(job, _FLEX_KEYS):
-        yield f"{', '.join(_given(job, _FLEX_KEYS))} need parallel.moe_token_dispatcher_type: flex"
+        yield f"{_need(_given(job, _FLEX_KEYS))} parallel.moe_token_dispatcher_type: flex"
     if impl.moe_grouped_gemm and impl.transformer_impl == "local":
         yield (
             "implementation.moe_grouped_gemm with transformer_impl: local is megatron-core's "
@@ -1243,7 +1248,7 @@ def _check_mla(job):
             keys = tuple(k for k in keys if k.removeprefix("model.") not in YARN_KEYS)
         given = _given(job, keys)
         if given:
-            yield f"{', '.join(given)} need model.multi_latent_attention"
+            yield f"{_need(given)} model.multi_latent_attention"
         if m.rope_type == "yarn":
             yield (
                 "model.rope_type yarn is multi-latent attention's; for YaRN with other attention "
@@ -1433,10 +1438,10 @@ def _check_hybrid_layers(job):
         heads = ["model.mamba_num_heads"] if m.mamba_num_heads and not pattern else []
         given = _given(job, _MAMBA_KEYS) + heads
         if given:
-            yield f"{', '.join(given)} need Mamba-2 layers (M in model.hybrid_layer_pattern)"
+            yield f"{_need(given)} Mamba-2 layers (M in model.hybrid_layer_pattern)"
     if not gdn and _given(job, _GDN_KEYS):
         yield (
-            f"{', '.join(_given(job, _GDN_KEYS))} need Gated DeltaNet layers "
+            f"{_need(_given(job, _GDN_KEYS))} Gated DeltaNet layers "
             "(model.linear_attention_freq, or G in model.hybrid_layer_pattern)"
         )
     if pattern and m.qk_layernorm:

@@ -55,7 +55,7 @@ FLEX = {"moe_token_dispatcher_type": "flex"}
         ({"parallel": FLEX}, r"flex needs parallel.ep x etp > 1"),
         (
             {"parallel": {"moe_flex_dispatcher_backend": "hybridep", "ep": 2}},
-            "parallel.moe_flex_dispatcher_backend need parallel.moe_token_dispatcher_type: flex",
+            "parallel.moe_flex_dispatcher_backend needs parallel.moe_token_dispatcher_type: flex",
         ),
         (
             {

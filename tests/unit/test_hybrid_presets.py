@@ -116,13 +116,13 @@ def test_planner_estimate_is_the_closed_form_less_norms(name):
         (
             "nemotron-h-8b",
             {"moe_latent_size": 512},
-            "model.moe_latent_size need mixture-of-experts layers",
+            "model.moe_latent_size needs mixture-of-experts layers",
         ),
-        ("llama3-8b", {"mamba_state_dim": 64}, "model.mamba_state_dim need Mamba-2 layers"),
+        ("llama3-8b", {"mamba_state_dim": 64}, "model.mamba_state_dim needs Mamba-2 layers"),
         (
             "llama3-8b",
             {"linear_num_key_heads": 8},
-            "model.linear_num_key_heads need Gated DeltaNet layers",
+            "model.linear_num_key_heads needs Gated DeltaNet layers",
         ),
         ("deepseek-v3", {"attention_output_gate": True}, "no output gate for MLA"),
         ("nemotron-h-8b", {"qk_layernorm": True}, "without query/key norms"),
@@ -131,7 +131,7 @@ def test_planner_estimate_is_the_closed_form_less_norms(name):
             {"moe_shared_expert_gate": True},
             "model.moe_shared_expert_gate needs model.moe_shared_expert_intermediate_size",
         ),
-        ("llama3-8b", {"moe_shared_expert_gate": True}, "need mixture-of-experts layers"),
+        ("llama3-8b", {"moe_shared_expert_gate": True}, "needs mixture-of-experts layers"),
     ],
 )
 def test_checks_refuse_what_megatron_core_refuses(preset, model, message):

@@ -87,7 +87,7 @@ def test_padding_for_fp4_is_kept_with_fp4():
         ),
         (
             lambda: small_job(training={"moe_router_padding_for_quantization": True}),
-            "training.moe_router_padding_for_quantization need mixture-of-experts layers "
+            "training.moe_router_padding_for_quantization needs mixture-of-experts layers "
             "(model.num_experts)",
         ),
     ],
