@@ -33,6 +33,8 @@ class _Process:
     allocator; the linear stand-ins gather into views of them."""
     margins: dict[str, int] = {}
     """Multiprocessors each userbuffer's GEMM leaves to its collective, by GEMM name."""
+    element_bytes: dict[str, int] = {}
+    """Bytes of each userbuffer's elements, by GEMM name: 1 for FP8 buffers, else 2 (bf16)."""
 
 
 _PROCESS = _Process()
@@ -52,6 +54,7 @@ def te_process(installed: bool = True, userbuffers=(), device=None):
         b.name: torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in userbuffers
     }
     _PROCESS.margins = {b.name: b.margin for b in userbuffers}
+    _PROCESS.element_bytes = {b.name: 1 if b.fp8 else 2 for b in userbuffers}
     try:
         yield _PROCESS
     finally:
@@ -160,7 +163,22 @@ def userbuffer(name: str, shape, dtype: torch.dtype) -> torch.Tensor:
 
 def ub_all_gather(name: str, local: torch.Tensor, group, tp: int) -> torch.Tensor:
     """TE's fill_userbuffers_buffer_for_all_gather and the overlapped all-gather: `local`
-    [M, ...] gathered into a [M x tp, ...] view of userbuffer `name`."""
+    [M, ...] gathered into a [M x tp, ...] view of userbuffer `name`. TE copies `local` in
+    with copy_into_buffer, which refuses elements of another size than the buffer's (an FP8
+    buffer's 1 byte, a bf16 layer's 2: TE 2.8 csrc/extensions/comm_gemm_overlap.cpp:150-155);
+    so does this, with the reason in the user's terms."""
+    held = _PROCESS.element_bytes.get(name)
+    if held is not None and local.element_size() != held:
+        from metatrace.config.userbuffers import UbError
+
+        raise UbError(
+            f"parallel.tp_comm_overlap under FP8: Transformer Engine's userbuffer {name} holds "
+            f"1-byte FP8 elements, and a layer that runs in {str(local.dtype).split('.')[-1]} "
+            "(training.first_last_layers_bf16) gathers its "
+            f"{local.element_size()}-byte ones into it; TE 2.8 refuses the copy ('dtypes are "
+            "not compatible', comm_gemm_overlap.cpp), so the run fails at that layer. Turn off "
+            "parallel.tp_comm_overlap or training.first_last_layers_bf16"
+        )
     out = userbuffer(name, (local.shape[0] * tp, *local.shape[1:]), local.dtype)
     with overlapped(UB_OVERLAP):
         dist.all_gather_into_tensor(out, local, group=group)

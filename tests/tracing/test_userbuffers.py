@@ -133,3 +133,25 @@ def test_fp8_gathers_one_byte_data_into_the_userbuffers():
     # local FP8 copy goes once gathered (each had a 512-byte scale block).
     assert gone("mlp.linear_fc2", "backward") == N * H + N // TP * H + 2 * 512
     assert userbuffer_bytes(ub_job(True, "fp8")) == 8 * N * H + 4 * N * H * 2
+
+
+def test_a_bf16_layer_cannot_gather_into_the_fp8_userbuffers():
+    # TE 2.8's copy_into_buffer refuses elements of another size than the buffer's: a layer
+    # that first_last_layers_bf16 runs in bf16 gathers 2-byte elements into the 1-byte buffers
+    # initialize_ub made for FP8, and the real run fails there. Without the bf16 layers the
+    # same job traces.
+    from metatrace.config.userbuffers import UbError
+
+    job = ub_job(True, "fp8")
+    trace_job(job, full_model=False, workers=1)
+    bf16_ends = dataclasses.replace(
+        job,
+        training=dataclasses.replace(
+            job.training,
+            first_last_layers_bf16=True,
+            num_layers_at_start_in_bf16=1,
+            num_layers_at_end_in_bf16=0,
+        ),
+    )
+    with pytest.raises(UbError, match="userbuffer qkv_fprop holds 1-byte FP8 elements"):
+        trace_job(bf16_ends, full_model=False, workers=1)
