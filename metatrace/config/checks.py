@@ -13,6 +13,7 @@ import re
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
 from metatrace.config.hybrid import GDN, MAMBA
 from metatrace.config.job import FSDP_DTYPES, OFFLOAD_KNOBS, changed_from_default
+from metatrace.config.release import since as release_since
 from metatrace.errors import ConfigError
 
 RANK_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -658,6 +659,19 @@ def _check_fsdp(job):
     if unit is not None and unit < 1:
         yield f"training.fsdp_communication_unit_size = {unit} must be at least 1"
     par = job.parallel
+    pattern = job.model.hybrid_layer_pattern or ""
+    recurrent = MAMBA in pattern or GDN in pattern or job.model.linear_attention_freq is not None
+    if recurrent and par.tp > 1 and not release_since(0, 19):
+        # MambaMixer and GatedDeltaNet mark conv1d, dt_bias, A_log (and more) tensor-parallel
+        # with no partition_dim; megatron_fsdp's make_fsdp_dtensor reads param.partition_dim of
+        # every tensor-parallel parameter (utils.py get_mcore_tensor_parallel_partition_dim).
+        # 0.19 sets the attribute and reads it with a default.
+        yield (
+            f"training.megatron_fsdp with Mamba-2 or Gated DeltaNet layers at parallel.tp = "
+            f"{par.tp}: megatron-core 0.16.1's Megatron-FSDP fails while making its DTensors "
+            "(those layers mark conv1d, dt_bias and A_log tensor-parallel without the "
+            "partition_dim it reads: AttributeError); use tp 1, or megatron-core 0.19"
+        )
     if par.pp > 1:
         # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as
         # "(dp_cp ep tp)": the world must be dp x cp x ep x tp, with no pipeline stages.

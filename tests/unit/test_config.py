@@ -470,6 +470,42 @@ def test_megatron_fsdp_refusals(training, message):
         small_job(cluster={"num_gpus": 4}, model=model, parallel=parallel, training=training)
 
 
+@pytest.mark.parametrize("release_0_19", [False, True])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"linear_attention_freq": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+        {
+            "hybrid_layer_pattern": "M*M-",
+            "num_layers": 4,
+            "normalization": "RMSNorm",
+            "position_embedding_type": "none",
+            "mamba_head_dim": 16,
+        },
+    ],
+    ids=["gated-deltanet", "mamba"],
+)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_fsdp_with_recurrent_layers_at_tp_is_refused_under_0_16(
+    monkeypatch, release_0_19, model, tp
+):
+    # megatron-core 0.16.1's make_fsdp_dtensor reads partition_dim, which its Mamba and GDN
+    # layers do not set on their tensor-parallel conv1d / dt_bias / A_log (a traceback in the
+    # real run, at tp > 1 only); 0.19 sets it.
+    from metatrace.config import checks
+
+    monkeypatch.setattr(checks, "release_since", lambda *v: release_0_19)
+    training = {"megatron_fsdp": True, "distributed_optimizer": True}
+    parallel = {"tp": tp, "sequence_parallel": tp > 1}
+    refused = tp > 1 and not release_0_19
+    try:
+        small_job(cluster={"num_gpus": 4}, model=model, parallel=parallel, training=training)
+    except ConfigError as e:
+        assert refused and "Mamba-2 or Gated DeltaNet layers at parallel.tp = 2" in str(e), e
+    else:
+        assert not refused
+
+
 def test_outer_sharding_is_accepted_where_megatron_core_runs_it():
     # Over dp 4 as 2 instances of 2, and as 2 instances of 1 rank (dp 2).
     for gpus in (4, 2):
