@@ -128,8 +128,15 @@ def quantize(
     q = Quantized()
     if recipe == "nvfp4":
         if m % 16 or k % 16:  # quantizer.cpp:1186-1191
-            raise ValueError(
-                f"NVFP4 requires tensor dims that are divisible by 16 (got shape={[m, k]})"
+            from metatrace.errors import ConfigError
+
+            # TE's own words first ("NVFP4 requires tensor dims that are divisible by 16"),
+            # then what it means for the job: the real run fails at this tensor.
+            raise ConfigError(
+                f"training.precision fp4: NVFP4 requires tensor dims that are divisible by 16 "
+                f"(got shape={[m, k]}): Transformer Engine 2.8 refuses to quantize this "
+                "tensor of the model, so the run fails there; make the layer's widths "
+                "multiples of 16 or train in fp8"
             )
         if rowwise:
             q.rowwise += [

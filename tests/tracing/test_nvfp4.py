@@ -50,7 +50,9 @@ def test_nvfp4_buffers_are_what_create_tensor_allocates():
 
 @pytest.mark.parametrize("shape", [(40, 80), (48, 72)])
 def test_nvfp4_refuses_dims_not_multiples_of_16(shape):
-    with pytest.raises(ValueError, match="divisible by 16"):
+    from metatrace.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="divisible by 16"):  # one message, exit 2
         _quantize(shape, rowwise=True, columnwise=True)
 
 
