@@ -137,3 +137,46 @@ def cuda_like_dropout():
         yield
     finally:
         lib._destroy()
+
+
+MIXED_ADD_CHUNK = 1024
+"""Elements of the other operand cast at a time by cuda_like_mixed_adds (a 4 KiB fp32
+temporary)."""
+
+
+@contextlib.contextmanager
+def cuda_like_mixed_adds():
+    """A CPU `add_` that allocates what the CUDA kernel does when its operand has another dtype
+    than the tensor it adds into: megatron-core's DDP adds each bf16 gradient into its fp32
+    main_grad (param.main_grad.add_(param.grad.data)). CUDA's TensorIterator casts the operand
+    inside the kernel; the CPU's first copies all of it to fp32 (TensorIteratorBase::compute_types
+    on a CPU common device: a gradient-sized temporary, an embedding's [vocab, hidden] in fp32,
+    which sets the peak of a first pipeline stage). Here the operand is cast a chunk of
+    MIXED_ADD_CHUNK elements at a time; same-dtype adds, and adds with broadcasting, run as
+    before (add.out into the tensor itself)."""
+
+    def add_(self, other, *, alpha=1):
+        mixed = (
+            isinstance(other, torch.Tensor)
+            and other.dtype != self.dtype
+            and other.shape == self.shape
+            and self.is_contiguous()
+            and other.is_contiguous()
+            and self.numel() > MIXED_ADD_CHUNK
+        )
+        if not mixed:
+            return torch.add(self, other, alpha=alpha, out=self)
+        flat, part = self.view(-1), other.reshape(-1)
+        for i in range(0, flat.numel(), MIXED_ADD_CHUNK):
+            piece = flat[i : i + MIXED_ADD_CHUNK]
+            torch.add(piece, part[i : i + MIXED_ADD_CHUNK], alpha=alpha, out=piece)
+        return self
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        lib.impl("add_.Tensor", add_, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()

@@ -329,7 +329,11 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
     from metatrace.hooks.offload import reset_manager as reset_offload_manager
     from metatrace.hooks.patches import megatron_patches
     from metatrace.hooks.remap import remap_cuda
-    from metatrace.hooks.training import cuda_like_dropout, local_broadcasts
+    from metatrace.hooks.training import (
+        cuda_like_dropout,
+        cuda_like_mixed_adds,
+        local_broadcasts,
+    )
     from metatrace.models.build import (
         build_model_chunks,
         build_optimizer,
@@ -355,6 +359,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     )
     dropout = contextlib.nullcontext() if cuda else cuda_like_dropout()
+    adds = contextlib.nullcontext() if cuda else cuda_like_mixed_adds()
     patches = megatron_patches(
         compiled=job.implementation.torch_compile, optimizer=job.training.optimizer_impl
     )
@@ -376,6 +381,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
         te_process(te),
         local_broadcasts(),
         dropout,
+        adds,
     ):
         config = transformer_config(job)
         model = wrap_ddp(job, config, build_model_chunks(job=job, config=config, device=device))
