@@ -37,6 +37,7 @@ from metatrace.models.ssm_reference import (
     l2_reference,
     next_pow2,
     real,
+    reference_values,
 )
 
 RCP_LN2 = 1.4426950216
@@ -115,10 +116,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         del w, u, h, v_new
         _report_gdn(B, T, H, K, V, BT, backward=False)
         if real(q):
-            with torch.no_grad(), flops.uncounted():
-                gc = chunk_local_cumsum(g, BT)
-                g_cum.copy_(gc * RCP_LN2)
-                o.copy_(gdn_reference(q, k, v, gc, beta, scale, BT))
+            with reference_values():
+                with torch.no_grad(), flops.uncounted():
+                    gc = chunk_local_cumsum(g, BT)
+                    g_cum.copy_(gc * RCP_LN2)
+                    o.copy_(gdn_reference(q, k, v, gc, beta, scale, BT))
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g_cum, beta, beta, A, initial_state,
                               cu_seqlens, None, None, None, None)  # fmt: skip
         ctx.scale, ctx.chunk_size, ctx.l2norm = scale, BT, use_qk_l2norm_in_kernel
@@ -156,20 +158,21 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             dq, dk = torch.empty_like(q), torch.empty_like(k)  # l2norm_bwd
         _report_gdn(B, T, H, K, V, BT, backward=True)
         if real(q):
-            scale = ctx.scale
-            if ctx.l2norm:  # back to the inputs: x = y / rstd
-                q, k = q / q_rstd[..., None], k / k_rstd[..., None]
+            with reference_values():
+                scale = ctx.scale
+                if ctx.l2norm:  # back to the inputs: x = y / rstd
+                    q, k = q / q_rstd[..., None], k / k_rstd[..., None]
 
-            def fn(q, k, v, gc, beta):
-                if ctx.l2norm:
-                    q, k = l2_reference(q), l2_reference(k)
-                return gdn_reference(q, k, v, gc, beta, scale, BT).to(v.dtype)
+                def fn(q, k, v, gc, beta):
+                    if ctx.l2norm:
+                        q, k = l2_reference(q), l2_reference(k)
+                    return gdn_reference(q, k, v, gc, beta, scale, BT).to(v.dtype)
 
-            gc = g.float() / RCP_LN2
-            got = grads(fn, (q, k, v, gc, beta), do)
-            got[3] = chunk_local_cumsum(got[3], BT, reverse=True)  # d/dg of the cumsum
-            for buf, value in zip((dq, dk, dv_out, dg, db), got):
-                fill(buf, value)
+                gc = g.float() / RCP_LN2
+                got = grads(fn, (q, k, v, gc, beta), do)
+                got[3] = chunk_local_cumsum(got[3], BT, reverse=True)  # d/dg of the cumsum
+                for buf, value in zip((dq, dk, dv_out, dg, db), got):
+                    fill(buf, value)
         return dq, dk, dv_out, dg, db, *(None,) * 6
 
 
@@ -206,10 +209,11 @@ def _l2norm_fwd(x, eps=1e-6, output_dtype=None):
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     flops.report_moved(x2, y, rstd)
     if real(x):
-        with torch.no_grad(), flops.uncounted():
-            xf = x2.float()
-            rstd.copy_(torch.rsqrt(xf.square().sum(-1) + eps))
-            y.copy_(xf * rstd[:, None])
+        with reference_values():
+            with torch.no_grad(), flops.uncounted():
+                xf = x2.float()
+                rstd.copy_(torch.rsqrt(xf.square().sum(-1) + eps))
+                y.copy_(xf * rstd[:, None])
     return y.view(shape), rstd.view(shape[:-1])
 
 
@@ -230,9 +234,10 @@ class L2NormFunction(torch.autograd.Function):
         dx = torch.empty_like(y)
         flops.report_moved(y, dy, rstd, dx)
         if real(y):
-            with flops.uncounted():
-                yf, dyf, r = y.float(), dy.float(), rstd.unsqueeze(-1)
-                dx.copy_(dyf * r - (dyf * yf).sum(-1, keepdim=True) * yf * r)
+            with reference_values():
+                with flops.uncounted():
+                    yf, dyf, r = y.float(), dy.float(), rstd.unsqueeze(-1)
+                    dx.copy_(dyf * r - (dyf * yf).sum(-1, keepdim=True) * yf * r)
         return dx, None, None
 
 
@@ -267,8 +272,9 @@ class CausalConv1dFunction(torch.autograd.Function):
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
         flops.report_moved(x, weight, bias, y)
         if real(x):
-            with torch.no_grad(), flops.uncounted():
-                y.copy_(_conv_reference(x, weight, bias, activation))
+            with reference_values():
+                with torch.no_grad(), flops.uncounted():
+                    y.copy_(_conv_reference(x, weight, bias, activation))
         return y, None
 
     @staticmethod
@@ -285,10 +291,11 @@ class CausalConv1dFunction(torch.autograd.Function):
         db = db.sum(0).to(bias) if bias is not None else None
         del y
         if real(x):
-            act = ctx.activation
-            fn = lambda x, w, b: _conv_reference(x, w, b, act)
-            for buf, value in zip((dx, dw, db), grads(fn, (x, weight, bias), dy)):
-                fill(buf, value)
+            with reference_values():
+                act = ctx.activation
+                fn = lambda x, w, b: _conv_reference(x, w, b, act)
+                for buf, value in zip((dx, dw, db), grads(fn, (x, weight, bias), dy)):
+                    fill(buf, value)
         return dx, dw, db, *(None,) * 8
 
 

@@ -37,6 +37,7 @@ from metatrace.models.ssm_reference import (
     grads,
     next_pow2,
     real,
+    reference_values,
     rms_norm_reference,
     ssd_reference,
 )
@@ -126,10 +127,11 @@ def _scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softp
     del cb
     _report_ssd(b, sl, h, g, p, n, L, backward=False)
     if real(x):
-        with torch.no_grad(), flops.uncounted():
-            ref = ssd_reference(x, dt, A, B, C, L, D, z, dt_bias, dt_softplus, dt_limit)
-            for buf, value in zip((out, out_x, dt_out, dA_cumsum, final_states), ref):
-                fill(buf, value)
+        with reference_values():
+            with torch.no_grad(), flops.uncounted():
+                ref = ssd_reference(x, dt, A, B, C, L, D, z, dt_bias, dt_softplus, dt_limit)
+                for buf, value in zip((out, out_x, dt_out, dA_cumsum, final_states), ref):
+                    fill(buf, value)
     final_states = final_states.view(b, h, p, n)
     return out, out_x, dt_out, dA_cumsum, passed.view(b, c, h, p, n), final_states
 
@@ -236,13 +238,14 @@ class MambaChunkScanCombinedFn(torch.autograd.Function):
         bufs = _scan_bwd(dout, x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias)
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias = bufs
         if real(x):
-            L, sp, lim = ctx.chunk_size, ctx.dt_softplus, ctx.dt_limit
-            fn = lambda x, dt, A, B, C, D, z, dt_bias: ssd_reference(
-                x, dt, A, B, C, L, D, z, dt_bias, sp, lim
-            )[0].to(x.dtype)
-            got = grads(fn, (x, dt, A, B, C, D, z, dt_bias), dout)
-            for buf, value in zip((dx, ddt, dA, dB, dC, dD, dz, ddt_bias), got):
-                fill(buf, value)
+            with reference_values():
+                L, sp, lim = ctx.chunk_size, ctx.dt_softplus, ctx.dt_limit
+                fn = lambda x, dt, A, B, C, D, z, dt_bias: ssd_reference(
+                    x, dt, A, B, C, L, D, z, dt_bias, sp, lim
+                )[0].to(x.dtype)
+                got = grads(fn, (x, dt, A, B, C, D, z, dt_bias), dout)
+                for buf, value in zip((dx, ddt, dA, dB, dC, dD, dz, ddt_bias), got):
+                    fill(buf, value)
         return dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, *(None,) * 7
 
 
@@ -319,11 +322,12 @@ class MambaSplitConv1dScanCombinedFn(torch.autograd.Function):
         del xbc_conv, x, B, C
         out = out.view(b, sl, dim)
         if real(zxbcdt):  # the conv's values: the reference of the whole Function
-            with torch.no_grad(), flops.uncounted():
-                args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size)
-                ref = _split_conv_ref_parts(*args, dt_limit, activation, headdim, ngroups)
-                out.copy_(ref[0])
-                out_x.copy_(ref[1])
+            with reference_values():
+                with torch.no_grad(), flops.uncounted():
+                    args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size)
+                    ref = _split_conv_ref_parts(*args, dt_limit, activation, headdim, ngroups)
+                    out.copy_(ref[0])
+                    out_x.copy_(ref[1])
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias,
                               initial_states, seq_idx, None, None, None, None)  # fmt: skip
         ctx.chunk_size, ctx.dt_limit, ctx.activation = chunk_size, dt_limit, activation
@@ -360,13 +364,14 @@ class MambaSplitConv1dScanCombinedFn(torch.autograd.Function):
         dbias = dbias.type_as(bias) if bias is not None else None
         del dxbc
         if real(zxbcdt):
-            L, lim, act, hd = ctx.chunk_size, ctx.dt_limit, ctx.activation, ctx.headdim
-            fn = lambda zx, w, bi, dtb, A, D: _split_conv_reference(
-                zx, w, bi, dtb, A, D, L, lim, act, hd, g
-            )
-            got = grads(fn, (zxbcdt, weight, bias, dt_bias, A, D), dout.flatten(-2))
-            for buf, value in zip((dzxbcdt, dweight, dbias, ddt_bias, dA, dD), got):
-                fill(buf, value)
+            with reference_values():
+                L, lim, act, hd = ctx.chunk_size, ctx.dt_limit, ctx.activation, ctx.headdim
+                fn = lambda zx, w, bi, dtb, A, D: _split_conv_reference(
+                    zx, w, bi, dtb, A, D, L, lim, act, hd, g
+                )
+                got = grads(fn, (zxbcdt, weight, bias, dt_bias, A, D), dout.flatten(-2))
+                for buf, value in zip((dzxbcdt, dweight, dbias, ddt_bias, dA, dD), got):
+                    fill(buf, value)
         return (dzxbcdt, dweight, dbias, ddt_bias, dA, dD, *(None,) * 13)
 
 
@@ -431,8 +436,9 @@ class CausalConv1dFn(torch.autograd.Function):
         out = _conv_fwd(x, weight, bias)
         ctx.activation = "silu" if activation in ("silu", "swish") else None
         if real(x):
-            with torch.no_grad(), flops.uncounted():
-                out.copy_(causal_conv1d_reference(x, weight, bias, ctx.activation))
+            with reference_values():
+                with torch.no_grad(), flops.uncounted():
+                    out.copy_(causal_conv1d_reference(x, weight, bias, ctx.activation))
         ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
         return out
 
@@ -448,10 +454,11 @@ class CausalConv1dFn(torch.autograd.Function):
         dweight = dweight.type_as(weight)
         dbias = dbias.type_as(bias) if bias is not None else None
         if real(x):
-            act = ctx.activation
-            fn = lambda x, w, b: causal_conv1d_reference(x, w, b, act)
-            for buf, value in zip((dx, dweight, dbias), grads(fn, (x, weight, bias), dout)):
-                fill(buf, value)
+            with reference_values():
+                act = ctx.activation
+                fn = lambda x, w, b: causal_conv1d_reference(x, w, b, act)
+                for buf, value in zip((dx, dweight, dbias), grads(fn, (x, weight, bias), dout)):
+                    fill(buf, value)
         return dx, dweight, dbias, None, None, None, None, None
 
 
@@ -491,11 +498,16 @@ class LayerNormFn(torch.autograd.Function):
         rstd = torch.empty(N // gs * rows, dtype=torch.float32, device=x.device)
         flops.report_moved(x, z, weight, y, rstd)
         if real(x):
-            with torch.no_grad(), flops.uncounted():
-                y.copy_(rms_norm_reference(x, weight, z, eps, gs, norm_before_gate))
-                xz = x.float() * F.silu(z.float()) if z is not None and not norm_before_gate else x
-                xg = xz.float().view(rows, N // gs, gs)
-                rstd.copy_(torch.rsqrt(xg.square().mean(-1) + eps).view(-1))
+            with reference_values():
+                with torch.no_grad(), flops.uncounted():
+                    y.copy_(rms_norm_reference(x, weight, z, eps, gs, norm_before_gate))
+                    xz = (
+                        x.float() * F.silu(z.float())
+                        if z is not None and not norm_before_gate
+                        else x
+                    )
+                    xg = xz.float().view(rows, N // gs, gs)
+                    rstd.copy_(torch.rsqrt(xg.square().mean(-1) + eps).view(-1))
         ctx.save_for_backward(x, weight, bias, None, rstd, z)
         ctx.shape, ctx.eps, ctx.group_size = shape, eps, gs
         ctx.norm_before_gate = norm_before_gate
@@ -519,10 +531,11 @@ class LayerNormFn(torch.autograd.Function):
         dw = dw_partial.sum(0).to(weight.dtype)
         del dw_partial
         if real(x):
-            eps, nbg = ctx.eps, ctx.norm_before_gate
-            fn = lambda x, w, z: rms_norm_reference(x, w, z, eps, gs, nbg)
-            for buf, value in zip((dx, dw, dz), grads(fn, (x, weight, z), dy)):
-                fill(buf, value)
+            with reference_values():
+                eps, nbg = ctx.eps, ctx.norm_before_gate
+                fn = lambda x, w, z: rms_norm_reference(x, w, z, eps, gs, nbg)
+                for buf, value in zip((dx, dw, dz), grads(fn, (x, weight, z), dy)):
+                    fill(buf, value)
         dz = dz.reshape(ctx.shape) if dz is not None else None
         return dx.reshape(ctx.shape), dw, None, dz, None, None, None, None
 

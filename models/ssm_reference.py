@@ -11,6 +11,7 @@ so that autograd through them sees no inf * 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -135,6 +136,22 @@ def grads(fn, inputs, outputs_grad):
         wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         got = iter(torch.autograd.grad(out, wrt, outputs_grad, allow_unused=True))
     return [next(got) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
+
+
+REFERENCE_RANGE = "metatrace.reference"
+"""The profiler range (record_function) around a stand-in's reference computation."""
+
+
+@contextlib.contextmanager
+def reference_values():
+    """Where a stand-in running on real tensors (the CPU of `metatrace measure`) computes the
+    kernel's values with the PyTorch reference and copies them into the buffers the kernel
+    writes, which it allocated before. Everything allocated inside is the reference's (fp32
+    intermediates, its own autograd graph), not the kernel's: measure leaves those allocations
+    out of the measured peak, from when they are made to when they are freed (the range is
+    REFERENCE_RANGE in the profiler's log)."""
+    with torch.profiler.record_function(REFERENCE_RANGE):
+        yield
 
 
 def fill(buf, value):

@@ -132,19 +132,42 @@ def live_at(running: list[tuple[int, int]], ns: int) -> int:
 
 def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
     """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
-    record_function ranges whose names start with `prefix`, by name."""
-    events, marks = [], {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    record_function ranges whose names start with `prefix`, by name. What a stand-in allocates
+    while it computes a kernel's values by the PyTorch reference (inside REFERENCE_RANGE,
+    models/ssm_reference.py) is the CPU's alone: those allocations, and the frees that end
+    them, are left out."""
+    from metatrace.models.ssm_reference import REFERENCE_RANGE
+
+    events, marks, reference = [], {}, set()
+    stack = [(node, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
-        stack.extend(node.children)
+        node, inside = stack.pop()
+        inside = inside or node.name == REFERENCE_RANGE
+        stack.extend((child, inside) for child in node.children)
         fields = node.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation":
             if fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+                if inside and fields.alloc_size > 0:
+                    reference.add((node.start_time_ns, fields.ptr))
         elif node.name.startswith(prefix):
             marks.setdefault(node.name, []).append(node.start_time_ns)
-    return events, {name: sorted(times) for name, times in marks.items()}
+    return _without(events, reference), {name: sorted(times) for name, times in marks.items()}
+
+
+def _without(events: list, allocations: set) -> list:
+    """`events` without the allocations `allocations` ((ns, ptr)) and the frees that end them."""
+    if not allocations:
+        return events
+    out, pending = [], set()
+    for ns, size, ptr in sorted(events, key=lambda e: e[0]):
+        if size > 0 and (ns, ptr) in allocations:
+            pending.add(ptr)
+        elif size < 0 and ptr in pending:
+            pending.discard(ptr)
+        else:
+            out.append((ns, size, ptr))
+    return out
 
 
 def random_batches(job, count: int) -> list[dict]:

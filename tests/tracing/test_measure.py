@@ -110,6 +110,23 @@ def test_allocation_peak_is_the_running_sums_maximum_after_the_mark():
     assert allocation_peak([(1, 600, 1), (2, -100, 99), (3, 100, 2)], since_ns=0, block=512) == 1536
 
 
+def test_allocations_of_a_references_values_are_left_out_until_freed():
+    from metatrace.tracing.measure import _without
+
+    events = [
+        (1, 1000, 10),  # a kernel's buffer
+        (2, 4000, 11),  # the reference's intermediate (inside REFERENCE_RANGE) ...
+        (3, 500, 12),
+        (4, -4000, 11),  # ... freed, inside or after the range
+        (5, 2000, 11),  # the address again, for something else: counted
+        (6, -2000, 11),
+    ]
+    kept = _without(events, {(2, 11)})
+    assert kept == [(1, 1000, 10), (3, 500, 12), (5, 2000, 11), (6, -2000, 11)]
+    assert allocation_peak(kept, since_ns=0) == 3500
+    assert _without(events, set()) is events
+
+
 def _cli(argv):
     console = Console(width=120, no_color=True, record=True)
     code = main(argv, console=console)
