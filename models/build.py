@@ -541,15 +541,17 @@ def wrap_ddp(job, config, chunks):
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         wrapper = FullyShardedDataParallel
-    return [
-        wrapper(
-            config=config,
-            ddp_config=ddp_config(job),  # MegatronFSDP writes its overlap settings into it
-            module=chunk,
-            disable_bucketing=index > 0 or job.training.overlap_param_gather_with_optimizer_step,
-        )
-        for index, chunk in enumerate(chunks)
-    ]
+    with _refused_by_megatron_core():  # its DDP's own assertions about the configuration
+        return [
+            wrapper(
+                config=config,
+                ddp_config=ddp_config(job),  # MegatronFSDP writes its overlap settings into it
+                module=chunk,
+                disable_bucketing=index > 0
+                or job.training.overlap_param_gather_with_optimizer_step,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
 
 
 def is_fsdp(chunk) -> bool:

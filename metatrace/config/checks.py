@@ -490,6 +490,13 @@ def _check_training(job, split_ok: bool):
     # Megatron-LM's arguments.py asks for and Megatron-Bridge does not.
     if tr.overlap_param_gather and not tr.distributed_optimizer:
         yield "training.overlap_param_gather needs training.distributed_optimizer"
+    if tr.ddp_average_in_collective and tr.calculate_per_token_loss:
+        # DistributedDataParallel.__init__ asserts it (0.16.1 and 0.19 alike)
+        yield (
+            "training.ddp_average_in_collective with training.calculate_per_token_loss: "
+            "megatron-core's DDP refuses it (\"Cannot average in collective when calculating "
+            'per-token loss!")'
+        )
     yield from _check_optimizer(job)
     yield from _check_fsdp(job)
     yield from _check_recompute(job, split_ok)

@@ -566,3 +566,13 @@ def test_the_launch_script_examples_are_the_yaml_examples_jobs(
     assert differ == []
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups"):
         assert getattr(job.model, name) == getattr(yaml.model, name), name
+
+
+def test_averaging_in_the_collective_with_per_token_loss_is_refused():
+    # megatron-core's DistributedDataParallel asserts it when it wraps the model (0.16.1 and
+    # 0.19): a traceback in the middle of a trace before this check.
+    training = {"ddp_average_in_collective": True, "calculate_per_token_loss": True}
+    with pytest.raises(ConfigError, match="Cannot average in collective"):
+        small_job(training=training)
+    for alone in training:
+        small_job(training={alone: True})
