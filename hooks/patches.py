@@ -1406,6 +1406,20 @@ PATCHES += (
     ),
 )
 
+# Megatron-FSDP with tensor parallelism copies TP rank 0's RNG states to the other TP ranks.
+PATCHES += (
+    Patch(
+        "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        "FullyShardedDataParallel.sync_rng_states_across_tp_group",
+        _no_op,
+        EVERY_RELEASE,
+        "broadcasts TP rank 0's pickled RNG states with broadcast_object_list, which in a world "
+        "of one simulated rank delivers nothing to the others (on the CPU of `metatrace "
+        "measure` a TP rank > 0 read an uninitialised size: a 94 TB allocation); the simulated "
+        "rank keeps its own states, which hold no device memory.",
+    ),
+)
+
 # Megatron-FSDP with FP8 parameters (fp8_param_gather): metatrace's FP8 weights are TE's
 # Float8Tensor to it (metatrace.models.te_fp8_param).
 _MFSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"

@@ -150,9 +150,37 @@ def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
                 events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
                 if inside and fields.alloc_size > 0:
                     reference.add((node.start_time_ns, fields.ptr))
+        elif node.name in GEMMS:
+            reference |= _scratch(node)
         elif node.name.startswith(prefix):
             marks.setdefault(node.name, []).append(node.start_time_ns)
     return _without(events, reference), {name: sorted(times) for name, times in marks.items()}
+
+
+GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+"""CPU GEMM operators whose own scratch (oneDNN's packed operands, a bf16 GEMM's fp32
+accumulator) stands for what cuBLAS does in its workspace, which the prediction counts apart
+(a CUDA-only buffer, left out of a CPU comparison)."""
+
+
+def _scratch(node) -> set:
+    """(ns, ptr) of the allocations made and freed inside `node` (a GEMM operator's call): its
+    scratch. Its output, allocated inside and freed after, is not."""
+    made, found = {}, set()
+    stack = list(node.children)
+    log = []
+    while stack:
+        child = stack.pop()
+        stack.extend(child.children)
+        fields = child.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            log.append((child.start_time_ns, fields.alloc_size, fields.ptr))
+    for ns, size, ptr in sorted(log):
+        if size > 0:
+            made[ptr] = ns
+        elif ptr in made:
+            found.add((made.pop(ptr), ptr))
+    return found
 
 
 def _without(events: list, allocations: set) -> list:
@@ -301,6 +329,28 @@ def counting_saved(probe: _Probe, existing: _Existing):
         yield saved
 
 
+@contextlib.contextmanager
+def saved_identity():
+    """Saved tensors keep their Python identity in backward, as in a trace (the recorder's
+    SavedIdentity) and the counted micro-batch: where a stand-in installs saved-tensor hooks of
+    its own (Transformer Engine's layer-wise offloading, metatrace.models.te_cpu_offload, which
+    calls the pair beneath it as TE does), autograd would hand megatron-core's linear layers a
+    new tensor object for each saved weight, without the `grad_added_to_main_grad` and
+    `main_grad` they read (and DDP then finds no gradient)."""
+    import torch
+
+    from metatrace.hooks.recorder import SavedIdentity
+
+    identity = SavedIdentity()
+
+    def pack(t):
+        identity.note(t)
+        return t
+
+    with identity, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
 def _storage_ptr(tensor) -> int:
     # A DTensor (Megatron-FSDP's parameters) has no storage of its own: its local tensor's.
     return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
@@ -432,7 +482,7 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
                     torch.cuda.reset_peak_memory_stats()
                     allocated["steady"] = torch.cuda.memory_allocated()
                 took.append(-time.perf_counter())
-            with record_function(marker + "iteration"):
+            with record_function(marker + "iteration"), saved_identity():
                 run_iteration(
                     job,
                     config,

@@ -169,6 +169,28 @@ def test_prediction_matches_megatron_fsdp_running_on_cpu(strategy):
     assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
 
 
+def test_megatron_fsdp_runs_on_a_tensor_parallel_rank_other_than_the_first():
+    """At tp 2 the adapter copies TP rank 0's RNG states to the others with
+    broadcast_object_list, which in a world of one simulated rank delivers nothing: on the CPU
+    TP rank 1 read an uninitialised size (a 94 TB allocation). The rank keeps its own states;
+    what it saves and its peak are the prediction's."""
+    torch.set_num_threads(1)
+    job = small_job(
+        implementation={"transformer_impl": "local"},
+        parallel={"tp": 2, "sequence_parallel": True},
+        cluster={"num_gpus": 4},
+        training={
+            "megatron_fsdp": True,
+            "fsdp_sharding_strategy": "optim_grads",
+            "global_batch_size": 8,
+        },
+    )
+    predicted, measured = predict(job, 1), measure_rank(job, 1, iterations=2)
+    assert measured.saved_blocks == predicted.saved > 0
+    peak = predicted.peak - predicted.cuda_only
+    assert abs(peak - measured.peak_blocks) <= 0.01 * measured.peak_blocks
+
+
 def test_double_buffer_keeps_two_layers_of_parameters_and_gradients_for_good(analyses):
     """--fsdp-double-buffer: megatron-core's FixedPoolAllocator keeps two layer-sized buckets of
     gathered bf16 parameters and two of fp32 gradients for the whole run instead of allocating
