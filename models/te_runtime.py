@@ -171,13 +171,19 @@ def ub_all_gather(name: str, local: torch.Tensor, group, tp: int) -> torch.Tenso
     if held is not None and local.element_size() != held:
         from metatrace.config.userbuffers import UbError
 
+        dtype = str(local.dtype).removeprefix("torch.")
+        why = (
+            "a layer that runs in bf16 (training.first_last_layers_bf16)"
+            if held == 1
+            else "a layer"
+        )
         raise UbError(
-            f"parallel.tp_comm_overlap under FP8: Transformer Engine's userbuffer {name} holds "
-            f"1-byte FP8 elements, and a layer that runs in {str(local.dtype).split('.')[-1]} "
-            "(training.first_last_layers_bf16) gathers its "
-            f"{local.element_size()}-byte ones into it; TE 2.8 refuses the copy ('dtypes are "
-            "not compatible', comm_gemm_overlap.cpp), so the run fails at that layer. Turn off "
-            "parallel.tp_comm_overlap or training.first_last_layers_bf16"
+            f"parallel.tp_comm_overlap: Transformer Engine's userbuffer {name} holds "
+            f"{held}-byte {'FP8' if held == 1 else 'bf16'} elements, and {why} gathers "
+            f"{local.element_size()}-byte {dtype} ones into it; TE 2.8 refuses the copy "
+            "('dtypes are not compatible', comm_gemm_overlap.cpp), so the run fails at that "
+            "layer. Turn off parallel.tp_comm_overlap"
+            + (" or training.first_last_layers_bf16" if held == 1 else "")
         )
     out = userbuffer(name, (local.shape[0] * tp, *local.shape[1:]), local.dtype)
     with overlapped(UB_OVERLAP):

@@ -132,10 +132,11 @@ def live_at(running: list[tuple[int, int]], ns: int) -> int:
 
 def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
     """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
-    record_function ranges whose names start with `prefix`, by name. What a stand-in allocates
+    record_function ranges whose names start with `prefix`, by name. Two kinds of allocation
+    are the CPU's alone and left out with the frees that end them: what a stand-in allocates
     while it computes a kernel's values by the PyTorch reference (inside REFERENCE_RANGE,
-    models/ssm_reference.py) is the CPU's alone: those allocations, and the frees that end
-    them, are left out."""
+    models/ssm_reference.py), and what a GEMM allocates and frees inside its own call
+    (`_scratch`, GEMMS)."""
     from metatrace.models.ssm_reference import REFERENCE_RANGE
 
     events, marks, reference = [], {}, set()
