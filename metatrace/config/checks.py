@@ -683,8 +683,8 @@ def _check_fsdp(job):
         # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as
         # "(dp_cp ep tp)": the world must be dp x cp x ep x tp, with no pipeline stages.
         yield (
-            f"training.megatron_fsdp with parallel.pp = {par.pp}: megatron-core 0.16.1's "
-            "Megatron-FSDP fails while building its device mesh (it lays the whole world out "
+            f"training.megatron_fsdp with parallel.pp = {par.pp}: megatron-core's (0.16.1 and "
+            "0.19) Megatron-FSDP fails while building its device mesh (it lays the whole world out "
             "as dp x cp x ep x tp, without pipeline stages); use pp 1"
         )
     if tr.precision == "fp8" and tr.fp8_param_gather and tr.fp8_recipe == "mxfp8":

@@ -430,8 +430,8 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
         ),
         (
             {"megatron_fsdp": True, "parallel": {"pp": 2}},
-            "parallel.pp = 2: megatron-core 0.16.1's Megatron-FSDP fails while building its "
-            "device mesh",
+            "parallel.pp = 2: megatron-core's (0.16.1 and 0.19) Megatron-FSDP fails while "
+            "building its device mesh",
         ),
         (
             {"fsdp_outer_sharding_strategy": "optim", "num_distributed_optimizer_instances": 2},
