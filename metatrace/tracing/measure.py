@@ -132,18 +132,18 @@ def live_at(running: list[tuple[int, int]], ns: int) -> int:
 
 def _profiler_log(prof, prefix: str) -> tuple[list, dict[str, list[int]]]:
     """The profiler's CPU allocation events as (ns, bytes, ptr) and the start times of the
-    record_function ranges whose names start with `prefix`, by name. Two kinds of allocation
-    are the CPU's alone and left out with the frees that end them: what a stand-in allocates
+    record_function ranges whose names start with `prefix`, by name. Three kinds of allocation
+    are not the device's and left out with the frees that end them: what a stand-in allocates
     while it computes a kernel's values by the PyTorch reference (inside REFERENCE_RANGE,
-    models/ssm_reference.py), and what a GEMM allocates and frees inside its own call
-    (`_scratch`, GEMMS)."""
+    models/ssm_reference.py), host tensors (inside HOST_RANGE, `host_allocations`), and what a
+    GEMM allocates and frees inside its own call (`_scratch`, GEMMS)."""
     from metatrace.models.ssm_reference import REFERENCE_RANGE
 
     events, marks, reference = [], {}, set()
     stack = [(node, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         node, inside = stack.pop()
-        inside = inside or node.name == REFERENCE_RANGE
+        inside = inside or node.name in (REFERENCE_RANGE, HOST_RANGE)
         stack.extend((child, inside) for child in node.children)
         fields = node.extra_fields
         if type(fields).__name__ == "_ExtraFields_Allocation":
@@ -275,6 +275,45 @@ def _host_tensors():
             return {t.untyped_storage().data_ptr() for t in alive if t is not None}
 
     return HostTensors()
+
+
+HOST_RANGE = "metatrace.host"
+"""The profiler range around a call that makes a host tensor (`host_allocations`)."""
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """While active (the training iterations of a CPU run; enter it inside remap_cuda), calls
+    that make host tensors on a GPU run inside HOST_RANGE, which `_profiler_log` leaves out of
+    the peak: factory functions called without a device (`torch.tensor([scale])`) and
+    `torch.get_rng_state()`, the CPU generator's 5,056-byte state each checkpointed layer keeps
+    until its backward (megatron-core's CheckpointFunction). On a GPU they are host memory, not
+    the device's."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.profiler import record_function
+
+    factories = {getattr(torch, name) for name in _FACTORIES}
+
+    class HostCalls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in factories and (kwargs or {}).get("device") is None:
+                with record_function(HOST_RANGE):
+                    return func(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    get_rng_state = torch.get_rng_state
+
+    def host_rng_state():
+        with record_function(HOST_RANGE):
+            return get_rng_state()
+
+    torch.get_rng_state = host_rng_state
+    try:
+        with HostCalls():
+            yield
+    finally:
+        torch.get_rng_state = get_rng_state
 
 
 class _Held:
@@ -483,7 +522,11 @@ def measure_rank(job, rank: int, *, iterations: int = 3, device: str = "cpu") ->
                     torch.cuda.reset_peak_memory_stats()
                     allocated["steady"] = torch.cuda.memory_allocated()
                 took.append(-time.perf_counter())
-            with record_function(marker + "iteration"), saved_identity():
+            with (
+                record_function(marker + "iteration"),
+                saved_identity(),
+                contextlib.nullcontext() if cuda else host_allocations(),
+            ):
                 run_iteration(
                     job,
                     config,

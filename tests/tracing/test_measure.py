@@ -92,13 +92,13 @@ def test_prediction_matches_a_real_cpu_run(name):
     CPU dropout kernels allocate an activation-sized cast of the mask that the CUDA kernels
     do not; measure runs CUDA-like CPU dropout kernels (hooks.training.cuda_like_dropout) and
     adds of another dtype (hooks.training.cuda_like_mixed_adds), and leaves out what CPU GEMMs
-    allocate and free inside their call (their scratch: cuBLAS works in its workspace). What is
-    left (the measured peak is 2 to 14 KiB higher, under 0.3 %) is memory only a CPU run
-    allocates from the same allocator: host-side tensors it cannot tell from device ones
-    (Python scalars wrapped as 0-dim tensors, megatron-core's `torch.tensor([scale])` of the
-    fused softmax and `torch.tensor([attn_mask_type])`, `torch.get_rng_state()` of each
-    checkpoint: 5 KiB) and other CPU kernels' own scratch (the contiguous copies CPU bmm's
-    callers make), which CUDA kernels do not take from the caching allocator."""
+    allocate and free inside their call (their scratch: cuBLAS works in its workspace) and the
+    host tensors of the iterations (megatron-core's `torch.tensor([scale])` of the fused
+    softmax, `torch.get_rng_state()` of each checkpoint: measure.host_allocations). What is
+    left (the measured peak a few KiB higher, under 0.3 %) is memory only a CPU run allocates
+    from the same allocator: Python scalars wrapped as 0-dim tensors, and other CPU kernels'
+    own scratch (the contiguous copies CPU bmm's callers make), which CUDA kernels do not take
+    from the caching allocator."""
     torch.set_num_threads(1)
     sections, rank = CASES[name]
     job = small_job(**LOCAL, **sections)
@@ -146,6 +146,26 @@ def test_a_cpu_gemms_own_scratch_is_left_out_and_its_output_kept():
     assert len(made) > 1  # the output and at least one scratch buffer
     events, _ = _profiler_log(prof, "metatrace.")
     assert [size for _, size, _ in events] == [out.nbytes]
+
+
+def test_host_tensors_of_the_iterations_are_left_out_of_the_peak():
+    # On a GPU, torch.get_rng_state() (the CPU generator's state, 5,056 bytes, kept by each
+    # checkpointed layer until its backward) and factories called without a device make host
+    # tensors; a CPU run allocates them beside the device's. Inside host_allocations they are
+    # left out; a tensor made for the device (device given) is not.
+    from torch.profiler import ProfilerActivity, profile
+
+    from metatrace.tracing.measure import _profiler_log, host_allocations
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with host_allocations():
+            state = torch.get_rng_state()
+            scale = torch.tensor([0.5])
+            device = torch.empty(1000, device="cpu")
+    events, _ = _profiler_log(prof, "metatrace.")
+    assert state.nbytes == 5056 and scale.nbytes == 4
+    assert [size for _, size, _ in events] == [device.nbytes]
+    assert torch.get_rng_state is not None and torch.get_rng_state().nbytes == 5056
 
 
 def test_allocations_of_a_references_values_are_left_out_until_freed():
