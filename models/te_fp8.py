@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from metatrace.errors import ConfigError
 from metatrace.hooks import flops
 
 U8 = torch.uint8
@@ -128,8 +129,6 @@ def quantize(
     q = Quantized()
     if recipe == "nvfp4":
         if m % 16 or k % 16:  # quantizer.cpp:1186-1191
-            from metatrace.errors import ConfigError
-
             # TE's own words first ("NVFP4 requires tensor dims that are divisible by 16"),
             # then what it means for the job: the real run fails at this tensor.
             raise ConfigError(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from metatrace.config.hardware import te_workspace_bytes
+from metatrace.config.userbuffers import UbError
 from metatrace.hooks import flops
 from metatrace.hooks.collectives import overlapped
 
@@ -169,8 +170,6 @@ def ub_all_gather(name: str, local: torch.Tensor, group, tp: int) -> torch.Tenso
     so does this, with the reason in the user's terms."""
     held = _PROCESS.element_bytes.get(name)
     if held is not None and local.element_size() != held:
-        from metatrace.config.userbuffers import UbError
-
         dtype = str(local.dtype).removeprefix("torch.")
         why = (
             "a layer that runs in bf16 (training.first_last_layers_bf16)"

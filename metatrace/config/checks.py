@@ -666,9 +666,7 @@ def _check_fsdp(job):
     if unit is not None and unit < 1:
         yield f"training.fsdp_communication_unit_size = {unit} must be at least 1"
     par = job.parallel
-    pattern = job.model.hybrid_layer_pattern or ""
-    recurrent = MAMBA in pattern or GDN in pattern or job.model.linear_attention_freq is not None
-    if recurrent and par.tp > 1 and not release_since(0, 19):
+    if any(_recurrent_layers(job.model)) and par.tp > 1 and not release_since(0, 19):
         # MambaMixer and GatedDeltaNet mark conv1d, dt_bias, A_log (and more) tensor-parallel
         # with no partition_dim; megatron_fsdp's make_fsdp_dtensor reads param.partition_dim of
         # every tensor-parallel parameter (utils.py get_mcore_tensor_parallel_partition_dim).
@@ -1063,6 +1061,12 @@ def _given(job, paths) -> list[str]:
     return out
 
 
+def _recurrent_layers(m) -> tuple[bool, bool]:
+    """Whether model `m` has Mamba-2 layers, and Gated DeltaNet layers."""
+    pattern = m.hybrid_layer_pattern or ""
+    return MAMBA in pattern, GDN in pattern or m.linear_attention_freq is not None
+
+
 def _need(paths: list[str]) -> str:
     """The subject and verb of a message about the keys `paths`: "a needs", "a, b need"."""
     return f"{', '.join(paths)} {'needs' if len(paths) == 1 else 'need'}"
@@ -1453,7 +1457,7 @@ def _check_hybrid_layers(job):
     local modules (`metatrace measure`), so transformer_impl local is accepted."""
     m, tp = job.model, job.parallel.tp
     pattern = m.hybrid_layer_pattern or ""
-    mamba, gdn = MAMBA in pattern, GDN in pattern or m.linear_attention_freq is not None
+    mamba, gdn = _recurrent_layers(m)
     if not mamba:
         # (resolve gives every hybrid model a mamba_num_heads)
         heads = ["model.mamba_num_heads"] if m.mamba_num_heads and not pattern else []

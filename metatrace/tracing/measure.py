@@ -245,16 +245,22 @@ class _Probe:
 _FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn")
 
 
+HOST_RANGE = "metatrace.host"
+"""The profiler range around a call that makes a host tensor (`_host_tensors`)."""
+
+
 def _host_tensors():
-    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) that keeps
-    weak references to the tensors made by factory functions called without a device: host
-    tensors on a GPU as well (megatron-core's fused softmax saves `torch.tensor([scale])`, 4
-    bytes a layer), which a CPU run cannot otherwise tell from device tensors. Weak: an address
-    freed and reused by a device tensor must not pass for a host one."""
+    """A mode (enter it inside remap_cuda, so it sees calls before they are remapped) for the
+    tensors made by factory functions called without a device: host tensors on a GPU as well
+    (megatron-core's fused softmax saves `torch.tensor([scale])`, 4 bytes a layer), which a CPU
+    run cannot otherwise tell from device tensors. It keeps weak references to them (an address
+    freed and reused by a device tensor must not pass for a host one) and makes them inside
+    HOST_RANGE, which `_profiler_log` leaves out of the peak."""
     import weakref
 
     import torch
     from torch.overrides import TorchFunctionMode
+    from torch.profiler import record_function
 
     factories = {getattr(torch, name) for name in _FACTORIES}
 
@@ -264,10 +270,12 @@ def _host_tensors():
             self.made: list = []
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in factories and (kwargs or {}).get("device") is None:
-                if isinstance(out, torch.Tensor):
-                    self.made.append(weakref.ref(out))
+            if func not in factories or (kwargs or {}).get("device") is not None:
+                return func(*args, **(kwargs or {}))
+            with record_function(HOST_RANGE):
+                out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.made.append(weakref.ref(out))
             return out
 
         def ptrs(self) -> set[int]:
@@ -277,30 +285,16 @@ def _host_tensors():
     return HostTensors()
 
 
-HOST_RANGE = "metatrace.host"
-"""The profiler range around a call that makes a host tensor (`host_allocations`)."""
-
-
 @contextlib.contextmanager
 def host_allocations():
     """While active (the training iterations of a CPU run; enter it inside remap_cuda), calls
     that make host tensors on a GPU run inside HOST_RANGE, which `_profiler_log` leaves out of
-    the peak: factory functions called without a device (`torch.tensor([scale])`) and
+    the peak: factory functions called without a device (`_host_tensors`) and
     `torch.get_rng_state()`, the CPU generator's 5,056-byte state each checkpointed layer keeps
     until its backward (megatron-core's CheckpointFunction). On a GPU they are host memory, not
     the device's."""
     import torch
-    from torch.overrides import TorchFunctionMode
     from torch.profiler import record_function
-
-    factories = {getattr(torch, name) for name in _FACTORIES}
-
-    class HostCalls(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in factories and (kwargs or {}).get("device") is None:
-                with record_function(HOST_RANGE):
-                    return func(*args, **(kwargs or {}))
-            return func(*args, **(kwargs or {}))
 
     get_rng_state = torch.get_rng_state
 
@@ -310,7 +304,7 @@ def host_allocations():
 
     torch.get_rng_state = host_rng_state
     try:
-        with HostCalls():
+        with _host_tensors():
             yield
     finally:
         torch.get_rng_state = get_rng_state
