@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import math
 
-from metatrace.config.checks import check_job, layout_stages
+from metatrace.config.checks import check_job, idle_keys, layout_stages
 from metatrace.config.hardware import (
     GPU_HOST_GBPS,
     GPU_LINKS_GBPS,
@@ -21,9 +21,7 @@ from metatrace.config.job import (
     Job,
     Model,
     NotModelled,
-    Parallel,
     Recompute,
-    Training,
     replace,
 )
 from metatrace.config.release import since as release_since
@@ -32,7 +30,8 @@ from metatrace.errors import ConfigError
 
 def resolve(job: Job) -> Job:
     """Apply the preset, derive every default the way Megatron-LM does, and check the result."""
-    model = _resolve_model(job.model)
+    job, ignored = _drop_idle(replace(job, model=_resolve_model(job.model)))
+    model = job.model
     training = job.training
     if training.seq_length is None:
         raise ConfigError("'training.seq_length' is required")
@@ -107,8 +106,7 @@ def resolve(job: Job) -> Job:
 
     if training.global_batch_size is None:
         training = replace(training, global_batch_size=training.micro_batch_size * par.dp)
-    notes = []
-    notes += _cublas_notes(cl)
+    notes = ignored + _cublas_notes(cl)
     not_modelled = list(job.not_modelled)
     for item in _allocator_unknown(cl):
         if item.startswith("backend:"):
@@ -146,19 +144,9 @@ def resolve(job: Job) -> Job:
             )
     if par.sequence_parallel and par.tp == 1:
         par = replace(par, sequence_parallel=False)
-        notes.append("sequence_parallel has no effect at tp = 1; Megatron-LM turns it off too")
-    if not par.tp_comm_overlap:
-        defaults = Parallel()
-        for key in _UB_OPTIONS:
-            if getattr(par, key) != getattr(defaults, key):
-                notes.append(f"parallel.{key} acts only with parallel.tp_comm_overlap: ignored")
-    if not training.optimizer_cpu_offload:
-        defaults = {f.name: f.default for f in dataclasses.fields(Training)}
-        for key in ("optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"):
-            if getattr(training, key) != defaults[key]:
-                notes.append(
-                    f"training.{key} acts only with training.optimizer_cpu_offload: ignored"
-                )
+        notes.append(
+            "parallel.sequence_parallel changes nothing at tp = 1 (Megatron-LM turns it off): ignored"
+        )
     if training.grad_reduce_in_fp32 is None:
         # Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
         # the main grads are asked for in bf16 (--grad-reduce-in-bf16 / --main-grads-dtype).
@@ -269,14 +257,28 @@ _MODEL_DEFAULTS = {
 _REQUIRED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
-_UB_OPTIONS = (
-    "tp_comm_overlap_ag",
-    "tp_comm_overlap_rs",
-    "tp_comm_overlap_rs_dgrad",
-    "tp_comm_bulk_dgrad",
-    "tp_comm_bulk_wgrad",
-    "tp_comm_overlap_cfg",
-)
+def _reset(values, path: list[str]):
+    """`values` (a dataclass instance) with the key at `path` (names, outermost first) set back
+    to what it is when not given."""
+    name, *rest = path
+    if rest:
+        return replace(values, **{name: _reset(getattr(values, name), rest)})
+    default = next(f.default for f in dataclasses.fields(values) if f.name == name)
+    if isinstance(values, Model):  # where neither a preset nor the file sets it
+        default = _MODEL_DEFAULTS.get(name, default)
+    return replace(values, **{name: default})
+
+
+def _drop_idle(job: Job) -> tuple[Job, list[str]]:
+    """`job` without the keys that act only with a setting it does not have (checks.idle_keys),
+    each reset to its default, and a note for each group saying so."""
+    notes = []
+    for keys, parent in idle_keys(job):
+        for path in keys:
+            job = _reset(job, path.split("."))
+        verb = "changes" if len(keys) == 1 else "change"
+        notes.append(f"{', '.join(keys)} {verb} nothing without {parent}: ignored")
+    return job, notes
 
 
 def _megatron_fsdp(tr, notes: list[str]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from rich import box
 from rich.console import Group
@@ -29,6 +30,11 @@ from metatrace.render.format import (
     volume,
     where_it_goes,
 )
+
+IGNORED = re.compile(r"\bignored\b|\bnothing without\b")
+"""A note about an option the job is described without: it acts only with another one that is
+not given (resolve's and the Megatron-LM reader's wording). Shown with the summary, not only
+with --detail: nothing the user gave is ignored silently."""
 
 
 def count(n: int) -> str:
@@ -373,6 +379,8 @@ def build_assumptions(analysis) -> Text:
     for note in job.notes:
         if note.startswith("warning") and not (job.not_modelled and "does not model" in note):
             text.append(f"\n{note[0].upper()}{note[1:]}", style="yellow")
+        elif IGNORED.search(note):  # what the user gave and the job is described without
+            text.append(f"\n{note}.", style="dim")
     return text
 
 

@@ -146,12 +146,19 @@ def test_full_iteration_graph_keeps_every_micro_batch_of_the_batch(eager):
     [
         ({"cuda_graph_impl": "local"}, {"transformer_impl": "local"}, "per layer without"),
         ({"cuda_graph_impl": "transformer_engine"}, {"transformer_impl": "local"}, "needs"),
-        ({"cuda_graph_scope": ["attn"]}, {}, "needs training.cuda_graph_impl"),
     ],
 )
 def test_what_is_refused(training, implementation, message):
     with pytest.raises(ConfigError, match=message):
         small_job(training=training, implementation=implementation)
+
+
+def test_a_moe_scope_without_graphs_is_refused():
+    """megatron-core reads the MoE layer's scopes without an implementation (the router's
+    pre-MLP norm recompute, the EP overlap's dispatch input): not an idle key there."""
+    with pytest.raises(ConfigError, match="needs training.cuda_graph_impl"):
+        small_job(model=MOE, training={"cuda_graph_scope": ["moe_router"]})
+    assert small_job(training={"cuda_graph_scope": ["attn"]}).training.cuda_graph_scope is None
 
 
 def test_whole_moe_layers_are_captured_with_drop_and_pad_only():

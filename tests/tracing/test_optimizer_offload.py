@@ -139,4 +139,5 @@ def test_what_megatron_refuses_or_fails_on(training, message):
 
 def test_sub_options_without_the_offload_are_noted():
     job = offload_job(optimizer_offload_fraction=0.5)
-    assert any("optimizer_offload_fraction acts only with" in n for n in job.notes)
+    assert any("optimizer_offload_fraction changes nothing without" in n for n in job.notes)
+    assert job.training.optimizer_offload_fraction == 1.0

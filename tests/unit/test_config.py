@@ -204,10 +204,6 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
         ),
         ({"parallel": {"ep": 2}}, "needs a mixture-of-experts model (model.num_experts)"),
         (
-            {"implementation": {"transformer_impl": "local", "attention_backend": "flash"}},
-            "local spec has only its own unfused attention",
-        ),
-        (
             {"implementation": {"attention_backend": "local"}},
             "Transformer Engine then refuses to run",
         ),
@@ -237,7 +233,6 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
             {"training": {"precision": "fp8", "fp8_param_gather": True}},
             "fp8_param_gather needs training.distributed_optimizer",
         ),
-        ({"training": {"fp8_recipe": "delayed"}}, "applies with training.precision: fp8 only"),
         (
             {"training": {"precision": "fp8"}, "implementation": {"transformer_impl": "local"}},
             "fp8 needs implementation.transformer_impl: transformer_engine",
@@ -415,11 +410,6 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
 @pytest.mark.parametrize(
     "training, message",
     [
-        ({"fsdp_double_buffer": True}, "fsdp_double_buffer applies with training.megatron_fsdp"),
-        (
-            {"fsdp_communication_unit_size": 1000},
-            "fsdp_communication_unit_size applies with training.megatron_fsdp",
-        ),
         (
             {"megatron_fsdp": True, "fsdp_communication_unit_size": 0},
             "fsdp_communication_unit_size = 0 must be at least 1",
@@ -432,10 +422,6 @@ def test_megatron_fsdp_sets_what_megatron_core_sets_and_says_so():
             {"megatron_fsdp": True, "parallel": {"pp": 2}},
             "parallel.pp = 2: megatron-core's (0.16.1 and 0.19) Megatron-FSDP fails while "
             "building its device mesh",
-        ),
-        (
-            {"fsdp_outer_sharding_strategy": "optim", "num_distributed_optimizer_instances": 2},
-            "fsdp_outer_sharding_strategy applies with training.megatron_fsdp only",
         ),
         (
             {"megatron_fsdp": True, "fsdp_outer_sharding_strategy": "optim"},

@@ -54,10 +54,6 @@ FLEX = {"moe_token_dispatcher_type": "flex"}
     [
         ({"parallel": FLEX}, r"flex needs parallel.ep x etp > 1"),
         (
-            {"parallel": {"moe_flex_dispatcher_backend": "hybridep", "ep": 2}},
-            "parallel.moe_flex_dispatcher_backend needs parallel.moe_token_dispatcher_type: flex",
-        ),
-        (
             {
                 "parallel": {**FLEX, "ep": 2},
                 "training": {"moe_routing": "capacity", "moe_expert_capacity_factor": 1.0},

@@ -59,18 +59,6 @@ def test_fp4_job_resolves_to_nvfp4():
             "cluster.compute_efficiency with training.precision fp4 is not modelled yet",
         ),
         (
-            lambda: small_job(training={"fp4_recipe": "nvfp4"}, **B200),
-            "training.fp4_recipe applies with training.precision: fp4 only",
-        ),
-        (
-            lambda: small_job(training={"first_last_layers_bf16": True}),
-            "training.first_last_layers_bf16 applies with training.precision fp8 or fp4 only",
-        ),
-        (
-            lambda: fp4({"num_layers_at_end_in_bf16": 2}),
-            "training.num_layers_at_end_in_bf16 applies with training.first_last_layers_bf16 only",
-        ),
-        (
             lambda: fp4({"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 3}),
             "training.num_layers_at_start_in_bf16 = 3 must be between 0 and the layers per "
             "pipeline stage (model.num_layers // parallel.pp = 2",

@@ -751,7 +751,8 @@ def test_deterministic_mode_before_sm90_runs_flash_attention():
 def test_options_of_recent_runs_map_to_their_keys():
     tr = job(
         BASE + " --pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute "
-        "--wgrad-deferral-limit 2 --fp8-amax-history-len 16 --use-distributed-optimizer "
+        "--wgrad-deferral-limit 2 --bf16 --fp8-format hybrid --fp8-amax-history-len 16 "
+        "--use-distributed-optimizer "
         "--ddp-pad-buckets-for-high-nccl-busbw --fine-grained-activation-offloading "
         "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 4096"
     )[0].training
@@ -847,7 +848,7 @@ def test_outer_dp_sharding_strategy_maps_to_its_key_with_megatron_fsdp():
     # megatron-core reads it with Megatron-FSDP only.
     resolved, notes = job(BASE + " --outer-dp-sharding-strategy optim")
     assert resolved.training.fsdp_outer_sharding_strategy == "no_shard"
-    assert "--outer-dp-sharding-strategy are ignored without --use-megatron-fsdp" in notes
+    assert "--outer-dp-sharding-strategy is ignored without --use-megatron-fsdp" in notes
     # Where megatron-core 0.16.1 fails with it: said before anything is built.
     with pytest.raises(ConfigError, match="needs hybrid sharding"):
         job(BASE + " --use-megatron-fsdp --outer-dp-sharding-strategy optim")
@@ -871,7 +872,10 @@ def test_optimizer_cpu_offload_flags():
     # Megatron-LM accepts the fraction alone (and ignores it); metatrace says so.
     quiet, notes = job(base + " --optimizer-offload-fraction 0.5")
     assert not quiet.training.optimizer_cpu_offload
-    assert any("acts only with training.optimizer_cpu_offload" in n for n in [*quiet.notes, *notes])
+    assert any(
+        "nothing without training.optimizer_cpu_offload" in n for n in [*quiet.notes, *notes]
+    )
+    assert quiet.training.optimizer_offload_fraction == 1.0
     with pytest.raises(ConfigError, match="needs training.use_precision_aware_optimizer"):
         job(BASE + " --use-distributed-optimizer --optimizer-cpu-offload")
 
@@ -985,9 +989,9 @@ def test_gpt_oss_flags_read_as_megatron_lm_reads_them():
     m = plain.model
     assert (m.glu_linear_offset, m.window_attn_skip_freq, m.beta_fast) == (0.0, None, 32.0)
     assert m.rotary_scaling_factor == 1.0 and plain.not_modelled == ()
-    assert "--glu-linear-offset are ignored without --swiglu or --quick-geglu" in notes
+    assert "--glu-linear-offset is ignored without --swiglu or --quick-geglu" in notes
     assert "--window-attn-skip-freq is ignored without --window-size" in notes
-    assert "--yarn-beta-fast are ignored without --position-embedding-type yarn" in notes
+    assert "--yarn-beta-fast is ignored without --position-embedding-type yarn" in notes
     # mrope and relative are still reported as not modelled; yarn no longer.
     assert [n.option for n in job(BASE + " --position-embedding-type mrope")[0].not_modelled] == [
         "--position-embedding-type mrope"

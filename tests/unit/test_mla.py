@@ -23,7 +23,6 @@ from tests.helpers import MLA, small_job
             {"model": {"rope_type": "yarn"}},
             "rope_type yarn is multi-latent attention.s; for YaRN with other attention",
         ),
-        ({"model": {"kv_lora_rank": 64}}, "model.kv_lora_rank needs model.multi_latent_attention"),
         (
             {"training": {"recompute": {"granularity": "selective", "modules": ["mla_up_proj"]}}},
             "'mla_up_proj' needs model.multi_latent_attention",
@@ -43,10 +42,6 @@ from tests.helpers import MLA, small_job
                 "implementation": {"transformer_impl": "local"},
             },
             "mla_down_proj_fusion needs implementation.transformer_impl transformer_engine",
-        ),
-        (
-            {"model": {"mla_down_proj_fusion": True}},
-            "model.mla_down_proj_fusion needs model.multi_latent_attention",
         ),
         (
             {

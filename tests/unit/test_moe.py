@@ -12,10 +12,6 @@ from tests.helpers import MOE, small_job
         ({"parallel": {"ep": 2}}, "needs a mixture-of-experts model"),
         ({"model": {**MOE, "moe_layer_freq": "([0]*1+[1]*3)"}}, "for each of the 2 layers"),
         ({"model": {**MOE, "moe_layer_freq": "import os"}}, "not an integer, a list"),
-        (
-            {"model": {"moe_router_num_groups": 4}, "training": {"moe_hottest_expert_load": 2}},
-            "model.moe_router_num_groups, training.moe_hottest_expert_load need mixture-of-experts",
-        ),
     ],
 )
 def test_moe_config_errors(sections, message):

@@ -85,11 +85,6 @@ def test_padding_for_fp4_is_kept_with_fp4():
             "parallel.moe_token_dispatcher_type alltoall or flex (megatron-core refuses it "
             "with the allgather dispatcher)",
         ),
-        (
-            lambda: small_job(training={"moe_router_padding_for_quantization": True}),
-            "training.moe_router_padding_for_quantization needs mixture-of-experts layers "
-            "(model.num_experts)",
-        ),
     ],
 )
 def test_refusals(job, message):

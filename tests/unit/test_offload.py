@@ -24,13 +24,8 @@ def test_unknown_module_names_are_refused_at_load():
         ),
         ({"delta_offload_bytes_across_pp_ranks": -1}, {}, "must not be negative"),
         ({"fine_grained_offloading_max_inflight_offloads": -1}, {}, "must not be negative"),
-        (
-            {"activation_offload_modules": None, "activation_offload_fraction": 0.5},
-            {},
-            "activation_offload_fraction needs training.activation_offload_modules",
-        ),
     ],
-    ids=["fraction-0", "fraction-above-1", "delta-with-pp", "delta-negative", "cap", "alone"],
+    ids=["fraction-0", "fraction-above-1", "delta-with-pp", "delta-negative", "cap"],
 )
 def test_steady_state_knobs_megatron_core_cannot_run_are_refused(training, sections, message):
     training = {"activation_offload_modules": ["core_attn"], **training}

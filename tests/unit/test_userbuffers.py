@@ -128,7 +128,10 @@ def test_options_without_the_overlap_are_noted_not_refused():
             "cluster": {"num_gpus": 4},
         }
     )
-    assert any("tp_comm_overlap_ag acts only with" in n for n in job.notes)
+    assert (
+        "parallel.tp_comm_overlap_ag changes nothing without parallel.tp_comm_overlap: ignored"
+        in job.notes
+    )
     assert userbuffers(job) == []
 
 

@@ -307,6 +307,11 @@ def _put(job: dict, key: str, value) -> None:
     node[leaf] = value
 
 
+def _ignored(flags: list[str]) -> str:
+    """The start of a note on `flags` Megatron-LM ignores: "--a is ignored", "--a, --b are"."""
+    return f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} ignored"
+
+
 def _is_moe(v) -> bool:
     return bool(v.get("--num-experts"))  # --num-experts 0 means no experts
 
@@ -554,8 +559,7 @@ def _hybrid(v, job, notes, problems) -> None:
         given = [f for f in _MAMBA_FLAGS + ("--mtp-hybrid-override-pattern",) if f in v]
         if given:
             notes.append(
-                f"{', '.join(given)} are ignored without --hybrid-layer-pattern "
-                "(--hybrid-override-pattern)"
+                f"{_ignored(given)} without --hybrid-layer-pattern (--hybrid-override-pattern)"
             )
             _drop(job, [f for f in given if f in _MAMBA_FLAGS])
         if "--is-hybrid-model" in v:
@@ -613,7 +617,7 @@ def _gated_delta_net(v, job, notes, problems) -> None:
     given = [f for f in _GDN_FLAGS if f in v]
     if given and not gdn and not hybrid:
         notes.append(
-            f"{', '.join(given)} are ignored without Gated DeltaNet layers "
+            f"{_ignored(given)} without Gated DeltaNet layers "
             "(--experimental-attention-variant gated_delta_net, or G in the hybrid pattern)"
         )
         _drop(job, given)
@@ -640,7 +644,7 @@ def _glu_options(v, job, notes, problems) -> None:
     elif not gated:
         given = [f for f in ("--glu-linear-offset", "--activation-func-clamp-value") if f in v]
         if given:
-            notes.append(f"{', '.join(given)} are ignored without --swiglu or --quick-geglu")
+            notes.append(f"{_ignored(given)} without --swiglu or --quick-geglu")
         for flag in given:
             m.pop(FLAGS[flag].key.split(".")[-1], None)
 
@@ -724,7 +728,7 @@ def _latent_attention(v, job, notes, problems) -> None:
     yarn = v.get("--position-embedding-type") == "yarn"
     unused = [f for f in _NON_MLA_YARN_FLAGS if f in v]
     if unused and (not yarn or "--multi-latent-attention" in v):
-        notes.append(f"{', '.join(unused)} are ignored without --position-embedding-type yarn")
+        notes.append(f"{_ignored(unused)} without --position-embedding-type yarn")
         for flag in unused:
             job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
     if "--multi-latent-attention" in v:
@@ -737,7 +741,7 @@ def _latent_attention(v, job, notes, problems) -> None:
         return
     given = [f for f in _MLA_FLAGS if f in v and not (yarn and f in _YARN_FLAGS)]
     if given:
-        notes.append(f"{', '.join(given)} are ignored without --multi-latent-attention")
+        notes.append(f"{_ignored(given)} without --multi-latent-attention")
         for flag in given:
             job["model"].pop(FLAGS[flag].key.split(".")[-1], None)
     if v.get("--rope-type") == "yarn":
@@ -752,7 +756,7 @@ def _experts(v, job, notes, problems) -> None:
     if not _is_moe(v):
         given = [f for f in v if f.startswith("--moe-") and FLAGS[f].cls == "modelled"]
         if given:
-            notes.append(f"{', '.join(given)} are ignored without --num-experts")
+            notes.append(f"{_ignored(given)} without --num-experts")
             for flag in given:
                 if FLAGS[flag].key is not None:
                     *path, leaf = FLAGS[flag].key.split(".")
@@ -977,7 +981,9 @@ def _training(v, job, notes, problems) -> None:
             t["fp8_recipe"] = v["--fp8-recipe"]
         if "--fp8-param-gather" in v:
             t["fp8_param_gather"] = True
-    elif "--fp8-param-gather" in v and "--fp8-format" not in v:
+    elif "--fp8-recipe" in v and "--fp8-format" not in v:
+        notes.append(f"{_ignored(['--fp8-recipe'])} without --fp8-format")
+    if "--fp8-param-gather" in v and "--fp8-format" not in v:
         problems.append(
             "--fp8-param-gather needs --fp8-format (megatron-core refuses FP8 "
             "parameters without FP8)"
@@ -1063,7 +1069,7 @@ def _cuda_graphs(v, t, notes) -> None:
     if impl == "none":
         given = [f for f in ("--cuda-graph-scope", "--cuda-graph-modules") if f in v]
         if given:
-            notes.append(f"{', '.join(given)} are ignored without --cuda-graph-impl")
+            notes.append(f"{_ignored(given)} without --cuda-graph-impl")
         return
     t["cuda_graph_impl"] = impl
     t["cuda_graph_scope"] = scope or None
@@ -1085,7 +1091,7 @@ def _megatron_fsdp(v, t, notes) -> None:
     given = [f for f in _FSDP_OPTIONS if f in v]
     if "--use-megatron-fsdp" not in v:
         if given:
-            notes.append(f"{', '.join(given)} are ignored without --use-megatron-fsdp")
+            notes.append(f"{_ignored(given)} without --use-megatron-fsdp")
         return
     t["megatron_fsdp"] = True
     for flag, key in _FSDP_OPTIONS.items():
@@ -1105,9 +1111,7 @@ def _offloading(v, t, notes, problems) -> None:
     given = [f for f in ("--offload-modules", *_OFFLOAD_OPTIONS) if f in v]
     if "--fine-grained-activation-offloading" not in v:
         if given:
-            notes.append(
-                f"{', '.join(given)} are ignored without --fine-grained-activation-offloading"
-            )
+            notes.append(f"{_ignored(given)} without --fine-grained-activation-offloading")
         return
     if not v.get("--offload-modules"):
         problems.append(
@@ -1142,7 +1146,7 @@ def _recompute(v, t, notes) -> None:
     ]
     if granularity is None:
         if options:
-            notes.append(f"{', '.join(options)} are ignored without --recompute-granularity")
+            notes.append(f"{_ignored(options)} without --recompute-granularity")
         return
     rec = {"granularity": granularity}
     if "--recompute-method" in v:
