@@ -1133,7 +1133,11 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
     idle(("model.qk_layernorm",), hybrid_norms, "a GPT model's attention")
     idle(_FP8_KEYS, tr.precision != "fp8", "training.precision fp8")
     delayed = tr.precision == "fp8" and tr.fp8_recipe in (None, "delayed")
-    idle(("training.fp8_amax_history_len",), not delayed, "training.fp8_recipe delayed")
+    idle(
+        ("training.fp8_amax_history_len",),
+        not delayed,
+        "training.precision fp8 with fp8_recipe delayed",
+    )
     idle(("training.fp4_recipe",), tr.precision != "fp4", "training.precision fp4")
     low = tr.precision not in ("fp8", "fp4")
     idle(("training.first_last_layers_bf16",), low, "training.precision fp8 or fp4")

@@ -105,8 +105,8 @@ FP8 = {"training": {"precision": "fp8"}}
         (
             {"training": {"precision": "fp8", "fp8_recipe": "tensorwise"}},
             {"training": {"fp8_amax_history_len": 16}},
-            "training.fp8_amax_history_len changes nothing without training.fp8_recipe "
-            "delayed: ignored",
+            "training.fp8_amax_history_len changes nothing without training.precision fp8 with "
+            "fp8_recipe delayed: ignored",
         ),
         (
             {},
