@@ -12,11 +12,7 @@ import re
 
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
 from metatrace.config.hybrid import GDN, MAMBA
-from metatrace.config.job import (
-    FSDP_DTYPES,
-    GATED_ACTIVATIONS,
-    OFFLOAD_KNOBS,
-)
+from metatrace.config.job import FSDP_DTYPES, GATED_ACTIVATIONS, OFFLOAD_KNOBS
 from metatrace.config.release import since as release_since
 from metatrace.errors import ConfigError
 
