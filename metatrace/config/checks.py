@@ -998,6 +998,14 @@ def _check_te_op_fuser(job):
 
 # Keys that only mixture-of-experts layers read.
 _MOE_KEYS = (
+    "model.moe_router_topk",
+    "model.moe_layer_freq",
+    "model.moe_router_score_function",
+    "model.moe_router_pre_softmax",
+    "model.moe_router_load_balancing_type",
+    "model.moe_aux_loss_coeff",
+    "model.moe_z_loss_coeff",
+    "training.moe_router_dtype",
     "model.moe_shared_expert_intermediate_size",
     "model.moe_shared_expert_gate",
     "model.moe_ffn_hidden_size",
@@ -1039,7 +1047,7 @@ _FP8_KEYS = ("training.fp8_format", "training.fp8_recipe")
 _RECOMPUTE_LAYERS = ("training.recompute.method", "training.recompute.num_layers")
 # Keys of mixture-of-experts layers that megatron-core's TransformerConfig (or 0.19's
 # Megatron-LM) refuses on a dense model: not idle there (checks refuse them).
-_MOE_REFUSED_DENSE = (
+MOE_REFUSED_DENSE = (
     "model.moe_ffn_hidden_size",  # asserted None without experts
     "model.moe_router_group_topk",  # needs moe_router_num_groups, then num_experts
     "model.moe_router_enable_expert_bias",  # needs the sigmoid score function
@@ -1076,11 +1084,14 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
         if given:
             out.append((given, parent))
 
-    refused = set(_MOE_REFUSED_DENSE)
+    refused = set(MOE_REFUSED_DENSE)
     if tr.moe_routing == "capacity" and tr.moe_expert_capacity_factor is None:
         refused.add("training.moe_routing")  # TransformerConfig: padding needs a capacity factor
     if m.moe_router_score_function == "sigmoid":
         refused.discard("model.moe_router_enable_expert_bias")
+    softmax_after = m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
+    if m.moe_router_topk == 1 and softmax_after and m.moe_router_load_balancing_type != "sinkhorn":
+        refused.add("model.moe_router_topk")  # TransformerConfig: top-1 needs pre-softmax
     moe = [k for k in _MOE_KEYS if k not in refused]
     idle(moe, m.num_experts is None, "mixture-of-experts layers (model.num_experts)")
     # Read behind use_shared_expert only; TransformerConfig refuses the overlap with the EP

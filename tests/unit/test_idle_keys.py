@@ -26,6 +26,19 @@ FP8 = {"training": {"precision": "fp8"}}
             "without mixture-of-experts layers (model.num_experts): ignored",
         ),
         (
+            {},
+            {
+                "model": {
+                    "moe_router_score_function": "sigmoid",
+                    "moe_router_enable_expert_bias": True,
+                    "moe_aux_loss_coeff": 0.01,
+                }
+            },
+            "model.moe_router_score_function, model.moe_aux_loss_coeff, "
+            "model.moe_router_enable_expert_bias change nothing without mixture-of-experts "
+            "layers (model.num_experts): ignored",
+        ),
+        (
             {"model": MOE, "parallel": {"ep": 2}, "cluster": {"num_gpus": 2}},
             {"parallel": {"moe_flex_dispatcher_backend": "hybridep"}},
             "parallel.moe_flex_dispatcher_backend changes nothing without "
@@ -198,6 +211,7 @@ def test_a_key_with_what_it_acts_with_is_kept():
     [
         ({"model": {"moe_ffn_hidden_size": 64}}, "model.moe_ffn_hidden_size needs mixture-of"),
         ({"model": {"moe_router_enable_expert_bias": True}}, "expert_bias needs mixture-of"),
+        ({"model": {"moe_router_topk": 1}}, "model.moe_router_topk needs mixture-of"),
         ({"training": {"moe_routing": "capacity"}}, "training.moe_routing needs mixture-of"),
         (
             {"training": {"fp8_param_gather": True, "distributed_optimizer": True}},

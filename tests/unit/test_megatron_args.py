@@ -1019,3 +1019,12 @@ def test_the_flex_dispatchers_sms_are_read():
         "hybridep",
         24,
     )
+
+
+def test_moe_flags_on_a_dense_model_are_ignored_unless_megatron_core_refuses_them():
+    resolved, notes = job(BASE + " --moe-aux-loss-coeff 0.01 --moe-router-topk 4")
+    assert "--moe-aux-loss-coeff, --moe-router-topk are ignored without --num-experts" in notes
+    assert resolved.model.moe_router_topk == 2  # the default: described without it
+    # TransformerConfig asserts moe_ffn_hidden_size is None without experts
+    with pytest.raises(ConfigError, match="moe_ffn_hidden_size needs mixture-of-experts"):
+        job(BASE + " --moe-ffn-hidden-size 1024")

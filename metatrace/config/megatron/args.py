@@ -30,6 +30,7 @@ import difflib
 from typing import Any
 
 from metatrace.config import release as installed
+from metatrace.config.checks import MOE_REFUSED_DENSE
 from metatrace.config.job import NotModelled
 from metatrace.config.megatron.flags import (
     ENV_FORMATS,
@@ -754,7 +755,14 @@ def _latent_attention(v, job, notes, problems) -> None:
 def _experts(v, job, notes, problems) -> None:
     """Mixture of experts: the flags that need a reading (--num-experts 0 means none)."""
     if not _is_moe(v):
-        given = [f for f in v if f.startswith("--moe-") and FLAGS[f].cls == "modelled"]
+        # those megatron-core may refuse on a dense model go on to the job's checks
+        given = [
+            f
+            for f in v
+            if f.startswith("--moe-")
+            and FLAGS[f].cls == "modelled"
+            and FLAGS[f].key not in MOE_REFUSED_DENSE
+        ]
         if given:
             notes.append(f"{_ignored(given)} without --num-experts")
             for flag in given:
