@@ -8,6 +8,7 @@ megatron-core's own `TransformerConfig` checks run afterwards, before any trace
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 from metatrace.config.hardware import GPU_ARCH, GPU_FP4_TFLOPS
@@ -179,8 +180,8 @@ def _check_parallel(job):
                 "Transformer Engine; use fused or flash with parallel.cp > 1"
             )
         yield from _check_cp_comm(job)
-    elif par.hierarchical_cp_sizes is not None:
-        yield "parallel.hierarchical_cp_sizes needs parallel.cp > 1"
+    elif par.hierarchical_cp_sizes is not None:  # what idle_keys left
+        yield _cp_sizes_product(par)
     if par.sequence_parallel:
         local_seq = job.training.seq_length // par.cp
         if local_seq % par.tp:
@@ -265,8 +266,8 @@ def _check_cp_comm(job):
                 "parallel.cp_comm_type a2a+p2p needs parallel.hierarchical_cp_sizes: [a2a size, "
                 f"p2p size] whose product is parallel.cp = {par.cp}, got {sizes}"
             )
-    elif sizes is not None:
-        yield "parallel.hierarchical_cp_sizes applies to parallel.cp_comm_type a2a+p2p only"
+    elif sizes is not None:  # what idle_keys left
+        yield _cp_sizes_product(par)
     a2a = {"a2a": par.cp, "a2a+p2p": (sizes or [1])[0]}.get(par.cp_comm_type)
     if a2a and a2a > 1:
         heads, groups = m.num_attention_heads // par.tp, m.num_query_groups // par.tp
@@ -276,6 +277,13 @@ def _check_cp_comm(job):
                 f"query heads per TP rank ({heads}) and key/value heads per TP rank ({groups}) "
                 "must both be divisible by it"
             )
+
+
+def _cp_sizes_product(par) -> str:
+    return (
+        f"parallel.hierarchical_cp_sizes {par.hierarchical_cp_sizes}: Megatron-LM asserts that "
+        f"their product is parallel.cp = {par.cp}"
+    )
 
 
 def _check_pipeline(job):
@@ -1126,6 +1134,11 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
         not gdn,
         "Gated DeltaNet layers (model.linear_attention_freq, or G in model.hybrid_layer_pattern)",
     )
+    # Transformer Engine gets the hierarchical groups for a2a+p2p only; Megatron-LM asserts
+    # their product is cp whatever the communication.
+    sizes = par.hierarchical_cp_sizes
+    flat_cp = par.cp_comm_type != "a2a+p2p" and sizes is not None and math.prod(sizes) == par.cp
+    idle(("parallel.hierarchical_cp_sizes",), flat_cp, "parallel.cp_comm_type a2a+p2p")
     # megatron-core's local spec has only its own unfused attention (flash-attn for inference
     # only); the backend sets Transformer Engine's environment, which nothing then reads.
     local = job.implementation.transformer_impl == "local"

@@ -224,9 +224,10 @@ def test_degrees_that_do_not_multiply_out_print_every_factor():
             "whose product is parallel.cp = 4",
         ),
         (
-            {"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 1]}},
-            "applies to parallel.cp_comm_type a2a+p2p only",
+            {"parallel": {"cp": 2, "hierarchical_cp_sizes": [2, 2]}},
+            "hierarchical_cp_sizes [2, 2]: Megatron-LM asserts that their product is parallel.cp = 2",
         ),
+        ({"parallel": {"hierarchical_cp_sizes": [2, 1]}}, "their product is parallel.cp = 1"),
         ({"training": {"precision": "fp8"}, "cluster": {"gpu": "a100"}}, "a100 has none"),
         ({"training": {"precision": "fp8", "fp8_recipe": "mxfp8"}}, "mxfp8 needs a Blackwell GPU"),
         (

@@ -78,6 +78,12 @@ FP8 = {"training": {"precision": "fp8"}}
             "training.moe_hottest_expert_load changes nothing without balanced routing: ignored",
         ),
         (
+            {"parallel": {"cp": 2}, "cluster": {"num_gpus": 2}},
+            {"parallel": {"hierarchical_cp_sizes": [2, 1]}},
+            "parallel.hierarchical_cp_sizes changes nothing without parallel.cp_comm_type "
+            "a2a+p2p: ignored",
+        ),
+        (
             {"implementation": {"transformer_impl": "local"}},
             {"implementation": {"attention_backend": "flash"}},
             "implementation.attention_backend changes nothing without "
