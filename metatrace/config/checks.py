@@ -1127,6 +1127,12 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
     if m.position_embedding_type == "yarn":  # GPTModel's YarnRotaryEmbedding reads these
         mla = [k for k in mla if k.removeprefix("model.") not in YARN_KEYS]
     idle(mla, not m.multi_latent_attention, "model.multi_latent_attention")
+    local = job.implementation.transformer_impl == "local"
+    idle(
+        ("model.mla_down_proj_fusion",),
+        m.multi_latent_attention and local,
+        "implementation.transformer_impl transformer_engine",
+    )
     heads = ("model.mamba_num_heads",) if not m.hybrid_layer_pattern else ()
     idle(_MAMBA_KEYS + heads, not mamba, "Mamba-2 layers (M in model.hybrid_layer_pattern)")
     idle(
@@ -1141,7 +1147,6 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
     idle(("parallel.hierarchical_cp_sizes",), flat_cp, "parallel.cp_comm_type a2a+p2p")
     # megatron-core's local spec has only its own unfused attention (flash-attn for inference
     # only); the backend sets Transformer Engine's environment, which nothing then reads.
-    local = job.implementation.transformer_impl == "local"
     kernel = job.implementation.attention_backend in ("flash", "fused")
     idle(
         ("implementation.attention_backend",),
@@ -1447,10 +1452,9 @@ def _check_mla(job):
     if m.q_lora_rank is not None and m.q_lora_rank < 1:
         yield f"model.q_lora_rank = {m.q_lora_rank} must be at least 1 (or omitted)"
     if m.mla_down_proj_fusion:
-        # megatron-core 0.19 builds the fused attention in its Transformer Engine spec only and
-        # asserts a query compression (FusedMLASelfAttention)
-        if job.implementation.transformer_impl != "transformer_engine":
-            yield "model.mla_down_proj_fusion needs implementation.transformer_impl transformer_engine"
+        # megatron-core 0.19 builds the fused attention in its Transformer Engine spec only (the
+        # local spec takes no such argument: idle_keys) and asserts a query compression
+        # (FusedMLASelfAttention)
         if m.q_lora_rank is None:
             yield "model.mla_down_proj_fusion needs model.q_lora_rank (a query compression)"
     if par.cp > 1:

@@ -9,7 +9,7 @@ import pytest
 
 from metatrace.errors import ConfigError
 from metatrace.render.summary import build_assumptions
-from tests.helpers import MOE, small_job
+from tests.helpers import MLA, MOE, small_job
 
 B200 = {"cluster": {"gpu": "b200"}}
 FP4 = {"training": {"precision": "fp4"}, **B200}
@@ -82,6 +82,12 @@ FP8 = {"training": {"precision": "fp8"}}
             {"parallel": {"hierarchical_cp_sizes": [2, 1]}},
             "parallel.hierarchical_cp_sizes changes nothing without parallel.cp_comm_type "
             "a2a+p2p: ignored",
+        ),
+        (
+            {"model": MLA, "implementation": {"transformer_impl": "local"}},
+            {"model": {"mla_down_proj_fusion": True}},
+            "model.mla_down_proj_fusion changes nothing without "
+            "implementation.transformer_impl transformer_engine: ignored",
         ),
         (
             {"implementation": {"transformer_impl": "local"}},

@@ -38,13 +38,6 @@ from tests.helpers import MLA, small_job
         ),
         (
             {
-                "model": {**MLA, "mla_down_proj_fusion": True},
-                "implementation": {"transformer_impl": "local"},
-            },
-            "mla_down_proj_fusion needs implementation.transformer_impl transformer_engine",
-        ),
-        (
-            {
                 "model": {"num_layers": 3, "mtp_num_layers": 1},
                 "parallel": {"pp": 3, "layout": "Et|ttm|L"},
             },
