@@ -1235,6 +1235,18 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
     return out
 
 
+def idle_modules(job) -> tuple[list[str], str] | None:
+    """(entries, the setting they act with) of training.recompute.modules that act only with
+    layers the model does not have: megatron-core reads 'moe' and 'shared_experts' in its MoE
+    layer only (moe_layer.py, shared_experts.py), and its TransformerConfig checks neither
+    (unlike 'moe_act' and 'mla_up_proj', which it refuses without them)."""
+    modules = job.training.recompute.modules or []
+    idle = [name for name in modules if name in ("moe", "shared_experts")]
+    if job.model.num_experts is None and idle:
+        return idle, "mixture-of-experts layers (model.num_experts)"
+    return None
+
+
 def _need(paths: list[str]) -> str:
     """The subject and verb of a message about the keys `paths`: "a needs", "a, b need"."""
     return f"{', '.join(paths)} {'needs' if len(paths) == 1 else 'need'}"

@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import math
 
-from metatrace.config.checks import check_job, idle_keys, layout_stages
+from metatrace.config.checks import check_job, idle_keys, idle_modules, layout_stages
 from metatrace.config.hardware import (
     GPU_HOST_GBPS,
     GPU_LINKS_GBPS,
@@ -276,9 +276,22 @@ def _drop_idle(job: Job) -> tuple[Job, list[str]]:
     for keys, parent in idle_keys(job):
         for path in keys:
             job = _reset(job, path.split("."))
-        verb = "changes" if len(keys) == 1 else "change"
-        notes.append(f"{', '.join(keys)} {verb} nothing without {parent}: ignored")
+        notes.append(f"{', '.join(keys)} {_change(keys)} nothing without {parent}: ignored")
+    idle = idle_modules(job)
+    if idle is not None:
+        names, parent = idle
+        rec = job.training.recompute
+        kept = [name for name in rec.modules if name not in names]
+        job = replace(job, training=replace(job.training, recompute=replace(rec, modules=kept)))
+        given = ", ".join(repr(name) for name in names)
+        notes.append(
+            f"training.recompute.modules {given} {_change(names)} nothing without {parent}: ignored"
+        )
     return job, notes
+
+
+def _change(keys: list[str]) -> str:
+    return "changes" if len(keys) == 1 else "change"
 
 
 def _megatron_fsdp(tr, notes: list[str]):

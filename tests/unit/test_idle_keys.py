@@ -90,6 +90,12 @@ FP8 = {"training": {"precision": "fp8"}}
             "implementation.transformer_impl transformer_engine: ignored",
         ),
         (
+            {"training": {"recompute": {"granularity": "selective", "modules": ["core_attn"]}}},
+            {"training": {"recompute": {"modules": ["core_attn", "moe", "shared_experts"]}}},
+            "training.recompute.modules 'moe', 'shared_experts' change nothing without "
+            "mixture-of-experts layers (model.num_experts): ignored",
+        ),
+        (
             {"implementation": {"transformer_impl": "local"}},
             {"implementation": {"attention_backend": "flash"}},
             "implementation.attention_backend changes nothing without "
@@ -224,6 +230,10 @@ def test_a_key_with_what_it_acts_with_is_kept():
         ({"model": {"moe_ffn_hidden_size": 64}}, "model.moe_ffn_hidden_size needs mixture-of"),
         ({"model": {"moe_router_enable_expert_bias": True}}, "expert_bias needs mixture-of"),
         ({"model": {"moe_router_topk": 1}}, "model.moe_router_topk needs mixture-of"),
+        (
+            {"training": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}}},
+            "'moe_act' needs mixture-of-experts layers",
+        ),
         ({"training": {"moe_routing": "capacity"}}, "training.moe_routing needs mixture-of"),
         (
             {"training": {"fp8_param_gather": True, "distributed_optimizer": True}},
