@@ -1052,6 +1052,8 @@ def _given(job, paths) -> list[str]:
 
 
 _FP8_KEYS = ("training.fp8_format", "training.fp8_recipe")
+_CAPACITY_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+"""Load balancing megatron-core's TransformerConfig takes a capacity factor with."""
 _RECOMPUTE_LAYERS = ("training.recompute.method", "training.recompute.num_layers")
 # Keys of mixture-of-experts layers that megatron-core's TransformerConfig (or 0.19's
 # Megatron-LM) refuses on a dense model: not idle there (checks refuse them).
@@ -1100,6 +1102,8 @@ def idle_keys(job) -> list[tuple[list[str], str]]:
     softmax_after = m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
     if m.moe_router_topk == 1 and softmax_after and m.moe_router_load_balancing_type != "sinkhorn":
         refused.add("model.moe_router_topk")  # TransformerConfig: top-1 needs pre-softmax
+    if m.moe_router_load_balancing_type not in _CAPACITY_BALANCING:
+        refused.add("training.moe_expert_capacity_factor")  # TransformerConfig refuses it
     moe = [k for k in _MOE_KEYS if k not in refused]
     idle(moe, m.num_experts is None, "mixture-of-experts layers (model.num_experts)")
     # Read behind use_shared_expert only; TransformerConfig refuses the overlap with the EP
@@ -1239,9 +1243,11 @@ def idle_modules(job) -> tuple[list[str], str] | None:
     """(entries, the setting they act with) of training.recompute.modules that act only with
     layers the model does not have: megatron-core reads 'moe' and 'shared_experts' in its MoE
     layer only (moe_layer.py, shared_experts.py), and its TransformerConfig checks neither
-    (unlike 'moe_act' and 'mla_up_proj', which it refuses without them)."""
+    ('moe_act' only without grouped GEMMs, 'mla_up_proj' without MLA: those stay refused)."""
     modules = job.training.recompute.modules or []
-    idle = [name for name in modules if name in ("moe", "shared_experts")]
+    # TransformerConfig accepts 'moe_act' with grouped GEMMs, experts or not
+    grouped = ("moe_act",) if job.implementation.moe_grouped_gemm else ()
+    idle = [name for name in modules if name in ("moe", "shared_experts", *grouped)]
     if job.model.num_experts is None and idle:
         return idle, "mixture-of-experts layers (model.num_experts)"
     return None

@@ -272,12 +272,11 @@ def _reset(values, path: list[str]):
 def _drop_idle(job: Job) -> tuple[Job, list[str]]:
     """`job` without the keys that act only with a setting it does not have (checks.idle_keys),
     each reset to its default, and a note for each group saying so."""
-    notes = []
+    notes, idle = [], idle_modules(job)
     for keys, parent in idle_keys(job):
         for path in keys:
             job = _reset(job, path.split("."))
         notes.append(f"{', '.join(keys)} {_change(keys)} nothing without {parent}: ignored")
-    idle = idle_modules(job)
     if idle is not None:
         names, parent = idle
         rec = job.training.recompute

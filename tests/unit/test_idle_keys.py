@@ -96,6 +96,14 @@ FP8 = {"training": {"precision": "fp8"}}
             "mixture-of-experts layers (model.num_experts): ignored",
         ),
         (
+            {"training": {"recompute": {"granularity": "selective", "modules": ["core_attn"]}}},
+            {
+                "training": {"recompute": {"modules": ["core_attn", "moe_act"]}},
+                "implementation": {"moe_grouped_gemm": True},
+            },
+            "training.recompute.modules 'moe_act' changes nothing without mixture-of-experts",
+        ),
+        (
             {"implementation": {"transformer_impl": "local"}},
             {"implementation": {"attention_backend": "flash"}},
             "implementation.attention_backend changes nothing without "
@@ -230,6 +238,13 @@ def test_a_key_with_what_it_acts_with_is_kept():
         ({"model": {"moe_ffn_hidden_size": 64}}, "model.moe_ffn_hidden_size needs mixture-of"),
         ({"model": {"moe_router_enable_expert_bias": True}}, "expert_bias needs mixture-of"),
         ({"model": {"moe_router_topk": 1}}, "model.moe_router_topk needs mixture-of"),
+        (
+            {
+                "model": {"moe_router_load_balancing_type": "sinkhorn"},
+                "training": {"moe_expert_capacity_factor": 1.0},
+            },
+            "training.moe_expert_capacity_factor needs mixture-of-experts layers",
+        ),
         (
             {"training": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}}},
             "'moe_act' needs mixture-of-experts layers",
