@@ -13,7 +13,6 @@ from tests.helpers import MLA, MOE, small_job
 
 B200 = {"cluster": {"gpu": "b200"}}
 FP4 = {"training": {"precision": "fp4"}, **B200}
-FP8 = {"training": {"precision": "fp8"}}
 
 
 @pytest.mark.parametrize(
