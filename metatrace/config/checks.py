@@ -1046,7 +1046,7 @@ def _given(job, paths) -> list[str]:
     for path in paths:
         *sections, key = path.split(".")
         values = functools.reduce(getattr, sections, job)
-        if getattr(values, key) != _default(type(values), key):
+        if getattr(values, key) != key_default(type(values), key):
             out.append(path)
     return out
 
@@ -1265,7 +1265,8 @@ def _recurrent_layers(m) -> tuple[bool, bool]:
 
 
 @functools.cache
-def _default(cls, key: str):
+def key_default(cls, key: str):
+    """The default of field `key` of the dataclass `cls` (a job section)."""
     import dataclasses
 
     return next(f.default for f in dataclasses.fields(cls) if f.name == key)

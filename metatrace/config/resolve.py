@@ -9,7 +9,13 @@ import dataclasses
 import difflib
 import math
 
-from metatrace.config.checks import check_job, idle_keys, idle_modules, layout_stages
+from metatrace.config.checks import (
+    check_job,
+    idle_keys,
+    idle_modules,
+    key_default,
+    layout_stages,
+)
 from metatrace.config.hardware import (
     GPU_HOST_GBPS,
     GPU_LINKS_GBPS,
@@ -263,7 +269,7 @@ def _reset(values, path: list[str]):
     name, *rest = path
     if rest:
         return replace(values, **{name: _reset(getattr(values, name), rest)})
-    default = next(f.default for f in dataclasses.fields(values) if f.name == name)
+    default = key_default(type(values), name)
     if isinstance(values, Model):  # where neither a preset nor the file sets it
         default = _MODEL_DEFAULTS.get(name, default)
     return replace(values, **{name: default})
